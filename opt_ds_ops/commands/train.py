@@ -1,0 +1,93 @@
+"""``ds-ops train DATASET``: train the autoencoder on one dataset and save it in the model store."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..config import DEFAULT_CONFIG_PATH
+from ..job import run_job
+from ..train import EpochStats
+from . import load_cfg
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("train", help="train the autoencoder on a dataset and save it in the model store")
+    t.add_argument("dataset", metavar="DATASET", help="telemetry file: .csv/.txt/.tsv[.gz], .npy, .npz, .pt")
+    t.add_argument("--name", help="model name (default: the dataset file's stem)")
+    t.add_argument("--models-dir", help="model store directory (default: models_dir from the config)")
+    t.add_argument("--config", help=f"configuration file (default: {DEFAULT_CONFIG_PATH} if present)")
+    t.add_argument("--epochs", type=int)
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--device", help="auto, cpu, mps, cuda or cuda:N")
+    t.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"])
+    t.add_argument("--json", action="store_true", help="print one JSON summary instead of text")
+    t.set_defaults(func=run)
+
+
+def _epoch_line(s: EpochStats, total: int) -> str:
+    val = f" val_loss={s.val_loss:.6f}" if s.val_loss is not None else ""
+    skipped = f" skipped_steps={s.skipped_steps}" if s.skipped_steps else ""
+    return f"epoch {s.epoch}/{total} loss={s.train_loss:.6f}{val} {s.samples_per_s:,.0f} samples/s{skipped}"
+
+
+def run(args) -> int:
+    """``ds-ops train DATASET``: train, save, print per-epoch losses and the model directory."""
+    cfg = load_cfg(
+        args,
+        {"models_dir": args.models_dir, "device": args.device, "amp": args.amp, "train.epochs": args.epochs,
+         "train.batch_size": args.batch_size, "train.seed": args.seed},
+    )
+    bar = None
+    if not args.json and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.train.epochs, unit="epoch", desc="training", file=sys.stderr)
+
+    def on_epoch(s: EpochStats) -> None:
+        if args.json:
+            return
+        if bar is not None:
+            bar.set_postfix(loss=f"{s.train_loss:.4f}", val=f"{s.val_loss or 0:.4f}")
+            bar.update(1)
+            bar.write(_epoch_line(s, cfg.train.epochs), file=sys.stderr)
+        else:
+            print(_epoch_line(s, cfg.train.epochs), flush=True)
+
+    if not args.json:
+        print(f"training on {args.dataset} ({cfg.device} amp={cfg.amp}, {cfg.train.epochs} epochs)", flush=True)
+    try:
+        job = run_job(args.dataset, cfg, name=args.name, on_epoch=on_epoch)
+    finally:
+        if bar is not None:
+            bar.close()
+    r, md = job.result, job.metadata
+    summary = {
+        "model_dir": job.model_dir,
+        "name": md["name"],
+        "version": md["version"],
+        "rows": job.dataset.rows,
+        "features": job.dataset.features,
+        "device": md["device"],
+        "amp_dtype": md["amp_dtype"],
+        "epochs": md["epochs"],
+        "final_train_loss": md["final_train_loss"],
+        "final_val_loss": md["final_val_loss"],
+        "samples_per_s": r.samples_per_s,
+        "threshold": r.threshold,
+        "skipped_steps": r.skipped_steps,
+        "duration_s": r.duration_s,
+    }
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print(
+            f"trained {md['name']} on {job.dataset.rows} rows x {job.dataset.features} features, "
+            f"device {md['device']} amp {md['amp_dtype']}, {r.samples_per_s:,.0f} samples/s, "
+            f"threshold {r.threshold:.4f} (q={r.threshold_quantile})"
+        )
+        print(f"model: {job.model_dir}")
+    return 0
+
+

@@ -1,0 +1,182 @@
+"""Configuration: the conffile ``/etc/ds-ops/trainer.yaml``, parsed once and passed down.
+
+Given a YAML file, :func:`load_config` returns a frozen :class:`Config`; every key has a type, an
+allowed range and a default in one place (the ``_field`` calls below). Training defaults equal
+the seed lab script (epochs 5, batch 2048, AdamW lr 1e-3, weight decay 1e-4, hidden 24, latent 8).
+Command-line overrides go through :func:`with_overrides`, which validates the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import yaml
+
+DEFAULT_CONFIG_PATH = "/etc/ds-ops/trainer.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be used; the message names file, key and rule."""
+
+
+def _field(default: Any, check: Callable[[Any], bool] | None = None, allowed: str = "", help: str = ""):
+    """Declare one config key: its default, a validity check and the words for what is allowed."""
+    return field(default=default, metadata={"check": check, "allowed": allowed, "help": help})
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+def _device_ok(v: str) -> bool:
+    if v in ("auto", "cpu", "cuda", "mps"):
+        return True
+    return v.startswith("cuda:") and v[5:].isdigit()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of one training job (defaults: the seed lab script)."""
+
+    epochs: int = _field(5, _positive, "an integer >= 1")
+    batch_size: int = _field(2048, lambda v: v >= 2, "an integer >= 2 (BatchNorm1d needs 2 rows)")
+    lr: float = _field(1e-3, _positive, "a number > 0")
+    weight_decay: float = _field(1e-4, _non_negative, "a number >= 0")
+    hidden: int = _field(24, _positive, "an integer >= 1")
+    latent: int = _field(8, _positive, "an integer >= 1")
+    val_fraction: float = _field(0.1, lambda v: 0 <= v < 0.9, "a number in [0, 0.9)")
+    threshold_quantile: float = _field(0.99, lambda v: 0 < v < 1, "a number in (0, 1)")
+    score_window: int = _field(15, _positive, "an integer >= 1 (rows; 1 = no smoothing)")
+    seed: int = _field(0, _non_negative, "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class SpoolConfig:
+    """The daemon's spool directory and how it watches it (see the daemon issue)."""
+
+    dir: str = _field("/var/spool/ds-ops", os.path.isabs, "an absolute path")
+    settle_s: float = _field(2.0, _non_negative, "seconds >= 0")
+    scan_interval_s: float = _field(30.0, _positive, "seconds > 0")
+    max_dataset_bytes: int = _field(4 * 1024**3, _positive, "bytes > 0")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """GPU health policy (see the health issue); thresholds default to DCGM's health watches."""
+
+    on_fail: str = _field("cpu", lambda v: v in ("cpu", "defer", "refuse"), "one of cpu, defer, refuse")
+    retry_s: float = _field(300.0, _positive, "seconds > 0")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole conffile. ``source`` is the file it came from (for messages), not a key."""
+
+    models_dir: str = _field("/var/models", os.path.isabs, "an absolute path")
+    device: str = _field("auto", _device_ok, "auto, cpu, mps, cuda or cuda:N")
+    amp: str = _field("auto", lambda v: v in ("auto", "bf16", "fp16", "off"), "one of auto, bf16, fp16, off")
+    train: TrainConfig = field(default_factory=TrainConfig)
+    spool: SpoolConfig = field(default_factory=SpoolConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    source: str = field(default="<defaults>", compare=False)
+
+
+_SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig}
+
+
+def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
+    """Return value as typ (an int is accepted where a float is asked), or raise ConfigError."""
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {value!r}")
+    if not isinstance(value, typ):
+        raise ConfigError(
+            f"{where}: key '{key}' must be {allowed or typ.__name__} ({typ.__name__}), got {value!r}"
+        )
+    return value
+
+
+def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
+    """Given a mapping, return an instance of the dataclass cls; raise ConfigError on any bad key."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key '{prefix}{unknown[0]}' (allowed: {', '.join(prefix + k for k in fields)})"
+        )
+    values = {}
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    for name, value in raw.items():
+        key = prefix + name
+        if name in _SECTIONS and cls is Config:
+            values[name] = _build(_SECTIONS[name], value or {}, where, key + ".")
+            continue
+        meta = fields[name].metadata
+        typ = {"int": int, "float": float, "str": str, "bool": bool}[hints[name]]
+        value = _coerce(value, typ, where, key, meta.get("allowed", ""))
+        check = meta.get("check")
+        if check is not None and not check(value):
+            raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = False) -> Config:
+    """Given the path of a YAML conffile, return the validated :class:`Config`.
+
+    An empty file means all defaults. With ``missing_ok``, a missing file also means all defaults
+    (the command line uses this for the default path on a machine without the package).
+
+    Raises ConfigError naming the file and key for: unreadable file, invalid YAML, unknown key,
+    wrong type or out-of-range value.
+    """
+    if path is None:
+        return Config()
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        if missing_ok:
+            return Config()
+        raise ConfigError(f"{path}: configuration file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read configuration: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    cfg = _build(Config, raw or {}, path)
+    return dataclasses.replace(cfg, source=path)
+
+
+def with_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
+    """Return cfg with dotted keys replaced (``{"train.epochs": 3, "models_dir": "/x"}``).
+
+    None values are ignored (an option not given on the command line). Raises ConfigError, naming
+    the command line as the source, for an unknown key or a value that fails validation.
+    """
+    raw = config_to_dict(cfg)
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return dataclasses.replace(_build(Config, raw, f"command line (over {cfg.source})"), source=cfg.source)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Return the configuration as plain nested dicts (for metadata.json and ``--json``)."""
+    d = dataclasses.asdict(cfg)
+    d.pop("source", None)
+    return d

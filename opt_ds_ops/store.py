@@ -1,0 +1,209 @@
+"""Model store: ``MODELS_DIR/<name>/<version>/{model.pt,metadata.json}`` and ``<name>/current``.
+
+Writes are atomic (the pattern of Debian's dpkg and of git's object store): everything is written
+into a hidden temporary directory in the same file system, each file fsync'ed, the directory
+renamed to its version name and the parent fsync'ed; then ``current`` is replaced by renaming a new
+symlink over it. A reader, or a SIGKILL at any instant, sees either the previous complete version or
+the new complete one, never a partial directory. Hidden ``.tmp-*`` leftovers of a killed writer are
+removed by the next save of the same name.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+from .model import TelemetryAutoencoder
+
+MODEL_FILE = "model.pt"
+METADATA_FILE = "metadata.json"
+CURRENT = "current"
+FORMAT_VERSION = 1
+_NAME_OK = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+class StoreError(RuntimeError):
+    """The model store could not be written or a stored model could not be read."""
+
+
+@dataclass
+class StoredModel:
+    """A model loaded back from the store, ready to score.
+
+    ``mean``, ``std``, ``error_scale``: (D,) float32 tensors; ``threshold``: anomaly-score threshold
+    for scores smoothed by a trailing mean of ``score_window`` rows.
+    """
+
+    path: str
+    model: TelemetryAutoencoder
+    mean: torch.Tensor
+    std: torch.Tensor
+    error_scale: torch.Tensor
+    threshold: float
+    score_window: int
+    metadata: dict
+
+
+def safe_model_name(name: str) -> str:
+    """Return name made safe as one directory name: only ``[A-Za-z0-9._+-]``, no leading dot or dash.
+
+    Raises StoreError if nothing usable is left (an empty name).
+    """
+    cleaned = _NAME_OK.sub("_", name).lstrip(".-")
+    if not cleaned:
+        raise StoreError(f"model name {name!r} has no usable characters")
+    return cleaned[:200]
+
+
+def new_version(existing: set[str]) -> str:
+    """Return a version name that sorts by time (UTC, microseconds) and is not in existing."""
+    base = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    version, i = base, 1
+    while version in existing:
+        version, i = f"{base}-{i}", i + 1
+    return version
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _clean_leftovers(name_dir: str) -> None:
+    """Remove ``.tmp-*`` directories and ``.current-*`` links left by writers that are gone."""
+    for entry in os.listdir(name_dir):
+        if not (entry.startswith(".tmp-") or entry.startswith(".current-")):
+            continue
+        pid = entry.rsplit("-", 1)[-1]
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue
+        full = os.path.join(name_dir, entry)
+        if os.path.islink(full) or os.path.isfile(full):
+            os.unlink(full)
+        else:
+            shutil.rmtree(full, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def model_payload(result) -> dict:
+    """Return the ``model.pt`` dict for a TrainResult: only tensors, numbers, strings (weights_only-safe)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "model_args": result.model.model_args(),
+        "state_dict": {k: v.detach().cpu() for k, v in result.model.state_dict().items()},
+        "scaler_mean": torch.from_numpy(np.asarray(result.mean, dtype=np.float32)),
+        "scaler_std": torch.from_numpy(np.asarray(result.std, dtype=np.float32)),
+        "error_scale": torch.from_numpy(np.asarray(result.error_scale, dtype=np.float32)),
+        "threshold": float(result.threshold),
+        "threshold_quantile": float(result.threshold_quantile),
+        "score_window": int(result.score_window),
+    }
+
+
+def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, before_publish=None) -> tuple[str, dict]:
+    """Atomically write a new version of model name; return (its directory path, the metadata written).
+
+    ``payload`` goes to model.pt (torch.save), ``metadata`` to metadata.json (its ``version`` and
+    ``model_dir`` keys are filled in here). ``before_publish(tmp_dir)`` is a test hook called after
+    the files are written and before the renames. Raises StoreError if the store cannot be written.
+    """
+    name = safe_model_name(name)
+    name_dir = os.path.join(models_dir, name)
+    try:
+        os.makedirs(name_dir, exist_ok=True)
+        _clean_leftovers(name_dir)
+        version = new_version(set(os.listdir(name_dir)))
+        final = os.path.join(name_dir, version)
+        tmp = os.path.join(name_dir, f".tmp-{version}-{os.getpid()}")
+        os.mkdir(tmp, 0o755)
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        _write_file(os.path.join(tmp, MODEL_FILE), buf.getvalue())
+        metadata = dict(metadata, name=name, version=version, model_dir=final)
+        _write_file(os.path.join(tmp, METADATA_FILE), (json.dumps(metadata, indent=2, sort_keys=True) + "\n").encode())
+        _fsync_dir(tmp)
+        if before_publish is not None:
+            before_publish(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(name_dir)
+        link_tmp = os.path.join(name_dir, f".current-{os.getpid()}")
+        if os.path.lexists(link_tmp):
+            os.unlink(link_tmp)
+        os.symlink(version, link_tmp)
+        os.replace(link_tmp, os.path.join(name_dir, CURRENT))
+        _fsync_dir(name_dir)
+    except OSError as e:
+        raise StoreError(f"cannot write model under {name_dir}: {e.strerror or e} ({e.filename or name_dir})") from None
+    return final, metadata
+
+
+def list_versions(name_dir: str) -> list[str]:
+    """Return the complete versions of one model name, oldest first (hidden entries excluded)."""
+    try:
+        entries = os.listdir(name_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(e for e in entries if not e.startswith(".") and e != CURRENT and os.path.isdir(os.path.join(name_dir, e)))
+
+
+def load_model(path: str) -> StoredModel:
+    """Load a model directory (a version dir, a ``current`` link or a ``<name>`` dir) for scoring.
+
+    model.pt is read with ``torch.load(weights_only=True)``: no pickled code runs. Raises
+    StoreError if the directory or its files are missing, unreadable or of another format.
+    """
+    if os.path.isdir(os.path.join(path, CURRENT)):
+        path = os.path.join(path, CURRENT)
+    model_file = os.path.join(path, MODEL_FILE)
+    try:
+        payload = torch.load(model_file, map_location="cpu", weights_only=True)
+        with open(os.path.join(path, METADATA_FILE), encoding="utf-8") as f:
+            metadata = json.load(f)
+    except FileNotFoundError as e:
+        raise StoreError(f"{path}: not a model directory ({os.path.basename(e.filename)} missing)") from None
+    except (OSError, RuntimeError, ValueError) as e:
+        raise StoreError(f"{path}: cannot read model: {e}") from None
+    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
+        raise StoreError(f"{model_file}: unknown model format (want format_version {FORMAT_VERSION})")
+    model = TelemetryAutoencoder(**payload["model_args"])
+    model.load_state_dict(payload["state_dict"])
+    model.eval()
+    return StoredModel(
+        path=os.path.realpath(path),
+        model=model,
+        mean=payload["scaler_mean"],
+        std=payload["scaler_std"],
+        error_scale=payload["error_scale"],
+        threshold=float(payload["threshold"]),
+        score_window=int(payload["score_window"]),
+        metadata=metadata,
+    )

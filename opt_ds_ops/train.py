@@ -1,0 +1,309 @@
+"""Training: standardise, split, run the mixed-precision loop, pick the reconstruction-error threshold.
+
+The loop follows the nanoGPT / pytorch-examples shape: one code path for every device, autocast
+as ``nullcontext()`` or ``torch.autocast(device_type, dtype)``, a GradScaler enabled only for
+float16. The whole dataset is one tensor (on the GPU when it fits in free memory, else pinned host
+memory copied with ``non_blocking=True``), shuffled with one permutation per epoch and cut into
+batches; losses are summed on the device and read once per epoch (no ``.item()`` per batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .device import DevicePlan
+from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth_scores
+
+# Keep this much GPU memory free beyond the dataset tensors (bytes): activations, optimizer, CUDA context.
+GPU_HEADROOM_BYTES = 512 * 1024**2
+
+
+class TrainingError(RuntimeError):
+    """Training could not produce a usable model (non-finite loss, every fp16 step skipped, ...)."""
+
+
+class TrainingInterrupted(Exception):
+    """Raised when ``should_stop()`` turned true; ``checkpoint`` resumes the job exactly (see :func:`train`)."""
+
+    def __init__(self, checkpoint: dict):
+        super().__init__(f"training interrupted at epoch {checkpoint['epoch'] + 1}, batch {checkpoint['batch']}")
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class EpochStats:
+    """One epoch: mean train and validation MSE (standardised units), throughput (samples/s)."""
+
+    epoch: int
+    train_loss: float
+    val_loss: float | None
+    samples_per_s: float
+    seconds: float
+    skipped_steps: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TrainResult:
+    """A trained model with what scoring needs: scaler, per-feature error scale and threshold.
+
+    ``mean``/``std``: (D,) float32 column statistics of the training split (a zero std is 1).
+    ``error_scale``: (D,) float32 mean squared validation error per feature (score normaliser).
+    ``threshold``: the ``threshold_quantile`` of the validation rows' anomaly scores, smoothed by a
+    trailing mean of ``score_window`` rows exactly as scoring does.
+    """
+
+    model: TelemetryAutoencoder
+    mean: np.ndarray
+    std: np.ndarray
+    error_scale: np.ndarray
+    threshold: float
+    threshold_quantile: float
+    score_window: int
+    history: list[EpochStats]
+    plan: DevicePlan
+    rows_train: int
+    rows_val: int
+    skipped_steps: int
+    started_at: str
+    ended_at: str
+    duration_s: float
+    data_placement: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training throughput over all epochs (samples/s, validation excluded)."""
+        secs = sum(h.seconds for h in self.history)
+        return self.rows_train * len(self.history) / secs if secs else 0.0
+
+
+def utc_now() -> str:
+    """Return the current UTC time as ISO 8601 with microseconds (``2026-11-30T01:02:03.123456Z``)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def split_rows(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Return (train_idx, val_idx) int64 arrays: the last round(n * val_fraction) rows validate.
+
+    Telemetry rows are a time series, so the validation split is the most recent stretch (a
+    time-ordered holdout, as in forecasting practice) rather than random rows: its scores are
+    contiguous, which the trailing-mean threshold needs, and it measures drift honestly. At least
+    1 row validates when val_fraction > 0, none if that would leave fewer than 2 training rows
+    (BatchNorm1d needs 2).
+    """
+    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
+    if n - n_val < 2:
+        n_val = 0
+    return np.arange(n - n_val, dtype=np.int64), np.arange(n - n_val, n, dtype=np.int64)
+
+
+def fit_scaler(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return per-column (mean, std) of rows (N, D) as float32 (D,), accumulated in float64.
+
+    A std of 0 (a constant column) becomes 1, so the column passes through centred, not divided by 0.
+    """
+    mean = rows.mean(axis=0, dtype=np.float64)
+    std = rows.std(axis=0, dtype=np.float64)
+    std[std == 0] = 1.0
+    return mean.astype(np.float32), std.astype(np.float32)
+
+
+def standardise(rows: np.ndarray, mean: np.ndarray, std: np.ndarray) -> torch.Tensor:
+    """Return (rows - mean) / std as a new (N, D) float32 CPU tensor (one copy of rows)."""
+    out = np.subtract(rows, mean, dtype=np.float32)
+    out /= std
+    return torch.from_numpy(out)
+
+
+def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
+    """Return [start, end) pairs covering n rows; a last batch of 1 row joins the one before.
+
+    BatchNorm1d raises in training mode on a batch of one row ("Expected more than 1 value per
+    channel"), so n = k * batch_size + 1 gives k batches, the last one batch_size + 1 rows.
+    """
+    bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2] = (bounds[-2][0], n)
+        bounds.pop()
+    return bounds
+
+
+def _place(x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, str]:
+    """Put the dataset tensor on the GPU if it fits in free memory, else in pinned host memory."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        if 2 * x.nbytes + GPU_HEADROOM_BYTES < free:
+            return x.to(device), "gpu"
+        return x.pin_memory(), "pinned-host"
+    if device.type == "cpu":
+        return x, "host"
+    return x.to(device), str(device.type)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """Return AdamW(lr, weight_decay), fused where this torch supports it on the device, else foreach."""
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+
+
+def train(
+    data: np.ndarray,
+    cfg: TrainConfig,
+    plan: DevicePlan,
+    *,
+    on_epoch: Callable[[EpochStats], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    resume: dict | None = None,
+) -> TrainResult:
+    """Train a TelemetryAutoencoder on data (rows, D), any real dtype; return a :class:`TrainResult`.
+
+    ``on_epoch`` is called after every epoch. ``should_stop`` is polled after every batch; when it
+    returns True the loop raises :class:`TrainingInterrupted` whose ``checkpoint`` (model,
+    optimizer and GradScaler state_dicts, epoch, batch, partial sums) passed back as ``resume``
+    continues the same run: the split is fixed and every epoch's permutation derives from ``cfg.seed``.
+
+    Raises TrainingError on a non-finite loss or weights (naming the epoch), or when every step
+    of an epoch was skipped by the fp16 GradScaler (loss-scale collapse).
+    """
+    started, t_start = utc_now(), time.perf_counter()
+    device = plan.device
+    torch.manual_seed(cfg.seed)
+    train_idx, val_idx = split_rows(data.shape[0], cfg.val_fraction)
+    train_rows = np.asarray(data[train_idx])
+    mean, std = fit_scaler(train_rows)
+    x_train, placement = _place(standardise(train_rows, mean, std), device)
+    del train_rows
+    x_val = standardise(np.asarray(data[val_idx]), mean, std).to(device) if len(val_idx) else None
+    n = x_train.shape[0]
+
+    model = TelemetryAutoencoder(data.shape[1], cfg.hidden, cfg.latent).to(device)
+    optimizer = make_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=plan.use_grad_scaler)
+    autocast = (
+        torch.autocast(device.type, dtype=plan.amp_dtype) if plan.amp_dtype is not None else contextlib.nullcontext()
+    )
+    loss_fn = nn.MSELoss()
+    bounds = batch_bounds(n, cfg.batch_size)
+    history: list[EpochStats] = []
+    start_epoch, start_batch = 0, 0
+    carried = {"loss_sum": 0.0, "nonfinite": 0, "skipped": 0, "seconds": 0.0}
+    if resume is not None:
+        if resume.get("rows_train") != n or resume.get("model_args") != model.model_args():
+            raise TrainingError("checkpoint does not match this dataset and configuration")
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        scaler.load_state_dict(resume["grad_scaler"])
+        history = [EpochStats(**h) for h in resume["history"]]
+        start_epoch, start_batch = resume["epoch"], resume["batch"]
+        carried = resume["partial"]
+    buf = torch.empty_like(x_train)
+    skipped_total = sum(h.skipped_steps for h in history)
+
+    for epoch in range(start_epoch, cfg.epochs):
+        model.train()
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        perm = torch.randperm(n, generator=gen).to(x_train.device)
+        torch.index_select(x_train, 0, perm, out=buf)
+        loss_sum = torch.tensor(carried["loss_sum"], device=device)
+        nonfinite = torch.tensor(carried["nonfinite"], device=device)
+        skipped = torch.tensor(carried["skipped"], device=device)
+        for b in range(start_batch, len(bounds)):
+            s, e = bounds[b]
+            xb = buf[s:e].to(device, non_blocking=True)
+            with autocast:
+                recon = model(xb)
+            loss = loss_fn(recon.float(), xb)
+            optimizer.zero_grad(set_to_none=True)
+            if scaler.is_enabled():
+                scale_before = scaler._scale.clone()  # GradScaler lowers its scale exactly when it skips a step
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.is_enabled():
+                skipped += scaler._scale < scale_before
+            finite = torch.isfinite(loss)
+            nonfinite += ~finite
+            loss_sum += torch.where(finite, loss.detach(), 0.0) * (e - s)
+            if should_stop is not None and b + 1 < len(bounds) and should_stop():
+                raise TrainingInterrupted(
+                    _checkpoint(model, optimizer, scaler, n, epoch, b + 1, history, loss_sum, nonfinite, skipped,
+                                carried["seconds"] + time.perf_counter() - t0)
+                )
+        seconds = carried["seconds"] + time.perf_counter() - t0
+        start_batch, carried = 0, {"loss_sum": 0.0, "nonfinite": 0, "skipped": 0, "seconds": 0.0}
+        n_nonfinite, n_skipped = int(nonfinite), int(skipped)
+        if n_nonfinite and not scaler.is_enabled():
+            raise TrainingError(f"non-finite loss in epoch {epoch + 1} ({n_nonfinite} of {len(bounds)} batches)")
+        if scaler.is_enabled() and n_skipped == len(bounds):
+            raise TrainingError(
+                f"fp16 loss-scale collapse in epoch {epoch + 1}: all {len(bounds)} steps skipped by GradScaler"
+            )
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise TrainingError(f"non-finite weights after epoch {epoch + 1}")
+        val_loss = float(feature_errors(model, x_val).mean()) if x_val is not None else None
+        counted = n - _rows_in_nonfinite(n_nonfinite, n, len(bounds))
+        stats = EpochStats(epoch + 1, float(loss_sum) / max(counted, 1), val_loss, n / seconds, seconds, n_skipped)
+        skipped_total += n_skipped
+        history.append(stats)
+        if on_epoch is not None:
+            on_epoch(stats)
+
+    ref = x_val if x_val is not None else x_train
+    cell = feature_errors(model, ref)
+    error_scale = cell.mean(dim=0).clamp_min(1e-6)
+    scores = smooth_scores(anomaly_scores(cell, error_scale), cfg.score_window)
+    threshold = float(torch.quantile(scores.double(), cfg.threshold_quantile))
+    model = model.cpu().eval()
+    return TrainResult(
+        model=model,
+        mean=mean,
+        std=std,
+        error_scale=error_scale.cpu().numpy(),
+        threshold=threshold,
+        threshold_quantile=cfg.threshold_quantile,
+        score_window=cfg.score_window,
+        history=history,
+        plan=plan,
+        rows_train=n,
+        rows_val=len(val_idx),
+        skipped_steps=skipped_total,
+        started_at=started,
+        ended_at=utc_now(),
+        duration_s=time.perf_counter() - t_start,
+        data_placement=placement,
+    )
+
+
+def _rows_in_nonfinite(n_nonfinite: int, n: int, n_batches: int) -> int:
+    """Approximate rows in batches whose loss was non-finite (only fp16 skips reach here)."""
+    return round(n * n_nonfinite / n_batches) if n_nonfinite else 0
+
+
+def _checkpoint(model, optimizer, scaler, n, epoch, batch, history, loss_sum, nonfinite, skipped, seconds) -> dict:
+    """Return a checkpoint dict of plain tensors and numbers (loads with weights_only=True)."""
+    return {
+        "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "grad_scaler": scaler.state_dict(),
+        "model_args": model.model_args(),
+        "rows_train": n,
+        "epoch": epoch,
+        "batch": batch,
+        "history": [h.as_dict() for h in history],
+        "partial": {"loss_sum": float(loss_sum), "nonfinite": int(nonfinite), "skipped": int(skipped), "seconds": seconds},
+    }
