@@ -1,0 +1,42 @@
+"""Shared fixtures: paths to the bundled real SMD data, small real datasets, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SMD = REPO / "data" / "smd"
+SMD_TRAIN = SMD / "train" / "machine-1-2.txt.gz"
+SMD_TEST = SMD / "test" / "machine-1-2.txt.gz"
+SMD_LABELS = SMD / "test_label" / "machine-1-2.txt.gz"
+SHARED_SMD = REPO.parent / "shared" / "data" / "smd"
+
+
+@pytest.fixture(scope="session")
+def smd_rows() -> np.ndarray:
+    """The bundled real SMD machine-1-2 training rows, (23694, 38) float32."""
+    return np.loadtxt(SMD_TRAIN, delimiter=",", dtype=np.float32)
+
+
+@pytest.fixture
+def small_smd_csv(tmp_path, smd_rows) -> Path:
+    """A real 3,000-row slice of SMD machine-1-2 as a headerless CSV file."""
+    path = tmp_path / "machine-small.csv"
+    np.savetxt(path, smd_rows[:3000], delimiter=",", fmt="%.6f")
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m opt_ds_ops.cli ARGS`` as a real process; return the completed process."""
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    full_env.pop("DS_OPS_CONFIG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "opt_ds_ops.cli", *args],
+        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO,
+    )
