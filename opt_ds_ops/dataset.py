@@ -14,6 +14,8 @@ import gzip
 import hashlib
 import os
 import re
+import warnings
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,7 +102,7 @@ def load_dataset(path: str) -> Dataset:
             data, header, line_of = _load_array(path, fmt), None, None
     except DatasetError:
         raise
-    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError) as e:
         raise DatasetError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     if data.shape[0] < 2:
         raise DatasetError(f"{path}: {data.shape[0]} row(s); at least 2 are needed to train")
@@ -171,11 +173,12 @@ def _load_text(path: str):
         header = header[:-1]
 
     def line_of(row: int) -> int:
-        return skip + row + 1
+        return _line_of_data_row(path, skip, row, blank_if_spaces=delim is None)
 
-    try:
-        with _open_text(path) as f:
-            data = np.loadtxt(
+    def parse(max_rows=None):
+        with _open_text(path) as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "input contained no data": reported below
+            return np.loadtxt(
                 f,
                 delimiter=delim,
                 skiprows=skip,
@@ -183,15 +186,31 @@ def _load_text(path: str):
                 ndmin=2,
                 usecols=range(ncols) if ncols else None,
                 comments=None,
+                max_rows=max_rows,
             )
+
+    try:
+        try:
+            data = parse()
+        except ValueError as e:
+            # Lines holding only spaces at the end of an export count as rows with one empty field;
+            # numpy reports them as ragged (1-based data row). Tolerate them when nothing follows.
+            m = _LOADTXT_ERR.search(str(e))
+            if not (m and "number of columns changed" in str(e) and _only_blank_from(path, line_of(int(m.group(1)) - 1))):
+                raise
+            data = parse(max_rows=int(m.group(1)) - 1)
     except ValueError as e:
         msg = str(e)
         m = _LOADTXT_ERR.search(msg)
         what = msg.split(" at row")[0]
         if "number of columns changed" in msg:
+            # numpy counts data rows (empty lines skipped): 1-based for this error, 0-based for a bad cell
             what = "ragged rows: " + what.replace("the number of columns changed", "the number of columns changes")
-        if m:
-            where = f"line {skip + int(m.group(1)) + 1}" + (f", column {m.group(2)}" if m.group(2) else "")
+            row = int(m.group(1)) - 1 if m else None
+        else:
+            row = int(m.group(1)) if m else None
+        if row is not None:
+            where = f"line {line_of(row)}" + (f", column {m.group(2)}" if m.group(2) else "")
             raise DatasetError(f"{path}: {where}: {what}") from None
         raise DatasetError(f"{path}: {msg}") from None
     if data.size == 0:
@@ -201,6 +220,31 @@ def _load_text(path: str):
             f"{path}: line {skip}: header has {len(header)} names but rows have {data.shape[1]} columns"
         )
     return data, header, line_of
+
+
+def _line_of_data_row(path: str, skip: int, row: int, blank_if_spaces: bool) -> int:
+    """Return the 1-based file line of 0-based data row ``row`` (error path only: a Python scan).
+
+    numpy's reader skips empty lines without counting them; with the whitespace delimiter a line
+    of spaces is empty too.
+    """
+    seen = -1
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if lineno <= skip:
+                continue
+            text = line.rstrip("\r\n")
+            if text and (text.strip() or not blank_if_spaces):
+                seen += 1
+                if seen == row:
+                    return lineno
+    return skip + row + 1
+
+
+def _only_blank_from(path: str, lineno: int) -> bool:
+    """Return True if line lineno (1-based) and every later line hold only whitespace."""
+    with _open_text(path) as f:
+        return all(not line.strip() for i, line in enumerate(f, 1) if i >= lineno)
 
 
 def _check_array(path: str, arr, what: str = "array") -> np.ndarray:

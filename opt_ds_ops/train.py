@@ -229,9 +229,10 @@ def train(
                 recon = model(xb)
             loss = loss_fn(recon.float(), xb)
             optimizer.zero_grad(set_to_none=True)
+            scaled = scaler.scale(loss)
             if scaler.is_enabled():
                 scale_before = scaler._scale.clone()  # GradScaler lowers its scale exactly when it skips a step
-            scaler.scale(loss).backward()
+            scaled.backward()
             scaler.step(optimizer)
             scaler.update()
             if scaler.is_enabled():

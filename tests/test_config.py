@@ -1,0 +1,79 @@
+"""Configuration: the shipped conffile, validation messages, command-line overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import REPO
+from opt_ds_ops.config import Config, ConfigError, config_to_dict, load_config, with_overrides
+
+CONFFILE = REPO / "etc" / "ds-ops" / "trainer.yaml"
+
+
+def test_shipped_conffile_equals_the_built_in_defaults():
+    cfg = load_config(str(CONFFILE))
+    assert dataclasses.replace(cfg, source="<defaults>") == Config()
+    assert (cfg.train.epochs, cfg.train.batch_size, cfg.train.lr, cfg.train.weight_decay) == (5, 2048, 1e-3, 1e-4)
+    assert (cfg.train.hidden, cfg.train.latent, cfg.models_dir) == (24, 8, "/var/models")
+
+
+def test_every_key_of_the_conffile_is_commented():
+    lines = CONFFILE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#") and not stripped.endswith(":"):
+            assert lines[i - 1].strip().startswith("#") or lines[i - 2].strip().startswith("#"), line
+
+
+def test_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(str(empty)) == Config()
+    assert load_config(str(tmp_path / "nope.yaml"), missing_ok=True) == Config()
+    with pytest.raises(ConfigError, match="nope.yaml: configuration file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("epochs: 3\n", "unknown key 'epochs' (allowed: models_dir, device, amp, train, spool, health"),
+        ("train:\n  epoch: 3\n", "unknown key 'train.epoch' (allowed: train.epochs"),
+        ("train:\n  epochs: three\n", "key 'train.epochs' must be an integer >= 1 (int), got 'three'"),
+        ("train:\n  epochs: 0\n", "key 'train.epochs' must be an integer >= 1, got 0"),
+        ("train:\n  epochs: true\n", "key 'train.epochs' must be an integer >= 1, got True"),
+        ("train:\n  batch_size: 1\n", "key 'train.batch_size' must be an integer >= 2"),
+        ("train:\n  lr: -1\n", "key 'train.lr' must be a number > 0, got -1.0"),
+        ("device: gpu\n", "key 'device' must be auto, cpu, mps, cuda or cuda:N, got 'gpu'"),
+        ("amp: fp8\n", "key 'amp' must be one of auto, bf16, fp16, off, got 'fp8'"),
+        ("models_dir: models\n", "key 'models_dir' must be an absolute path, got 'models'"),
+        ("train: 5\n", "'train' must be a mapping"),
+        ("- a\n- b\n", "'top level' must be a mapping"),
+        ("train: [1\n", "invalid YAML"),
+        ("health:\n  on_fail: ignore\n", "key 'health.on_fail' must be one of cpu, defer, refuse"),
+    ],
+)
+def test_invalid_files_name_file_key_and_rule(tmp_path, text, message):
+    path = tmp_path / "trainer.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value).startswith(str(path) + ": ")
+    assert message in str(err.value)
+
+
+def test_int_is_accepted_for_a_float_key(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("train:\n  lr: 1\n  weight_decay: 0\n")
+    cfg = load_config(str(path))
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+
+
+def test_overrides_replace_validate_and_ignore_none():
+    cfg = with_overrides(Config(), {"train.epochs": 2, "models_dir": "/tmp/m", "device": None})
+    assert cfg.train.epochs == 2 and cfg.models_dir == "/tmp/m" and cfg.device == "auto"
+    with pytest.raises(ConfigError, match="command line .*key 'train.epochs' must be an integer >= 1, got -3"):
+        with_overrides(Config(), {"train.epochs": -3})
+    assert config_to_dict(cfg)["train"]["epochs"] == 2
