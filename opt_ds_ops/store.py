@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -190,8 +191,8 @@ def load_model(path: str) -> StoredModel:
             metadata = json.load(f)
     except FileNotFoundError as e:
         raise StoreError(f"{path}: not a model directory ({os.path.basename(e.filename)} missing)") from None
-    except (OSError, RuntimeError, ValueError) as e:
-        raise StoreError(f"{path}: cannot read model: {e}") from None
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise StoreError(f"{path}: cannot read model: {str(e).splitlines()[0]}") from None
     if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
         raise StoreError(f"{model_file}: unknown model format (want format_version {FORMAT_VERSION})")
     model = TelemetryAutoencoder(**payload["model_args"])
