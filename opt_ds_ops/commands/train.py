@@ -6,7 +6,8 @@ import json
 import sys
 
 from ..config import DEFAULT_CONFIG_PATH
-from ..job import run_job
+from ..health import gate_job, summary_line
+from ..job import JobError, run_job
 from ..train import EpochStats
 from . import load_cfg
 
@@ -32,6 +33,11 @@ def _epoch_line(s: EpochStats, total: int) -> str:
     return f"epoch {s.epoch}/{total} loss={s.train_loss:.6f}{val} {s.samples_per_s:,.0f} samples/s{skipped}"
 
 
+def _is_asked(device, spec: str) -> bool:
+    """True if torch.device ``device`` is what ``--device spec`` asked for (cuda matches any cuda:N)."""
+    return str(device) == spec or device.type == spec
+
+
 def run(args) -> int:
     """``ds-ops train DATASET``: train, save, print per-epoch losses and the model directory."""
     cfg = load_cfg(
@@ -39,6 +45,12 @@ def run(args) -> int:
         {"models_dir": args.models_dir, "device": args.device, "amp": args.amp, "train.epochs": args.epochs,
          "train.batch_size": args.batch_size, "train.seed": args.seed},
     )
+    gate = gate_job(cfg)
+    if gate.action != "run":
+        raise JobError("health", f"health gate: {gate.action}: {gate.reason}")
+    if args.device not in (None, "auto") and not _is_asked(gate.plan.device, args.device):
+        raise JobError("health", f"--device {args.device}: no CUDA GPU is usable here, the health gate "
+                                 f"offers {gate.plan.device} ({gate.reason})")
     bar = None
     if not args.json and sys.stderr.isatty():
         from tqdm import tqdm
@@ -56,9 +68,11 @@ def run(args) -> int:
             print(_epoch_line(s, cfg.train.epochs), flush=True)
 
     if not args.json:
-        print(f"training on {args.dataset} ({cfg.device} amp={cfg.amp}, {cfg.train.epochs} epochs)", flush=True)
+        health = "" if gate.report["verdict"] == "ok" else f"; {summary_line(gate)}"
+        print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {cfg.train.epochs} epochs"
+              f"{health})", flush=True)
     try:
-        job = run_job(args.dataset, cfg, name=args.name, on_epoch=on_epoch)
+        job = run_job(args.dataset, cfg, name=args.name, plan=gate.plan, health=gate.report, on_epoch=on_epoch)
     finally:
         if bar is not None:
             bar.close()
@@ -78,6 +92,7 @@ def run(args) -> int:
         "threshold": r.threshold,
         "skipped_steps": r.skipped_steps,
         "duration_s": r.duration_s,
+        "health": md["health"]["verdict"],
     }
     if args.json:
         print(json.dumps(summary, sort_keys=True))
