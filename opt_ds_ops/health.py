@@ -31,9 +31,10 @@ not be checked against the headers on the machine this was written on.
 
 Host findings: no NVML library / driver not loaded -> "no NVIDIA driver" (warn under
 ``device: auto``, the job runs on the CPU; fail when cuda was asked for); driver/library version
-mismatch -> fail, "reboot required"; torch's CUDA major version above the driver's -> fail, its
-minor version above -> warn (CUDA minor-version compatibility); torch a CPU build or unable to
-initialise CUDA while NVML sees GPUs -> warn; torch's GPU count differing from NVML's -> warn.
+mismatch -> fail, "reboot required" (warn under ``device: cpu``); torch's CUDA major version above
+the driver's -> fail, its minor version above -> warn (CUDA minor-version compatibility); torch a
+CPU build or unable to initialise CUDA while NVML sees GPUs -> warn; torch's GPU count differing
+from NVML's -> warn.
 """
 
 from __future__ import annotations
@@ -173,15 +174,17 @@ def judge_host(host: HostReading, tv: TorchView, device_spec: str) -> list[Findi
     """Given the host reading, torch's view and the configured device, return the host findings.
 
     A missing GPU is a warn under ``device: auto`` (the job runs on the CPU), a fail when a CUDA
-    device was asked for, and no finding at all under ``device: cpu`` or ``mps``.
+    device was asked for, and no finding at all under ``device: cpu`` or ``mps``. A broken driver
+    (version mismatch, NVML error) is a fail, or a warn under ``device: cpu`` or ``mps``.
     """
     wants_cuda = device_spec.startswith("cuda")
     no_gpu_level = "fail" if wants_cuda else "warn"
+    broken_level = "warn" if device_spec in ("cpu", "mps") else "fail"  # the job does not need the GPU
     if host.status == "version_mismatch":
-        return [Finding("fail", "driver", "reboot required: the NVIDIA driver's library and kernel module versions "
-                                          f"differ (NVML: {host.detail}), usually after a driver upgrade")]
+        return [Finding(broken_level, "driver", "reboot required: the NVIDIA driver's library and kernel module "
+                                                f"versions differ (NVML: {host.detail}), usually after a driver upgrade")]
     if host.status == "error":
-        return [Finding("fail", "driver", f"NVML failed: {host.detail}")]
+        return [Finding(broken_level, "driver", f"NVML failed: {host.detail}")]
     if device_spec in ("cpu", "mps"):
         return []
     if host.status == "no_library":

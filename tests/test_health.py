@@ -217,6 +217,12 @@ def test_version_mismatch_is_reboot_required_with_the_configured_fallback(host, 
     assert (str(d.plan.device) if d.plan else None) == device
 
 
+def test_version_mismatch_under_device_cpu_is_only_a_warning(host):
+    host(init_error=18)
+    d = gate_job(cfg(device="cpu", on_fail="refuse"))
+    assert d.action == "run" and d.report["verdict"] == "warn" and "reboot required" in messages(d)
+
+
 def test_device_cpu_runs_on_the_cpu_whatever_the_gpu_says(host):
     host(h200(lost=True))
     d = gate_job(cfg(device="cpu", on_fail="refuse"))
