@@ -65,6 +65,8 @@ class SpoolConfig:
     settle_s: float = _field(2.0, _non_negative, "seconds >= 0")
     scan_interval_s: float = _field(30.0, _positive, "seconds > 0")
     max_dataset_bytes: int = _field(4 * 1024**3, _positive, "bytes > 0")
+    watcher: str = _field("inotify", lambda v: v in ("inotify", "poll"), "one of inotify, poll")
+    max_crashes: int = _field(3, _positive, "an integer >= 1")
 
 
 @dataclass(frozen=True)

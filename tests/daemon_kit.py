@@ -1,0 +1,189 @@
+"""Helpers for tests that run the real ``ds-ops daemon`` process on temporary directories."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from conftest import REPO, SMD_TRAIN
+
+SMD_ROWS = 23694  # rows of the bundled machine-1-2 training file (data/smd/README.md)
+START_TIMEOUT_S = 120  # generous: the test machines are shared and importing torch takes seconds
+JOB_TIMEOUT_S = 300
+
+
+def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_s: float = 0.5,
+                 scan_interval_s: float = 30.0, max_dataset_bytes: int | None = None, watcher: str | None = None,
+                 max_crashes: int | None = None, name: str = "trainer.yaml") -> Path:
+    """Write a conffile for a daemon on root/spool and root/models; return its path."""
+    lines = [
+        f"models_dir: {root / 'models'}",
+        "device: cpu",
+        "train:",
+        f"  epochs: {epochs}",
+        f"  batch_size: {batch_size}",
+        "spool:",
+        f"  dir: {root / 'spool'}",
+        f"  settle_s: {settle_s}",
+        f"  scan_interval_s: {scan_interval_s}",
+    ]
+    if max_dataset_bytes is not None:
+        lines.append(f"  max_dataset_bytes: {max_dataset_bytes}")
+    if watcher is not None:
+        lines.append(f"  watcher: {watcher}")
+    if max_crashes is not None:
+        lines.append(f"  max_crashes: {max_crashes}")
+    path = root / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def drop_dac_capabilities() -> None:
+    """preexec_fn: remove CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that a
+    root daemon gets EACCES on a mode-000 file like any service user would (PR_CAPBSET_DROP)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def base_env(**extra: str) -> dict:
+    """The environment of a daemon under test: this repository importable, not under systemd.
+
+    OMP_NUM_THREADS=1: the suite runs torch processes side by side on 2 cores, where two OpenMP
+    threads each made a 1-epoch SMD training 7-60x slower (0.27-6 s against 0.04 s, measured).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "NOTIFY_SOCKET", "WATCHDOG_USEC",
+                                                           "WATCHDOG_PID", "DS_OPS_CONFIG")}
+    env["PYTHONPATH"] = str(REPO)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+class Daemon:
+    """One real ``python -m opt_ds_ops.cli daemon --config CONF`` process, output in root/daemon-N.log."""
+
+    count = 0
+
+    def __init__(self, conf: Path, *, env: dict | None = None, preexec_fn=None, argv: list[str] | None = None):
+        Daemon.count += 1
+        self.conf = conf
+        self.log_path = conf.parent / f"daemon-{Daemon.count}.log"
+        self._log = open(self.log_path, "wb")
+        cmd = argv or [sys.executable, "-m", "opt_ds_ops.cli", "daemon", "--config", str(conf)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env=env or base_env(), preexec_fn=preexec_fn)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_until(self, predicate, what: str, timeout_s: float = JOB_TIMEOUT_S, poll_s: float = 0.05):
+        """Poll predicate() until it returns something truthy; fail with the daemon's log on timeout or exit."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if not self.alive():
+                raise AssertionError(f"daemon exited ({self.proc.returncode}) before: {what}\n{self.log()}")
+            time.sleep(poll_s)
+        raise AssertionError(f"timed out after {timeout_s} s waiting for: {what}\n{self.log()}")
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 60) -> tuple[int, float]:
+        """Send sig and wait; return (exit code, seconds from signal to exit)."""
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout_s)
+        self._log.close()
+        return rc, time.monotonic() - t0
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(30)
+        self._log.close()
+
+
+class NotifySocket:
+    """A unix datagram socket standing in for systemd's NOTIFY_SOCKET; a thread collects the messages
+    (as systemd does: an unread socket fills after 10 datagrams and blocks the sender)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._closed:
+            try:
+                self.messages.append(self.sock.recv(65536).decode())
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+
+    def drain(self) -> list[str]:
+        return list(self.messages)
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(2)
+        self.sock.close()
+
+
+def spool_dir(root: Path, which: str) -> Path:
+    return root / "spool" / which
+
+
+def done_names(root: Path) -> set[str]:
+    d = spool_dir(root, "done")
+    return {p.name for p in d.iterdir() if not p.name.endswith(".result.json")} if d.exists() else set()
+
+
+def failed_names(root: Path) -> set[str]:
+    d = spool_dir(root, "failed")
+    return {p.name for p in d.iterdir() if not p.name.endswith(".error.json")} if d.exists() else set()
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def job_record(root: Path, name: str) -> dict | None:
+    """The job record of processing/NAME, or None if there is none (yet)."""
+    path = spool_dir(root, "processing") / f".{name}.job.json"
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def versions(root: Path, model_name: str) -> list[str]:
+    """Complete model versions of model_name (hidden temporary directories excluded)."""
+    d = root / "models" / model_name
+    if not d.exists():
+        return []
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith(".") and p.name != "current")
+
+
+def copy_smd(dest: Path) -> Path:
+    """Copy the bundled real SMD machine-1-2 training file (gzip text) to dest."""
+    dest.write_bytes(SMD_TRAIN.read_bytes())
+    return dest
