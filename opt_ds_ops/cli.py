@@ -11,8 +11,10 @@ import sys
 
 from . import __version__
 from .commands import CliError
+from .commands import daemon as daemon_cmd
 from .commands import doctor as doctor_cmd
 from .commands import score as score_cmd
+from .commands import status as status_cmd
 from .commands import train as train_cmd
 from .config import ConfigError
 from .dataset import DatasetError
@@ -21,7 +23,7 @@ from .job import JobError
 from .score import ScoreError
 from .store import StoreError
 
-COMMANDS = [train_cmd, score_cmd, doctor_cmd]
+COMMANDS = [train_cmd, score_cmd, doctor_cmd, daemon_cmd, status_cmd]
 USER_ERRORS = (CliError, ConfigError, DatasetError, DeviceError, JobError, ScoreError, StoreError)
 
 
