@@ -404,7 +404,7 @@ class Daemon:
 
     # ---- crash recovery ------------------------------------------------------------------------
     def _recover(self) -> None:
-        """Finish or re-queue every dataset found in process/ at start-up (see the module docstring)."""
+        """Finish or re-queue every dataset found in processing/ at start-up (see the module docstring)."""
         remove_orphans(self.spool)
         found = []
         for name in processing_datasets(self.spool):

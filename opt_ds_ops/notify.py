@@ -51,6 +51,7 @@ class Notifier:
         daemon.notify("\n".join(lines))
 
     def ready(self, status: str) -> None:
+        """READY=1 with STATUS=status: start-up (or a SIGHUP reload) is complete."""
         self._last_status = status
         self.send("READY=1", f"STATUS={status}")
 
@@ -65,10 +66,12 @@ class Notifier:
         self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
 
     def reloading(self) -> None:
+        """RELOADING=1 with MONOTONIC_USEC (a READY=1 follows when the reload is done)."""
         monotonic_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         self.send("RELOADING=1", f"MONOTONIC_USEC={monotonic_usec}")
 
     def stopping(self, status: str) -> None:
+        """STOPPING=1 with STATUS=status: the service is on its way out."""
         self.send("STOPPING=1", f"STATUS={status}")
 
     def keepalive(self, budget_s: float) -> None:
@@ -83,6 +86,7 @@ class Notifier:
         self._thread.start()
 
     def stop_watchdog(self) -> None:
+        """Stop the WATCHDOG=1 thread (waits at most 2 s)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2.0)
