@@ -36,7 +36,7 @@ from .spool import (
     write_json, boot_id,
 )
 from .store import METADATA_FILE, StoreError, list_versions, safe_model_name
-from .train import EpochStats, TrainingInterrupted, utc_now
+from .train import GPU_HEADROOM_BYTES, EpochStats, TrainingInterrupted, utc_now
 from .watcher import IncomingWatcher
 
 TICK_S = 0.5  # idle loop period (seconds): the latency of SIGTERM, SIGHUP and new files when idle
@@ -58,9 +58,9 @@ def _parse_utc(stamp: str) -> float | None:
         return None
 
 
-def need_bytes_estimate(name: str, size_bytes: int) -> int:
-    """Return the memory (bytes) a job on this file is expected to need on its device: the float32
-    matrix and its shuffle buffer. Rough: text holds about 2 bytes per float32 byte, gzip about 4x
+def matrix_bytes_estimate(name: str, size_bytes: int) -> int:
+    """Return the float32 matrix size (bytes) a dataset file is expected to load to, for the
+    watchdog budget of parsing it. Rough: text holds about 2 bytes per float32 byte, gzip about 4x
     more; arrays hold the matrix itself."""
     low = name.lower()
     if low.endswith(".gz"):
@@ -265,7 +265,9 @@ class Daemon:
         fields = self._fields(name, record)
         size = record.get("size_bytes") or os.lstat(path).st_size
         try:
-            decision = gate_job(cfg, need_bytes_estimate(name, size))
+            # The GPU must hold the model, optimizer and batches; the data itself can stay in pinned
+            # host memory when it does not fit (train._place), so it does not count here.
+            decision = gate_job(cfg, GPU_HEADROOM_BYTES)
         except Exception as e:  # the gate must never take the daemon down; the job says why
             self._fail(name, record, "health", f"the health check could not run: {type(e).__name__}: {e}",
                        type(e).__name__)
@@ -296,7 +298,7 @@ class Daemon:
                       amp_dtype=plan.amp_name, epochs=cfg.train.epochs, started_at=utc_now())
         write_json(self.spool.record_path(name), record)
         self.notifier.status(f"training {safe_text(name)} ({record['job_id']}): loading; {self.watcher.queued()} queued")
-        self.notifier.keepalive(STEP_BUDGET_S + need_bytes_estimate(name, size) / LOAD_BYTES_PER_S)
+        self.notifier.keepalive(STEP_BUDGET_S + matrix_bytes_estimate(name, size) / LOAD_BYTES_PER_S)
 
         def on_epoch(s: EpochStats) -> None:
             self._on_epoch(name, record, s, fields, plan)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
