@@ -24,6 +24,8 @@ import stat
 import tempfile
 import time
 
+from .fsutil import fsync_dir, write_atomic
+
 INCOMING, PROCESSING, DONE, FAILED = "incoming", "processing", "done", "failed"
 SUBDIRS = (INCOMING, PROCESSING, DONE, FAILED)
 IGNORED_SUFFIXES = (".part", ".tmp")
@@ -61,35 +63,6 @@ def _numbered(name: str, n: int) -> str:
     tail = f".{n}"
     raw = os.fsencode(name)
     return os.fsdecode(raw[: NAME_MAX_BYTES - len(tail)]) + tail
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so that renames inside it survive a power cut."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write data to path through a hidden temporary file in the same directory, fsync, rename."""
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(directory)
 
 
 def write_json(path: str, obj: dict) -> None:

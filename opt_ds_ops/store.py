@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
+from .fsutil import fsync_dir
 from .model import TelemetryAutoencoder
 
 MODEL_FILE = "model.pt"
@@ -71,14 +72,6 @@ def new_version(existing: set[str]) -> str:
     while version in existing:
         version, i = f"{base}-{i}", i + 1
     return version
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_file(path: str, data: bytes) -> None:
@@ -151,17 +144,17 @@ def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, bef
         _write_file(os.path.join(tmp, MODEL_FILE), buf.getvalue())
         metadata = dict(metadata, name=name, version=version, model_dir=final)
         _write_file(os.path.join(tmp, METADATA_FILE), (json.dumps(metadata, indent=2, sort_keys=True) + "\n").encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if before_publish is not None:
             before_publish(tmp)
         os.rename(tmp, final)
-        _fsync_dir(name_dir)
+        fsync_dir(name_dir)
         link_tmp = os.path.join(name_dir, f".current-{os.getpid()}")
         if os.path.lexists(link_tmp):
             os.unlink(link_tmp)
         os.symlink(version, link_tmp)
         os.replace(link_tmp, os.path.join(name_dir, CURRENT))
-        _fsync_dir(name_dir)
+        fsync_dir(name_dir)
     except OSError as e:
         raise StoreError(f"cannot write model under {name_dir}: {e.strerror or e} ({e.filename or name_dir})") from None
     return final, metadata
