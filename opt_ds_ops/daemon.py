@@ -274,7 +274,8 @@ class Daemon:
             return
         plan = decision.plan
         self.log.event("job-health", f"{safe_text(name)}: health gate says {decision.action}"
-                       + (f" on {plan.describe()}" if plan else "") + (f": {decision.reason}" if decision.reason else ""),
+                       + (f" on {plan.describe()}" if plan else "")
+                       + (f": {decision.reason}" if decision.reason and not (plan and plan.reason == decision.reason) else ""),
                        device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None, **fields)
         if decision.action == "defer":
             record["state"] = "deferred"

@@ -57,7 +57,9 @@ def run(args) -> int:
     if st["recent_done"]:
         print("latest done:")
         for d in st["recent_done"]:
-            print(f"  {safe_text(d.get('dataset_file') or '?')}  -> {d.get('model_dir')}  loss {d.get('final_train_loss')}  "
+            loss = d.get("final_train_loss")
+            loss_text = f"{loss:.6g}" if isinstance(loss, (int, float)) else "n/a"
+            print(f"  {safe_text(d.get('dataset_file') or '?')}  -> {d.get('model_dir')}  loss {loss_text}  "
                   f"{d.get('device')} {d.get('finished_at')}")
     if st["recent_failed"]:
         print("latest failed:")
