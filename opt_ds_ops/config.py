@@ -79,14 +79,15 @@ class HealthConfig:
     temperature; 5 is a ds-ops choice (DCGM's thermal watch has no margin, it reports throttling
     after the fact). ``retired_pages_warn``/``retired_pages_fail``: retired-page counts (pre-A100
     page retirement) for warn and fail; defaults DCGM_LIMIT_MAX_RETIRED_PAGES_SOFT_LIMIT (15) and
-    DCGM_LIMIT_MAX_RETIRED_PAGES (60) from DCGM's memory health watch.
+    DCGM_LIMIT_MAX_RETIRED_PAGES (63; 60 before DCGM aligned it with NVIDIA's field diagnostic) from
+    DCGM's dcgm_gpu_hardware_limits.h, used by its memory health watch.
     """
 
     on_fail: str = _field("cpu", lambda v: v in ("cpu", "defer", "refuse"), "one of cpu, defer, refuse")
     retry_s: float = _field(300.0, _positive, "seconds > 0")
     temp_margin_c: int = _field(5, lambda v: 0 <= v <= 30, "degrees Celsius in [0, 30]")
     retired_pages_warn: int = _field(15, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]")
-    retired_pages_fail: int = _field(60, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]")
+    retired_pages_fail: int = _field(63, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]")
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ job; ``ds-ops doctor`` on demand. Its ``report`` (JSON types only) goes into met
 Findings and their sources. Each finding is one line with a level, ``warn`` or ``fail``; a GPU's
 verdict is the worst of its findings (``ok`` if none). The defaults follow NVIDIA DCGM's health
 watches (``dcgmHealthSet`` with DCGM_HEALTH_WATCH_MEM, _THERMAL, _POWER, _PCIE; failure codes from
-dcgm_errors.h). The DCGM constants are quoted from DCGM's public headers as recalled; they could
-not be checked against the headers on the machine this was written on.
+dcgm_errors.h; the retired-page limits from dcgm_gpu_hardware_limits.h, checked against DCGM's
+public source).
 
 - volatile uncorrected (double-bit) ECC errors > 0 -> fail (DCGM_FR_VOLATILE_DBE_DETECTED)
 - row remapping failed -> fail (DCGM_FR_ROW_REMAP_FAILURE; the kernel logs it as Xid 64)
 - a row remap pending -> warn, reset the GPU to apply it (DCGM_FR_PENDING_ROW_REMAP)
-- retired pages >= ``health.retired_pages_fail`` (60, DCGM_LIMIT_MAX_RETIRED_PAGES) -> fail;
+- retired pages >= ``health.retired_pages_fail`` (63, DCGM_LIMIT_MAX_RETIRED_PAGES) -> fail;
   >= ``health.retired_pages_warn`` (15, DCGM_LIMIT_MAX_RETIRED_PAGES_SOFT_LIMIT) -> warn;
   pages pending retirement -> warn (DCGM_FR_PENDING_PAGE_RETIREMENTS)
 - temperature within ``health.temp_margin_c`` (5 degC, a ds-ops choice: DCGM's thermal watch

@@ -155,7 +155,7 @@ def test_temperature_margin_comes_from_the_config(host):
     (h200(ecc={"volatile_corrected": 3, "volatile_uncorrected": 2, "aggregate_corrected": 9,
                "aggregate_uncorrected": 2}), "ecc", "2 uncorrected (double-bit) ECC errors"),
     (h200(remapped_rows=(0, 8, 0, 1)), "remapped_rows", "row remapping failed"),
-    (v100(retired_pages=(40, 20, 0)), "retired_pages", "60 retired pages >= limit 60"),
+    (v100(retired_pages=(40, 23, 0)), "retired_pages", "63 retired pages >= limit 63"),
     (h200(temperature_c=88, shutdown_c=92, slowdown_c=80), "temperature", "within 5 °C of the shutdown threshold 92 °C"),
     (h200(lost=True), "gpu", "GPU is lost"),
 ])
@@ -314,7 +314,7 @@ def test_shipped_conffile_health_section_equals_the_defaults():
 
     assert load_config(str(REPO / "etc" / "ds-ops" / "trainer.yaml")).health == HealthConfig()
     assert dataclasses.asdict(HealthConfig()) == {"on_fail": "cpu", "retry_s": 300.0, "temp_margin_c": 5,
-                                                 "retired_pages_warn": 15, "retired_pages_fail": 60}
+                                                 "retired_pages_warn": 15, "retired_pages_fail": 63}
 
 
 # --- ds-ops doctor and ds-ops train --------------------------------------------------------------
