@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test bench eval clean
+.PHONY: venv demo test bench eval clean deb lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -33,3 +33,26 @@ eval: venv
 
 clean:
 	rm -rf build $(VENV) *.egg-info
+
+# Debian package (debian/): built from a copy of the tree's tracked and unignored files in
+# build/deb/src, so local build products never leak in. TORCH=cuda builds the CUDA variant (build
+# profile pkg.ds-ops.cuda, torch from pip's configured index) into build/deb-cuda/.
+TORCH   ?= cpu
+DEBDIR   = build/deb$(if $(filter cuda,$(TORCH)),-cuda)
+DEB      = $(DEBDIR)/ds-ops_$(shell dpkg-parsechangelog -S Version)_$(shell dpkg --print-architecture).deb
+
+deb:
+	rm -rf $(DEBDIR) && mkdir -p $(DEBDIR)/src
+	git ls-files -z --cached --others --exclude-standard \
+	    | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(DEBDIR)/src
+	cd $(DEBDIR)/src && dpkg-buildpackage -b -us -uc $(if $(filter cuda,$(TORCH)),-Ppkg.ds-ops.cuda)
+	@ls -l $(DEB)
+
+lintian:
+	lintian --fail-on error,warning --info --display-info $(DEB)
+
+# End-to-end: boots Debian 12 with systemd in systemd-nspawn and runs the install section of
+# docs/INSTALL.md against the built package (root; root file system cached in /var/cache/ds-ops-e2e).
+e2e: venv
+	test -f $(DEB) || $(MAKE) deb
+	DS_OPS_DEB=$(CURDIR)/$(DEB) $(BIN)/python -m pytest -v -m e2e tests/e2e
