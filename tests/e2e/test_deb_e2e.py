@@ -1,0 +1,260 @@
+"""End-to-end: the built ds-ops .deb in a real Debian 12 booted with systemd 252 (``make e2e``).
+
+One container per run; the tests run in file order and each builds on the previous one, in the
+order of docs/INSTALL.md: offline install, the unit enabled and active, a dataset dropped by a
+member of group ds-ops becomes a model and a journal record, a bad file goes to failed/, restart
+and SIGKILL are survived, purge leaves nothing behind. Needs root; the .deb comes from DS_OPS_DEB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from nspawn import Container, cached_rootfs
+from opt_ds_ops.journal import MESSAGE_IDS
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = "ds-trainer.service"
+SPOOL = "/var/spool/ds-ops"
+MODELS = "/var/models"
+DATASET = "machine-1-2.txt.gz"          # bundled real SMD data, bound read-only at /srv/smd
+MODEL = "machine-1-2"
+USER = "alice"                           # a member of group ds-ops, not root
+BIG = f"/home/{USER}/big.txt.gz"
+TRAIN_TIMEOUT_S = 300
+JOURNAL_FIELDS = ("DS_DATASET", "DS_EPOCH", "DS_LOSS", "DS_MODEL_DIR")
+
+
+@pytest.fixture(scope="module")
+def deb() -> Path:
+    """The .deb under test (make e2e passes the one make deb built)."""
+    if os.geteuid() != 0:
+        pytest.fail("the end-to-end test boots a container: run it as root")
+    path = Path(os.environ.get("DS_OPS_DEB", "")).resolve()
+    if not path.is_file():
+        pytest.fail(f"DS_OPS_DEB={os.environ.get('DS_OPS_DEB')!r} is not a built .deb (make deb)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def box(deb):
+    """A booted Debian 12 container with the .deb's directory at /srv/debs and SMD at /srv/smd."""
+    tarball = cached_rootfs(deb)
+    c = Container(tarball, {deb.parent: "/srv/debs", REPO / "data/smd/train": "/srv/smd"},
+                  log_dir=REPO / "build/e2e")
+    print(f"container {c.name}: extracted in {c.timings['extract_s']:.1f} s, booted in {c.timings['boot_s']:.1f} s")
+    yield c
+    c.save_journal()
+    c.stop()
+
+
+def show(box: Container, prop: str) -> str:
+    """Return one property of the unit (systemctl show -p PROP --value)."""
+    return box.run(["systemctl", "show", "-p", prop, "--value", UNIT]).stdout.strip()
+
+
+def journal(box: Container, *matches: str) -> list[dict]:
+    """Return the unit's journal entries (journalctl -o json), optionally filtered by FIELD=value."""
+    out = box.run(["journalctl", "-u", UNIT, "-o", "json", "--no-pager", *matches]).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def drop(box: Container, source: str, name: str) -> None:
+    """As USER, put source into incoming/ the documented way: write a .part file, then rename."""
+    box.run(f"cp {source} {SPOOL}/incoming/{name}.part && mv {SPOOL}/incoming/{name}.part {SPOOL}/incoming/{name}",
+            user=USER)
+
+
+def versions(box: Container, model: str) -> list[str]:
+    """Return the model's version directories (no hidden temporaries, no 'current')."""
+    r = box.run(["ls", "-1", f"{MODELS}/{model}"], check=False)
+    return sorted(v for v in r.stdout.split() if v != "current" and not v.startswith("."))
+
+
+def wait_model(box: Container, model: str, count: int) -> None:
+    """Wait until the model has count versions and current/ points at a complete one."""
+    box.wait_for(f"test -f {MODELS}/{model}/current/model.pt && test -f {MODELS}/{model}/current/metadata.json "
+                 f"&& test $(ls -1 {MODELS}/{model} | grep -v -e '^current$' -e '^\\.' | wc -l) -ge {count}",
+                 TRAIN_TIMEOUT_S, f"version {count} of model {model}")
+
+
+def make_big_dataset(box: Container) -> None:
+    """As USER, write BIG: the SMD file 8 times over (190k rows), so a job takes seconds, not one."""
+    box.run(f"for i in 1 2 3 4 5 6 7 8; do zcat /srv/smd/{DATASET}; done | gzip -1 > {BIG}", user=USER)
+
+
+def wait_running(box: Container, name: str) -> None:
+    """Wait until the daemon's job record for name says it is running (loading or training)."""
+    box.wait_for(f"grep -q '\"state\": \"running\"' {SPOOL}/processing/.{name}.job.json", 60,
+                 f"the job of {name} to run", interval_s=0.1)
+
+
+def assert_nothing_lost(box: Container, models: list[str]) -> None:
+    """Each model has exactly one version; incoming/ and processing/ are empty; no hidden leftovers."""
+    for model in models:
+        assert len(versions(box, model)) == 1, (model, versions(box, model))
+        listing = box.run(["ls", "-A", f"{MODELS}/{model}"]).stdout.split()
+        assert sorted(listing) == sorted(versions(box, model) + ["current"]), listing
+    box.wait_for(f"test -z \"$(find {SPOOL}/incoming {SPOOL}/processing -mindepth 1)\"", 10,
+                 "empty incoming/ and processing/")
+    assert box.run(["ls", f"{SPOOL}/done"]).stdout.split().count(DATASET) == 1
+
+
+def test_installs_offline_with_apt(box, deb):
+    box.run(["test", "!", "-e", "/usr/sbin/policy-rc.d"])
+    assert box.run(["ls", "/sys/class/net"]).stdout.split() == ["lo"], "the container must have no network"
+    started = time.monotonic()
+    box.run(f"cd /srv/debs && apt-get install -y -q --no-install-recommends ./{deb.name}", timeout=900)
+    print(f"apt install: {time.monotonic() - started:.1f} s")
+    assert box.run(["dpkg-query", "-W", "-f", "${Status}", "ds-ops"]).stdout == "install ok installed"
+
+
+def test_runs_debians_python(box):
+    assert box.run(["readlink", "-f", "/opt/ds-ops/bin/python3"]).stdout.strip().startswith("/usr/bin/python3")
+    assert box.run(["head", "-n1", "/opt/ds-ops/bin/ds-ops"]).stdout.strip() == "#!/opt/ds-ops/bin/python"
+    out = box.run(["ds-ops", "--version"]).stdout
+    assert out.startswith("ds-ops "), out
+
+
+def test_account_and_directories(box):
+    assert box.run(["getent", "passwd", "ds-ops"]).stdout.split(":")[6].strip() == "/usr/sbin/nologin"
+    box.run(["getent", "group", "ds-ops"])
+    stat = {line.split()[0]: line.split()[1:] for line in box.run(
+        ["stat", "-c", "%n %a %U %G", SPOOL, *(f"{SPOOL}/{d}" for d in ("incoming", "processing", "done", "failed")),
+         MODELS, "/etc/ds-ops/trainer.yaml", "/opt/ds-ops"]).stdout.splitlines()}
+    assert stat[SPOOL] == ["750", "ds-ops", "ds-ops"]
+    assert stat[f"{SPOOL}/incoming"] == ["3770", "ds-ops", "ds-ops"]
+    for d in ("processing", "done", "failed"):
+        assert stat[f"{SPOOL}/{d}"] == ["2750", "ds-ops", "ds-ops"]
+    assert stat[MODELS] == ["2750", "ds-ops", "ds-ops"]
+    assert stat["/etc/ds-ops/trainer.yaml"] == ["644", "root", "root"]
+    assert stat["/opt/ds-ops"] == ["755", "root", "root"]
+    world_writable = box.run(["find", "/opt/ds-ops", "/etc/ds-ops", SPOOL, MODELS, "/usr/bin/ds-ops",
+                              "!", "-type", "l", "-perm", "-o+w"]).stdout
+    assert world_writable == ""
+    conffiles = box.run(["cat", "/var/lib/dpkg/info/ds-ops.conffiles"]).stdout.split()
+    assert conffiles == ["/etc/ds-ops/trainer.yaml"]
+
+
+def test_unit_enabled_active_and_verified(box):
+    assert box.run(["systemctl", "is-enabled", UNIT]).stdout.strip() == "enabled"
+    assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active", \
+        box.run(["systemctl", "status", "--no-pager", UNIT], check=False).stdout
+    assert show(box, "User") == "ds-ops"
+    r = box.run(["systemd-analyze", "verify", UNIT], check=False)
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr
+
+
+def test_security_exposure_at_most_3(box):
+    out = box.run(["systemd-analyze", "security", "--no-pager", UNIT], check=False).stdout
+    score = float(re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out).group(1))
+    print(f"systemd-analyze security {UNIT}: {score}")
+    assert score <= 3.0
+
+
+def test_group_member_drops_a_dataset_and_a_model_appears(box):
+    box.run(["useradd", "--create-home", "--groups", "ds-ops", USER])
+    started = time.monotonic()
+    drop(box, f"/srv/smd/{DATASET}", DATASET)
+    wait_model(box, MODEL, 1)
+    print(f"dataset dropped -> model: {time.monotonic() - started:.1f} s")
+    box.wait_for(f"test -f {SPOOL}/done/{DATASET} && test -f {SPOOL}/done/{DATASET}.result.json", 30,
+                 "the dataset and its result in done/")
+    # members of group ds-ops can read the model and the results, without being root
+    box.run(f"cat {MODELS}/{MODEL}/current/metadata.json {SPOOL}/done/{DATASET}.result.json >/dev/null", user=USER)
+    status = json.loads(box.run(["ds-ops", "status", "--json"], user=USER).stdout)
+    assert status["done_count"] == 1 and status["failed_count"] == 0, status
+    box.wait_for(f"test -z \"$(find {SPOOL}/incoming {SPOOL}/processing -mindepth 1)\"", 10, "empty incoming/ and processing/")
+
+
+def test_journal_has_the_jobs_structured_fields(box):
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + 30       # journald writes asynchronously
+    while time.monotonic() < deadline and len(seen) < len(JOURNAL_FIELDS):
+        for entry in journal(box, f"DS_DATASET={MODEL}"):
+            assert entry["_SYSTEMD_UNIT"] == UNIT
+            assert entry["_TRANSPORT"] == "journal", entry
+            seen.update({k: entry[k] for k in JOURNAL_FIELDS if k in entry})
+        time.sleep(0.5)
+    assert set(seen) == set(JOURNAL_FIELDS), seen
+    assert seen["DS_MODEL_DIR"].startswith(f"{MODELS}/{MODEL}/")
+    assert float(seen["DS_LOSS"]) >= 0
+    stages = {e.get("DS_STAGE") for e in journal(box, f"DS_DATASET={MODEL}")}
+    assert {"claimed", "training", "saved"} <= stages, stages
+    epochs = [e for e in journal(box, f"DS_DATASET={MODEL}", "DS_STAGE=training") if "DS_EPOCH" in e]
+    assert len(epochs) == 5                # one line per epoch (trainer.yaml: epochs: 5), none per batch
+
+
+def test_bad_file_goes_to_failed_and_the_unit_stays_active(box):
+    pid = show(box, "MainPID")
+    box.run(f"printf 'not,a,number\\nfoo,bar,baz\\n' > /tmp/garbage.csv", user=USER)
+    drop(box, "/tmp/garbage.csv", "garbage.csv")
+    box.wait_for(f"test -f {SPOOL}/failed/garbage.csv", 60, "garbage.csv in failed/")
+    box.wait_for(f"test -f {SPOOL}/failed/garbage.csv.error.json", 30, "the error report in failed/")
+    error = json.loads(box.run(["cat", f"{SPOOL}/failed/garbage.csv.error.json"], user=USER).stdout)
+    assert error["stage"] and error["reason"], error
+    assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    assert show(box, "MainPID") == pid
+
+
+def test_restart_during_a_job_resumes_it_from_its_checkpoint(box):
+    make_big_dataset(box)
+    pid = show(box, "MainPID")
+    drop(box, BIG, "restarted.txt.gz")
+    wait_running(box, "restarted.txt.gz")
+    box.run(["systemctl", "restart", UNIT], timeout=300)       # SIGTERM: checkpoint, exit 0, start
+    assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    assert show(box, "MainPID") != pid
+    assert show(box, "Result") == "success"
+    wait_model(box, "restarted", 1)
+    box.wait_for(f"test -f {SPOOL}/done/restarted.txt.gz.result.json", 30, "the restarted job's result in done/")
+    result = json.loads(box.run(["cat", f"{SPOOL}/done/restarted.txt.gz.result.json"]).stdout)
+    assert result["resumed_from_epoch"] is not None, result
+    ids = {e["MESSAGE_ID"] for e in journal(box, "DS_DATASET=restarted")}
+    assert {MESSAGE_IDS["job-interrupted"], MESSAGE_IDS["job-resumed"], MESSAGE_IDS["job-saved"]} <= ids
+    assert_nothing_lost(box, ["machine-1-2", "restarted"])
+
+
+def test_sigkill_during_a_job_is_survived(box):
+    restarts = int(show(box, "NRestarts"))
+    pid = show(box, "MainPID")
+    drop(box, BIG, "killed.txt.gz")
+    wait_running(box, "killed.txt.gz")
+    box.run(["kill", "-STOP", pid])                             # freeze it mid-job, check, then kill
+    assert box.run(["test", "-e", f"{SPOOL}/processing/killed.txt.gz"], check=False).returncode == 0, \
+        "the job finished before the SIGKILL: nothing was tested"
+    box.run(["kill", "-KILL", pid])
+    box.wait_for(f"test $(systemctl show -p NRestarts --value {UNIT}) -gt {restarts} && systemctl is-active -q {UNIT}",
+                 120, "Restart=on-failure to bring the unit back")
+    assert show(box, "MainPID") != pid
+    wait_model(box, "killed", 1)
+    box.wait_for(f"test -f {SPOOL}/done/killed.txt.gz.result.json", 30, "the killed job's result in done/")
+    result = json.loads(box.run(["cat", f"{SPOOL}/done/killed.txt.gz.result.json"]).stdout)
+    assert result["crashes"] == 1, result
+    assert_nothing_lost(box, ["machine-1-2", "restarted", "killed"])
+
+
+def test_purge_leaves_no_unit_user_conffile_or_spool(box):
+    box.run(["apt-get", "purge", "-y", "-q", "ds-ops"], timeout=600)
+    assert box.run(["dpkg-query", "-W", "-f", "${Status}", "ds-ops"], check=False).stdout \
+        in ("", "unknown ok not-installed")
+    assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() != "active"
+    r = box.run(["systemctl", "is-enabled", UNIT], check=False)
+    assert r.returncode != 0 and "enabled" not in r.stdout.split()
+    for path in ("/lib/systemd/system/ds-trainer.service", "/etc/systemd/system/multi-user.target.wants/ds-trainer.service",
+                 "/etc/ds-ops", SPOOL, "/opt/ds-ops", "/usr/bin/ds-ops", "/usr/lib/sysusers.d/ds-ops.conf",
+                 "/usr/lib/tmpfiles.d/ds-ops.conf"):
+        box.run(["test", "!", "-e", path, "-a", "!", "-L", path])
+    assert box.run(["getent", "passwd", "ds-ops"], check=False).returncode == 2
+    assert box.run(["getent", "group", "ds-ops"], check=False).returncode == 2
+    # the trained models are the user's data: kept, closed to all but root (see docs/INSTALL.md)
+    assert box.run(["stat", "-c", "%a %U:%G", MODELS]).stdout.strip() == "700 root:root"
+    box.run(["test", "-f", f"{MODELS}/{MODEL}/current/model.pt"])
