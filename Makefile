@@ -49,7 +49,7 @@ deb:
 	@ls -l $(DEB)
 
 lintian:
-	lintian --fail-on error,warning --info --display-info $(DEB)
+	lintian --fail-on error,warning --info $(DEB)
 
 # End-to-end: boots Debian 12 with systemd in systemd-nspawn and runs the install section of
 # docs/INSTALL.md against the built package (root; root file system cached in /var/cache/ds-ops-e2e).

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -31,6 +33,7 @@ USER = "alice"                           # a member of group ds-ops, not root
 BIG = f"/home/{USER}/big.txt.gz"
 TRAIN_TIMEOUT_S = 300
 JOURNAL_FIELDS = ("DS_DATASET", "DS_EPOCH", "DS_LOSS", "DS_MODEL_DIR")
+UPGRADE_DIR = REPO / "build/e2e/upgrade"
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +49,18 @@ def deb() -> Path:
 
 @pytest.fixture(scope="module")
 def box(deb):
-    """A booted Debian 12 container with the .deb's directory at /srv/debs and SMD at /srv/smd."""
+    """A booted Debian 12 container with the .deb's directory at /srv/debs, SMD at /srv/smd and
+    UPGRADE_DIR (for the next version's .deb) at /srv/upgrade."""
     tarball = cached_rootfs(deb)
-    c = Container(tarball, {deb.parent: "/srv/debs", REPO / "data/smd/train": "/srv/smd"},
+    shutil.rmtree(UPGRADE_DIR, ignore_errors=True)
+    UPGRADE_DIR.mkdir(parents=True)
+    c = Container(tarball, {deb.parent: "/srv/debs", REPO / "data/smd/train": "/srv/smd", UPGRADE_DIR: "/srv/upgrade"},
                   log_dir=REPO / "build/e2e")
     print(f"container {c.name}: extracted in {c.timings['extract_s']:.1f} s, booted in {c.timings['boot_s']:.1f} s")
     yield c
     c.save_journal()
     c.stop()
+    shutil.rmtree(UPGRADE_DIR, ignore_errors=True)
 
 
 def show(box: Container, prop: str) -> str:
@@ -240,6 +247,40 @@ def test_sigkill_during_a_job_is_survived(box):
     result = json.loads(box.run(["cat", f"{SPOOL}/done/killed.txt.gz.result.json"]).stdout)
     assert result["crashes"] == 1, result
     assert_nothing_lost(box, ["machine-1-2", "restarted", "killed"])
+
+
+def next_version(deb: Path) -> Path:
+    """Return a copy of deb as the next version (VERSION+e2e1), repacked in UPGRADE_DIR."""
+    tree = UPGRADE_DIR / "tree"
+    subprocess.run(["dpkg-deb", "--raw-extract", str(deb), str(tree)], check=True)
+    control = tree / "DEBIAN/control"
+    version = re.search(r"^Version: (\S+)$", control.read_text(), re.M).group(1)
+    control.write_text(re.sub(r"^Version: .*$", f"Version: {version}+e2e1", control.read_text(), flags=re.M))
+    out = UPGRADE_DIR / deb.name.replace(f"_{version}_", f"_{version}+e2e1_")
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "-z1", "--build", str(tree), str(out)],
+                   check=True, capture_output=True)
+    shutil.rmtree(tree)
+    return out
+
+
+def test_upgrade_keeps_the_conffile_edit_models_and_account(box, deb):
+    conf = "/etc/ds-ops/trainer.yaml"
+    box.run(f"sed -i 's/^  scan_interval_s: .*/  scan_interval_s: 20.0/' {conf} && grep -q 'scan_interval_s: 20.0' {conf}")
+    box.run(["systemctl", "reload", UNIT])                      # SIGHUP: the daemon re-reads it
+    box.wait_for(f"journalctl -u ds-trainer -o cat MESSAGE_ID={MESSAGE_IDS['config-reloaded']} | grep -q .", 30,
+                 "the configuration to be reloaded")
+    uid = box.run(["id", "-u", "ds-ops"]).stdout
+    pid = show(box, "MainPID")
+    new = next_version(deb)
+    box.run(f"cd /srv/upgrade && apt-get install -y -q ./{new.name}", timeout=900, input="")  # no conffile prompt
+    assert box.run(["dpkg-query", "-W", "-f", "${Version}", "ds-ops"]).stdout.endswith("+e2e1")
+    box.run(["grep", "-q", "scan_interval_s: 20.0", conf])      # the admin's edit survives
+    assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    assert show(box, "MainPID") != pid                           # restarted on the new code
+    assert box.run(["id", "-u", "ds-ops"]).stdout == uid
+    assert_nothing_lost(box, ["machine-1-2", "restarted", "killed"])
+    drop(box, f"/srv/smd/{DATASET}", "after-upgrade.txt.gz")
+    wait_model(box, "after-upgrade", 1)
 
 
 def test_purge_leaves_no_unit_user_conffile_or_spool(box):
