@@ -12,6 +12,7 @@ DEMO   ?= machine-1-2
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	scripts/install-build-deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools
 	$(BIN)/pip install --quiet -e '.[test]'
