@@ -1,4 +1,4 @@
-"""File-system primitives shared by the spool and the model store: fsync'ed, atomic writes.
+"""Primitives shared by the spool and the model store: fsync'ed atomic writes, writer liveness.
 
 The pattern is the one POSIX rename(2) guarantees: write a hidden temporary file in the same
 directory, fsync it, rename it over the target, fsync the directory so the rename survives a
@@ -38,3 +38,14 @@ def write_atomic(path: str, data: bytes) -> None:
             pass
         raise
     fsync_dir(directory)
+
+
+def pid_alive(pid: int) -> bool:
+    """Return True if process pid exists (a leftover file's writer that may still be writing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True

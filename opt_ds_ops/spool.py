@@ -24,7 +24,7 @@ import stat
 import tempfile
 import time
 
-from .fsutil import fsync_dir, write_atomic
+from .fsutil import fsync_dir, pid_alive, write_atomic
 
 INCOMING, PROCESSING, DONE, FAILED = "incoming", "processing", "done", "failed"
 SUBDIRS = (INCOMING, PROCESSING, DONE, FAILED)
@@ -353,13 +353,7 @@ def process_alive(pid: int | None, boot: str | None) -> bool:
     """Return True if pid runs now and the record it came from was written during this boot."""
     if not pid or (boot and boot != boot_id()):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def _recent_docs(directory: str, suffix: str, last: int) -> tuple[int, list[dict]]:

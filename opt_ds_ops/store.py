@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from .fsutil import fsync_dir
+from .fsutil import fsync_dir, pid_alive
 from .model import TelemetryAutoencoder
 
 MODEL_FILE = "model.pt"
@@ -87,25 +87,13 @@ def _clean_leftovers(name_dir: str) -> None:
         if not (entry.startswith(".tmp-") or entry.startswith(".current-")):
             continue
         pid = entry.rsplit("-", 1)[-1]
-        if pid.isdigit() and _pid_alive(int(pid)):
+        if pid.isdigit() and pid_alive(int(pid)):
             continue
         full = os.path.join(name_dir, entry)
         if os.path.islink(full) or os.path.isfile(full):
             os.unlink(full)
         else:
             shutil.rmtree(full, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def model_payload(result) -> dict:
