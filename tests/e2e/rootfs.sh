@@ -37,6 +37,8 @@ if [ ! -s "$TARBALL" ]; then
     printf '%s\n' "$PACKAGES" >"$work/root/etc/ds-ops-e2e-packages"
     tar -C "$work/root" --numeric-owner --xattrs --acls -cf - . | zstd -q -T0 -10 >"$TARBALL.tmp"
     mv "$TARBALL.tmp" "$TARBALL"
+    # one package list is in use at a time: drop the root file systems of earlier ones
+    find "$CACHE" -maxdepth 1 -name 'rootfs-*.tar.zst' ! -name "${TARBALL##*/}" -delete
     echo "rootfs: built $TARBALL in $(( $(date +%s) - start )) s, $(du -h "$TARBALL" | cut -f1)" >&2
 fi
 echo "$TARBALL"
