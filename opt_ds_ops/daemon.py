@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, config_to_dict, load_config
 from .dataset import dataset_stem, file_sha256
-from .health import gate_job
+from .health import gate_job, summary_line
 from .job import JobError, run_job
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .notify import Notifier
@@ -143,6 +143,7 @@ class Daemon:
             self._recover()
             self.watcher.tick()
             self.notifier.ready(self._idle_status())
+            self._log_health()
             self.log.event(
                 "daemon-started",
                 f"ds-trainer ready: spool {self.spool.root}, models {self.cfg.models_dir}, device "
@@ -195,6 +196,19 @@ class Daemon:
             return f"deferred {safe_text(self.pending[0])}: {self.defer_reason}; retry in {left:.0f} s; {queued} queued"
         mode = " (polling)" if self.watcher.polling else ""
         return f"idle; {queued} in incoming/{mode}"
+
+    def _log_health(self) -> None:
+        """Run the health gate once at start-up and log its verdict (warning unless ok) with DS_* fields."""
+        try:
+            decision = gate_job(self.cfg, GPU_HEADROOM_BYTES)
+        except Exception as e:  # a broken NVML must not stop the daemon; jobs report it again
+            self.log.event("health", f"health check could not run: {type(e).__name__}: {e}", priority=LOG_WARNING)
+            return
+        verdict = decision.report.get("verdict", "?")
+        plan = decision.plan
+        self.log.event("health", summary_line(decision), priority=LOG_INFO if verdict == "ok" else LOG_WARNING,
+                       verdict=verdict, action=decision.action, device=str(plan.device) if plan else None,
+                       amp_dtype=plan.amp_name if plan else None, gpus=len(decision.report.get("gpus", [])))
 
     # ---- configuration -------------------------------------------------------------------------
     def _reload(self) -> None:
@@ -276,7 +290,8 @@ class Daemon:
         self.log.event("job-health", f"{safe_text(name)}: health gate says {decision.action}"
                        + (f" on {plan.describe()}" if plan else "")
                        + (f": {decision.reason}" if decision.reason and not (plan and plan.reason == decision.reason) else ""),
-                       device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None, **fields)
+                       device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None,
+                       verdict=decision.report.get("verdict"), **fields)
         if decision.action == "defer":
             record["state"] = "deferred"
             write_json(self.spool.record_path(name), record)

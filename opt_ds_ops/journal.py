@@ -31,6 +31,7 @@ MESSAGE_IDS = {
     "config-reloaded": "c15aa3b7bc9240b29fbbd4bd09154ef6",
     "config-rejected": "a362d381ace24b4ba35360eaafda0aff",
     "watcher": "e5b929cbc8ff42bbb7bf35ff3ab5d169",
+    "health": "9c1f0b7e2d4a4f4b8e6a5d3c2b1a0f9e",
     "job-claimed": "5138708e57404afe950773804e1013a9",
     "job-health": "276eec48a55843089ea3bf5c186f7cc6",
     "job-deferred": "2ba62a91b97e45c2ae85a7816effba35",

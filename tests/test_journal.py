@@ -140,6 +140,10 @@ def test_the_daemon_logs_each_job_stage_with_fields_journalctl_can_match(tmp_pat
     (failed,) = [e for e in entries if e.get("DS_DATASET") == "broken" and e["DS_STAGE"] == "failed"]
     assert failed["MESSAGE_ID"] == MESSAGE_IDS["job-failed"] and failed["PRIORITY"] == "3"
     assert failed["DS_FAILED_STAGE"] == "dataset" and "line 2, column 2" in failed["MESSAGE"]
+    # start-up health check, once, with the verdict and the device (device: cpu needs no driver: ok)
+    (health,) = [e for e in entries if e["MESSAGE_ID"] == MESSAGE_IDS["health"]]
+    assert health["PRIORITY"] == "6" and health["DS_VERDICT"] == "ok" and health["DS_DEVICE"] == "cpu"
+    assert [e["DS_VERDICT"] for e in good if e["DS_STAGE"] == "health"] == ["ok"]
 
 
 def _events(capture) -> str:
