@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 bad input or configuration (one message on stderr, no t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ds-ops: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout went away (`ds-ops ... | head`): stop quietly, as other command-line tools do; point
+        # stdout at /dev/null so the interpreter's final flush does not raise again (Python docs, signal).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -187,7 +187,8 @@ def with_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
         for p in parents:
             node = node[p]
         node[leaf] = value
-    return dataclasses.replace(_build(Config, raw, f"command line (over {cfg.source})"), source=cfg.source)
+    where = "command line" if cfg.source == "<defaults>" else f"command line (over {cfg.source})"
+    return dataclasses.replace(_build(Config, raw, where), source=cfg.source)
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -15,7 +15,8 @@ SMD = REPO / "data" / "smd"
 SMD_TRAIN = SMD / "train" / "machine-1-2.txt.gz"
 SMD_TEST = SMD / "test" / "machine-1-2.txt.gz"
 SMD_LABELS = SMD / "test_label" / "machine-1-2.txt.gz"
-SHARED_SMD = REPO.parent / "shared" / "data" / "smd"
+# The ten labelled SMD machines: ../shared/data/smd beside the checkout (CI lays it there), or $DS_OPS_SMD_DIR.
+SHARED_SMD = Path(os.environ.get("DS_OPS_SMD_DIR", REPO.parent / "shared" / "data" / "smd"))
 
 
 @pytest.fixture(scope="session")

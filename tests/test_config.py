@@ -74,6 +74,6 @@ def test_int_is_accepted_for_a_float_key(tmp_path):
 def test_overrides_replace_validate_and_ignore_none():
     cfg = with_overrides(Config(), {"train.epochs": 2, "models_dir": "/tmp/m", "device": None})
     assert cfg.train.epochs == 2 and cfg.models_dir == "/tmp/m" and cfg.device == "auto"
-    with pytest.raises(ConfigError, match="command line .*key 'train.epochs' must be an integer >= 1, got -3"):
+    with pytest.raises(ConfigError, match="^command line: key 'train.epochs' must be an integer >= 1, got -3"):
         with_overrides(Config(), {"train.epochs": -3})
     assert config_to_dict(cfg)["train"]["epochs"] == 2

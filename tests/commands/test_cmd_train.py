@@ -91,3 +91,16 @@ def test_usage_errors_exit_2_and_missing_gpu_exits_1(tmp_path, small_smd_csv):
     assert run_cli("train", str(small_smd_csv), "--amp", "fp8").returncode == 2
     p = run_cli("train", str(small_smd_csv), "--device", "cuda", "--models-dir", str(tmp_path))
     assert p.returncode == 1 and "no CUDA GPU" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_closed_stdout_pipe_ends_quietly(tmp_path, small_smd_csv):
+    """``ds-ops train ... | head -1``: no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cmd = (f"{sys.executable} -m opt_ds_ops.cli train {small_smd_csv} --models-dir {tmp_path} "
+           f"--epochs 3 --device cpu 2>{tmp_path / 'err'} | head -c 10 >/dev/null")
+    subprocess.run(["bash", "-c", cmd], env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, timeout=300)
+    assert "Traceback" not in (tmp_path / "err").read_text()
