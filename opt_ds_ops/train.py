@@ -200,7 +200,7 @@ def train(
     bounds = batch_bounds(n, cfg.batch_size)
     history: list[EpochStats] = []
     start_epoch, start_batch = 0, 0
-    carried = {"loss_sum": 0.0, "nonfinite": 0, "skipped": 0, "seconds": 0.0}
+    carried = _NOTHING_CARRIED
     if resume is not None:
         if resume.get("rows_train") != n or resume.get("model_args") != model.model_args():
             raise TrainingError("checkpoint does not match this dataset and configuration")
@@ -211,6 +211,9 @@ def train(
         start_epoch, start_batch = resume["epoch"], resume["batch"]
         carried = resume["partial"]
     buf = torch.empty_like(x_train)
+    sizes = torch.tensor([e - s for s, e in bounds], dtype=torch.float32, device=device)
+    batch_loss = torch.zeros(len(bounds), device=device)  # each batch's mean loss, read once an epoch
+    step_skipped = torch.zeros(len(bounds), dtype=torch.bool, device=device)
     skipped_total = sum(h.skipped_steps for h in history)
 
     for epoch in range(start_epoch, cfg.epochs):
@@ -219,9 +222,8 @@ def train(
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
         perm = torch.randperm(n, generator=gen).to(x_train.device)
         torch.index_select(x_train, 0, perm, out=buf)
-        loss_sum = torch.tensor(carried["loss_sum"], device=device)
-        nonfinite = torch.tensor(carried["nonfinite"], device=device)
-        skipped = torch.tensor(carried["skipped"], device=device)
+        batch_loss.zero_()
+        step_skipped.zero_()
         for b in range(start_batch, len(bounds)):
             s, e = bounds[b]
             xb = buf[s:e].to(device, non_blocking=True)
@@ -236,18 +238,16 @@ def train(
             scaler.step(optimizer)
             scaler.update()
             if scaler.is_enabled():
-                skipped += scaler._scale < scale_before
-            finite = torch.isfinite(loss)
-            nonfinite += ~finite
-            loss_sum += torch.where(finite, loss.detach(), 0.0) * (e - s)
+                step_skipped[b] = scaler._scale < scale_before
+            batch_loss[b] = loss.detach()
             if should_stop is not None and b + 1 < len(bounds) and should_stop():
-                raise TrainingInterrupted(
-                    _checkpoint(model, optimizer, scaler, n, epoch, b + 1, history, loss_sum, nonfinite, skipped,
+                partial = _sums(batch_loss, step_skipped, sizes, start_batch, b + 1, carried,
                                 carried["seconds"] + time.perf_counter() - t0)
-                )
-        seconds = carried["seconds"] + time.perf_counter() - t0
-        start_batch, carried = 0, {"loss_sum": 0.0, "nonfinite": 0, "skipped": 0, "seconds": 0.0}
-        n_nonfinite, n_skipped = int(nonfinite), int(skipped)
+                raise TrainingInterrupted(_checkpoint(model, optimizer, scaler, n, epoch, b + 1, history, partial))
+        sums = _sums(batch_loss, step_skipped, sizes, start_batch, len(bounds), carried,
+                     carried["seconds"] + time.perf_counter() - t0)
+        start_batch, carried = 0, _NOTHING_CARRIED
+        seconds, n_nonfinite, n_skipped = sums["seconds"], sums["nonfinite"], sums["skipped"]
         if n_nonfinite and not scaler.is_enabled():
             raise TrainingError(f"non-finite loss in epoch {epoch + 1} ({n_nonfinite} of {len(bounds)} batches)")
         if scaler.is_enabled() and n_skipped == len(bounds):
@@ -257,8 +257,8 @@ def train(
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise TrainingError(f"non-finite weights after epoch {epoch + 1}")
         val_loss = float(feature_errors(model, x_val).mean()) if x_val is not None else None
-        counted = n - _rows_in_nonfinite(n_nonfinite, n, len(bounds))
-        stats = EpochStats(epoch + 1, float(loss_sum) / max(counted, 1), val_loss, n / seconds, seconds, n_skipped)
+        train_loss = sums["loss_sum"] / max(sums["rows_counted"], 1)
+        stats = EpochStats(epoch + 1, train_loss, val_loss, n / seconds, seconds, n_skipped)
         skipped_total += n_skipped
         history.append(stats)
         if on_epoch is not None:
@@ -290,12 +290,27 @@ def train(
     )
 
 
-def _rows_in_nonfinite(n_nonfinite: int, n: int, n_batches: int) -> int:
-    """Approximate rows in batches whose loss was non-finite (only fp16 skips reach here)."""
-    return round(n * n_nonfinite / n_batches) if n_nonfinite else 0
+_NOTHING_CARRIED = {"loss_sum": 0.0, "rows_counted": 0, "nonfinite": 0, "skipped": 0, "seconds": 0.0}
 
 
-def _checkpoint(model, optimizer, scaler, n, epoch, batch, history, loss_sum, nonfinite, skipped, seconds) -> dict:
+def _sums(batch_loss, step_skipped, sizes, lo: int, hi: int, carried: dict, seconds: float) -> dict:
+    """Return an epoch's sums over batches lo..hi-1 plus what a resumed run carried in (one sync).
+
+    ``loss_sum``: sum over rows of the per-row loss in batches with a finite loss; ``rows_counted``:
+    their rows; ``nonfinite``: batches with a non-finite loss; ``skipped``: steps GradScaler skipped.
+    """
+    losses, rows = batch_loss[lo:hi], sizes[lo:hi]
+    finite = torch.isfinite(losses)
+    return {
+        "loss_sum": carried["loss_sum"] + float(torch.where(finite, losses * rows, 0.0).sum()),
+        "rows_counted": carried["rows_counted"] + int(rows[finite].sum()),
+        "nonfinite": carried["nonfinite"] + int((~finite).sum()),
+        "skipped": carried["skipped"] + int(step_skipped[lo:hi].sum()),
+        "seconds": seconds,
+    }
+
+
+def _checkpoint(model, optimizer, scaler, n, epoch, batch, history, partial: dict) -> dict:
     """Return a checkpoint dict of plain tensors and numbers (loads with weights_only=True)."""
     return {
         "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
@@ -306,5 +321,5 @@ def _checkpoint(model, optimizer, scaler, n, epoch, batch, history, loss_sum, no
         "epoch": epoch,
         "batch": batch,
         "history": [h.as_dict() for h in history],
-        "partial": {"loss_sum": float(loss_sum), "nonfinite": int(nonfinite), "skipped": int(skipped), "seconds": seconds},
+        "partial": partial,
     }
