@@ -168,7 +168,8 @@ def test_security_exposure_at_most_3(box):
 
 
 def test_group_member_drops_a_dataset_and_a_model_appears(box):
-    box.run(["useradd", "--create-home", "--groups", "ds-ops", USER])
+    box.run(["useradd", "--create-home", USER])                  # an existing user ...
+    box.run(["usermod", "-aG", "ds-ops", USER])                  # ... joins group ds-ops (README)
     started = time.monotonic()
     drop(box, f"/srv/smd/{DATASET}", DATASET)
     wait_model(box, MODEL, 1)
