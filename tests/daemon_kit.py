@@ -116,6 +116,19 @@ class Daemon:
         self._log.close()
 
 
+def run_until(conf: Path, predicate, what: str, **daemon_kwargs) -> "Daemon":
+    """Start a daemon on conf, wait until predicate() is true, stop it with SIGTERM and assert it
+    exited 0; return it (its log stays readable). The process is killed if anything fails first."""
+    d = Daemon(conf, **daemon_kwargs)
+    try:
+        d.wait_until(predicate, what)
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
+    return d
+
+
 class NotifySocket:
     """A unix datagram socket standing in for systemd's NOTIFY_SOCKET; a thread collects the messages
     (as systemd does: an unread socket fills after 10 datagrams and blocks the sender)."""

@@ -16,7 +16,7 @@ import pytest
 from conftest import SMD_TRAIN, run_cli
 from daemon_kit import (
     SMD_ROWS, START_TIMEOUT_S, Daemon, NotifySocket, base_env, copy_smd, done_names, drop_dac_capabilities,
-    failed_names, job_record, read_json, spool_dir, versions, write_config,
+    failed_names, job_record, read_json, run_until, spool_dir, versions, write_config,
 )
 
 
@@ -195,13 +195,7 @@ def test_sigkill_during_training_then_restart_completes_with_exactly_one_model(t
     assert versions(tmp_path, "machine-1-2") == []  # nothing half-written visible
     assert job_record(tmp_path, "machine-1-2.txt.gz")["state"] == "running"
 
-    d2 = Daemon(conf)
-    try:
-        d2.wait_until(lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to complete after restart")
-        rc, _ = d2.stop()
-        assert rc == 0
-    finally:
-        d2.kill()
+    run_until(conf, lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to complete after restart")
     assert len(versions(tmp_path, "machine-1-2")) == 1
     result = read_json(spool_dir(tmp_path, "done") / "machine-1-2.txt.gz.result.json")
     assert result["crashes"] == 1 and result["epochs"] == 60 and len(result["history"]) == 60
@@ -227,13 +221,7 @@ def test_model_saved_just_before_a_sigkill_is_not_trained_again(tmp_path, record
     if recorded == "saved":
         record.update(state="saved", model_dir=model_dir)
         (processing / f".{dataset.name}.job.json").write_text(json.dumps(record))
-    d = Daemon(conf)
-    try:
-        d.wait_until(lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to be finished")
-        rc, _ = d.stop()
-        assert rc == 0
-    finally:
-        d.kill()
+    d = run_until(conf, lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to be finished")
     assert versions(tmp_path, "machine-1-2") == [os.path.basename(model_dir)]
     result = read_json(spool_dir(tmp_path, "done") / "machine-1-2.txt.gz.result.json")
     assert result["model_dir"] == model_dir and result["job_id"] == record["job_id"]
@@ -253,12 +241,7 @@ def test_a_model_of_the_same_file_from_before_the_claim_does_not_count(tmp_path)
     record = {"job_id": "20991130T000000Z-abcdef", "dataset": dataset.name, "state": "running", "crashes": 0,
               "claimed_at": "2099-01-01T00:00:00.000000Z", "model_name": "machine-1-2"}
     (processing / f".{dataset.name}.job.json").write_text(json.dumps(record))
-    d = Daemon(conf)
-    try:
-        d.wait_until(lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to be trained")
-        d.stop()
-    finally:
-        d.kill()
+    run_until(conf, lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to be trained")
     assert len(versions(tmp_path, "machine-1-2")) == 2
 
 
@@ -311,12 +294,7 @@ def test_sigterm_during_training_exits_0_within_10_s_and_the_restart_resumes_the
     job = json.loads(status.stdout)["processing"][0]
     assert job["dataset"] == "machine-1-2.txt.gz" and job["checkpoint"] is True and job["daemon_alive"] is False
 
-    d2 = Daemon(conf)
-    try:
-        d2.wait_until(lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the resumed job to complete")
-        d2.stop()
-    finally:
-        d2.kill()
+    d2 = run_until(conf, lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the resumed job to complete")
     result = read_json(spool_dir(tmp_path, "done") / "machine-1-2.txt.gz.result.json")
     assert result["resumed_from_epoch"] == record["epoch"] + 1
     assert result["crashes"] == 0 and len(result["history"]) == 60
@@ -334,19 +312,9 @@ def test_files_present_at_start_up_and_dropped_while_the_daemon_was_down_are_pro
     incoming = spool_dir(tmp_path, "incoming")
     incoming.mkdir(parents=True)
     copy_smd(incoming / "before-start.txt.gz")
-    d = Daemon(conf)
-    try:
-        d.wait_until(lambda: done_names(tmp_path) == {"before-start.txt.gz"}, "the file present at start-up")
-        assert d.stop()[0] == 0
-    finally:
-        d.kill()
+    run_until(conf, lambda: done_names(tmp_path) == {"before-start.txt.gz"}, "the file present at start-up")
     copy_smd(incoming / "while-down.txt.gz")
-    d2 = Daemon(conf)
-    try:
-        d2.wait_until(lambda: "while-down.txt.gz" in done_names(tmp_path), "the file dropped while down")
-        assert d2.stop()[0] == 0
-    finally:
-        d2.kill()
+    run_until(conf, lambda: "while-down.txt.gz" in done_names(tmp_path), "the file dropped while down")
     assert len(versions(tmp_path, "before-start")) == 1 and len(versions(tmp_path, "while-down")) == 1
 
 
