@@ -345,10 +345,9 @@ class Daemon:
 
     def _on_epoch(self, name: str, record: dict, s: EpochStats, fields: dict, plan) -> None:
         total = self.cfg.train.epochs
-        val = f" val_loss={s.val_loss:.6f}" if s.val_loss is not None else ""
         self.log.event(
             "job-epoch",
-            f"{safe_text(name)}: epoch {s.epoch}/{total} loss={s.train_loss:.6f}{val} {s.samples_per_s:,.0f} samples/s",
+            f"{safe_text(name)}: {s.line(total)}",
             epoch=s.epoch, epochs=total, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
             device=str(plan.device), amp_dtype=plan.amp_name, **fields,
         )

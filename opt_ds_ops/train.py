@@ -53,6 +53,12 @@ class EpochStats:
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def line(self, epochs: int) -> str:
+        """One human line: ``epoch 2/5 loss=0.843029 val_loss=1.013831 1,312,349 samples/s``."""
+        val = f" val_loss={self.val_loss:.6f}" if self.val_loss is not None else ""
+        skipped = f" skipped_steps={self.skipped_steps}" if self.skipped_steps else ""
+        return f"epoch {self.epoch}/{epochs} loss={self.train_loss:.6f}{val} {self.samples_per_s:,.0f} samples/s{skipped}"
+
 
 @dataclass
 class TrainResult:

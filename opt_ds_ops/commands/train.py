@@ -27,12 +27,6 @@ def add_parser(sub) -> None:
     t.set_defaults(func=run)
 
 
-def _epoch_line(s: EpochStats, total: int) -> str:
-    val = f" val_loss={s.val_loss:.6f}" if s.val_loss is not None else ""
-    skipped = f" skipped_steps={s.skipped_steps}" if s.skipped_steps else ""
-    return f"epoch {s.epoch}/{total} loss={s.train_loss:.6f}{val} {s.samples_per_s:,.0f} samples/s{skipped}"
-
-
 def _is_asked(device, spec: str) -> bool:
     """True if torch.device ``device`` is what ``--device spec`` asked for (cuda matches any cuda:N)."""
     return str(device) == spec or device.type == spec
@@ -63,9 +57,9 @@ def run(args) -> int:
         if bar is not None:
             bar.set_postfix(loss=f"{s.train_loss:.4f}", val=f"{s.val_loss or 0:.4f}")
             bar.update(1)
-            bar.write(_epoch_line(s, cfg.train.epochs), file=sys.stderr)
+            bar.write(s.line(cfg.train.epochs), file=sys.stderr)
         else:
-            print(_epoch_line(s, cfg.train.epochs), flush=True)
+            print(s.line(cfg.train.epochs), flush=True)
 
     if not args.json:
         health = "" if gate.report["verdict"] == "ok" else f"; {summary_line(gate)}"
