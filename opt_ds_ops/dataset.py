@@ -286,8 +286,3 @@ def _load_array(path: str, fmt: str) -> np.ndarray:
     if obj.is_complex() or obj.dtype == torch.bool:
         raise DatasetError(f"{path}: tensor has dtype {obj.dtype}; need a real number dtype")
     return _check_array(path, obj.float().numpy())
-
-
-def as_float32(data: np.ndarray) -> np.ndarray:
-    """Return data as float32 without copying when it already is (a memmap stays a memmap)."""
-    return data if data.dtype == np.float32 else np.asarray(data, dtype=np.float32)

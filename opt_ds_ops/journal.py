@@ -115,10 +115,6 @@ class EventLog:
             except ImportError as e:
                 self._line(LOG_WARNING, f"systemd-python is not importable ({e}); logging to stderr")
 
-    @property
-    def to_journal(self) -> bool:
-        return self._journal is not None
-
     def event(self, event: str, message: str, *, priority: int = LOG_INFO, **fields) -> None:
         """Log one event of type ``event`` (a key of MESSAGE_IDS) with ``DS_*`` fields.
 
