@@ -216,7 +216,9 @@ def train(
         history = [EpochStats(**h) for h in resume["history"]]
         start_epoch, start_batch = resume["epoch"], resume["batch"]
         carried = resume["partial"]
-    buf = torch.empty_like(x_train)
+    # the epoch's shuffled copy; pinned like x_train when that stays on the host, so that the
+    # per-batch non_blocking copies to the GPU are asynchronous (empty_like would not pin it)
+    buf = torch.empty(x_train.shape, dtype=x_train.dtype, device=x_train.device, pin_memory=placement == "pinned-host")
     sizes = torch.tensor([e - s for s, e in bounds], dtype=torch.float32, device=device)
     batch_loss = torch.zeros(len(bounds), device=device)  # each batch's mean loss, read once an epoch
     step_skipped = torch.zeros(len(bounds), dtype=torch.bool, device=device)
