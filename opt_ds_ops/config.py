@@ -67,6 +67,75 @@ class SpoolConfig:
     max_dataset_bytes: int = _field(4 * 1024**3, _positive, "bytes > 0")
     watcher: str = _field("inotify", lambda v: v in ("inotify", "poll"), "one of inotify, poll")
     max_crashes: int = _field(3, _positive, "an integer >= 1")
+    quiet_s: float = _field(60.0, _non_negative, "seconds >= 0")
+    max_failed: int = _field(1000, _positive, "an integer >= 1")
+
+
+def _size_ok(v: str) -> bool:
+    try:
+        parse_size(v, 1 << 40)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_size(value: str, total: int) -> int:
+    """Return a size in bytes from ``"8589934592"``, ``"8G"`` (K/M/G/T, powers of 1024) or ``"50%"`` of total.
+
+    The forms systemd's ``MemoryMax=`` takes. Raises ValueError for anything else or a size <= 0.
+    """
+    text = str(value).strip()
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+    try:
+        if text.endswith("%"):
+            pct = float(text[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError
+            size = int(total * pct / 100)
+        elif text[-1:].upper() in units:
+            size = int(float(text[:-1]) * units[text[-1].upper()])
+        else:
+            size = int(text)
+    except (ValueError, IndexError):
+        raise ValueError(f"not a size: {value!r}") from None
+    if size <= 0:
+        raise ValueError(f"not a size > 0: {value!r}")
+    return size
+
+
+def mem_total_bytes() -> int:
+    """Return the machine's RAM (bytes) from ``os.sysconf`` (MemTotal)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Limits of one training job, which runs in its own process under the daemon.
+
+    ``memory_max``: the job process's memory (``RLIMIT_DATA``; systemd's size forms: bytes, ``8G``
+    or a percentage of RAM). ``max_decompressed_bytes``: bytes a compressed dataset (``.gz``,
+    ``.npz`` member) may inflate to. ``max_columns``: metrics per row (the model's weights grow
+    with it). ``max_matrix_bytes``: the float32 matrix (rows x columns x 4 bytes); 0 = a quarter
+    of ``memory_max``, since training holds about four copies (the parse buffer, the training
+    split, its standardised copy and the epoch's shuffled copy). ``stall_timeout_s``: a job that
+    reports nothing for this long (no epoch, no batch) is killed. ``health_timeout_s``: the
+    health gate (NVML) may take this long before the job is deferred as hung.
+    """
+
+    memory_max: str = _field("50%", _size_ok, "bytes, a size like 8G, or a percentage of RAM like 50%")
+    max_decompressed_bytes: int = _field(16 * 1024**3, _positive, "bytes > 0")
+    max_columns: int = _field(4096, _positive, "an integer >= 1")
+    max_matrix_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: a quarter of memory_max)")
+    stall_timeout_s: float = _field(600.0, _positive, "seconds > 0")
+    health_timeout_s: float = _field(30.0, _positive, "seconds > 0")
+
+    def memory_max_bytes(self) -> int:
+        """Return ``memory_max`` in bytes (a percentage is of this machine's RAM)."""
+        return parse_size(self.memory_max, mem_total_bytes())
+
+    def matrix_budget_bytes(self) -> int:
+        """Return the largest float32 matrix (bytes) a job may load: ``max_matrix_bytes`` or memory_max / 4."""
+        return self.max_matrix_bytes or self.memory_max_bytes() // 4
 
 
 @dataclass(frozen=True)
@@ -100,16 +169,19 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     spool: SpoolConfig = field(default_factory=SpoolConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    job: JobConfig = field(default_factory=JobConfig)
     source: str = field(default="<defaults>", compare=False)
 
 
-_SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig}
+_SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig, "job": JobConfig}
 
 
 def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     """Return value as typ (an int is accepted where a float is asked), or raise ConfigError."""
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # a size given as a plain number of bytes
     if typ in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {value!r}")
     if not isinstance(value, typ):
