@@ -1,78 +1,67 @@
-"""The ``ds-trainer`` daemon: one job at a time from the spool, for months without attention.
+"""The ``ds-trainer`` daemon: the spool's jobs, one at a time, each in its own process, for months.
 
-The main loop (one thread) does, in order: reload the conffile after SIGHUP; rescan incoming/
-when due; run a job left in processing/ (crash recovery, deferred jobs) or claim the oldest ready
-file in incoming/; else sleep a tick. One job: claim (rename into processing/) -> health gate ->
-train (:func:`opt_ds_ops.job.run_job`) -> model store -> done/ or failed/ with a JSON beside the
-dataset. Every failure is caught at that boundary, reported with its stage, and the loop goes on.
-Only an unusable configuration or an unwritable spool or models directory stops the daemon.
+The main loop (one thread) never parses or trains and never blocks on anything a user controls.
+In order, each tick: reload the conffile after SIGHUP; rescan incoming/ when due; look after the
+running job (its messages, its exit, a stall, a stop); else start a queued job or claim the
+oldest ready file in incoming/ (:func:`opt_ds_ops.spool.claim`: the bytes are copied into the
+job's own directory); else sleep a tick. A job: health gate -> dataset -> training -> model store,
+in a process of its own (:mod:`opt_ds_ops.worker`), then done/ or failed/ with a JSON beside the
+dataset.
 
-Never trained twice: the job record (processing/.NAME.job.json) is marked ``saved`` with the
-model directory before the dataset moves to done/; a SIGKILL between the model store's rename and
-that mark is caught at start-up by finding a version of the model whose metadata has the
-dataset's sha256 and a training start after the claim. SIGTERM: the training loop stops at the
-next batch, the checkpoint (model, optimizer, GradScaler, epoch) goes to processing/ atomically
-and the process exits 0; the next start resumes from it.
+**Blame where it belongs.** What a user dropped can fail only its own job: it is refused to
+failed/ with the stage and reason, or (not a regular file) reported once and left in incoming/.
+An out-of-memory kill, SIGBUS or crash of a job process is that job's crash (``crashes`` in its
+record; failed/ after ``spool.max_crashes``). An error of the file system itself (ENOSPC, EDQUOT,
+EROFS, EIO on the spool or the model store) pauses intake with a ``STATUS=`` line and retries with
+back-off (5 s doubling to 5 min) while the watchdog stays fed; it counts against no dataset. A
+death of the daemon (SIGKILL, OOM kill, power loss) counts against no dataset either: at start-up
+every job in processing/ is run again, resumed from its checkpoint if it has one.
+
+**Recovery by identity.** A job's model version records the job id in metadata.json. Before a
+job (re)starts, the store is asked for a version with its job id
+(:func:`opt_ds_ops.store.find_job_version`): if there is one, publishing ``current`` is replayed
+and the job finishes in done/ without training again, whatever the clocks say.
+
+SIGTERM: a job in its health or dataset stage is killed at once (it restarts from scratch on the
+next start); a training job writes its checkpoint and stops at the next batch; then the daemon
+exits 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
 import signal
+import threading
 import time
-import traceback
-import uuid
-from datetime import datetime, timezone
 
-from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, config_to_dict, load_config
-from .dataset import dataset_stem, file_sha256
+from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from .dataset import dataset_stem
 from .health import gate_job, summary_line
-from .job import JobError, run_job
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .notify import Notifier
 from .spool import (
-    DONE, FAILED, INCOMING, PROCESSING, Spool, SpoolError, check_claimed, check_writable_dir, claim, finish,
-    inspect_entry, load_checkpoint, open_spool, processing_datasets, read_json, remove_orphans, save_checkpoint,
-    write_json, boot_id,
+    DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
+    is_storage_error, job_ids, lock_job, migrate_legacy, open_spool, prune_failed, read_record, recover_claim,
+    save_record, utc_now,
 )
-from .store import METADATA_FILE, StoreError, list_versions, safe_model_name
-from .train import GPU_HEADROOM_BYTES, EpochStats, TrainingInterrupted, utc_now
+from .store import StoreError, find_job_version, publish, safe_model_name
+from .train import GPU_HEADROOM_BYTES
 from .watcher import IncomingWatcher
+from . import worker
 
 TICK_S = 0.5  # idle loop period (seconds): the latency of SIGTERM, SIGHUP and new files when idle
-STEP_BUDGET_S = 120.0  # watchdog budget for one loop tick or one training batch/epoch end (seconds)
-LOAD_BYTES_PER_S = 5e6  # pessimistic dataset parse rate for the watchdog budget of a job's first step
-STOP_EXTEND_S = 30.0  # EXTEND_TIMEOUT_USEC asked for while writing a checkpoint on SIGTERM
-CRASH_STATES = ("claimed", "running")  # a record found in these states at start-up means the daemon died
-
-
-def new_job_id() -> str:
-    """Return a job id that sorts by claim time: ``20261130T014242Z-3f9a2c``."""
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
-
-
-def _parse_utc(stamp: str) -> float | None:
-    try:
-        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-def matrix_bytes_estimate(name: str, size_bytes: int) -> int:
-    """Return the float32 matrix size (bytes) a dataset file is expected to load to, for the
-    watchdog budget of parsing it. Rough: text holds about 2 bytes per float32 byte, gzip about 4x
-    more; arrays hold the matrix itself."""
-    low = name.lower()
-    if low.endswith(".gz"):
-        return 4 * size_bytes
-    if low.endswith((".npy", ".npz", ".pt")):
-        return 2 * size_bytes
-    return size_bytes
+STEP_BUDGET_S = 120.0  # watchdog budget for one loop tick (seconds); the loop never waits on a job
+STOP_EXTEND_S = 30.0  # EXTEND_TIMEOUT_USEC asked for while a job writes its checkpoint on SIGTERM
+START_EXTEND_S = 300.0  # EXTEND_TIMEOUT_USEC while the forkserver imports torch at start-up
+BACKOFF_S = (5.0, 300.0)  # first and longest pause of intake after a file system error (seconds)
+HEALTH_LOG_TIMEOUT_S = 30.0  # the start-up health report gives up waiting on NVML after this (seconds)
 
 
 def result_doc(record: dict, metadata: dict) -> dict:
     """Return NAME.result.json's content from the job record and the model's metadata.json."""
-    claimed = _parse_utc(record.get("claimed_at", ""))
+    claimed = record.get("claimed_at")
     return {
         "job_id": record["job_id"],
         "dataset": record.get("dataset"),
@@ -92,30 +81,37 @@ def result_doc(record: dict, metadata: dict) -> dict:
         "device": metadata.get("device"),
         "amp_dtype": metadata.get("amp_dtype"),
         "training_duration_s": metadata.get("duration_s"),
-        "claimed_at": record.get("claimed_at"),
+        "claimed_at": claimed,
         "finished_at": utc_now(),
-        "duration_s": round(time.time() - claimed, 3) if claimed else None,
         "resumed_from_epoch": record.get("resumed_from_epoch"),
         "crashes": record.get("crashes", 0),
+        "restarts": record.get("restarts", 0),
     }
 
 
 class Daemon:
-    """The running daemon: configuration, spool, watcher, sd_notify and the job in hand.
+    """The running daemon: configuration, spool, watcher, sd_notify, the queue and the running job.
 
     ``config_path`` is re-read on SIGHUP (``missing_ok``: a missing file means defaults). Create
-    with :func:`start_daemon`, which checks the directories first.
+    with :func:`start_daemon`, which checks the directories first. ``mp_context`` is the
+    multiprocessing context jobs start in (None: the forkserver of :mod:`opt_ds_ops.worker`).
     """
 
     def __init__(self, cfg: Config, spool: Spool, log: EventLog, notifier: Notifier,
-                 config_path: str, missing_ok: bool = False):
+                 config_path: str, missing_ok: bool = False, mp_context=None):
         self.cfg, self.spool, self.log, self.notifier = cfg, spool, log, notifier
         self.config_path, self.missing_ok = config_path, missing_ok
-        self.watcher = IncomingWatcher(spool.dir(INCOMING), settle_s=cfg.spool.settle_s,
+        self.mp_context = mp_context
+        self.watcher = IncomingWatcher(spool.dir(INCOMING), settle_s=cfg.spool.settle_s, quiet_s=cfg.spool.quiet_s,
                                        rescan_s=cfg.spool.scan_interval_s, mode=cfg.spool.watcher)
-        self.pending: list[str] = []  # names in processing/ to (re)run, oldest claim first
-        self.retry_at = 0.0  # monotonic time before which a deferred job is not retried
-        self.defer_reason = ""
+        self.pending: list[str] = []  # job ids in processing/ to (re)run, oldest claim first
+        self.retry_at: dict[str, float] = {}  # job id -> monotonic time before which it is not retried
+        self.defer_reason: dict[str, str] = {}
+        self.records: dict[str, dict] = {}  # job id -> its record (job.json), the daemon's copy
+        self.job: worker.JobProcess | None = None
+        self.paused_until = 0.0
+        self.pause_reason = ""
+        self._backoff = BACKOFF_S[0]
         self.stop_requested = False
         self.reload_requested = False
         self._stopping_sent = False
@@ -128,19 +124,20 @@ class Daemon:
         self.reload_requested = True
 
     def run(self) -> int:
-        """Run until SIGTERM/SIGINT; return the exit code (0 after a clean stop, 1 if the spool broke)."""
+        """Run until SIGTERM/SIGINT and the running job has stopped; return the exit code (0)."""
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
-        self.notifier.keepalive(STEP_BUDGET_S)
+        self.notifier.keepalive(START_EXTEND_S)
         self.notifier.start_watchdog()
+        self.notifier.extend_timeout(START_EXTEND_S)
         how = self.watcher.start()
         self.log.event("watcher", f"watching {self.spool.dir(INCOMING)} with {how}",
                        priority=LOG_WARNING if self.watcher.polling else LOG_INFO)
-        code = 0
         try:
-            self.notifier.extend_timeout(STEP_BUDGET_S)
-            self._recover()
+            if self.mp_context is None:
+                worker.warm_up()
+            self._guarded(self._recover)
             self.watcher.tick()
             self.notifier.ready(self._idle_status())
             self._log_health()
@@ -151,24 +148,40 @@ class Daemon:
                 f"{len(self.pending)} to resume",
                 spool=self.spool.root, model_dir=self.cfg.models_dir,
             )
-            while not self.stop_requested:
+            while not (self.stop_requested and self.job is None):
                 self.notifier.keepalive(STEP_BUDGET_S)
                 if self.reload_requested:
                     self._reload()
-                self.watcher.tick()
-                if not self._step():
+                busy = self._guarded(self._tick)
+                if not busy:
                     self.notifier.status(self._idle_status())
                     time.sleep(TICK_S)
-        except (OSError, SpoolError) as e:
-            self.log.event("daemon-stopping", f"spool {self.spool.root} cannot be written any more: {e}; "
-                           "stopping (the job in processing/ resumes on the next start)", priority=LOG_ERR)
-            code = 1
         finally:
+            if self.job is not None:
+                self.job.kill("the daemon is stopping")
             self._stopping()
             self.watcher.stop()
-        if code == 0:
-            self.log.event("daemon-stopping", "ds-trainer stopped")
-        return code
+        self.log.event("daemon-stopping", "ds-trainer stopped")
+        return 0
+
+    def _guarded(self, step) -> bool:
+        """Run step(); an OSError of the spool or store pauses intake with back-off instead of
+        stopping the daemon (the watchdog stays fed). Return step's result, False after an error."""
+        try:
+            return bool(step())
+        except (OSError, SpoolError) as e:
+            self._pause(f"spool {self.spool.root}: {getattr(e, 'strerror', None) or e}"
+                        + (f" ({e.filename})" if getattr(e, "filename", None) else ""))
+            return False
+
+    def _pause(self, reason: str) -> None:
+        """Pause intake for the current back-off, log it (error) and say so in STATUS=."""
+        delay = self._backoff
+        self._backoff = min(BACKOFF_S[1], self._backoff * 2)
+        self.paused_until = time.monotonic() + delay
+        self.pause_reason = reason
+        self.log.event("intake-paused", f"intake paused for {delay:.0f} s: {reason}", priority=LOG_ERR)
+        self.notifier.status(self._idle_status())
 
     def _stopping(self) -> None:
         """On the way out (first call only): stop the WATCHDOG=1 pings, send STOPPING=1."""
@@ -177,13 +190,22 @@ class Daemon:
             self.notifier.stop_watchdog()
             self.notifier.stopping("stopping")
 
-    def _step(self) -> bool:
-        """Run or claim one job if there is one; return False if there was nothing to do."""
-        if self.pending:
-            if time.monotonic() < self.retry_at:
-                return False
-            self._run_claimed(self.pending.pop(0))
+    def _tick(self) -> bool:
+        """Do one thing; return False if there was nothing to do (the loop then sleeps a tick)."""
+        self.watcher.tick()
+        if self.job is not None:
+            self._watch_job()
             return True
+        if self.stop_requested or time.monotonic() < self.paused_until:
+            return False
+        now = time.monotonic()
+        for job_id in list(self.pending):
+            if now >= self.retry_at.get(job_id, 0.0):
+                self.pending.remove(job_id)
+                self._start(job_id)
+                return True
+        if self.pending:  # a deferred job keeps its place: first come, first served
+            return False
         for name in self.watcher.ready():
             if self._take(name):
                 return True
@@ -191,19 +213,43 @@ class Daemon:
 
     def _idle_status(self) -> str:
         queued = self.watcher.queued()
-        if self.pending and time.monotonic() < self.retry_at:
-            left = self.retry_at - time.monotonic()
-            return f"deferred {safe_text(self.pending[0])}: {self.defer_reason}; retry in {left:.0f} s; {queued} queued"
+        ignored = self.watcher.ignored()
+        tail = f"; {ignored} non-regular entries ignored" if ignored else ""
+        now = time.monotonic()
+        if now < self.paused_until:
+            return f"paused: {self.pause_reason}; retry in {self.paused_until - now:.0f} s; {queued} queued{tail}"
+        if self.pending:
+            job_id = self.pending[0]
+            name = self.records.get(job_id, {}).get("dataset", job_id)
+            left = self.retry_at.get(job_id, 0.0) - now
+            return (f"deferred {safe_text(name)}: {self.defer_reason.get(job_id, '')}; retry in {max(left, 0):.0f} s; "
+                    f"{queued} queued{tail}")
         mode = " (polling)" if self.watcher.polling else ""
-        return f"idle; {queued} in incoming/{mode}"
+        return f"idle; {queued} in incoming/{mode}{tail}"
 
     def _log_health(self) -> None:
-        """Run the health gate once at start-up and log its verdict (warning unless ok) with DS_* fields."""
-        try:
-            decision = gate_job(self.cfg, GPU_HEADROOM_BYTES)
-        except Exception as e:  # a broken NVML must not stop the daemon; jobs report it again
+        """Run the health gate once at start-up, in a thread that is given up on after
+        HEALTH_LOG_TIMEOUT_S (a hung NVML call), and log its verdict (warning unless ok)."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["decision"] = gate_job(self.cfg, GPU_HEADROOM_BYTES)
+            except Exception as e:  # a broken NVML must not stop the daemon; jobs report it again
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="health-at-start", daemon=True)
+        t.start()
+        t.join(min(HEALTH_LOG_TIMEOUT_S, self.cfg.job.health_timeout_s))
+        if t.is_alive():
+            self.log.event("health", f"health check did not answer within {self.cfg.job.health_timeout_s:.0f} s "
+                           "(a hung NVML call?); jobs run it again in their own process", priority=LOG_WARNING)
+            return
+        if "error" in box:
+            e = box["error"]
             self.log.event("health", f"health check could not run: {type(e).__name__}: {e}", priority=LOG_WARNING)
             return
+        decision = box["decision"]
         verdict = decision.report.get("verdict", "?")
         plan = decision.plan
         self.log.event("health", summary_line(decision), priority=LOG_INFO if verdict == "ok" else LOG_WARNING,
@@ -228,264 +274,291 @@ class Daemon:
             if getattr(new.spool, key) != getattr(self.cfg.spool, key):
                 kept.append(f"spool.{key} stays {getattr(self.cfg.spool, key)!r} until a restart")
         if kept:
-            import dataclasses
-
             spool_cfg = dataclasses.replace(new.spool, dir=self.cfg.spool.dir, watcher=self.cfg.spool.watcher)
             new = dataclasses.replace(new, spool=spool_cfg)
         self.cfg = new
-        self.watcher.set_timing(new.spool.settle_s, new.spool.scan_interval_s)
+        self.watcher.set_timing(new.spool.settle_s, new.spool.scan_interval_s, new.spool.quiet_s)
         note = f" ({'; '.join(kept)})" if kept else ""
         self.log.event("config-reloaded", f"configuration reloaded from {self.config_path}{note}")
         self.notifier.ready(self._idle_status())
 
     # ---- claiming ------------------------------------------------------------------------------
-    def _fields(self, name: str, record: dict) -> dict:
+    @staticmethod
+    def _fields(record: dict) -> dict:
+        name = record.get("dataset") or ""
         return {"job_id": record.get("job_id"), "dataset": dataset_stem(name), "dataset_file": name}
 
     def _take(self, name: str) -> bool:
-        """Claim incoming/NAME and run it, or refuse it to failed/; return False if it vanished."""
-        src = self.spool.path(INCOMING, name)
-        st, reason = inspect_entry(src, self.cfg.spool.max_dataset_bytes)
+        """Claim incoming/NAME and start its job, refuse it to failed/, or report it and leave it;
+        return True if something was done."""
+        c = claim(self.spool, name, self.cfg.spool.max_dataset_bytes)
+        if c.outcome == "gone":
+            self.watcher.forget(name)
+            return False
+        if c.outcome == "ignored":
+            self.watcher.ignore(name)
+            self.log.event("entry-ignored", f"incoming/{safe_text(name)} is {c.reason}; left where it is "
+                           "(remove it, or drop the data as a regular file)", priority=LOG_WARNING,
+                           dataset_file=name)
+            return True
+        if c.outcome == "busy":
+            self.watcher.retry_later(name, max(1.0, 2 * self.cfg.spool.settle_s))
+            self.log.event("entry-busy", f"incoming/{safe_text(name)}: not taken yet: {c.reason}",
+                           dataset_file=name)
+            return True
         self.watcher.forget(name)
-        if st is None:
-            return False
-        record = {"job_id": new_job_id(), "dataset": name, "claimed_at": utc_now(), "state": "claimed",
-                  "crashes": 0, "pid": os.getpid(), "boot_id": boot_id(), "size_bytes": st.st_size}
-        if reason is None:
-            try:
-                record["model_name"] = safe_model_name(dataset_stem(name))
-            except StoreError as e:
-                reason = f"no model name can be made from this file name: {e}"
-        if reason is not None:
-            self._fail(name, record, "spool", reason, "SpoolRefused", source=INCOMING)
+        record = c.record
+        self.records[c.job_id] = record
+        if c.outcome == "empty":
+            discard_job(self.spool, c.job_id)
+            self.log.event("entry-removed", f"incoming/{safe_text(name)}: {c.reason}", priority=LOG_WARNING,
+                           **self._fields(record))
             return True
-        if not claim(self.spool, name, record):
-            return False
+        if c.outcome == "refused":
+            self._fail(record, "spool", c.reason, "SpoolRefused")
+            return True
         self.log.event("job-claimed", f"{safe_text(name)}: claimed as job {record['job_id']} "
-                       f"({st.st_size} bytes)", **self._fields(name, record))
-        why = check_claimed(self.spool.path(PROCESSING, name), st, self.cfg.spool.max_dataset_bytes)
-        if why is not None:
-            self._fail(name, record, "spool", why, "SpoolRefused")
-            return True
-        self._run_claimed(name, record)
+                       f"({record['size_bytes']} bytes, sha256 {record['sha256'][:12]})", **self._fields(record))
+        self._start(c.job_id)
         return True
 
     # ---- one job -------------------------------------------------------------------------------
-    def _run_claimed(self, name: str, record: dict | None = None) -> None:
-        """Gate, train and store the claimed dataset processing/NAME; finish it in done/ or failed/."""
-        cfg = self.cfg
-        record = record or read_json(self.spool.record_path(name)) or {}
-        path = self.spool.path(PROCESSING, name)
-        fields = self._fields(name, record)
-        size = record.get("size_bytes") or os.lstat(path).st_size
-        try:
-            # The GPU must hold the model, optimizer and batches; the data itself can stay in pinned
-            # host memory when it does not fit (train._place), so it does not count here.
-            decision = gate_job(cfg, GPU_HEADROOM_BYTES)
-        except Exception as e:  # the gate must never take the daemon down; the job says why
-            self._fail(name, record, "health", f"the health check could not run: {type(e).__name__}: {e}",
-                       type(e).__name__)
+    def _start(self, job_id: str) -> None:
+        """Start the job's process, or finish it at once if its model is already in the store."""
+        record = self.records.get(job_id) or read_record(self.spool, job_id)
+        if record is None:
             return
-        plan = decision.plan
-        self.log.event("job-health", f"{safe_text(name)}: health gate says {decision.action}"
-                       + (f" on {plan.describe()}" if plan else "")
-                       + (f": {decision.reason}" if decision.reason and not (plan and plan.reason == decision.reason) else ""),
-                       device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None,
-                       verdict=decision.report.get("verdict"), **fields)
-        if decision.action == "defer":
-            record["state"] = "deferred"
-            write_json(self.spool.record_path(name), record)
-            self.pending.insert(0, name)
-            self.retry_at = time.monotonic() + cfg.health.retry_s
-            self.defer_reason = decision.reason or "health gate deferred the job"
-            self.log.event("job-deferred", f"{safe_text(name)}: deferred for {cfg.health.retry_s:.0f} s: "
-                           f"{self.defer_reason}", priority=LOG_WARNING, **fields)
+        self.records[job_id] = record
+        if "model_name" not in record:
+            try:
+                record["model_name"] = safe_model_name(dataset_stem(record["dataset"]))
+            except StoreError as e:
+                self._fail(record, "spool", f"no model name can be made from this file name: {e}", "SpoolRefused")
+                return
+        lock = lock_job(self.spool, job_id)
+        if lock is None:  # the job process of a killed daemon still runs (it dies with its forkserver)
+            self.pending.append(job_id)
+            self.retry_at[job_id] = time.monotonic() + 1.0
             return
-        if decision.action != "run" or plan is None:
-            self._fail(name, record, "health", decision.reason or f"health gate answered {decision.action!r}",
-                       "HealthRefused", report=decision.report)
+        os.close(lock)
+        metadata = find_job_version(self.cfg.models_dir, record["model_name"], job_id)
+        if metadata is not None:
+            name_dir = os.path.dirname(metadata["model_dir"])
+            publish(name_dir, metadata["version"])  # replayed: a SIGKILL may have come before it
+            record.update(state="saved", model_dir=metadata["model_dir"])
+            save_record(self.spool, record)
+            self.log.event("job-recovered", f"{safe_text(record['dataset'])}: its model {metadata['model_dir']} was "
+                           "saved before the restart; not training again", model_dir=metadata["model_dir"],
+                           **self._fields(record))
+            self._finish_done(record, metadata)
             return
-        if self.stop_requested:
-            record["state"] = "interrupted"
-            write_json(self.spool.record_path(name), record)
+        record.update(state="running", pid=os.getpid(), boot_id=boot_id(), started_at=utc_now(),
+                      epochs=self.cfg.train.epochs, stage="health")
+        save_record(self.spool, record)
+        self.job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context)
+        record["job_pid"] = self.job.proc.pid
+        self.notifier.status(f"training {safe_text(record['dataset'])} ({job_id}): health check; "
+                             f"{self.watcher.queued()} queued")
+
+    def _watch_job(self) -> None:
+        """Handle the running job's messages, its end, a stall, a hung health check or a stop."""
+        job = self.job
+        record = self.records[job.job_id]
+        for kind, fields in job.receive(TICK_S):
+            self._on_message(record, kind, fields)
+        now = time.monotonic()
+        code = job.exitcode()
+        if code is None:
+            if self.stop_requested and not job.stop_sent:
+                job.stop_sent = True
+                if job.stage in ("health", "dataset"):
+                    job.kill(f"stopping during the {job.stage} stage")
+                    record.update(state="interrupted", stage=job.stage)
+                    save_record(self.spool, record)
+                    self.log.event("job-interrupted", f"{safe_text(record['dataset'])}: stopped in the {job.stage} "
+                                   "stage; it runs again on the next start", **self._fields(record))
+                else:
+                    self.notifier.extend_timeout(STOP_EXTEND_S)
+                    self.notifier.status(f"stopping: {safe_text(record['dataset'])} writes its checkpoint")
+                    job.stop_event.set()
+            elif job.stage == "health" and now - job.stage_since > self.cfg.job.health_timeout_s:
+                job.kill(f"the health check did not answer within {self.cfg.job.health_timeout_s:.0f} s "
+                         "(a hung NVML call?)")
+                self._defer(record, job.killed_for)
+            elif now - job.last_heard > self._stall_budget(record, job):
+                job.kill(f"no word from the job for {now - job.last_heard:.0f} s in stage {job.stage}")
+            else:
+                return
+        job.receive(0)
+        if job.final is not None:
+            for kind, fields in [job.final]:
+                self._on_final(record, kind, fields)
+        elif not job.killed_for.startswith(("stopping", "the health check")):
+            self._on_crash(record, job)
+        job.close()
+        self.job = None
+
+    def _stall_budget(self, record: dict, job) -> float:
+        """Seconds the job may stay silent: job.stall_timeout_s, more while parsing a large file
+        (a pessimistic 5 MB/s for text, 4x that for gzip's inflation)."""
+        budget = self.cfg.job.stall_timeout_s
+        if job.stage == "dataset":
+            budget += 4 * record.get("size_bytes", 0) / 5e6
+        return budget
+
+    def _on_message(self, record: dict, kind: str, f: dict) -> None:
+        fields = self._fields(record)
+        name = safe_text(record["dataset"])
+        if kind == "stage":
+            record["stage"] = f["stage"]
+            save_record(self.spool, record)
+            self.notifier.status(f"training {name} ({record['job_id']}): {f['stage']}; {self.watcher.queued()} queued")
+        elif kind == "health":
+            where = f" on {f['describe']}" if f.get("describe") else ""
+            why = f": {f['reason']}" if f.get("reason") and f.get("reason") != f.get("plan_reason") else ""
+            self.log.event("job-health", f"{name}: health gate says {f['action']}{where}{why}", device=f.get("device"),
+                           amp_dtype=f.get("amp_dtype"), verdict=(f.get("report") or {}).get("verdict"), **fields)
+            record.update(device=f.get("device"), amp_dtype=f.get("amp_dtype"))
+        elif kind == "resumed":
+            if f.get("why"):
+                self.log.event("job-resumed", f"{name}: {f['why']}; starting at epoch 1", priority=LOG_WARNING, **fields)
+            else:
+                record["resumed_from_epoch"] = f["epoch"]
+                self.log.event("job-resumed", f"{name}: resuming from the checkpoint in epoch {f['epoch']} "
+                               f"(batch {f.get('batch')})", epoch=f["epoch"], **fields)
+        elif kind == "epoch":
+            from .train import EpochStats
+
+            s = EpochStats(**f)
+            total = self.cfg.train.epochs
+            self.log.event("job-epoch", f"{name}: {s.line(total)}", epoch=s.epoch, epochs=total, loss=s.train_loss,
+                           val_loss=s.val_loss, samples_per_s=s.samples_per_s, device=record.get("device"),
+                           amp_dtype=record.get("amp_dtype"), **fields)
+            record.update(epoch=s.epoch, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
+                          updated_at=utc_now())
+            save_record(self.spool, record)
+            self.notifier.status(f"training {name} ({record['job_id']}): epoch {s.epoch}/{total} "
+                                 f"loss {s.train_loss:.4g}; {self.watcher.queued()} queued")
+
+    def _on_final(self, record: dict, kind: str, f: dict) -> None:
+        name = safe_text(record["dataset"])
+        fields = self._fields(record)
+        if kind == "saved":
+            md = f["metadata"]
+            record.update(state="saved", model_dir=md["model_dir"], saved_at=utc_now())
+            save_record(self.spool, record)
+            self._finish_done(record, md)
+            self._backoff = BACKOFF_S[0]
+        elif kind == "deferred":
+            self._defer(record, f["reason"])
+        elif kind == "interrupted":
+            record.update(state="interrupted", epoch=f["epoch"] - 1, checkpoint_at=utc_now())
+            save_record(self.spool, record)
+            self.log.event("job-interrupted", f"{name}: stopped in epoch {f['epoch']}; checkpoint saved, "
+                           "the job resumes on the next start", epoch=f["epoch"], **fields)
+        elif kind == "failed":
+            if f.get("errno") in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO) or f.get("transient"):
+                record["state"] = "claimed"
+                save_record(self.spool, record)
+                self.pending.insert(0, record["job_id"])
+                self._pause(f"{name}: {f['reason']}")
+                return
+            if f.get("traceback"):
+                self.log.event("internal-error", f"{name}: {f['traceback']}", priority=LOG_ERR, **fields)
+            self._fail(record, f["stage"], f["reason"], f.get("type", "JobError"), report=f.get("report"))
+
+    def _on_crash(self, record: dict, job) -> None:
+        """The job process ended without a final message: count a crash in its last stage."""
+        code = job.exitcode()
+        how = job.killed_for or (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                                 else f"exited with status {code}")
+        hint = " (an out-of-memory kill?)" if code == -signal.SIGKILL and not job.killed_for else ""
+        record["crashes"] = record.get("crashes", 0) + 1
+        record["state"] = "claimed"
+        fields = self._fields(record)
+        if record["crashes"] >= self.cfg.spool.max_crashes:
+            self._fail(record, job.stage, f"the job process died {record['crashes']} times, last in stage {job.stage}: "
+                       f"{how}{hint}; not trying again. journalctl -u ds-trainer DS_JOB_ID={record['job_id']}",
+                       "JobCrashed")
             return
-        resume = self._resume_checkpoint(name, record, cfg, plan.amp_name)
-        record.update(state="running", pid=os.getpid(), boot_id=boot_id(), device=str(plan.device),
-                      amp_dtype=plan.amp_name, epochs=cfg.train.epochs, started_at=utc_now())
-        write_json(self.spool.record_path(name), record)
-        self.notifier.status(f"training {safe_text(name)} ({record['job_id']}): loading; {self.watcher.queued()} queued")
-        self.notifier.keepalive(STEP_BUDGET_S + matrix_bytes_estimate(name, size) / LOAD_BYTES_PER_S)
+        save_record(self.spool, record)
+        self.log.event("job-crashed", f"{safe_text(record['dataset'])}: the job process died in stage {job.stage}: "
+                       f"{how}{hint}; running it again ({record['crashes']} of {self.cfg.spool.max_crashes})",
+                       priority=LOG_WARNING, failed_stage=job.stage, **fields)
+        self.pending.insert(0, record["job_id"])
 
-        def on_epoch(s: EpochStats) -> None:
-            self._on_epoch(name, record, s, fields, plan)
+    def _defer(self, record: dict, reason: str) -> None:
+        job_id = record["job_id"]
+        record["state"] = "deferred"
+        save_record(self.spool, record)
+        self.pending.insert(0, job_id)
+        self.retry_at[job_id] = time.monotonic() + self.cfg.health.retry_s
+        self.defer_reason[job_id] = reason
+        self.log.event("job-deferred", f"{safe_text(record['dataset'])}: deferred for {self.cfg.health.retry_s:.0f} s: "
+                       f"{reason}", priority=LOG_WARNING, **self._fields(record))
 
-        def should_stop() -> bool:
-            self.notifier.keepalive(STEP_BUDGET_S)
-            if self.stop_requested:
-                self._stopping()
-            return self.stop_requested
-
-        try:
-            job = run_job(path, cfg, name=record["model_name"], plan=plan, health=decision.report,
-                          on_epoch=on_epoch, should_stop=should_stop, resume=resume)
-        except TrainingInterrupted as ti:
-            self._save_checkpoint(name, record, ti.checkpoint, cfg, plan.amp_name)
-            return
-        except JobError as e:
-            self._fail(name, record, e.stage, str(e).replace(path, name), e.cause_type)
-            return
-        except Exception as e:  # a bug or an environment failure (out of memory): fail this job only
-            self.log.event("internal-error", f"{safe_text(name)}: unexpected error: {traceback.format_exc()}",
-                           priority=LOG_ERR, **fields)
-            self._fail(name, record, "internal", f"unexpected {type(e).__name__}: {e}", type(e).__name__)
-            return
-        record.update(state="saved", model_dir=job.model_dir, saved_at=utc_now())
-        write_json(self.spool.record_path(name), record)
-        self._finish_done(name, record, job.metadata)
-
-    def _on_epoch(self, name: str, record: dict, s: EpochStats, fields: dict, plan) -> None:
-        total = self.cfg.train.epochs
-        self.log.event(
-            "job-epoch",
-            f"{safe_text(name)}: {s.line(total)}",
-            epoch=s.epoch, epochs=total, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
-            device=str(plan.device), amp_dtype=plan.amp_name, **fields,
-        )
-        record.update(epoch=s.epoch, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
-                      updated_at=utc_now())
-        write_json(self.spool.record_path(name), record)
-        self.notifier.status(f"training {safe_text(name)} ({record['job_id']}): epoch {s.epoch}/{total} "
-                             f"loss {s.train_loss:.4g}; {self.watcher.queued()} queued")
-        self.notifier.keepalive(STEP_BUDGET_S)
-
-    def _resume_checkpoint(self, name: str, record: dict, cfg: Config, amp_name: str) -> dict | None:
-        """Return the checkpoint to resume from, or None (with the reason logged) to start at epoch 1.
-
-        A checkpoint is used only by its own job, under the training configuration and AMP dtype it
-        was made with (a different batch size or epoch count would not continue the same run).
-        """
-        obj, why = load_checkpoint(self.spool, name)
-        fields = self._fields(name, record)
-        if obj is None:
-            if why != "no checkpoint":
-                self.log.event("job-resumed", f"{safe_text(name)}: {why}; starting at epoch 1",
-                               priority=LOG_WARNING, **fields)
-            return None
-        if obj.get("job_id") != record.get("job_id"):
-            why = "the checkpoint belongs to another job"
-        elif obj.get("train_config") != config_to_dict(cfg)["train"]:
-            why = "the training configuration changed since the checkpoint"
-        elif obj.get("amp_dtype") != amp_name:
-            why = f"the checkpoint was made with amp {obj.get('amp_dtype')}, this run uses {amp_name}"
-        else:
-            ckpt = obj["checkpoint"]
-            done = len(ckpt.get("history", []))
-            record["resumed_from_epoch"] = done + 1
-            self.log.event("job-resumed", f"{safe_text(name)}: resuming from the checkpoint in epoch {done + 1} "
-                           f"(batch {ckpt.get('batch')})", epoch=done + 1, **fields)
-            return ckpt
-        self.log.event("job-resumed", f"{safe_text(name)}: {why}; starting at epoch 1", priority=LOG_WARNING, **fields)
-        return None
-
-    def _save_checkpoint(self, name: str, record: dict, ckpt: dict, cfg: Config, amp_name: str) -> None:
-        self.notifier.extend_timeout(STOP_EXTEND_S)
-        self.notifier.status(f"stopping: writing the checkpoint of {safe_text(name)}")
-        save_checkpoint(self.spool, name, {"job_id": record["job_id"], "train_config": config_to_dict(cfg)["train"],
-                                           "amp_dtype": amp_name, "saved_at": utc_now(), "checkpoint": ckpt})
-        done = len(ckpt.get("history", []))
-        record.update(state="interrupted", epoch=done, checkpoint_at=utc_now())
-        write_json(self.spool.record_path(name), record)
-        self.log.event("job-interrupted", f"{safe_text(name)}: stopped in epoch {done + 1}; checkpoint saved, "
-                       "the job resumes on the next start", epoch=done + 1, **self._fields(name, record))
-
-    def _finish_done(self, name: str, record: dict, metadata: dict) -> None:
+    def _finish_done(self, record: dict, metadata: dict) -> None:
         doc = result_doc(record, metadata)
-        final = finish(self.spool, name, PROCESSING, DONE, doc)
+        final = finish(self.spool, record["job_id"], record, DONE, doc)
+        self._forget(record["job_id"])
         self.log.event(
             "job-saved",
-            f"{safe_text(name)}: model saved to {doc['model_dir']} (final loss {doc['final_train_loss']:.6f}, "
+            f"{safe_text(record['dataset'])}: model saved to {doc['model_dir']} (final loss {doc['final_train_loss']:.6f}, "
             f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}",
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
-            device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], **self._fields(name, record),
+            device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], **self._fields(record),
         )
 
-    def _fail(self, name: str, record: dict, stage: str, reason: str, exception_type: str, *,
-              source: str = PROCESSING, report: dict | None = None) -> None:
-        doc = {"job_id": record.get("job_id"), "dataset": name, "stage": stage, "reason": reason,
+    def _fail(self, record: dict, stage: str, reason: str, exception_type: str, *, report: dict | None = None) -> None:
+        doc = {"job_id": record.get("job_id"), "dataset": record.get("dataset"), "stage": stage, "reason": reason,
                "exception_type": exception_type, "failed_at": utc_now(), "claimed_at": record.get("claimed_at"),
-               "crashes": record.get("crashes", 0), "health": report}
-        final = finish(self.spool, name, source, FAILED, doc)
-        self.log.event("job-failed", f"{safe_text(name)}: failed in stage {stage}: {reason}; "
+               "sha256": record.get("sha256"), "crashes": record.get("crashes", 0), "health": report}
+        final = finish(self.spool, record["job_id"], record, FAILED, doc)
+        self._forget(record["job_id"])
+        self.log.event("job-failed", f"{safe_text(record.get('dataset', ''))}: failed in stage {stage}: {reason}; "
                        f"dataset in failed/{safe_text(final)}", priority=LOG_ERR, failed_stage=stage,
-                       **self._fields(name, record))
+                       **self._fields(record))
+        for old in prune_failed(self.spool, self.cfg.spool.max_failed):
+            self.log.event("failed-pruned", f"failed/{safe_text(old)} removed: failed/ keeps the newest "
+                           f"{self.cfg.spool.max_failed} (spool.max_failed)", dataset_file=old)
+
+    def _forget(self, job_id: str) -> None:
+        self.records.pop(job_id, None)
+        self.retry_at.pop(job_id, None)
+        self.defer_reason.pop(job_id, None)
 
     # ---- crash recovery ------------------------------------------------------------------------
     def _recover(self) -> None:
-        """Finish or re-queue every dataset found in processing/ at start-up (see the module docstring)."""
-        remove_orphans(self.spool)
-        found = []
-        for name in processing_datasets(self.spool):
-            path = self.spool.path(PROCESSING, name)
-            record = read_json(self.spool.record_path(name))
-            if record is None:  # claim() writes the record before the rename; a lost record is rebuilt
-                st = os.lstat(path)
-                record = {"job_id": new_job_id(), "dataset": name, "state": "claimed", "crashes": 0,
-                          "claimed_at": datetime.fromtimestamp(st.st_ctime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-                          "size_bytes": st.st_size}
-            fields = self._fields(name, record)
-            st, reason = inspect_entry(path, self.cfg.spool.max_dataset_bytes)
-            if reason is None and "model_name" not in record:
-                try:
-                    record["model_name"] = safe_model_name(dataset_stem(name))
-                except StoreError as e:
-                    reason = str(e)
-            if reason is not None:
-                self._fail(name, record, "spool", reason, "SpoolRefused")
+        """Queue every job found in processing/ at start-up; finish interrupted claims. A daemon's
+        death counts against no dataset (``restarts`` counts them, for the record)."""
+        for name in migrate_legacy(self.spool):
+            self.log.event("job-claimed", f"{safe_text(name)}: left in processing/ by an older ds-ops; "
+                           "back in incoming/", dataset_file=name)
+        for job_id in job_ids(self.spool):
+            record = read_record(self.spool, job_id)
+            if record is None or not record.get("dataset"):
+                discard_job(self.spool, job_id)  # killed before its record was written: nothing of a user's
                 continue
-            metadata = self._saved_model(name, record)
-            if metadata is not None:
-                record.update(state="saved", model_dir=metadata.get("model_dir"))
-                write_json(self.spool.record_path(name), record)
-                self.log.event("job-recovered", f"{safe_text(name)}: its model {metadata.get('model_dir')} was saved "
-                               "before the restart; not training again", model_dir=metadata.get("model_dir"), **fields)
-                self._finish_done(name, record, metadata)
+            c = recover_claim(self.spool, job_id, record, self.cfg.spool.max_dataset_bytes)
+            self.records[job_id] = record
+            if c.outcome in ("gone", "busy"):
+                self._forget(job_id)
                 continue
-            if record.get("state") in CRASH_STATES:
-                record["crashes"] = record.get("crashes", 0) + 1
-            if record["crashes"] >= self.cfg.spool.max_crashes:
-                self._fail(name, record, "recovery",
-                           f"the daemon stopped unexpectedly {record['crashes']} times while running this job "
-                           f"(last state {record.get('state')}); not trying again. Look for an out-of-memory kill "
-                           f"or a crash: journalctl -u ds-trainer DS_JOB_ID={record['job_id']}", "DaemonCrashed")
+            if c.outcome == "empty":
+                discard_job(self.spool, job_id)
+                self._forget(job_id)
                 continue
-            record.update(state="claimed", pid=os.getpid(), boot_id=boot_id())
-            write_json(self.spool.record_path(name), record)
-            self.log.event("job-claimed", f"{safe_text(name)}: job {record['job_id']} found in processing/ at start-up "
-                           f"({record['crashes']} crash(es) so far); running it again", **fields)
-            found.append((record.get("claimed_at", ""), name))
-        self.pending = [name for _, name in sorted(found)]
-
-    def _saved_model(self, name: str, record: dict) -> dict | None:
-        """Return the metadata of the model this job already saved, or None if there is none.
-
-        Either the record names it (state ``saved``), or a version of the model has the dataset's
-        sha256 and started training after the claim (SIGKILL between the store's rename and the record).
-        """
-        if record.get("model_dir"):
-            md = read_json(os.path.join(record["model_dir"], METADATA_FILE))
-            if md is not None:
-                return md
-        claimed = record.get("claimed_at", "")
-        name_dir = os.path.join(self.cfg.models_dir, record["model_name"])
-        candidates = []
-        for version in reversed(list_versions(name_dir)):
-            md = read_json(os.path.join(name_dir, version, METADATA_FILE))
-            if md is not None and md.get("started_at", "") >= claimed:
-                candidates.append(md)
-        if not candidates:
-            return None
-        sha = file_sha256(self.spool.path(PROCESSING, name))
-        return next((md for md in candidates if md.get("dataset", {}).get("sha256") == sha), None)
+            if c.outcome == "refused":
+                self._fail(record, "spool", c.reason, "SpoolRefused")
+                continue
+            if record.get("state") in ("running", "claimed", "interrupted", "deferred"):
+                if record.get("state") == "running":
+                    record["restarts"] = record.get("restarts", 0) + 1
+                record["state"] = "claimed"
+                save_record(self.spool, record)
+            self.log.event("job-claimed", f"{safe_text(record['dataset'])}: job {job_id} found in processing/ at "
+                           "start-up; running it again", **self._fields(record))
+            self.pending.append(job_id)
 
 
 def start_daemon(cfg: Config, config_path: str, *, missing_ok: bool = False, log: EventLog | None = None) -> int:

@@ -49,3 +49,64 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by another user
         return True
     return True
+
+
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_libc = None
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename src to dst, failing with FileExistsError if dst exists (``renameat2(RENAME_NOREPLACE)``).
+
+    Used wherever a user's name must never be overwritten (putting a file back into incoming/).
+    Falls back to check-then-rename where the kernel or file system lacks renameat2 (EINVAL,
+    ENOSYS), which is only safe when no one else creates dst meanwhile. Raises OSError.
+    """
+    global _libc
+    import ctypes
+    import errno
+
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd = -100
+    if _libc.renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.EINVAL, errno.ENOSYS):
+        raise OSError(err, os.strerror(err), dst if err == errno.EEXIST else src)
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """Open path read-only without following a symlink or blocking; return (fd, fstat).
+
+    ``O_NOFOLLOW | O_NONBLOCK | O_NOCTTY``: a symlink fails (ELOOP), a FIFO does not block, a
+    terminal is not acquired. Raises OSError, and IsADirectoryError / OSError(ENXIO-like) with
+    "not a regular file" when the opened object is not a regular file (the fd is then closed).
+    """
+    import errno
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd, st
+
+
+def read_small(path: str, max_bytes: int = 1 << 20) -> bytes:
+    """Return the bytes of a small regular file (at most max_bytes) without following links or
+    blocking on a FIFO. Raises OSError for anything else (not regular, too large, unreadable)."""
+    import errno
+
+    fd, st = open_regular(path)
+    try:
+        if st.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", path)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(max_bytes + 1)[:max_bytes]
+    finally:
+        os.close(fd)

@@ -21,12 +21,16 @@ from .train import EpochStats, TrainingError, TrainResult, train
 
 
 class JobError(RuntimeError):
-    """A job failed; ``stage`` is one of dataset, health, training, store; the message says why."""
+    """A job failed; ``stage`` is one of dataset, health, training, store; the message says why.
+
+    ``errno`` is set when an OS error of the file system caused it (ENOSPC on the store, ...).
+    """
 
     def __init__(self, stage: str, message: str, cause: BaseException | None = None):
         super().__init__(message)
         self.stage = stage
         self.cause_type = type(cause).__name__ if cause is not None else "JobError"
+        self.errno = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
 
 
 @dataclass
@@ -86,31 +90,47 @@ def run_job(
     on_epoch: Callable[[EpochStats], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     resume: dict | None = None,
+    job_id: str | None = None,
+    source_name: str | None = None,
+    sha256: str | None = None,
+    on_stage: Callable[[str], None] | None = None,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
     ``plan`` is the device decision (default: ``cfg.device``/``cfg.amp`` as configured);
     ``health`` is the health report the job ran under, stored in metadata.json. ``on_epoch``,
     ``should_stop`` and ``resume`` are passed to :func:`opt_ds_ops.train.train` (TrainingInterrupted
-    propagates unchanged). Raises JobError naming the failed stage; nothing is written to the
-    store unless training succeeded.
+    propagates unchanged). The daemon passes ``job_id`` (stored in metadata.json, how recovery
+    finds the job's version), ``source_name`` (the file name the user dropped; ``path`` is the
+    daemon's copy) and ``sha256`` (hashed while copying); ``on_stage(stage)`` is called as each
+    stage (dataset, training, store) begins. Raises JobError naming the failed stage; nothing is
+    written to the store unless training succeeded.
     """
+    stage = on_stage or (lambda _s: None)
+    stage("dataset")
     try:
         ds = load_dataset(path)
-        sha = file_sha256(path)
+        sha = sha256 or file_sha256(path)
     except DatasetError as e:
         raise JobError("dataset", str(e), e) from e
     try:
         plan = plan or plan_device(cfg.device, cfg.amp)
     except DeviceError as e:
         raise JobError("health", str(e), e) from e
+    stage("training")
     try:
         result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume)
     except TrainingError as e:
         raise JobError("training", f"{path}: {e}", e) from e
     metadata = build_metadata(ds, sha, result, cfg, health)
+    metadata["job_id"] = job_id
+    if source_name:
+        metadata["dataset"]["file"] = source_name
+    stage("store")
     try:
         model_dir, metadata = save_model(cfg.models_dir, name or dataset_stem(path), model_payload(result), metadata)
     except StoreError as e:
-        raise JobError("store", str(e), e) from e
+        err = JobError("store", str(e), e)
+        err.errno = e.errno
+        raise err from e
     return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata)

@@ -42,6 +42,12 @@ MESSAGE_IDS = {
     "job-interrupted": "2321339924cc4c52be7c8277c6675969",
     "job-recovered": "824729265a4842c19b47b900b2ae86f5",
     "internal-error": "20d771dafd004cadbc26ab01f037b5c2",
+    "intake-paused": "3d2bfc52c778469bb2fb97e50ccbb69f",
+    "entry-ignored": "22f85b2436424bcb97758258bf9b5ee3",
+    "entry-busy": "c9e71bfe82fe409ba54f59bfa2baf698",
+    "entry-removed": "0ede7a68e90d4a33adc01d551c97b563",
+    "job-crashed": "84733394dd9e48ae9dfa064d239fbc70",
+    "failed-pruned": "698d943f89974410b6b9c40cb0ae0e58",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).
@@ -55,6 +61,10 @@ STAGES = {
     "job-saved": "saved",
     "job-recovered": "saved",
     "job-failed": "failed",
+    "job-crashed": "crashed",
+    "entry-ignored": "spool",
+    "entry-busy": "spool",
+    "entry-removed": "spool",
 }
 
 _FIELD_BAD = re.compile(r"[^A-Z0-9_]")

@@ -1,41 +1,71 @@
-"""The spool directory: a dataset moves ``incoming/`` -> ``processing/`` -> ``done/`` or ``failed/``.
+"""The spool: a dataset moves ``incoming/`` -> ``processing/<job id>/`` -> ``done/`` or ``failed/``.
 
 Layout under ``spool.dir`` (default ``/var/spool/ds-ops``)::
 
-    incoming/    users drop datasets; names starting with '.' or ending in .part/.tmp are ignored
-    processing/  NAME (the claimed dataset), .NAME.job.json (job record), .NAME.checkpoint.pt
-    done/        NAME and NAME.result.json (model directory, losses, threshold, duration, device)
-    failed/      NAME and NAME.error.json (reason, stage, time, exception type)
+    incoming/          group ds-ops drops datasets; '.NAME', NAME.part and NAME.tmp are ignored
+    processing/JOB/    one directory per job, the daemon's own (0750): job.json (the record),
+                       dataset.<ext> (the daemon's 0600 copy of the bytes), checkpoint.pt
+    done/              NAME and NAME.result.json (model directory, sha256, losses, threshold, ...)
+    failed/            NAME and NAME.error.json (reason, stage, time, exception type)
 
-Every move is one ``rename(2)`` inside the spool, so a SIGKILL leaves a dataset in exactly one
-place. JSON files and checkpoints are written to a hidden temporary name, fsync'ed and renamed.
-An entry is looked at with ``lstat`` only until it is known to be a regular file: a FIFO is never
-opened, a symlink never followed. Names are used literally as one path component (spaces,
-unicode, undecodable bytes, leading dashes) and never reach a shell. Datasets are never deleted;
-the hidden files in processing/ are the daemon's own and are removed when their job is over.
+**The bytes, not the name.** incoming/ is writable by every member of group ds-ops, so nothing
+there is trusted. An entry is looked at with ``lstat``; anything but a regular file (a directory,
+FIFO, socket, device node or symlink) is never opened, renamed or read: it is reported once and
+left where it is. A regular file is opened ``O_NOFOLLOW | O_NONBLOCK``, checked to be the inode
+that was looked at, renamed into its job directory (the claim: one ``rename(2)``, after which the
+name is the daemon's) and copied into ``dataset.<ext>``, owned by the daemon and mode 0600, while
+its size is held to ``spool.max_dataset_bytes`` and its sha256 computed; then the user's inode is
+unlinked. A file that changed while it was copied is put back (never over a newer file of the
+same name) and taken again later. Nothing the user can still write is read after the copy, so a
+writer that keeps appending, truncates or rewrites can change neither the data trained nor its hash.
+
+**Daemon-owned names.** Job state lives in ``processing/<job id>/`` under fixed names that no
+user file name can collide with. done/ and failed/ are written by the daemon only; their JSON
+files are read with :func:`opt_ds_ops.fsutil.read_small` (no link followed, no FIFO opened).
+
+Every step is ordered so that a SIGKILL leaves a state that :func:`recover_claim` finishes: the
+record (``state: claiming``) is written before the rename, ``claimed`` (with the sha256) after the
+copy is fsync'ed, and the user's inode is unlinked last.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
+import shutil
 import stat
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
-from .fsutil import fsync_dir, pid_alive, write_atomic
+from .fsutil import fsync_dir, open_regular, pid_alive, read_small, rename_noreplace, write_atomic
 
 INCOMING, PROCESSING, DONE, FAILED = "incoming", "processing", "done", "failed"
 SUBDIRS = (INCOMING, PROCESSING, DONE, FAILED)
 IGNORED_SUFFIXES = (".part", ".tmp")
 RESULT_SUFFIX, ERROR_SUFFIX = ".result.json", ".error.json"
-JOB_SUFFIX, CHECKPOINT_SUFFIX = ".job.json", ".checkpoint.pt"
+JOB_FILE, CHECKPOINT_FILE, SOURCE_FILE, LOCK_FILE = "job.json", "checkpoint.pt", "source", "lock"
+DATA_PREFIX = "dataset"
 NAME_MAX_BYTES = 255
+COPY_CHUNK = 1 << 20
+_JOB_ID = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6,32}$")
+# errno values that mean the file system (not one dataset) is in trouble: intake pauses, retries
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 
 class SpoolError(RuntimeError):
     """The spool (or models) directory cannot be used; the message names the path and why."""
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """Return True for an OSError that is the file system's fault (ENOSPC, EDQUOT, EROFS, EIO)."""
+    return isinstance(e, OSError) and e.errno in STORAGE_ERRNOS
 
 
 def is_ignored(name: str) -> bool:
@@ -43,19 +73,33 @@ def is_ignored(name: str) -> bool:
     return name.startswith(".") or name.lower().endswith(IGNORED_SUFFIXES)
 
 
-def sidecar_name(name: str, suffix: str, *, hidden: bool = False) -> str:
-    """Return the file name beside dataset ``name``: ``NAME.result.json``, ``.NAME.job.json``, ...
+def is_job_id(name: str) -> bool:
+    """Return True if name has the shape of a job id (a processing/ directory of this daemon)."""
+    return bool(_JOB_ID.match(name))
+
+
+def new_job_id() -> str:
+    """Return a unique job id that sorts by claim time: ``20261130T014242Z-3f9a2c1b``."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ-") + uuid.uuid4().hex[:8]
+
+
+def utc_now() -> str:
+    """Return the current UTC time as ISO 8601 with microseconds (``2026-11-30T01:02:03.123456Z``)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def sidecar_name(name: str, suffix: str) -> str:
+    """Return the JSON file name beside dataset ``name`` in done/ or failed/: ``NAME.result.json``.
 
     If that would exceed NAME_MAX (255 bytes), the name is cut and a hash of the full name keeps
     it unique: ``<first bytes>~<sha1 prefix><suffix>``.
     """
-    prefix = "." if hidden else ""
-    full = prefix + name + suffix
+    full = name + suffix
     if len(os.fsencode(full)) <= NAME_MAX_BYTES:
         return full
     digest = "~" + hashlib.sha1(os.fsencode(name)).hexdigest()[:12]
-    room = NAME_MAX_BYTES - len(os.fsencode(prefix + digest + suffix))
-    return prefix + os.fsdecode(os.fsencode(name)[:room]) + digest + suffix
+    room = NAME_MAX_BYTES - len(os.fsencode(digest + suffix))
+    return os.fsdecode(os.fsencode(name)[:room]) + digest + suffix
 
 
 def _numbered(name: str, n: int) -> str:
@@ -71,10 +115,10 @@ def write_json(path: str, obj: dict) -> None:
 
 
 def read_json(path: str) -> dict | None:
-    """Return the JSON object in path, or None if it is missing, unreadable or not an object."""
+    """Return the JSON object in path, or None if it is missing, not a regular file (a FIFO or
+    link is never opened in a blocking way or followed), larger than 1 MiB, or not an object."""
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        obj = json.loads(read_small(path))
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None
@@ -93,6 +137,15 @@ def check_writable_dir(path: str, what: str) -> None:
     except OSError as e:
         where = e.filename or path
         raise SpoolError(f"{what} {path} is not usable: {e.strerror or e} ({where})") from None
+
+
+def data_suffix(name: str) -> str:
+    """Return the format suffix of a dataset name, lower-cased (``.txt.gz``, ``.npy``, or "")."""
+    low = name.lower()
+    gz = ".gz" if low.endswith(".gz") else ""
+    base = low[: -len(gz)] if gz else low
+    ext = os.path.splitext(base)[1]
+    return ext + gz if ext and len(ext) <= 8 and ext[1:].isalnum() else ""
 
 
 class Spool:
@@ -114,13 +167,13 @@ class Spool:
             raise SpoolError(f"refusing spool entry name {name!r}: not a single file name")
         return os.path.join(self.root, which, name)
 
-    def record_path(self, name: str) -> str:
-        """processing/.NAME.job.json: the job record (id, state, epoch, model directory)."""
-        return self.path(PROCESSING, sidecar_name(name, JOB_SUFFIX, hidden=True))
+    def job_dir(self, job_id: str) -> str:
+        """processing/JOB: the job's own directory."""
+        return self.path(PROCESSING, job_id)
 
-    def checkpoint_path(self, name: str) -> str:
-        """processing/.NAME.checkpoint.pt: the checkpoint written on SIGTERM."""
-        return self.path(PROCESSING, sidecar_name(name, CHECKPOINT_SUFFIX, hidden=True))
+    def job_path(self, job_id: str, name: str) -> str:
+        """A fixed-name file in the job's directory: job.json, checkpoint.pt, dataset.<ext>, ..."""
+        return os.path.join(self.job_dir(job_id), name)
 
 
 def open_spool(root: str) -> Spool:
@@ -143,6 +196,21 @@ def open_spool(root: str) -> Spool:
     return spool
 
 
+def kind_of(mode: int) -> str:
+    """Return what a non-regular file is, in words ("a FIFO (named pipe)", "a directory", ...)."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device node"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "not a regular file"
+
+
 def list_incoming(spool: Spool) -> list[str]:
     """Return the names in incoming/ the daemon will consider, oldest modification first."""
     entries = []
@@ -157,178 +225,351 @@ def list_incoming(spool: Spool) -> list[str]:
     return [name for _, name in sorted(entries)]
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device node"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "not a regular file"
+# ---- claiming ----------------------------------------------------------------------------------
 
+@dataclass
+class Claim:
+    """What :func:`claim` did with one incoming/ entry.
 
-def inspect_entry(path: str, max_bytes: int) -> tuple[os.stat_result | None, str | None]:
-    """Look at a spool entry with lstat only; return (stat, None) if it may be taken, else (stat, reason).
-
-    Refused (reason a person can act on): symlinks, FIFOs, sockets, device nodes, directories,
-    hard links (link count > 1: the file could change through its other name), and files larger
-    than ``max_bytes`` (bytes, from ``spool.max_dataset_bytes``). Returns (None, None) if the
-    entry is gone. Nothing is opened.
+    ``outcome``: ``claimed`` (a job directory with a complete copy; ``record`` is its job.json),
+    ``refused`` (in a job directory, to be moved to failed/ with ``reason``), ``empty`` (a
+    zero-byte file: removed, nothing to keep), ``ignored`` (not a regular file: left in place,
+    ``reason`` says what it is), ``busy`` (changed while being copied: put back, try later) or
+    ``gone`` (vanished first).
     """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None, None
-    if stat.S_ISLNK(st.st_mode):
-        try:
-            target = os.readlink(path)
-        except OSError:
-            target = "?"
-        return st, f"a symbolic link (to {target!r}); only regular files are taken, copy the data in instead"
-    if not stat.S_ISREG(st.st_mode):
-        return st, f"{_kind(st.st_mode)}; only regular files are taken"
-    if st.st_nlink > 1:
-        return st, (f"a hard link ({st.st_nlink} names for one file; it could change through another name); "
-                    "copy the file in instead of linking it")
-    if st.st_size > max_bytes:
-        return st, f"{st.st_size} bytes, larger than spool.max_dataset_bytes ({max_bytes} bytes)"
-    return st, None
+
+    outcome: str
+    job_id: str | None = None
+    record: dict = field(default_factory=dict)
+    reason: str = ""
 
 
 def _identity(st: os.stat_result) -> tuple:
-    """What must not change between the first look and the claim (a rename changes only ctime)."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino
 
 
-def check_claimed(path: str, expected: os.stat_result, max_bytes: int) -> str | None:
-    """Return why the claimed entry at path cannot be used, or None if it is readable and unchanged.
+def _content_sig(st: os.stat_result) -> tuple:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
-    Guards the moment between the first look and the claim: the entry must still be the same
-    regular file (device, inode, size, mtime); then it is opened with O_NOFOLLOW|O_NONBLOCK (never blocks,
-    never follows a link) to prove it readable.
+
+def claim(spool: Spool, name: str, max_bytes: int) -> Claim:
+    """Claim incoming/NAME: rename it into a new job directory and copy its bytes (see the module
+    docstring). ``max_bytes`` is ``spool.max_dataset_bytes``: a larger file is refused.
+
+    Never opens anything but a regular file, never blocks, never renames a directory. Raises
+    OSError only for errors of the spool itself (ENOSPC, EIO, ...), never for what a user dropped.
     """
-    st, reason = inspect_entry(path, max_bytes)
-    if st is None:
-        return "the file disappeared while being claimed"
-    if reason is not None:
-        return reason
-    if _identity(st) != _identity(expected):
-        return "the file was replaced or written to while being claimed; drop it again when it is complete"
+    src = spool.path(INCOMING, name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        st = os.lstat(src)
+    except FileNotFoundError:
+        return Claim("gone")
+    if not stat.S_ISREG(st.st_mode):
+        return Claim("ignored", reason=f"{kind_of(st.st_mode)}; only regular files are taken")
+    try:
+        fd, fst = open_regular(src)
+    except FileNotFoundError:
+        return Claim("gone")
     except OSError as e:
-        return (f"unreadable: {e.strerror} (mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}); "
-                "make it readable by the ds-trainer service and drop it again")
-    os.close(fd)
+        if e.errno in (errno.ELOOP, errno.EINVAL, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
+            return Claim("busy", reason="replaced while being looked at")
+        if e.errno != errno.EACCES:
+            raise
+        fd, fst = None, st  # unreadable: claimed (so it leaves incoming/) and refused
+    try:
+        if _identity(fst) != _identity(st):
+            return Claim("busy", reason="replaced while being looked at")
+        job_id = new_job_id()
+        jdir = spool.job_dir(job_id)
+        os.mkdir(jdir, 0o750)
+        record = {"job_id": job_id, "dataset": name, "state": "claiming", "claimed_at": utc_now(),
+                  "size_bytes": fst.st_size, "source": {"dev": fst.st_dev, "ino": fst.st_ino}}
+        write_json(os.path.join(jdir, JOB_FILE), record)
+        source = os.path.join(jdir, SOURCE_FILE)
+        try:
+            os.rename(src, source)  # the claim: from here on the name is the daemon's
+        except OSError as e:
+            shutil.rmtree(jdir, ignore_errors=True)
+            if e.errno == errno.ENOENT:
+                return Claim("gone")
+            if is_storage_error(e):
+                raise
+            return Claim("busy", reason=f"could not be claimed: {e.strerror}")
+        fsync_dir(spool.dir(INCOMING))
+        fsync_dir(jdir)
+        moved = os.lstat(source)
+        if _identity(moved) != _identity(fst):  # swapped between open and rename: not what we opened
+            _put_back(spool, jdir, name)
+            shutil.rmtree(jdir, ignore_errors=True)
+            return Claim("busy", reason="replaced while being claimed")
+        return _copy_in(spool, job_id, record, fd, max_bytes)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _put_back(spool: Spool, jdir: str, name: str) -> str | None:
+    """Return the user's file from jdir/source to incoming/ (never over a newer file of that
+    name: then NAME.returned-N); return the name it got, or None if there was nothing to return."""
+    source = os.path.join(jdir, SOURCE_FILE)
+    if not os.path.lexists(source):
+        return None
+    for n in range(0, 100):
+        target = name if n == 0 else f"{name}.returned-{n}"
+        try:
+            rename_noreplace(source, spool.path(INCOMING, target))
+            fsync_dir(spool.dir(INCOMING))
+            return target
+        except FileExistsError:
+            continue
     return None
 
 
-def claim(spool: Spool, name: str, record: dict) -> bool:
-    """Claim incoming/NAME for a job: write its job record, then rename it into processing/.
-
-    Returns False (and leaves no record) if the file vanished or processing/ already holds that
-    name. The record is written first so that a dataset in processing/ always has one.
-    """
-    src, dst = spool.path(INCOMING, name), spool.path(PROCESSING, name)
-    if os.path.lexists(dst):
-        return False
-    write_json(spool.record_path(name), record)
+def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes: int) -> Claim:
+    """Copy the claimed source into the job's dataset file, then unlink the source (see claim)."""
+    jdir = spool.job_dir(job_id)
+    name = record["dataset"]
+    source = os.path.join(jdir, SOURCE_FILE)
+    if fd is None:
+        st = os.lstat(source)
+        return _refuse(record, f"unreadable: permission denied (mode {stat.filemode(st.st_mode)}, owner uid "
+                       f"{st.st_uid}); make it readable by group ds-ops and drop it again")
+    before = os.fstat(fd)
+    if before.st_size == 0:
+        os.unlink(source)
+        return Claim("empty", job_id, record, "an empty file (0 bytes); removed, nothing to train")
+    if before.st_size > max_bytes:
+        return _refuse(record, f"{before.st_size} bytes, larger than spool.max_dataset_bytes ({max_bytes} bytes)")
+    data_name = DATA_PREFIX + data_suffix(name)
+    dest = os.path.join(jdir, data_name)
+    h = hashlib.sha256()
+    copied = 0
     try:
-        os.rename(src, dst)
+        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.lseek(fd, 0, os.SEEK_SET)
+            while True:
+                chunk = os.read(fd, COPY_CHUNK)
+                if not chunk:
+                    break
+                copied += len(chunk)
+                if copied > max_bytes:
+                    break
+                h.update(chunk)
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(out, view):]
+            os.fsync(out)
+        finally:
+            os.close(out)
+    except OSError:
+        # the spool's file system failed (ENOSPC, EIO): the user's file goes back where it was
+        try:
+            os.unlink(dest)
+            if _put_back(spool, jdir, name) is not None:
+                shutil.rmtree(jdir, ignore_errors=True)
+        except OSError:
+            pass  # still "claiming": recover_claim copies again from jdir/source
+        raise
+    after = os.fstat(fd)
+    if _content_sig(after) != _content_sig(before) or copied != before.st_size:
+        os.unlink(dest)
+        back = _put_back(spool, jdir, name)
+        shutil.rmtree(jdir, ignore_errors=True)
+        return Claim("busy", reason="it changed while being copied (still being written?)"
+                     + (f"; put back as incoming/{back}" if back and back != name else ""))
+    record.update(state="claimed", data_file=data_name, sha256=h.hexdigest(), size_bytes=copied, copied_at=utc_now())
+    record.pop("source", None)
+    write_json(os.path.join(jdir, JOB_FILE), record)
+    os.unlink(source)  # the user's inode: any writer still holding it now writes into nothing we read
+    fsync_dir(jdir)
+    return Claim("claimed", job_id, record)
+
+
+def _refuse(record: dict, reason: str) -> Claim:
+    record["data_file"] = SOURCE_FILE
+    return Claim("refused", record["job_id"], record, reason)
+
+
+def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int) -> Claim:
+    """Finish a claim a SIGKILL interrupted: copy again from the source if it was renamed in,
+    drop the job directory if it was not; unlink a leftover source of a completed copy."""
+    jdir = spool.job_dir(job_id)
+    source = os.path.join(jdir, SOURCE_FILE)
+    if record.get("state") != "claiming":
+        if os.path.lexists(source) and record.get("data_file") != SOURCE_FILE:
+            os.unlink(source)
+        return Claim("claimed", job_id, record)
+    if not os.path.lexists(source):
+        shutil.rmtree(jdir, ignore_errors=True)
+        return Claim("gone")
+    for leftover in os.listdir(jdir):
+        if leftover.startswith(DATA_PREFIX):
+            os.unlink(os.path.join(jdir, leftover))
+    try:
+        fd, _ = open_regular(source)
+    except OSError as e:
+        if e.errno != errno.EACCES:
+            _put_back(spool, jdir, record.get("dataset", "recovered"))
+            shutil.rmtree(jdir, ignore_errors=True)
+            return Claim("gone")
+        fd = None
+    try:
+        return _copy_in(spool, job_id, record, fd, max_bytes)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+# ---- jobs in processing/ -----------------------------------------------------------------------
+
+def job_ids(spool: Spool) -> list[str]:
+    """Return the job directories in processing/, oldest claim first."""
+    try:
+        names = os.listdir(spool.dir(PROCESSING))
     except FileNotFoundError:
-        os.unlink(spool.record_path(name))
-        return False
-    fsync_dir(spool.dir(PROCESSING))
-    fsync_dir(spool.dir(INCOMING))
-    return True
+        return []
+    return sorted(n for n in names if is_job_id(n) and os.path.isdir(spool.job_dir(n))
+                  and not os.path.islink(spool.job_dir(n)))
 
 
-def finish(spool: Spool, name: str, source: str, dest: str, doc: dict) -> str:
-    """Move source/NAME to dest (DONE or FAILED) with its JSON beside it; return the name it got there.
+def read_record(spool: Spool, job_id: str) -> dict | None:
+    """Return processing/JOB/job.json, or None if it is missing or unreadable."""
+    return read_json(spool.job_path(job_id, JOB_FILE))
+
+
+def save_record(spool: Spool, record: dict) -> None:
+    """Atomically write the job's record to processing/JOB/job.json."""
+    write_json(spool.job_path(record["job_id"], JOB_FILE), record)
+
+
+def lock_job(spool: Spool, job_id: str) -> int | None:
+    """Take the job's lock (``flock`` on processing/JOB/lock); return its fd, or None if a live
+    process (a job process of a daemon that was killed) still holds it. The kernel drops the
+    lock when the holder dies, so a crash never leaves a job locked."""
+    fd = os.open(spool.job_path(job_id, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def finish(spool: Spool, job_id: str, record: dict, dest: str, doc: dict) -> str:
+    """Move the job's dataset file to dest (DONE or FAILED) with its JSON beside it, remove the
+    job directory; return the name the dataset got there.
 
     ``doc`` goes to ``NAME.result.json`` in done/ or ``NAME.error.json`` in failed/, with
     ``dataset_file`` set to the final name. An existing dataset of the same name is never
     replaced: the newcomer becomes ``NAME.1``, ``NAME.2``, ... A JSON file left by an earlier
-    attempt of the same job (same ``job_id``) is reused. Coming from processing/, the job's hidden
-    files there are removed afterwards. Raises OSError if the spool cannot be written.
+    attempt of the same job (same ``job_id``) is reused. Raises OSError if the spool cannot be written.
     """
     suffix = RESULT_SUFFIX if dest == DONE else ERROR_SUFFIX
+    name = record.get("dataset") or job_id
+    jdir = spool.job_dir(job_id)
+    data = os.path.join(jdir, record.get("data_file") or SOURCE_FILE)
     final, n = name, 0
     while True:
         side = spool.path(dest, sidecar_name(final, suffix))
-        if not os.path.lexists(spool.path(dest, final)):
-            old = read_json(side) if os.path.lexists(side) else None
-            if not os.path.lexists(side) or (old is not None and old.get("job_id") == doc.get("job_id")):
-                break
+        taken = os.path.lexists(spool.path(dest, final))
+        old = read_json(side) if os.path.lexists(side) else None
+        if old is not None and old.get("job_id") == doc.get("job_id") and (taken or not os.path.lexists(data)):
+            break  # this job already got here (killed after the move)
+        if not taken and not os.path.lexists(side):
+            break
         n += 1
         final = _numbered(name, n)
     write_json(side, dict(doc, dataset_file=final))
-    os.rename(spool.path(source, name), spool.path(dest, final))
+    if os.path.lexists(data):
+        rename_noreplace(data, spool.path(dest, final))
+        os.chmod(spool.path(dest, final), 0o640)
     fsync_dir(spool.dir(dest))
-    fsync_dir(spool.dir(source))
-    if source == PROCESSING:
-        remove_job_files(spool, name)
+    shutil.rmtree(jdir)
+    fsync_dir(spool.dir(PROCESSING))
     return final
 
 
-def remove_job_files(spool: Spool, name: str) -> None:
-    """Remove processing/.NAME.job.json and .NAME.checkpoint.pt (the daemon's own files) if present."""
-    for path in (spool.record_path(name), spool.checkpoint_path(name)):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+def discard_job(spool: Spool, job_id: str) -> None:
+    """Remove a job directory that holds nothing of a user's (an empty or vanished claim)."""
+    shutil.rmtree(spool.job_dir(job_id), ignore_errors=True)
 
 
-def processing_datasets(spool: Spool) -> list[str]:
-    """Return the datasets in processing/ (every name not starting with '.')."""
-    return sorted(n for n in os.listdir(spool.dir(PROCESSING)) if not n.startswith("."))
-
-
-def remove_orphans(spool: Spool) -> list[str]:
-    """Remove hidden files in processing/ that belong to no dataset there; return their names.
-
-    They are job records and checkpoints of jobs that already reached done/ or failed/ (or whose
-    claim never happened) and temporary files of a killed writer. Only the daemon writes hidden
-    files in processing/ (datasets never start with '.'), so nothing of a user's is touched.
-    """
-    keep = set()
-    for name in processing_datasets(spool):
-        keep.add(os.path.basename(spool.record_path(name)))
-        keep.add(os.path.basename(spool.checkpoint_path(name)))
+def prune_failed(spool: Spool, keep: int) -> list[str]:
+    """Keep the newest ``keep`` datasets in failed/ (``spool.max_failed``); remove the older ones
+    with their error JSON; return the names removed."""
+    entries = []
+    with os.scandir(spool.dir(FAILED)) as it:
+        for e in it:
+            if e.name.endswith(ERROR_SUFFIX) or e.name.startswith("."):
+                continue
+            try:
+                entries.append((e.stat(follow_symlinks=False).st_mtime_ns, e.name))
+            except FileNotFoundError:
+                continue
+    if len(entries) <= keep:
+        return []
+    entries.sort()
     removed = []
-    for entry in os.listdir(spool.dir(PROCESSING)):
-        if entry.startswith(".") and entry not in keep:
-            path = spool.path(PROCESSING, entry)
-            if os.path.isfile(path) and not os.path.islink(path):
+    for _, name in entries[: len(entries) - keep]:
+        for path in (spool.path(FAILED, name), spool.path(FAILED, sidecar_name(name, ERROR_SUFFIX))):
+            try:
                 os.unlink(path)
-                removed.append(entry)
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+        removed.append(name)
     return removed
 
 
-def save_checkpoint(spool: Spool, name: str, obj: dict) -> str:
-    """Atomically write obj (tensors, numbers, strings) to processing/.NAME.checkpoint.pt; return its path."""
+def migrate_legacy(spool: Spool) -> list[str]:
+    """Requeue datasets an older ds-ops left in processing/ (processing/NAME with hidden
+    .NAME.job.json): each goes back to incoming/ (never over a file there) and the hidden files are
+    removed. Returns the names requeued."""
+    moved = []
+    for entry in sorted(os.listdir(spool.dir(PROCESSING))):
+        path = spool.path(PROCESSING, entry)
+        if entry.startswith("."):
+            if not is_job_id(entry) and os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)
+            continue
+        if is_job_id(entry):
+            continue
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            for n in range(100):
+                target = entry if n == 0 else f"{entry}.{n}"
+                try:
+                    rename_noreplace(path, spool.path(INCOMING, target))
+                    moved.append(target)
+                    break
+                except FileExistsError:
+                    continue
+    if moved:
+        fsync_dir(spool.dir(INCOMING))
+    return moved
+
+
+def save_checkpoint(spool: Spool, job_id: str, obj: dict) -> str:
+    """Atomically write obj (tensors, numbers, strings) to processing/JOB/checkpoint.pt; return its path."""
     import io
 
     import torch
 
     buf = io.BytesIO()
     torch.save(obj, buf)
-    path = spool.checkpoint_path(name)
+    path = spool.job_path(job_id, CHECKPOINT_FILE)
     write_atomic(path, buf.getvalue())
     return path
 
 
-def load_checkpoint(spool: Spool, name: str) -> tuple[dict | None, str]:
-    """Return (checkpoint dict, "") for NAME, or (None, why not) if it is absent or unusable.
+def load_checkpoint(spool: Spool, job_id: str) -> tuple[dict | None, str]:
+    """Return (checkpoint dict, "") for the job, or (None, why not) if it is absent or unusable.
 
     Loaded with ``torch.load(weights_only=True)`` on the CPU: no pickled code runs.
     """
     import torch
 
-    path = spool.checkpoint_path(name)
+    path = spool.job_path(job_id, CHECKPOINT_FILE)
     if not os.path.exists(path):
         return None, "no checkpoint"
     try:
@@ -374,29 +615,48 @@ def _recent_docs(directory: str, suffix: str, last: int) -> tuple[int, list[dict
     return len(found), docs
 
 
+def ignored_entries(spool: Spool) -> list[dict]:
+    """Return the entries of incoming/ that are not regular files (left alone): name and kind."""
+    out = []
+    try:
+        with os.scandir(spool.dir(INCOMING)) as it:
+            for e in it:
+                try:
+                    mode = e.stat(follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(mode) and not is_ignored(e.name):
+                    out.append({"name": e.name, "kind": kind_of(mode)})
+    except FileNotFoundError:
+        pass
+    return sorted(out, key=lambda d: d["name"])
+
+
 def spool_status(spool: Spool, last: int = 5) -> dict:
     """Return what the spool shows: queue, jobs in processing/, counts and the newest results.
 
-    Read from the files alone (works without talking to the daemon): ``queue`` lists incoming/
-    names oldest first; each job in ``processing`` carries its record (state, epoch, losses) and
-    ``daemon_alive`` (the pid in the record runs, same boot). Raises FileNotFoundError if the spool
-    does not exist.
+    Read from the files alone (works without talking to the daemon), never opening anything but a
+    regular file: ``queue`` lists incoming/ names oldest first, ``ignored`` the entries there that
+    are not regular files; each job in ``processing`` carries its record (state, epoch, losses)
+    and ``daemon_alive`` (the pid in the record runs, same boot). Raises FileNotFoundError if the
+    spool does not exist.
     """
     if not os.path.isdir(spool.root):
         raise FileNotFoundError(spool.root)
     queue = list_incoming(spool) if os.path.isdir(spool.dir(INCOMING)) else []
+    ignored = ignored_entries(spool)
+    skip = {d["name"] for d in ignored}
     jobs = []
-    if os.path.isdir(spool.dir(PROCESSING)):
-        for name in processing_datasets(spool):
-            record = read_json(spool.record_path(name)) or {}
-            jobs.append(dict(record, dataset=name,
-                             daemon_alive=process_alive(record.get("pid"), record.get("boot_id")),
-                             checkpoint=os.path.exists(spool.checkpoint_path(name))))
+    for job_id in job_ids(spool):
+        record = read_record(spool, job_id) or {"job_id": job_id}
+        jobs.append(dict(record, daemon_alive=process_alive(record.get("pid"), record.get("boot_id")),
+                         checkpoint=os.path.exists(spool.job_path(job_id, CHECKPOINT_FILE))))
     n_done, done = _recent_docs(spool.dir(DONE), RESULT_SUFFIX, last)
     n_failed, failed = _recent_docs(spool.dir(FAILED), ERROR_SUFFIX, last)
     return {
         "spool": spool.root,
-        "queue": queue,
+        "queue": [n for n in queue if n not in skip],
+        "ignored": ignored,
         "processing": jobs,
         "done_count": n_done,
         "failed_count": n_failed,

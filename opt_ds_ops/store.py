@@ -33,7 +33,12 @@ _NAME_OK = re.compile(r"[^A-Za-z0-9._+-]")
 
 
 class StoreError(RuntimeError):
-    """The model store could not be written or a stored model could not be read."""
+    """The model store could not be written or a stored model could not be read.
+
+    ``errno`` is the OS error number when a file system error caused it, else None.
+    """
+
+    errno: int | None = None
 
 
 @dataclass
@@ -112,14 +117,19 @@ def model_payload(result) -> dict:
 
 
 def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, before_publish=None) -> tuple[str, dict]:
-    """Atomically write a new version of model name; return (its directory path, the metadata written).
+    """Atomically write a new version of model name and make it ``current``; return (its
+    directory path, the metadata written).
 
     ``payload`` goes to model.pt (torch.save), ``metadata`` to metadata.json (its ``version`` and
-    ``model_dir`` keys are filled in here). ``before_publish(tmp_dir)`` is a test hook called after
-    the files are written and before the renames. Raises StoreError if the store cannot be written.
+    ``model_dir`` keys are filled in here; a ``job_id`` key lets recovery find the version of a
+    job by identity, see :func:`find_job_version`). ``before_publish(tmp_dir)`` is a test hook
+    called after the files are written and before the renames. A failed save removes its
+    temporary directory. Raises StoreError if the store cannot be written; its ``errno`` is the
+    OS error's (ENOSPC, EROFS, ... say the file system is at fault, not the model).
     """
     name = safe_model_name(name)
     name_dir = os.path.join(models_dir, name)
+    tmp = None
     try:
         os.makedirs(name_dir, exist_ok=True)
         _clean_leftovers(name_dir)
@@ -136,16 +146,54 @@ def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, bef
         if before_publish is not None:
             before_publish(tmp)
         os.rename(tmp, final)
+        tmp = None
         fsync_dir(name_dir)
-        link_tmp = os.path.join(name_dir, f".current-{os.getpid()}")
-        if os.path.lexists(link_tmp):
-            os.unlink(link_tmp)
-        os.symlink(version, link_tmp)
-        os.replace(link_tmp, os.path.join(name_dir, CURRENT))
-        fsync_dir(name_dir)
+        publish(name_dir, version)
     except OSError as e:
-        raise StoreError(f"cannot write model under {name_dir}: {e.strerror or e} ({e.filename or name_dir})") from None
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        err = StoreError(f"cannot write model under {name_dir}: {e.strerror or e} ({e.filename or name_dir})")
+        err.errno = e.errno
+        raise err from None
     return final, metadata
+
+
+def publish(name_dir: str, version: str) -> None:
+    """Point ``name_dir/current`` at version: a new symlink renamed over the old one, then the
+    directory fsync'ed. Idempotent, so crash recovery replays it. Raises OSError."""
+    link_tmp = os.path.join(name_dir, f".current-{os.getpid()}")
+    if os.path.lexists(link_tmp):
+        os.unlink(link_tmp)
+    os.symlink(version, link_tmp)
+    os.replace(link_tmp, os.path.join(name_dir, CURRENT))
+    fsync_dir(name_dir)
+
+
+def current_version(name_dir: str) -> str | None:
+    """Return the version ``current`` points at, or None if there is no ``current`` link."""
+    try:
+        return os.readlink(os.path.join(name_dir, CURRENT))
+    except OSError:
+        return None
+
+
+def find_job_version(models_dir: str, name: str, job_id: str) -> dict | None:
+    """Return the metadata of the complete version that job ``job_id`` saved for model name, or
+    None. Matched by the job id recorded in metadata.json, never by times (a clock step must not
+    make a job look unsaved)."""
+    try:
+        name_dir = os.path.join(models_dir, safe_model_name(name))
+    except StoreError:
+        return None
+    for version in reversed(list_versions(name_dir)):
+        try:
+            with open(os.path.join(name_dir, version, METADATA_FILE), encoding="utf-8") as f:
+                md = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(md, dict) and md.get("job_id") == job_id:
+            return md
+    return None
 
 
 def list_versions(name_dir: str) -> list[str]:

@@ -1,16 +1,22 @@
 """Watching the spool's ``incoming/``: when is a dropped dataset complete and ready to claim?
 
-Events come from watchdog's inotify observer (close-after-write, moves in and out, creation,
-modification); a scan at start-up and a rescan every ``spool.scan_interval_s`` catch what events
-miss (files that arrived while the daemon was down, an inotify queue overflow). If inotify cannot
-be used (instance or watch limit reached) or ``spool.watcher`` is ``poll``, the directory is
-rescanned every :data:`POLL_INTERVAL_S` instead.
+Events come from watchdog's inotify observer (open, close-after-write, close-without-write,
+modification, moves in and out, creation, deletion); a scan at start-up and every
+``spool.scan_interval_s`` catches what events cannot tell (files that arrived while the daemon was
+down). If inotify cannot be used (instance or watch limit reached) or ``spool.watcher`` is
+``poll``, the directory is rescanned every :data:`POLL_INTERVAL_S` instead.
 
-A regular file is ready once it is not being written (a close-after-write or a move into
-incoming/ was seen since its last modification, or it was found by a scan) and its size, mtime,
-inode and link count have not changed for ``spool.settle_s``. Anything that is not a regular file
-is ready at once: it will be refused without being opened. The writer contract (write under a
-hidden or .part/.tmp name, then rename) makes a file ready after the settle time alone.
+A regular file is ready when no one has it open (opens minus closes seen by inotify, carried
+across renames, so a ``.part`` file still open when renamed stays busy) and:
+
+* it arrived by ``rename(2)`` into incoming/: at once (the safe way to drop a file);
+* it was closed after writing: once unchanged for ``spool.settle_s``;
+* it was only found by a scan (present at start-up, or no event seen: polling, an inotify queue
+  overflow): once unchanged for ``spool.quiet_s``. Whether a writer still holds such a file open
+  cannot be known (another user's /proc is hidden from the service), hence the longer wait.
+
+Anything that is not a regular file is ready at once, to be looked at and reported once; the
+daemon then marks it ignored, and it is not offered again until its inode changes.
 """
 
 from __future__ import annotations
@@ -44,10 +50,12 @@ logging.getLogger("watchdog.observers.inotify").addFilter(_ShutdownNoise())
 @dataclass
 class _Entry:
     seq: int  # arrival order (first come, first served)
-    writing: bool  # a modification was seen after the last close-after-write
-    evented: bool  # an event arrived since the last scan
+    how: str  # moved (arrived by rename), closed (closed after writing), open (being written), scan
+    opens: int = 0  # opens minus closes seen by inotify
     sig: tuple | None = None  # (size, mtime_ns, inode, link count) at the last look
     stable_since: float = 0.0  # monotonic seconds since which sig is unchanged
+    ignored_ino: int | None = None  # not a regular file: reported once, left alone while this inode stays
+    not_before: float = 0.0  # monotonic seconds: not offered again before (it changed while being copied)
 
 
 class _Handler(FileSystemEventHandler):
@@ -59,12 +67,13 @@ class _Handler(FileSystemEventHandler):
     def on_any_event(self, event) -> None:
         kind = event.event_type
         if kind == "moved":
-            if event.src_path:
-                self.watcher.note(event.src_path, "gone")
-            if event.dest_path:
-                self.watcher.note(event.dest_path, "complete")
+            self.watcher.moved(event.src_path or None, event.dest_path or None)
         elif kind == "closed":
-            self.watcher.note(event.src_path, "complete")
+            self.watcher.note(event.src_path, "closed")
+        elif kind == "closed_no_write":
+            self.watcher.note(event.src_path, "closed_no_write")
+        elif kind == "opened":
+            self.watcher.note(event.src_path, "opened")
         elif kind == "created":
             self.watcher.note(event.src_path, "created")
         elif kind == "modified" and not event.is_directory:
@@ -73,22 +82,37 @@ class _Handler(FileSystemEventHandler):
             self.watcher.note(event.src_path, "gone")
 
 
+class _OverflowSignal(logging.Handler):
+    """watchdog reports a kernel inotify queue overflow only as a log warning: turn it into a rescan."""
+
+    def __init__(self, watcher: "IncomingWatcher"):
+        super().__init__(logging.WARNING)
+        self.watcher = watcher
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overflow" in record.getMessage().lower():
+            self.watcher.overflowed()
+
+
 class IncomingWatcher:
     """Tracks names in incoming/ and says which are ready to claim, oldest arrival first.
 
-    ``settle_s`` and ``rescan_s`` are seconds (``spool.settle_s``, ``spool.scan_interval_s``);
-    ``mode`` is ``inotify`` or ``poll`` (``spool.watcher``). Thread-safe: watchdog's thread calls
-    :meth:`note`, the daemon's main thread everything else.
+    ``settle_s``, ``quiet_s`` and ``rescan_s`` are seconds (``spool.settle_s``, ``spool.quiet_s``,
+    ``spool.scan_interval_s``); ``mode`` is ``inotify`` or ``poll`` (``spool.watcher``).
+    Thread-safe: watchdog's thread calls :meth:`note`/:meth:`moved`, the daemon's main thread the rest.
     """
 
-    def __init__(self, incoming: str, *, settle_s: float, rescan_s: float, mode: str = "inotify"):
+    def __init__(self, incoming: str, *, settle_s: float, rescan_s: float, quiet_s: float = 60.0,
+                 mode: str = "inotify"):
         self.incoming = os.path.abspath(incoming)
-        self.settle_s, self.rescan_s, self.mode = settle_s, rescan_s, mode
+        self.settle_s, self.rescan_s, self.quiet_s, self.mode = settle_s, rescan_s, quiet_s, mode
         self.polling_reason: str | None = None
         self._entries: dict[str, _Entry] = {}
+        self._opens_hidden: dict[str, int] = {}  # opens of ignored names (.part files being written)
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._observer = None
+        self._overflow_handler = None
         self._next_scan = 0.0
 
     @property
@@ -111,6 +135,8 @@ class IncomingWatcher:
                 observer.schedule(_Handler(self), self.incoming)
                 observer.start()
                 self._observer = observer
+                self._overflow_handler = _OverflowSignal(self)
+                logging.getLogger("watchdog.observers.inotify_c").addHandler(self._overflow_handler)
             except OSError as e:
                 name = errno.errorcode.get(e.errno, "") if e.errno else ""
                 hint = " (raise fs.inotify.max_user_instances / max_user_watches)" if e.errno in (
@@ -124,47 +150,88 @@ class IncomingWatcher:
             self._observer.stop()
             self._observer.join(timeout_s)
             self._observer = None
+        if self._overflow_handler is not None:
+            logging.getLogger("watchdog.observers.inotify_c").removeHandler(self._overflow_handler)
+            self._overflow_handler = None
 
-    def set_timing(self, settle_s: float, rescan_s: float) -> None:
-        """Apply new ``spool.settle_s`` / ``spool.scan_interval_s`` (after a SIGHUP reload)."""
+    def set_timing(self, settle_s: float, rescan_s: float, quiet_s: float | None = None) -> None:
+        """Apply new ``spool.settle_s`` / ``spool.scan_interval_s`` / ``spool.quiet_s`` (SIGHUP reload)."""
         with self._lock:
             self.settle_s, self.rescan_s = settle_s, rescan_s
+            if quiet_s is not None:
+                self.quiet_s = quiet_s
             self._next_scan = 0.0
 
+    def _name(self, path: str | None) -> str | None:
+        if not path or os.path.dirname(path) != self.incoming:
+            return None
+        return os.path.basename(path) or None
+
+    def _entry(self, name: str, how: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            entry = self._entries[name] = _Entry(next(self._seq), how=how)
+        return entry
+
     def note(self, path: str, what: str) -> None:
-        """Record an event for path: ``created``, ``writing``, ``complete`` or ``gone``."""
-        if os.path.dirname(path) != self.incoming:
-            return
-        name = os.path.basename(path)
-        if not name or is_ignored(name):
+        """Record an event for path: ``created``, ``opened``, ``writing``, ``closed``,
+        ``closed_no_write`` or ``gone``."""
+        name = self._name(path)
+        if name is None:
             return
         with self._lock:
+            if is_ignored(name):
+                n = self._opens_hidden.get(name, 0) + {"opened": 1, "closed": -1, "closed_no_write": -1}.get(what, 0)
+                if what == "gone" or n <= 0:
+                    self._opens_hidden.pop(name, None)
+                else:
+                    self._opens_hidden[name] = n
+                return
             if what == "gone":
                 self._entries.pop(name, None)
                 return
-            entry = self._entries.get(name)
-            if entry is None:
-                entry = self._entries[name] = _Entry(next(self._seq), writing=False, evented=True)
-            entry.evented = True
-            if what == "complete":
-                entry.writing = False
+            entry = self._entry(name, "open")
+            if what == "opened":
+                entry.opens += 1
+            elif what in ("closed", "closed_no_write"):
+                entry.opens = max(0, entry.opens - 1)
+                if what == "closed":
+                    entry.how = "closed"
             elif what == "writing":
-                entry.writing = True
-            elif what == "created":
-                entry.writing = self._opened_for_writing(path)
+                entry.how = "open"
 
-    @staticmethod
-    def _opened_for_writing(path: str) -> bool:
-        """A created regular file with one link is being written (its close event will follow)."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return False
-        return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+    def moved(self, src: str | None, dest: str | None) -> None:
+        """Record a rename: src leaves incoming/ (or None: came from elsewhere), dest arrives (or None)."""
+        src_name, dest_name = self._name(src), self._name(dest)
+        with self._lock:
+            opens = 0
+            if src_name is not None:
+                if is_ignored(src_name):
+                    opens = self._opens_hidden.pop(src_name, 0)
+                else:
+                    old = self._entries.pop(src_name, None)
+                    opens = old.opens if old else 0
+            if dest_name is None:
+                return
+            if is_ignored(dest_name):
+                if opens:
+                    self._opens_hidden[dest_name] = opens
+                return
+            entry = self._entries.get(dest_name)
+            if entry is None:
+                entry = self._entries[dest_name] = _Entry(next(self._seq), how="moved")
+            entry.how, entry.opens, entry.sig = "moved", opens, None
+
+    def overflowed(self) -> None:
+        """The kernel dropped inotify events: forget open counts, judge every file as scan-found."""
+        with self._lock:
+            self._opens_hidden.clear()
+            for entry in self._entries.values():
+                entry.opens, entry.how = 0, "scan"
+            self._next_scan = 0.0
 
     def scan(self) -> None:
-        """List incoming/: add new names, drop vanished ones; a name still marked as being
-        written with no event since the last scan is taken as closed (its event was lost)."""
+        """List incoming/: add new names (as scan-found), drop vanished ones."""
         names = []
         with os.scandir(self.incoming) as it:
             for e in it:
@@ -179,13 +246,7 @@ class IncomingWatcher:
                 if name not in present:
                     del self._entries[name]
             for _, name in sorted(names):
-                entry = self._entries.get(name)
-                if entry is None:
-                    self._entries[name] = _Entry(next(self._seq), writing=False, evented=False)
-                else:
-                    if entry.writing and not entry.evented:
-                        entry.writing = False
-                    entry.evented = False
+                self._entry(name, "scan")
 
     def tick(self, now: float | None = None) -> bool:
         """Rescan if one is due (every rescan_s, or POLL_INTERVAL_S when polling); return True if it ran."""
@@ -207,17 +268,44 @@ class IncomingWatcher:
                 except FileNotFoundError:
                     del self._entries[name]
                     continue
+                if entry.ignored_ino is not None:
+                    if entry.ignored_ino == st.st_ino:
+                        continue
+                    entry.ignored_ino = None
                 if not stat.S_ISREG(st.st_mode):
                     out.append(name)
                     continue
-                if entry.writing:
+                if entry.opens > 0 or now < entry.not_before:
                     continue
                 sig = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_nlink)
                 if sig != entry.sig:
                     entry.sig, entry.stable_since = sig, now
-                if now - entry.stable_since >= self.settle_s:
+                if entry.how == "moved":
+                    out.append(name)
+                elif entry.how == "closed" and now - entry.stable_since >= self.settle_s:
+                    out.append(name)
+                elif entry.how in ("scan", "open") and now - entry.stable_since >= self.quiet_s:
                     out.append(name)
         return out
+
+    def ignore(self, name: str) -> None:
+        """Leave name alone (not a regular file, already reported) until its inode changes."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return
+            try:
+                entry.ignored_ino = os.lstat(os.path.join(self.incoming, name)).st_ino
+            except FileNotFoundError:
+                self._entries.pop(name, None)
+
+    def retry_later(self, name: str, delay_s: float) -> None:
+        """name changed while being copied: offer it again only after it was closed (or quiet_s)
+        and not before delay_s seconds."""
+        with self._lock:
+            entry = self._entry(name, "open")
+            entry.how, entry.sig = "open", None
+            entry.not_before = time.monotonic() + delay_s
 
     def forget(self, name: str) -> None:
         """Stop tracking name (it was claimed or refused)."""
@@ -225,6 +313,11 @@ class IncomingWatcher:
             self._entries.pop(name, None)
 
     def queued(self) -> int:
-        """Return how many names in incoming/ are tracked (ready or still settling)."""
+        """Return how many regular files in incoming/ are tracked (ready or still settling)."""
         with self._lock:
-            return len(self._entries)
+            return sum(1 for e in self._entries.values() if e.ignored_ino is None)
+
+    def ignored(self) -> int:
+        """Return how many entries are left alone (not regular files)."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.ignored_ino is not None)

@@ -27,13 +27,13 @@ def _job_line(job: dict) -> str:
     state = job.get("state", "?")
     if job.get("daemon_alive") and state == "running":
         epoch = f" epoch {job['epoch']}/{job.get('epochs', '?')} loss {job['loss']:.6g}" if job.get("epoch") else " (loading)"
-        what = f"training{epoch} on {job.get('device', '?')}, pid {job.get('pid')}"
+        what = f"training{epoch} on {job.get('device', '?')}, daemon pid {job.get('pid')}"
     elif state == "deferred":
         what = "deferred by the health gate"
     else:
         resume = "from its checkpoint" if job.get("checkpoint") else "from epoch 1"
         what = f"{state}, daemon not running it now; resumes {resume} on the next start"
-    return f"  {safe_text(job['dataset'])}  job {job.get('job_id', '?')}: {what}"
+    return f"  {safe_text(job.get('dataset') or '?')}  job {job.get('job_id', '?')}: {what}"
 
 
 def run(args) -> int:
@@ -52,6 +52,8 @@ def run(args) -> int:
           f"{st['done_count']} done, {st['failed_count']} failed")
     for name in st["queue"]:
         print(f"  queued  {safe_text(name)}")
+    for entry in st.get("ignored", []):
+        print(f"  ignored {safe_text(entry['name'])}: {entry['kind']}, not a regular file (left in incoming/)")
     for job in st["processing"]:
         print(_job_line(job))
     if st["recent_done"]:

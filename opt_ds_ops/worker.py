@@ -1,0 +1,247 @@
+"""One job in its own process: health gate -> dataset -> training -> model store.
+
+The daemon never parses or trains in its own process. Each job runs in a child started by
+multiprocessing's ``forkserver``: a server process, started once by the daemon, that has imported
+torch and ds-ops (``set_forkserver_preload``), so a job starts in milliseconds, inherits none of
+the daemon's threads or locks, and gives its memory and GPU context back to the system when it
+ends. In the child (:func:`job_main`):
+
+* ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: it dies with the forkserver, which exits when the daemon
+  dies, so a SIGKILLed daemon leaves no job training on behind its back;
+* ``RLIMIT_DATA`` = ``job.memory_max``: a dataset that needs more fails with an out-of-memory
+  error of its own stage instead of growing until the kernel's OOM killer picks a process;
+  ``oom_score_adj`` +500 makes the job, never the daemon, the OOM killer's choice;
+* ``flock`` on ``processing/JOB/lock`` for its lifetime, so a new daemon never starts a second
+  copy of a job whose process still runs.
+
+The child reports over a one-way pipe with ``(kind, fields)`` tuples: ``stage`` (health, dataset,
+training, store), ``health``, ``resumed``, ``epoch``, ``beat`` (at most every
+:data:`BEAT_S` seconds from inside the training loop), and one final message: ``saved``,
+``failed``, ``deferred`` or ``interrupted``. A child that ends without a final message died (a
+signal: OOM kill, SIGBUS, SIGSEGV, or a sticky CUDA error that aborted it); the daemon counts that
+against the job, in the stage the child last reported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import multiprocessing
+import os
+import resource
+import signal
+import time
+import traceback
+
+BEAT_S = 2.0  # the job process reports at least this often while training (seconds)
+_CONTEXT = None
+
+
+def context():
+    """Return the forkserver multiprocessing context, with torch and ds-ops preloaded in the server."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["opt_ds_ops.worker", "opt_ds_ops.job", "opt_ds_ops.health"])
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def warm_up() -> None:
+    """Start the forkserver now (it imports torch: seconds), so the first job starts at once."""
+    context()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+class JobProcess:
+    """The daemon's handle on one running job process.
+
+    ``stage`` is the last stage the child reported; ``last_heard`` the monotonic time (seconds) of
+    its last message; ``final`` the final message once it came.
+    """
+
+    def __init__(self, spool_root: str, job_id: str, record: dict, cfg, ctx=None):
+        ctx = ctx or context()
+        self.job_id = job_id
+        self._conn, child_conn = ctx.Pipe(duplex=False)
+        self.stop_event = ctx.Event()
+        self.proc = ctx.Process(target=job_main, name=f"ds-ops job {job_id}",
+                                args=(child_conn, self.stop_event, spool_root, job_id, record, cfg))
+        self.proc.start()
+        child_conn.close()
+        now = time.monotonic()
+        self.started, self.last_heard, self.stage_since = now, now, now
+        self.stage = "health"
+        self.final: tuple[str, dict] | None = None
+        self.stop_sent = False
+        self.killed_for = ""
+
+    def receive(self, timeout_s: float) -> list[tuple[str, dict]]:
+        """Return the messages that arrived within timeout_s seconds (waits only for the first)."""
+        out = []
+        try:
+            if not self._conn.poll(timeout_s):
+                return out
+            while True:
+                kind, fields = self._conn.recv()
+                self.last_heard = time.monotonic()
+                if kind == "stage":
+                    self.stage, self.stage_since = fields["stage"], self.last_heard
+                if kind in ("saved", "failed", "deferred", "interrupted"):
+                    self.final = (kind, fields)
+                out.append((kind, fields))
+                if not self._conn.poll(0):
+                    break
+        except (EOFError, OSError):
+            pass
+        return out
+
+    def exitcode(self) -> int | None:
+        """Return the exit code (negative: the signal that ended it), or None while it runs."""
+        return self.proc.exitcode
+
+    def kill(self, why: str) -> None:
+        """SIGKILL the job process (a stop during a parse, a hung health check, a stalled job)."""
+        self.killed_for = why
+        if self.proc.exitcode is None:
+            self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        """Reap the process and close the pipe."""
+        self.proc.join(10)
+        self._conn.close()
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG(SIGKILL); exit if the parent is already gone."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:
+        os._exit(0)
+
+
+def _limit_memory(limit_bytes: int) -> None:
+    """RLIMIT_DATA = limit_bytes (private writable memory: heap, anonymous mmap); oom_score_adj +500."""
+    try:
+        _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        if hard != resource.RLIM_INFINITY:
+            limit_bytes = min(limit_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
+    except (ValueError, OSError):
+        pass
+    try:
+        with open("/proc/self/oom_score_adj", "r+") as f:
+            current = int(f.read().strip() or 0)
+            f.seek(0)
+            f.write(str(min(1000, current + 500)))
+    except (OSError, ValueError):
+        pass
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg) -> None:
+    """The job process: gate, load, train, store; report to the daemon over conn (see the module docstring)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C goes to the daemon, which decides
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    memory_max = cfg.job.memory_max_bytes()
+    _limit_memory(memory_max)
+
+    from .config import config_to_dict
+    from .health import gate_job
+    from .job import JobError, run_job
+    from .spool import Spool, load_checkpoint, save_checkpoint, utc_now
+    from .train import GPU_HEADROOM_BYTES, TrainingInterrupted
+
+    spool = Spool(spool_root)
+    name = record["dataset"]
+    path = spool.job_path(job_id, record["data_file"])
+    state = {"stage": "health", "beat": time.monotonic()}
+
+    def send(kind: str, **fields) -> None:
+        conn.send((kind, fields))
+
+    def on_stage(stage: str) -> None:
+        state["stage"] = stage
+        send("stage", stage=stage)
+
+    lock_fd = os.open(spool.job_path(job_id, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        send("failed", stage="recovery", reason="another process of this job still runs", type="JobLocked",
+             transient=True)
+        return
+    try:
+        on_stage("health")
+        decision = gate_job(cfg, GPU_HEADROOM_BYTES)
+        plan = decision.plan
+        send("health", action=decision.action, reason=decision.reason, report=decision.report,
+             device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None,
+             describe=plan.describe() if plan else "", plan_reason=plan.reason if plan else "")
+        if decision.action == "defer":
+            send("deferred", reason=decision.reason or "health gate deferred the job")
+            return
+        if decision.action != "run" or plan is None:
+            send("failed", stage="health", reason=decision.reason or f"health gate answered {decision.action!r}",
+                 type="HealthRefused", report=decision.report)
+            return
+        resume = None
+        obj, why = load_checkpoint(spool, job_id)
+        train_cfg = config_to_dict(cfg)["train"]
+        if obj is not None:
+            if obj.get("job_id") != job_id:
+                why = "the checkpoint belongs to another job"
+            elif obj.get("train_config") != train_cfg:
+                why = "the training configuration changed since the checkpoint"
+            elif obj.get("amp_dtype") != plan.amp_name:
+                why = f"the checkpoint was made with amp {obj.get('amp_dtype')}, this run uses {plan.amp_name}"
+            else:
+                resume = obj["checkpoint"]
+                send("resumed", epoch=len(resume.get("history", [])) + 1, batch=resume.get("batch"))
+        if resume is None and why != "no checkpoint":
+            send("resumed", epoch=1, why=why)
+
+        def should_stop() -> bool:
+            now = time.monotonic()
+            if now - state["beat"] >= BEAT_S:
+                state["beat"] = now
+                send("beat")
+            return stop_event.is_set()
+
+        try:
+            job = run_job(path, cfg, name=record["model_name"], plan=plan, health=decision.report,
+                          on_epoch=lambda s: send("epoch", **s.as_dict()), should_stop=should_stop,
+                          resume=resume, job_id=job_id, source_name=name, sha256=record.get("sha256"),
+                          on_stage=on_stage)
+        except TrainingInterrupted as ti:
+            ckpt = ti.checkpoint
+            save_checkpoint(spool, job_id, {"job_id": job_id, "train_config": train_cfg, "amp_dtype": plan.amp_name,
+                                            "saved_at": utc_now(), "checkpoint": ckpt})
+            send("interrupted", epoch=len(ckpt.get("history", [])) + 1, batch=ckpt.get("batch"))
+            return
+        send("saved", metadata=job.metadata)
+    except JobError as e:
+        send("failed", stage=e.stage, reason=str(e).replace(path, name), type=e.cause_type, errno=e.errno)
+    except BaseException as e:  # noqa: BLE001 - everything is reported; the daemon decides
+        stage = state["stage"]
+        if _out_of_memory(e):
+            reason = (f"out of memory in stage {stage} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                      f"the job may use job.memory_max = {cfg.job.memory_max} ({memory_max} bytes)")
+        else:
+            reason = f"unexpected {type(e).__name__}: {str(e).replace(path, name)}"
+        send("failed", stage=stage, reason=reason, type=type(e).__name__, errno=getattr(e, "errno", None),
+             traceback=traceback.format_exc())
+    finally:
+        os.close(lock_fd)
+        conn.close()
