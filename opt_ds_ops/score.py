@@ -40,21 +40,42 @@ class Evaluation:
         return dict(self.__dict__)
 
 
-def score_rows(stored: StoredModel, data: np.ndarray, batch_rows: int = 65536) -> np.ndarray:
+def standardise_rows(stored: StoredModel, rows: np.ndarray, offset: np.ndarray | None = None) -> torch.Tensor:
+    """Return rows (n, D) standardised with the model's scaler: (n, D) float32 CPU tensor.
+
+    ``offset``: (D,) float64, the dataset's (``Dataset.offset``; the values are rows + offset), or
+    None. Computed in float64 as ``(rows - (mean - offset)) / std`` and then cast, so a column far
+    from zero (1e8 + N(0, 1)) keeps its signal. The stored mean may be float32 (models saved
+    before the scaler was kept in float64) or float64.
+    """
+    shift = stored.mean.double().numpy()
+    if offset is not None:
+        shift = shift - np.asarray(offset, dtype=np.float64)
+    x = np.asarray(rows, dtype=np.float64) - shift
+    x /= stored.std.double().numpy()
+    return torch.from_numpy(x.astype(np.float32))
+
+
+def score_rows(
+    stored: StoredModel, data: np.ndarray, batch_rows: int = 65536, *, offset: np.ndarray | None = None
+) -> np.ndarray:
     """Return the anomaly score of each row of data (rows, D): (rows,) float32, higher = more anomalous.
 
-    Rows are standardised with the model's stored scaler; the score is the model's
-    :func:`~opt_ds_ops.model.anomaly_scores` of the reconstruction error, smoothed over the stored
-    ``score_window`` rows (rows are taken in file order, oldest first), comparable with
-    ``stored.threshold``. Raises ScoreError if D differs from the model's feature count.
+    Rows are standardised with the model's stored scaler (:func:`standardise_rows`; ``offset`` is
+    the dataset's ``Dataset.offset`` when data is centred, else None), ``batch_rows`` at a time; the
+    score is the model's :func:`~opt_ds_ops.model.anomaly_scores` of the reconstruction error,
+    smoothed over the stored ``score_window`` rows (rows are taken in file order, oldest first),
+    comparable with ``stored.threshold``. Raises ScoreError if D differs from the model's feature
+    count or offset is not of shape (D,).
     """
     want = stored.model.n_features
     if data.ndim != 2 or data.shape[1] != want:
         raise ScoreError(f"data has {data.shape[1] if data.ndim == 2 else '?'} features, model expects {want}")
+    if offset is not None and np.shape(offset) != (want,):
+        raise ScoreError(f"offset has shape {np.shape(offset)}, model expects ({want},)")
     out = torch.empty(data.shape[0], dtype=torch.float32)
     for start in range(0, data.shape[0], batch_rows):
-        chunk = torch.from_numpy(np.asarray(data[start : start + batch_rows], dtype=np.float32))
-        x = (chunk - stored.mean) / stored.std
+        x = standardise_rows(stored, data[start : start + batch_rows], offset)
         out[start : start + batch_rows] = anomaly_scores(feature_errors(stored.model, x, batch_rows), stored.error_scale)
     return smooth_scores(out, stored.score_window).numpy()
 

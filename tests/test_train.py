@@ -16,6 +16,8 @@ from opt_ds_ops.train import (
     batch_bounds,
     fit_scaler,
     split_rows,
+    standardise,
+    threshold_at,
     train,
 )
 
@@ -116,3 +118,41 @@ def test_a_checkpoint_of_another_dataset_is_refused(rows):
         train(rows, TrainConfig(epochs=2, batch_size=512), CPU, should_stop=lambda: True)
     with pytest.raises(TrainingError, match="checkpoint does not match"):
         train(rows[:3000], TrainConfig(epochs=2, batch_size=512), CPU, resume=stop.value.checkpoint)
+
+
+def test_threshold_is_exact_for_more_than_2_pow_24_scores():
+    n = 2**24 + 3  # torch.quantile refuses more than 2**24 elements
+    scores = torch.arange(n, dtype=torch.float64).flip(0)
+    assert threshold_at(scores, 0.99) == pytest.approx(0.99 * (n - 1), rel=0, abs=1e-6)
+    assert threshold_at(np.array([3.0, 1.0, 2.0]), 0.5) == 2.0
+
+
+def test_standardise_works_in_float64_so_a_column_far_from_zero_keeps_its_signal():
+    rows = np.array([[1e8 + 1.0], [1e8 - 1.0], [1e8 + 0.5]])
+    mean, std = fit_scaler(rows)
+    assert mean.dtype == std.dtype == np.float64 and mean[0] == 1e8 + 0.5 / 3
+    x = standardise(rows, mean, std)
+    assert x.dtype == torch.float32
+    torch.testing.assert_close(x[:, 0].double(), torch.from_numpy((rows[:, 0] - mean[0]) / std[0]))
+
+
+def test_the_scaler_mean_adds_the_dataset_offset_back_exactly():
+    rng = np.random.default_rng(3)
+    values = np.column_stack([1e8 + rng.normal(size=400), rng.random(400)])
+    offset = values[:50].mean(axis=0)  # what load_dataset keeps: the first block's column means
+    centred = (values - offset).astype(np.float32)
+    r = train(centred, TrainConfig(epochs=1, batch_size=64), CPU, offset=offset)
+    exact = values[: r.rows_train]
+    assert r.mean.dtype == np.float64
+    np.testing.assert_allclose(r.mean, exact.mean(axis=0), rtol=0, atol=1e-6)  # float32 alone: a step of 8
+    np.testing.assert_allclose(r.std, exact.std(axis=0), rtol=1e-5)
+    with pytest.raises(ValueError, match="offset has shape"):
+        train(centred, TrainConfig(epochs=1), CPU, offset=offset[:1])
+
+
+def test_a_memory_mapped_dataset_trains_like_its_copy_in_memory(tmp_path, rows):
+    np.save(tmp_path / "rows.npy", rows)
+    mapped = np.load(tmp_path / "rows.npy", mmap_mode="r")
+    a = train(mapped, TrainConfig(epochs=1), CPU)
+    b = train(np.array(rows), TrainConfig(epochs=1), CPU)
+    assert a.threshold == b.threshold and np.array_equal(a.mean, b.mean)
