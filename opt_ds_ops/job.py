@@ -14,7 +14,7 @@ import torch
 
 from . import __version__
 from .config import Config, config_to_dict
-from .dataset import Dataset, DatasetError, dataset_stem, file_sha256, load_dataset
+from .dataset import Dataset, DatasetError, DatasetLimits, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
 from .store import StoreError, model_payload, save_model
 from .train import EpochStats, TrainingError, TrainResult, train
@@ -109,7 +109,7 @@ def run_job(
     stage = on_stage or (lambda _s: None)
     stage("dataset")
     try:
-        ds = load_dataset(path)
+        ds = load_dataset(path, DatasetLimits.from_config(cfg.job))
         sha = sha256 or file_sha256(path)
     except DatasetError as e:
         raise JobError("dataset", str(e), e) from e
@@ -119,7 +119,7 @@ def run_job(
         raise JobError("health", str(e), e) from e
     stage("training")
     try:
-        result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume)
+        result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume, offset=ds.offset)
     except TrainingError as e:
         raise JobError("training", f"{path}: {e}", e) from e
     metadata = build_metadata(ds, sha, result, cfg, health)

@@ -6,7 +6,8 @@ The seed loop is TensorDataset + DataLoader(shuffle=True, batch_size=2048), Adam
 data in one tensor, shuffles it with one permutation per epoch, uses fused AdamW and reads the
 loss once per epoch. Both train the same TelemetryAutoencoder on the same standardised rows with
 the same hyper-parameters; the final losses must agree. Also times dataset parsing of the same
-rows written as CSV against Python's csv module. Prints a table and a final JSON line.
+rows written as CSV against Python's csv module, and the parse's peak memory (tracemalloc: Python
+and numpy allocations) as a multiple of the float32 matrix. Prints a table and a final JSON line.
 
 Usage: scripts/bench_train.py [--rows 500000] [--features 32] [--epochs 5] [--device cpu|cuda|auto]
 """
@@ -20,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+import tracemalloc
 
 import numpy as np
 import torch
@@ -64,20 +66,27 @@ def seed_loop(x: torch.Tensor, cfg: TrainConfig, device: torch.device, amp_dtype
     return x.shape[0] * cfg.epochs / (time.perf_counter() - t0), total / n
 
 
-def parse_speeds(rows: np.ndarray) -> tuple[float, float]:
-    """Return (MB/s of load_dataset, MB/s of a csv-module loop) on rows written as a CSV file."""
+def parse_speeds(rows: np.ndarray) -> tuple[float, float, float]:
+    """Return (MB/s of load_dataset, MB/s of a csv-module loop, load_dataset's peak memory / the float32
+    matrix) on rows written as a CSV file. The peak is measured in a second, untimed load."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.csv")
         np.savetxt(path, rows, delimiter=",", fmt="%.6f")
         mb = os.path.getsize(path) / 1e6
         t0 = time.perf_counter()
-        load_dataset(path)
+        ds = load_dataset(path)
         ours = mb / (time.perf_counter() - t0)
+        matrix_bytes = ds.data.nbytes
+        del ds
+        tracemalloc.start()
+        load_dataset(path)
+        peak = tracemalloc.get_traced_memory()[1] / matrix_bytes
+        tracemalloc.stop()
         t0 = time.perf_counter()
         with open(path, newline="") as f:
             np.array([[float(v) for v in r] for r in csv.reader(f)], dtype=np.float32)
         loop = mb / (time.perf_counter() - t0)
-    return ours, loop
+    return ours, loop, peak
 
 
 def main() -> int:
@@ -117,9 +126,9 @@ def main() -> int:
         "data_placement": result.data_placement,
     }
     if not args.skip_parse:
-        ours_mbs, loop_mbs = parse_speeds(data)
+        ours_mbs, loop_mbs, peak = parse_speeds(data)
         report.update(parse_mb_per_s=round(ours_mbs, 1), csv_loop_mb_per_s=round(loop_mbs, 1),
-                      parse_ratio=round(ours_mbs / loop_mbs, 2))
+                      parse_ratio=round(ours_mbs / loop_mbs, 2), parse_peak_x_matrix=round(peak, 2))
 
     print(f"{'loop':<10}{'samples/s':>14}{'final loss':>14}")
     print(f"{'seed':<10}{seed_sps:>14,.0f}{seed_loss:>14.6f}")
@@ -127,7 +136,7 @@ def main() -> int:
     print(f"ratio ds-ops / seed: {ratio:.2f}x on {plan.describe()}, {args.rows:,} x {args.features}, {args.epochs} epochs")
     if "parse_mb_per_s" in report:
         print(f"CSV parsing: {report['parse_mb_per_s']} MB/s (csv-module loop {report['csv_loop_mb_per_s']} MB/s, "
-              f"{report['parse_ratio']}x)")
+              f"{report['parse_ratio']}x); peak memory {report['parse_peak_x_matrix']}x the float32 matrix")
     print(json.dumps(report, sort_keys=True))
     return 0
 

@@ -30,7 +30,9 @@ from opt_ds_ops.config import TrainConfig  # noqa: E402
 from opt_ds_ops.dataset import load_dataset  # noqa: E402
 from opt_ds_ops.device import plan_device  # noqa: E402
 from opt_ds_ops.model import feature_errors, smooth_scores  # noqa: E402
-from opt_ds_ops.score import average_precision, evaluate, load_labels, roc_auc, score_rows, zscore_baseline  # noqa: E402
+from opt_ds_ops.score import (  # noqa: E402
+    average_precision, evaluate, load_labels, roc_auc, score_rows, standardise_rows, zscore_baseline,
+)
 from opt_ds_ops.store import StoredModel  # noqa: E402
 from opt_ds_ops.train import train  # noqa: E402
 
@@ -49,19 +51,18 @@ def label_path(smd: str, name: str) -> str:
 
 
 def evaluate_machine(smd: str, name: str, cfg: TrainConfig, device: str) -> dict:
-    tr = load_dataset(os.path.join(smd, "train", name + ".txt.gz")).data
-    te = load_dataset(os.path.join(smd, "test", name + ".txt.gz")).data
-    labels = load_labels(label_path(smd, name), te.shape[0])
-    result = train(tr, cfg, plan_device(device, "auto"))
+    tr = load_dataset(os.path.join(smd, "train", name + ".txt.gz"))
+    te = load_dataset(os.path.join(smd, "test", name + ".txt.gz"))
+    labels = load_labels(label_path(smd, name), te.rows)
+    result = train(tr.data, cfg, plan_device(device, "auto"), offset=tr.offset)
     stored = StoredModel(
         path="", model=result.model, mean=torch.from_numpy(result.mean), std=torch.from_numpy(result.std),
         error_scale=torch.from_numpy(result.error_scale), threshold=result.threshold,
         score_window=result.score_window, metadata={},
     )
-    ours = score_rows(stored, te)
-    x = (torch.from_numpy(np.asarray(te)) - stored.mean) / stored.std
-    seed = feature_errors(result.model, x).mean(dim=1).numpy()
-    z = zscore_baseline(tr, te)
+    ours = score_rows(stored, te.data, offset=te.offset)
+    seed = feature_errors(result.model, standardise_rows(stored, te.data, te.offset)).mean(dim=1).numpy()
+    z = zscore_baseline(tr.values(), te.values())
     z_win = smooth_scores(torch.from_numpy(z), cfg.score_window).numpy()
     ev = evaluate(ours, labels, result.threshold)
     return {

@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from opt_ds_ops.config import TrainConfig
 from opt_ds_ops.device import plan_device
@@ -18,7 +19,8 @@ from opt_ds_ops.score import (
     score_rows,
     zscore_baseline,
 )
-from opt_ds_ops.store import load_model, model_payload, save_model
+from opt_ds_ops.dataset import load_dataset
+from opt_ds_ops.store import StoredModel, load_model, model_payload, save_model
 from opt_ds_ops.train import train
 
 
@@ -82,17 +84,67 @@ def test_labels_file_is_validated(tmp_path):
 
 def test_scores_of_a_stored_model_on_real_smd_find_the_labelled_anomalies(tmp_path, smd_rows):
     from conftest import SMD_LABELS, SMD_TEST
-    from opt_ds_ops.dataset import load_dataset
 
     result = train(smd_rows, TrainConfig(), plan_device("cpu", "off"))
     save_model(str(tmp_path), "machine-1-2", model_payload(result), {})
     stored = load_model(str(tmp_path / "machine-1-2" / "current"))
-    test = load_dataset(str(SMD_TEST)).data
-    labels = load_labels(str(SMD_LABELS), test.shape[0])
-    scores = score_rows(stored, test)
-    assert scores.shape == (test.shape[0],) and scores.dtype == np.float32
+    test = load_dataset(str(SMD_TEST))
+    labels = load_labels(str(SMD_LABELS), test.rows)
+    scores = score_rows(stored, test.data, offset=test.offset)
+    assert scores.shape == (test.rows,) and scores.dtype == np.float32
     model_auc = roc_auc(scores, labels)
-    baseline_auc = roc_auc(zscore_baseline(smd_rows, test), labels)
+    baseline_auc = roc_auc(zscore_baseline(smd_rows, test.values()), labels)
     assert model_auc > baseline_auc  # measured 0.935 against 0.868 for the per-row z-score
     with pytest.raises(ScoreError, match="data has 5 features, model expects 38"):
         score_rows(stored, np.zeros((3, 5), np.float32))
+
+
+def in_memory(result) -> StoredModel:
+    """The StoredModel of a TrainResult, as scripts/eval_smd.py builds it (float64 scaler mean)."""
+    return StoredModel(path="", model=result.model, mean=torch.from_numpy(result.mean), std=torch.from_numpy(result.std),
+                       error_scale=torch.from_numpy(result.error_scale), threshold=result.threshold,
+                       score_window=result.score_window, metadata={})
+
+
+def factor_rows(rows: int, seed: int) -> np.ndarray:
+    """(rows, 12) float64: two hidden factors seen through 12 noisy metrics; column 0 has std 1."""
+    w = np.random.default_rng(99).normal(size=(2, 12))
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 2)) @ w / np.sqrt(2) + 0.3 * rng.normal(size=(rows, 12))
+    x[:, 0] /= x[:, 0].std()
+    return x
+
+
+def train_and_score_files(tmp_path, offset: float):
+    """Write train and test CSVs with ``offset`` added to column 0 (a +5 jump in test rows 500-549); return scores."""
+    train_rows, test_rows = factor_rows(4000, 1), factor_rows(1000, 2)
+    test_rows[500:550, 0] += 5
+    for name, rows in (("train", train_rows), ("test", test_rows)):
+        rows[:, 0] += offset
+        np.savetxt(tmp_path / f"{name}-{offset:g}.csv", rows, delimiter=",", fmt="%.6f")
+    tr, te = load_dataset(str(tmp_path / f"train-{offset:g}.csv")), load_dataset(str(tmp_path / f"test-{offset:g}.csv"))
+    result = train(tr.data, TrainConfig(epochs=10, batch_size=256), plan_device("cpu", "off"), offset=tr.offset)
+    return score_rows(in_memory(result), te.data, offset=te.offset), result
+
+
+@pytest.mark.parametrize("offset", [1e8, 1e9])
+def test_a_jump_of_5_on_a_column_at_1e8_is_scored_as_without_the_offset(tmp_path, offset):
+    """float32 has steps of 8 at 1e8 and 64 at 1e9: the float32 parse saw that column as constant,
+    missed the jump at 1e9 and at 1e8 scored it ~60x too high (quantisation, not signal)."""
+    scores, result = train_and_score_files(tmp_path, offset)
+    plain, plain_result = train_and_score_files(tmp_path, 0.0)
+    assert (scores[514:550] > result.threshold).all()  # the whole window once it covers the jump
+    assert (scores[:500] > result.threshold).mean() < 0.02
+    np.testing.assert_allclose(result.mean[0], offset + plain_result.mean[0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(scores, plain, rtol=0.02)
+    assert result.threshold == pytest.approx(plain_result.threshold, rel=0.02)
+
+
+def test_score_rows_takes_a_float32_scaler_of_models_saved_before_float64(smd_rows):
+    result = train(smd_rows[:3000], TrainConfig(epochs=1), plan_device("cpu", "off"))
+    new = in_memory(result)
+    old = StoredModel(**{**new.__dict__, "mean": new.mean.float(), "std": new.std.float()})
+    data = smd_rows[3000:3500]
+    np.testing.assert_allclose(score_rows(old, data), score_rows(new, data), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ScoreError, match=r"offset has shape \(3,\), model expects \(38,\)"):
+        score_rows(new, data, offset=np.zeros(3))

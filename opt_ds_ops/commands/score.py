@@ -6,10 +6,11 @@ import json
 
 import numpy as np
 
-from ..dataset import load_dataset
+from ..config import DEFAULT_CONFIG_PATH
+from ..dataset import DatasetLimits, load_dataset
 from ..score import evaluate, fmt_metric, load_labels, score_rows
 from ..store import load_model
-from . import CliError
+from . import CliError, load_cfg
 
 
 def add_parser(sub) -> None:
@@ -18,15 +19,17 @@ def add_parser(sub) -> None:
     s.add_argument("dataset", metavar="DATASET")
     s.add_argument("--labels", help="file of one 0/1 per row: also print ROC-AUC, PR-AUC, precision, recall, F1")
     s.add_argument("--output", help="write per-row CSV: row,score,anomaly[,label]")
+    s.add_argument("--config", help=f"configuration file, for the job.* dataset budgets (default: {DEFAULT_CONFIG_PATH} if present)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=run)
 
 
 def run(args) -> int:
     """``ds-ops score MODEL_DIR DATASET``: per-row anomaly scores and flags; metrics with --labels."""
+    cfg = load_cfg(args, {})
     stored = load_model(args.model_dir)
-    ds = load_dataset(args.dataset)
-    scores = score_rows(stored, ds.data)
+    ds = load_dataset(args.dataset, DatasetLimits.from_config(cfg.job))
+    scores = score_rows(stored, ds.data, offset=ds.offset)
     flags = scores > stored.threshold
     labels = load_labels(args.labels, ds.rows) if args.labels else None
     if args.output:

@@ -49,6 +49,14 @@ def test_score_errors_exit_1(tmp_path, model_dir):
     assert p.returncode == 1 and "data has 2 features, model expects 38" in p.stderr
 
 
+def test_score_reads_the_dataset_within_the_configs_job_budgets(tmp_path, model_dir):
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text("job:\n  max_columns: 10\n")
+    p = run_cli("score", model_dir, str(SMD_TEST), "--config", str(conf))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == f"ds-ops: error: {SMD_TEST}: line 1 has 38 fields; job.max_columns is 10"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (SHARED_SMD / "train").is_dir(), reason="../shared/data/smd not present")
 def test_every_shared_smd_machine_trains_and_scores(tmp_path):

@@ -74,6 +74,16 @@ def test_bad_input_exits_1_with_a_message_and_writes_nothing(tmp_path, name):
     assert not models.exists() or not any(models.rglob("*"))
 
 
+def test_a_dataset_past_the_configs_matrix_budget_exits_1_and_writes_nothing(tmp_path, small_smd_csv):
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text(f"models_dir: {tmp_path / 'models'}\njob:\n  max_matrix_bytes: 152000\n")  # 1000 rows of 38
+    p = run_cli("train", str(small_smd_csv), "--config", str(conf))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == (f"ds-ops: error: {small_smd_csv}: more than 1000 rows of 38 columns; the float32 "
+                                "matrix would pass job.max_matrix_bytes (152000 bytes, 152 bytes a row)")
+    assert not (tmp_path / "models").exists()
+
+
 def test_bad_arrays_exit_1_and_write_nothing(tmp_path):
     models = tmp_path / "models"
     np.save(tmp_path / "rank3.npy", np.zeros((2, 2, 2)))
