@@ -35,6 +35,7 @@ import os
 import signal
 import threading
 import time
+from datetime import datetime, timezone
 
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
@@ -59,9 +60,20 @@ BACKOFF_S = (5.0, 300.0)  # first and longest pause of intake after a file syste
 HEALTH_LOG_TIMEOUT_S = 30.0  # the start-up health report gives up waiting on NVML after this (seconds)
 
 
+def _parse_utc(stamp) -> float | None:
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
 def result_doc(record: dict, metadata: dict) -> dict:
-    """Return NAME.result.json's content from the job record and the model's metadata.json."""
+    """Return NAME.result.json's content from the job record and the model's metadata.json.
+
+    ``duration_s`` runs from the claim to now (seconds, wall clock: informative only).
+    """
     claimed = record.get("claimed_at")
+    since = _parse_utc(claimed)
     return {
         "job_id": record["job_id"],
         "dataset": record.get("dataset"),
@@ -83,6 +95,7 @@ def result_doc(record: dict, metadata: dict) -> dict:
         "training_duration_s": metadata.get("duration_s"),
         "claimed_at": claimed,
         "finished_at": utc_now(),
+        "duration_s": round(time.time() - since, 3) if since else None,
         "resumed_from_epoch": record.get("resumed_from_epoch"),
         "crashes": record.get("crashes", 0),
         "restarts": record.get("restarts", 0),
@@ -94,14 +107,15 @@ class Daemon:
 
     ``config_path`` is re-read on SIGHUP (``missing_ok``: a missing file means defaults). Create
     with :func:`start_daemon`, which checks the directories first. ``mp_context`` is the
-    multiprocessing context jobs start in (None: the forkserver of :mod:`opt_ds_ops.worker`).
+    multiprocessing context jobs start in (None: the forkserver of :mod:`opt_ds_ops.worker`);
+    ``gate`` replaces the health gate in the job processes (tests only, see worker.job_main).
     """
 
     def __init__(self, cfg: Config, spool: Spool, log: EventLog, notifier: Notifier,
-                 config_path: str, missing_ok: bool = False, mp_context=None):
+                 config_path: str, missing_ok: bool = False, mp_context=None, gate=None):
         self.cfg, self.spool, self.log, self.notifier = cfg, spool, log, notifier
         self.config_path, self.missing_ok = config_path, missing_ok
-        self.mp_context = mp_context
+        self.mp_context, self.gate = mp_context, gate
         self.watcher = IncomingWatcher(spool.dir(INCOMING), settle_s=cfg.spool.settle_s, quiet_s=cfg.spool.quiet_s,
                                        rescan_s=cfg.spool.scan_interval_s, mode=cfg.spool.watcher)
         self.pending: list[str] = []  # job ids in processing/ to (re)run, oldest claim first
@@ -192,6 +206,8 @@ class Daemon:
 
     def _tick(self) -> bool:
         """Do one thing; return False if there was nothing to do (the loop then sleeps a tick)."""
+        if self.stop_requested:
+            self._stopping()  # STOPPING=1 first, then EXTEND_TIMEOUT_USEC while a checkpoint is written
         self.watcher.tick()
         if self.job is not None:
             self._watch_job()
@@ -352,11 +368,12 @@ class Daemon:
                            **self._fields(record))
             self._finish_done(record, metadata)
             return
-        record.update(state="running", pid=os.getpid(), boot_id=boot_id(), started_at=utc_now(),
-                      epochs=self.cfg.train.epochs, stage="health")
+        for stale in ("epoch", "loss", "val_loss", "samples_per_s", "updated_at"):
+            record.pop(stale, None)
+        self.job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context, self.gate)
+        record.update(state="running", pid=os.getpid(), job_pid=self.job.proc.pid, boot_id=boot_id(),
+                      started_at=utc_now(), epochs=self.cfg.train.epochs, stage="health")
         save_record(self.spool, record)
-        self.job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context)
-        record["job_pid"] = self.job.proc.pid
         self.notifier.status(f"training {safe_text(record['dataset'])} ({job_id}): health check; "
                              f"{self.watcher.queued()} queued")
 
@@ -371,6 +388,7 @@ class Daemon:
         if code is None:
             if self.stop_requested and not job.stop_sent:
                 job.stop_sent = True
+                self._stopping()
                 if job.stage in ("health", "dataset"):
                     job.kill(f"stopping during the {job.stage} stage")
                     record.update(state="interrupted", stage=job.stage)
@@ -381,6 +399,7 @@ class Daemon:
                     self.notifier.extend_timeout(STOP_EXTEND_S)
                     self.notifier.status(f"stopping: {safe_text(record['dataset'])} writes its checkpoint")
                     job.stop_event.set()
+                    return
             elif job.stage == "health" and now - job.stage_since > self.cfg.job.health_timeout_s:
                 job.kill(f"the health check did not answer within {self.cfg.job.health_timeout_s:.0f} s "
                          "(a hung NVML call?)")
@@ -389,7 +408,8 @@ class Daemon:
                 job.kill(f"no word from the job for {now - job.last_heard:.0f} s in stage {job.stage}")
             else:
                 return
-        job.receive(0)
+        for kind, fields in job.receive(0):
+            self._on_message(record, kind, fields)
         if job.final is not None:
             for kind, fields in [job.final]:
                 self._on_final(record, kind, fields)

@@ -45,7 +45,8 @@ class StoreError(RuntimeError):
 class StoredModel:
     """A model loaded back from the store, ready to score.
 
-    ``mean``, ``std``, ``error_scale``: (D,) float32 tensors; ``threshold``: anomaly-score threshold
+    ``mean``: (D,) float64 tensor (float32 in models saved before ds-ops kept the exact mean of
+    columns far from zero); ``std``, ``error_scale``: (D,) float32 tensors; ``threshold``: anomaly-score threshold
     for scores smoothed by a trailing mean of ``score_window`` rows.
     """
 
@@ -107,7 +108,7 @@ def model_payload(result) -> dict:
         "format_version": FORMAT_VERSION,
         "model_args": result.model.model_args(),
         "state_dict": {k: v.detach().cpu() for k, v in result.model.state_dict().items()},
-        "scaler_mean": torch.from_numpy(np.asarray(result.mean, dtype=np.float32)),
+        "scaler_mean": torch.from_numpy(np.asarray(result.mean, dtype=np.float64)),
         "scaler_std": torch.from_numpy(np.asarray(result.std, dtype=np.float32)),
         "error_scale": torch.from_numpy(np.asarray(result.error_scale, dtype=np.float32)),
         "threshold": float(result.threshold),

@@ -62,13 +62,13 @@ class JobProcess:
     its last message; ``final`` the final message once it came.
     """
 
-    def __init__(self, spool_root: str, job_id: str, record: dict, cfg, ctx=None):
+    def __init__(self, spool_root: str, job_id: str, record: dict, cfg, ctx=None, gate=None):
         ctx = ctx or context()
         self.job_id = job_id
         self._conn, child_conn = ctx.Pipe(duplex=False)
         self.stop_event = ctx.Event()
         self.proc = ctx.Process(target=job_main, name=f"ds-ops job {job_id}",
-                                args=(child_conn, self.stop_event, spool_root, job_id, record, cfg))
+                                args=(child_conn, self.stop_event, spool_root, job_id, record, cfg, gate))
         self.proc.start()
         child_conn.close()
         now = time.monotonic()
@@ -149,8 +149,12 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
 
 
-def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg) -> None:
-    """The job process: gate, load, train, store; report to the daemon over conn (see the module docstring)."""
+def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, gate=None) -> None:
+    """The job process: gate, load, train, store; report to the daemon over conn (see the module docstring).
+
+    ``gate(cfg, need_bytes) -> GateDecision`` replaces :func:`opt_ds_ops.health.gate_job` (tests
+    only; a module-level function, pickled by name).
+    """
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C goes to the daemon, which decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -184,7 +188,7 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg) 
         return
     try:
         on_stage("health")
-        decision = gate_job(cfg, GPU_HEADROOM_BYTES)
+        decision = (gate or gate_job)(cfg, GPU_HEADROOM_BYTES)
         plan = decision.plan
         send("health", action=decision.action, reason=decision.reason, report=decision.report,
              device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None,

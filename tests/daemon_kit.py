@@ -22,7 +22,8 @@ JOB_TIMEOUT_S = 300
 
 def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_s: float = 0.5,
                  scan_interval_s: float = 30.0, max_dataset_bytes: int | None = None, watcher: str | None = None,
-                 max_crashes: int | None = None, name: str = "trainer.yaml") -> Path:
+                 max_crashes: int | None = None, name: str = "trainer.yaml", quiet_s: float = 1.0,
+                 extra: list[str] | None = None) -> Path:
     """Write a conffile for a daemon on root/spool and root/models; return its path."""
     lines = [
         f"models_dir: {root / 'models'}",
@@ -34,6 +35,7 @@ def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_
         f"  dir: {root / 'spool'}",
         f"  settle_s: {settle_s}",
         f"  scan_interval_s: {scan_interval_s}",
+        f"  quiet_s: {quiet_s}",
     ]
     if max_dataset_bytes is not None:
         lines.append(f"  max_dataset_bytes: {max_dataset_bytes}")
@@ -41,6 +43,7 @@ def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_
         lines.append(f"  watcher: {watcher}")
     if max_crashes is not None:
         lines.append(f"  max_crashes: {max_crashes}")
+    lines += extra or []
     path = root / name
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -179,11 +182,25 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def job_dir(root: Path, name: str) -> Path | None:
+    """The processing/JOB directory whose record names dataset ``name``, or None."""
+    processing = spool_dir(root, "processing")
+    if not processing.exists():
+        return None
+    for d in sorted(processing.iterdir()):
+        try:
+            if json.loads((d / "job.json").read_text()).get("dataset") == name:
+                return d
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            continue
+    return None
+
+
 def job_record(root: Path, name: str) -> dict | None:
-    """The job record of processing/NAME, or None if there is none (yet)."""
-    path = spool_dir(root, "processing") / f".{name}.job.json"
+    """The job record (processing/JOB/job.json) of dataset ``name``, or None if there is none (yet)."""
+    d = job_dir(root, name)
     try:
-        return json.loads(path.read_text())
+        return json.loads((d / "job.json").read_text()) if d else None
     except (FileNotFoundError, ValueError):
         return None
 

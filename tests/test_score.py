@@ -148,3 +148,16 @@ def test_score_rows_takes_a_float32_scaler_of_models_saved_before_float64(smd_ro
     np.testing.assert_allclose(score_rows(old, data), score_rows(new, data), rtol=1e-4, atol=1e-6)
     with pytest.raises(ScoreError, match=r"offset has shape \(3,\), model expects \(38,\)"):
         score_rows(new, data, offset=np.zeros(3))
+
+
+def test_a_stored_model_keeps_the_scaler_mean_of_a_column_at_1e9_plus_17(tmp_path):
+    rows = factor_rows(2000, 1)
+    rows[:, 0] += 1e9 + 17  # float32: a step of 64, the mean would move by 15 standard deviations
+    np.savetxt(tmp_path / "far.csv", rows, delimiter=",", fmt="%.6f")
+    ds = load_dataset(str(tmp_path / "far.csv"))
+    result = train(ds.data, TrainConfig(epochs=2, batch_size=256), plan_device("cpu", "off"), offset=ds.offset)
+    save_model(str(tmp_path), "far", model_payload(result), {})
+    stored = load_model(str(tmp_path / "far"))
+    assert stored.mean.dtype == torch.float64 and float(stored.mean[0]) == result.mean[0]
+    np.testing.assert_allclose(score_rows(stored, ds.data, offset=ds.offset),
+                               score_rows(in_memory(result), ds.data, offset=ds.offset), rtol=1e-5)

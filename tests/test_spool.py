@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import errno
+import hashlib
+import stat
+import subprocess
+import sys
 import os
 import socket
 import threading
@@ -12,7 +15,6 @@ import pytest
 
 from opt_ds_ops import spool as sp
 from opt_ds_ops.spool import DONE, FAILED, INCOMING, PROCESSING, SpoolError
-from opt_ds_ops.watcher import IncomingWatcher
 
 
 @pytest.fixture
@@ -40,10 +42,9 @@ def test_dot_files_and_part_and_tmp_names_are_ignored(name, ignored):
 def test_sidecar_names_of_a_255_byte_dataset_name_fit_and_stay_distinct():
     a, b = "é" * 120 + "a.csv", "é" * 120 + "b.csv"  # 245 bytes each
     for name in (a, b):
-        for suffix, hidden in ((sp.RESULT_SUFFIX, False), (sp.JOB_SUFFIX, True), (sp.CHECKPOINT_SUFFIX, True)):
-            side = sp.sidecar_name(name, suffix, hidden=hidden)
+        for suffix in (sp.RESULT_SUFFIX, sp.ERROR_SUFFIX):
+            side = sp.sidecar_name(name, suffix)
             assert len(os.fsencode(side)) <= 255 and side.endswith(suffix)
-            assert side.startswith(".") is hidden
     assert sp.sidecar_name(a, sp.RESULT_SUFFIX) != sp.sidecar_name(b, sp.RESULT_SUFFIX)
     assert sp.sidecar_name("short.csv", sp.RESULT_SUFFIX) == "short.csv.result.json"
 
@@ -54,143 +55,241 @@ def test_a_name_that_is_not_one_path_component_is_refused(spool, name):
         spool.path(INCOMING, name)
 
 
-# ---- what may be taken ---------------------------------------------------------------------------
+# ---- claiming: the bytes, not the name --------------------------------------------------------------
 
-def test_inspect_refuses_links_special_files_and_oversized_without_opening(spool, tmp_path):
-    incoming = spool.dir(INCOMING)
-    os.mkfifo(os.path.join(incoming, "fifo.csv"))
-    os.symlink("/etc/passwd", os.path.join(incoming, "link.csv"))
-    os.mkdir(os.path.join(incoming, "dir.csv"))
-    sock = socket.socket(socket.AF_UNIX)
-    sock.bind(os.path.join(incoming, "sock.csv"))
-    put(spool, INCOMING, "linked.csv")
-    os.link(os.path.join(incoming, "linked.csv"), str(tmp_path / "other-name"))
-    put(spool, INCOMING, "big.csv", b"x" * 101)
-    put(spool, INCOMING, "fine.csv", b"x" * 100)
-    results = {}
-
-    def inspect_all():  # a FIFO opened for reading would block this thread forever
-        for name in os.listdir(incoming):
-            results[name] = sp.inspect_entry(os.path.join(incoming, name), max_bytes=100)[1]
-
-    t = threading.Thread(target=inspect_all, daemon=True)
+def in_thread(fn, timeout_s=30.0):
+    """Run fn in a thread; fail if it blocks (a FIFO opened for reading blocks forever)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.update(value=fn()), daemon=True)
     t.start()
-    t.join(30)
-    sock.close()
-    assert not t.is_alive(), "inspect_entry blocked (opened a FIFO?)"
-    assert "FIFO" in results["fifo.csv"]
-    assert "symbolic link (to '/etc/passwd')" in results["link.csv"]
-    assert "a directory" in results["dir.csv"]
-    assert "a socket" in results["sock.csv"]
-    assert "hard link (2 names" in results["linked.csv"]
-    assert "101 bytes, larger than spool.max_dataset_bytes (100 bytes)" in results["big.csv"]
-    assert results["fine.csv"] is None
-    assert sp.inspect_entry(os.path.join(incoming, "gone.csv"), 100) == (None, None)
+    t.join(timeout_s)
+    assert not t.is_alive(), f"{fn} blocked (opened a FIFO?)"
+    return box["value"]
 
 
-def test_check_claimed_notices_a_file_replaced_after_the_first_look(spool):
-    path = put(spool, PROCESSING, "x.csv")
-    first = os.lstat(path)
-    os.unlink(path)
-    put(spool, PROCESSING, "x.csv", b"1,2\n3,4\n5,6\n")
-    assert "replaced or written to" in sp.check_claimed(path, first, 1000)
-    assert sp.check_claimed(path, os.lstat(path), 1000) is None
+def test_claim_copies_the_bytes_into_a_daemon_owned_file_and_drops_the_users_inode(spool):
+    data = b"1,2\n3,4\n" * 1000
+    put(spool, INCOMING, "a.csv", data)
+    c = sp.claim(spool, "a.csv", 10**6)
+    assert c.outcome == "claimed" and c.record["state"] == "claimed"
+    assert c.record["sha256"] == hashlib.sha256(data).hexdigest() and c.record["size_bytes"] == len(data)
+    copy = spool.job_path(c.job_id, c.record["data_file"])
+    assert c.record["data_file"] == "dataset.csv" and open(copy, "rb").read() == data
+    assert stat.S_IMODE(os.stat(copy).st_mode) == 0o600
+    assert sorted(os.listdir(spool.job_dir(c.job_id))) == ["dataset.csv", "job.json"]
+    assert sp.read_record(spool, c.job_id) == c.record
+    assert os.listdir(spool.dir(INCOMING)) == []
 
 
-def test_check_claimed_reports_an_unreadable_file(spool):
+@pytest.mark.parametrize("kind", ["fifo", "dir", "socket", "symlink"])
+def test_claim_never_opens_renames_or_reads_what_is_not_a_regular_file(spool, kind):
+    path = spool.path(INCOMING, "v.csv")
+    sock = None
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dir":
+        os.mkdir(path, 0o755)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(path)
+    else:
+        os.symlink("/etc/passwd", path)
+    try:
+        c = in_thread(lambda: sp.claim(spool, "v.csv", 10**6))
+    finally:
+        if sock:
+            sock.close()
+    assert c.outcome == "ignored" and "only regular files are taken" in c.reason
+    assert os.path.lexists(path) and os.listdir(spool.dir(PROCESSING)) == []
+
+
+def test_a_hard_link_is_taken_by_its_bytes(spool, tmp_path):
+    put(spool, INCOMING, "linked.csv")
+    os.link(spool.path(INCOMING, "linked.csv"), str(tmp_path / "other-name"))
+    c = sp.claim(spool, "linked.csv", 1000)
+    assert c.outcome == "claimed"
+    with open(tmp_path / "other-name", "ab") as f:  # writing through the other name changes nothing of ours
+        f.write(b"9,9\n")
+    assert open(spool.job_path(c.job_id, "dataset.csv"), "rb").read() == b"1,2\n3,4\n"
+
+
+def test_an_oversized_file_is_refused_and_an_empty_one_removed(spool):
+    put(spool, INCOMING, "big.csv", b"x" * 101)
+    put(spool, INCOMING, "empty.csv", b"")
+    big = sp.claim(spool, "big.csv", 100)
+    assert big.outcome == "refused" and "101 bytes, larger than spool.max_dataset_bytes (100 bytes)" in big.reason
+    assert sp.finish(spool, big.job_id, big.record, FAILED, {"job_id": big.job_id}) == "big.csv"
+    assert open(spool.path(FAILED, "big.csv"), "rb").read() == b"x" * 101
+    empty = sp.claim(spool, "empty.csv", 100)
+    assert empty.outcome == "empty" and not os.path.exists(spool.job_path(empty.job_id, sp.SOURCE_FILE))
+    sp.discard_job(spool, empty.job_id)
+    assert os.listdir(spool.dir(INCOMING)) == [] and os.listdir(spool.dir(PROCESSING)) == []
+
+
+def test_an_unreadable_file_is_refused_as_the_service_user_sees_it(spool):
     """Run as a service user would: as root, in a process without the DAC-override capabilities."""
-    import subprocess
-    import sys
-
     from daemon_kit import base_env, drop_dac_capabilities
 
-    path = put(spool, PROCESSING, "secret.csv")
+    path = put(spool, INCOMING, "secret.csv")
     os.chmod(path, 0)
-    code = ("import os, sys; from opt_ds_ops.spool import check_claimed; "
-            "print(check_claimed(sys.argv[1], os.lstat(sys.argv[1]), 1000))")
-    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, env=base_env(),
+    code = ("import sys; from opt_ds_ops import spool as sp; "
+            "c = sp.claim(sp.Spool(sys.argv[1]), 'secret.csv', 1000); print(c.outcome, c.reason)")
+    r = subprocess.run([sys.executable, "-c", code, spool.root], capture_output=True, text=True, env=base_env(),
                        preexec_fn=drop_dac_capabilities if os.geteuid() == 0 else None, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "unreadable: Permission denied (mode ----------, owner uid" in r.stdout
+    assert r.stdout.startswith("refused unreadable: permission denied (mode ----------, owner uid")
 
 
-# ---- lifecycle -----------------------------------------------------------------------------------
+def test_a_writer_that_keeps_writing_after_the_claim_changes_nothing_trained(spool):
+    """Issue 8 rows 4 and 5: the owner appends, truncates and rewrites through an fd kept open."""
+    f = open(spool.path(INCOMING, "w.csv"), "wb")
+    f.write(b"1,2\n3,4\n")
+    f.flush()
+    c = sp.claim(spool, "w.csv", 1000)
+    assert c.outcome == "claimed"
+    f.write(b"5,6\n")
+    f.truncate(0)
+    f.write(b"garbage")
+    f.close()
+    assert open(spool.job_path(c.job_id, "dataset.csv"), "rb").read() == b"1,2\n3,4\n"
+    assert c.record["sha256"] == hashlib.sha256(b"1,2\n3,4\n").hexdigest()
+    assert os.listdir(spool.dir(INCOMING)) == []
 
-def test_claim_writes_the_record_first_and_moves_the_file(spool):
-    put(spool, INCOMING, "a.csv")
-    assert sp.claim(spool, "a.csv", {"job_id": "j1"})
-    assert os.path.exists(spool.path(PROCESSING, "a.csv")) and not os.path.exists(spool.path(INCOMING, "a.csv"))
-    assert sp.read_json(spool.record_path("a.csv")) == {"job_id": "j1"}
-    assert not sp.claim(spool, "vanished.csv", {"job_id": "j2"})
-    assert not os.path.exists(spool.record_path("vanished.csv"))
+
+def test_a_file_that_changes_while_it_is_copied_is_put_back_untouched(spool, monkeypatch):
+    put(spool, INCOMING, "grow.csv", b"1,2\n" * 1000)
+    real_read = os.read
+
+    def read_then_append(fd, n):  # the owner appends while the daemon copies (a second writer, not a fake)
+        with open(spool.job_path(job_dirs()[0], sp.SOURCE_FILE), "ab") as w:
+            w.write(b"3,4\n")
+        return real_read(fd, n)
+
+    def job_dirs():
+        return sp.job_ids(spool)
+
+    monkeypatch.setattr(sp.os, "read", read_then_append)
+    c = sp.claim(spool, "grow.csv", 10**6)
+    monkeypatch.undo()
+    assert c.outcome == "busy" and "changed while being copied" in c.reason
+    assert os.listdir(spool.dir(PROCESSING)) == []
+    assert open(spool.path(INCOMING, "grow.csv"), "rb").read().count(b"3,4\n") >= 1
 
 
-def test_claim_never_replaces_a_dataset_already_in_processing(spool):
-    put(spool, PROCESSING, "a.csv", b"first")
-    put(spool, INCOMING, "a.csv", b"second")
-    assert not sp.claim(spool, "a.csv", {"job_id": "j"})
-    assert open(spool.path(PROCESSING, "a.csv"), "rb").read() == b"first"
+def test_a_claim_cut_by_sigkill_is_finished_or_undone_at_recovery(spool):
+    # killed after the rename, before the copy: the copy is made at recovery
+    put(spool, INCOMING, "k.csv")
+    job = sp.new_job_id()
+    os.mkdir(spool.job_dir(job))
+    record = {"job_id": job, "dataset": "k.csv", "state": "claiming", "claimed_at": sp.utc_now()}
+    sp.write_json(spool.job_path(job, sp.JOB_FILE), record)
+    os.rename(spool.path(INCOMING, "k.csv"), spool.job_path(job, sp.SOURCE_FILE))
+    c = sp.recover_claim(spool, job, record, 1000)
+    assert c.outcome == "claimed" and open(spool.job_path(job, "dataset.csv"), "rb").read() == b"1,2\n3,4\n"
+    assert not os.path.exists(spool.job_path(job, sp.SOURCE_FILE))
+    # killed before the rename: nothing of a user's in the job directory, which goes
+    job2 = sp.new_job_id()
+    os.mkdir(spool.job_dir(job2))
+    r2 = {"job_id": job2, "dataset": "never.csv", "state": "claiming"}
+    sp.write_json(spool.job_path(job2, sp.JOB_FILE), r2)
+    assert sp.recover_claim(spool, job2, r2, 1000).outcome == "gone"
+    assert sp.job_ids(spool) == [job]
+
+
+# ---- finishing -----------------------------------------------------------------------------------
+
+def claimed(spool, name, data=b"1,2\n3,4\n"):
+    put(spool, INCOMING, name, data)
+    c = sp.claim(spool, name, 10**6)
+    assert c.outcome == "claimed"
+    return c
 
 
 def test_finish_numbers_a_second_dataset_of_the_same_name_instead_of_replacing(spool):
-    for i, job in enumerate(["j1", "j2", "j3"]):
-        put(spool, PROCESSING, "m.csv", f"rows {i}".encode())
-        sp.write_json(spool.record_path("m.csv"), {"job_id": job})
-        final = sp.finish(spool, "m.csv", PROCESSING, DONE, {"job_id": job})
+    for i in range(3):
+        c = claimed(spool, "m.csv", f"rows {i}".encode())
+        final = sp.finish(spool, c.job_id, c.record, DONE, {"job_id": c.job_id})
         assert final == ["m.csv", "m.csv.1", "m.csv.2"][i]
         assert sp.read_json(os.path.join(spool.dir(DONE), final + ".result.json"))["dataset_file"] == final
     assert open(spool.path(DONE, "m.csv"), "rb").read() == b"rows 0"
     assert os.listdir(spool.dir(PROCESSING)) == []
 
 
-def test_finish_reuses_the_json_of_an_earlier_attempt_of_the_same_job(spool):
-    sp.write_json(os.path.join(spool.dir(DONE), "m.csv.result.json"), {"job_id": "j1", "partial": True})
-    put(spool, PROCESSING, "m.csv")
-    assert sp.finish(spool, "m.csv", PROCESSING, DONE, {"job_id": "j1"}) == "m.csv"
+def test_finish_of_a_job_killed_after_its_move_reuses_its_json(spool):
+    c = claimed(spool, "m.csv")
+    sp.write_json(os.path.join(spool.dir(DONE), "m.csv.result.json"), {"job_id": c.job_id, "partial": True})
+    os.rename(spool.job_path(c.job_id, "dataset.csv"), spool.path(DONE, "m.csv"))  # killed right after this
+    assert sp.finish(spool, c.job_id, c.record, DONE, {"job_id": c.job_id}) == "m.csv"
     assert "partial" not in sp.read_json(os.path.join(spool.dir(DONE), "m.csv.result.json"))
-
-
-def test_refusing_from_incoming_leaves_another_jobs_files_in_processing_alone(spool):
-    put(spool, PROCESSING, "same.csv")
-    sp.write_json(spool.record_path("same.csv"), {"job_id": "running"})
-    os.mkfifo(spool.path(INCOMING, "same.csv"))
-    sp.finish(spool, "same.csv", INCOMING, FAILED, {"job_id": "refused", "reason": "a FIFO"})
-    assert sp.read_json(spool.record_path("same.csv")) == {"job_id": "running"}
+    assert os.listdir(spool.dir(PROCESSING)) == []
 
 
 def test_odd_names_survive_the_whole_lifecycle_literally(spool):
     names = ["-rf --no-preserve-root.csv", "a  b.csv", "données ü 日本.csv", os.fsdecode(b"bad-\xff-utf8.csv"),
-             "new\nline.csv"]
+             "new\nline.csv", "job.json", "lock", "v.error.json"]
     for name in names:
-        put(spool, INCOMING, name)
-        assert sp.claim(spool, name, {"job_id": name})
-        assert sp.finish(spool, name, PROCESSING, DONE, {"job_id": name, "dataset": name}) == name
+        c = claimed(spool, name)
+        assert sp.finish(spool, c.job_id, c.record, DONE, {"job_id": c.job_id, "dataset": name}) == name
         assert sp.read_json(os.path.join(spool.dir(DONE), sp.sidecar_name(name, sp.RESULT_SUFFIX)))["dataset"] == name
-    assert sorted(n for n in os.listdir(spool.dir(DONE)) if not n.endswith(".json")) == sorted(names)
+    done = sorted(n for n in os.listdir(spool.dir(DONE)) if not n.endswith((".result.json",)) or n in names)
+    assert set(names) <= set(done)
     assert os.listdir(os.path.dirname(spool.root)) == ["spool"]  # nothing written outside the spool
 
 
-def test_orphaned_job_files_are_removed_and_a_datasets_own_are_kept(spool):
-    put(spool, PROCESSING, "live.csv")
-    sp.write_json(spool.record_path("live.csv"), {"job_id": "a"})
-    sp.write_json(spool.record_path("gone.csv"), {"job_id": "b"})
-    put(spool, PROCESSING, ".tmp-abc123", b"half a checkpoint")
-    assert sorted(sp.remove_orphans(spool)) == [".gone.csv.job.json", ".tmp-abc123"]
-    assert sorted(os.listdir(spool.dir(PROCESSING))) == [".live.csv.job.json", "live.csv"]
+def test_failed_keeps_the_newest_max_failed(spool):
+    for i in range(5):
+        c = claimed(spool, f"bad-{i}.csv")
+        sp.finish(spool, c.job_id, c.record, FAILED, {"job_id": c.job_id})
+        os.utime(spool.path(FAILED, f"bad-{i}.csv"), ns=(i * 10**9, i * 10**9))
+    assert sp.prune_failed(spool, 3) == ["bad-0.csv", "bad-1.csv"]
+    assert sorted(os.listdir(spool.dir(FAILED))) == sorted(
+        [f"bad-{i}.csv" for i in (2, 3, 4)] + [f"bad-{i}.csv.error.json" for i in (2, 3, 4)])
+
+
+def test_datasets_an_older_ds_ops_left_in_processing_go_back_to_incoming(spool):
+    put(spool, PROCESSING, "old.csv")
+    put(spool, PROCESSING, ".old.csv.job.json", b"{}")
+    put(spool, INCOMING, "old.csv", b"a newer drop of the same name")
+    assert sp.migrate_legacy(spool) == ["old.csv.1"]
+    assert os.listdir(spool.dir(PROCESSING)) == []
+    assert open(spool.path(INCOMING, "old.csv"), "rb").read() == b"a newer drop of the same name"
 
 
 def test_checkpoint_round_trips_with_weights_only_and_a_broken_one_is_reported(spool):
     import torch
 
-    put(spool, PROCESSING, "a.csv")
-    sp.save_checkpoint(spool, "a.csv", {"job_id": "j", "checkpoint": {"w": torch.ones(3), "epoch": 2}})
-    obj, why = sp.load_checkpoint(spool, "a.csv")
+    c = claimed(spool, "a.csv")
+    sp.save_checkpoint(spool, c.job_id, {"job_id": "j", "checkpoint": {"w": torch.ones(3), "epoch": 2}})
+    obj, why = sp.load_checkpoint(spool, c.job_id)
     assert why == "" and obj["checkpoint"]["epoch"] == 2 and torch.equal(obj["checkpoint"]["w"], torch.ones(3))
-    with open(spool.checkpoint_path("a.csv"), "wb") as f:
+    with open(spool.job_path(c.job_id, sp.CHECKPOINT_FILE), "wb") as f:
         f.write(b"not a checkpoint")
-    obj, why = sp.load_checkpoint(spool, "a.csv")
+    obj, why = sp.load_checkpoint(spool, c.job_id)
     assert obj is None and "unreadable" in why
-    assert sp.load_checkpoint(spool, "none.csv") == (None, "no checkpoint")
+
+
+def test_job_lock_is_exclusive_and_dies_with_its_holder(spool):
+    c = claimed(spool, "a.csv")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"),
+        spool.job_path(c.job_id, sp.LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert sp.lock_job(spool, c.job_id) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    fd = sp.lock_job(spool, c.job_id)
+    assert fd is not None
+    os.close(fd)
+
+
+def test_read_json_never_blocks_on_a_fifo_or_follows_a_link(spool):
+    os.mkfifo(spool.path(FAILED, "v.error.json"))
+    os.symlink("/etc/passwd", spool.path(DONE, "x.result.json"))
+    assert in_thread(lambda: sp.read_json(spool.path(FAILED, "v.error.json"))) is None
+    assert sp.read_json(spool.path(DONE, "x.result.json")) is None
 
 
 def test_open_spool_names_the_path_that_cannot_be_used(tmp_path):
@@ -199,126 +298,26 @@ def test_open_spool_names_the_path_that_cannot_be_used(tmp_path):
         sp.open_spool(str(tmp_path / "spool"))
 
 
-def test_spool_status_shows_queue_running_job_and_latest_results(spool):
+def test_spool_status_shows_queue_ignored_entries_jobs_and_latest_results(spool):
     put(spool, INCOMING, "queued.csv")
     put(spool, INCOMING, "upload.part")
-    put(spool, PROCESSING, "busy.csv")
-    sp.write_json(spool.record_path("busy.csv"), {"job_id": "j1", "state": "running", "epoch": 3, "epochs": 5,
-                                                  "pid": os.getpid(), "boot_id": sp.boot_id()})
-    put(spool, PROCESSING, "other.csv")
-    sp.write_json(spool.record_path("other.csv"), {"job_id": "j0", "state": "running", "pid": 2**22 + 7})
+    os.mkfifo(spool.path(INCOMING, "pipe.csv"))
+    os.mkdir(spool.path(INCOMING, "adir"))
+    busy = claimed(spool, "busy.csv")
+    busy.record.update(state="running", epoch=3, epochs=5, pid=os.getpid(), boot_id=sp.boot_id())
+    sp.save_record(spool, busy.record)
+    put(spool, INCOMING, "queued.csv")
+    other = claimed(spool, "other.csv")
+    other.record.update(state="running", pid=2**22 + 7)
+    sp.save_record(spool, other.record)
     sp.write_json(os.path.join(spool.dir(DONE), "old.csv.result.json"), {"job_id": "j9", "model_dir": "/m"})
-    st = sp.spool_status(spool)
+    os.mkfifo(spool.path(FAILED, "x.error.json"))
+    st = in_thread(lambda: sp.spool_status(spool))
     assert st["queue"] == ["queued.csv"]
-    busy, other = st["processing"]
-    assert busy["dataset"] == "busy.csv" and busy["epoch"] == 3 and busy["daemon_alive"] is True
-    assert other["daemon_alive"] is False and other["checkpoint"] is False
-    assert st["done_count"] == 1 and st["recent_done"][0]["model_dir"] == "/m" and st["failed_count"] == 0
+    assert st["ignored"] == [{"name": "adir", "kind": "a directory"}, {"name": "pipe.csv", "kind": "a FIFO (named pipe)"}]
+    first, second = st["processing"]
+    assert first["dataset"] == "busy.csv" and first["epoch"] == 3 and first["daemon_alive"] is True
+    assert second["daemon_alive"] is False and second["checkpoint"] is False
+    assert st["done_count"] == 1 and st["recent_done"][0]["model_dir"] == "/m"
 
 
-# ---- the watcher ---------------------------------------------------------------------------------
-
-def make_watcher(spool, settle_s=0.3, **kw) -> IncomingWatcher:
-    return IncomingWatcher(spool.dir(INCOMING), settle_s=settle_s, rescan_s=kw.pop("rescan_s", 60.0), **kw)
-
-
-def wait_ready(w: IncomingWatcher, expect, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        w.tick()
-        got = w.ready()
-        if got == expect:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"ready() is {w.ready()}, expected {expect}")
-
-
-def test_a_copied_in_file_is_ready_after_close_and_settle_in_arrival_order(spool):
-    w = make_watcher(spool)
-    assert w.start() == "inotify"
-    try:
-        w.tick()
-        put(spool, INCOMING, "b-first.csv")
-        time.sleep(0.05)
-        put(spool, INCOMING, "a-second.csv")
-        put(spool, INCOMING, "ignored.csv.part")
-        wait_ready(w, ["b-first.csv", "a-second.csv"])
-    finally:
-        w.stop()
-
-
-def test_a_file_held_open_by_a_slow_writer_is_not_ready_until_closed(spool):
-    w = make_watcher(spool, settle_s=0.2)
-    w.start()
-    try:
-        w.tick()
-        with open(spool.path(INCOMING, "slow.csv"), "wb") as f:
-            for _ in range(10):  # pauses longer than settle_s, file kept open
-                f.write(b"1,2\n")
-                f.flush()
-                time.sleep(0.3)
-                assert w.ready() == []
-        wait_ready(w, ["slow.csv"])
-    finally:
-        w.stop()
-
-
-def test_a_file_still_growing_is_not_ready_without_any_event(spool):
-    w = make_watcher(spool, settle_s=0.5, mode="poll")
-    w.start()
-    path = put(spool, INCOMING, "growing.csv")
-    w.tick()
-    for _ in range(5):
-        with open(path, "ab") as f:
-            f.write(b"5,6\n")
-        time.sleep(0.2)
-        assert w.ready() == []
-    wait_ready(w, ["growing.csv"])
-
-
-def test_special_files_are_ready_at_once_to_be_refused(spool):
-    w = make_watcher(spool, settle_s=3600)
-    w.start()
-    try:
-        os.mkfifo(spool.path(INCOMING, "fifo.csv"))
-        wait_ready(w, ["fifo.csv"])
-    finally:
-        w.stop()
-
-
-def test_inotify_limit_reached_falls_back_to_polling(spool, monkeypatch):
-    import watchdog.observers.inotify as wi
-
-    class Exhausted:
-        def __init__(self, *a, **kw):
-            raise OSError(errno.EMFILE, "inotify instance limit reached")
-
-    monkeypatch.setattr(wi, "InotifyObserver", Exhausted)
-    w = make_watcher(spool, settle_s=0.1)
-    how = w.start()
-    assert w.polling and "inotify instance limit reached EMFILE" in how and "max_user_instances" in how
-    put(spool, INCOMING, "found-by-polling.csv")
-    wait_ready(w, ["found-by-polling.csv"], timeout_s=10)
-
-
-def test_a_lost_close_event_is_recovered_by_the_rescan(spool):
-    w = make_watcher(spool, settle_s=0.0, rescan_s=0.2)
-    put(spool, INCOMING, "x.csv")
-    w.note(spool.path(INCOMING, "x.csv"), "writing")  # its close-after-write event never comes
-    assert w.ready() == []
-    w.tick(now=time.monotonic())  # the first scan sees events since the last one: still writing
-    assert w.ready() == []
-    w.tick(now=time.monotonic() + 1)  # no event for a whole scan interval: taken as closed
-    assert w.ready() == ["x.csv"]
-
-
-def test_forget_and_vanished_files_leave_the_queue(spool):
-    w = make_watcher(spool, settle_s=0.0, mode="poll")
-    w.start()
-    put(spool, INCOMING, "a.csv")
-    put(spool, INCOMING, "b.csv")
-    w.tick()
-    assert w.queued() == 2
-    w.forget("a.csv")
-    os.unlink(spool.path(INCOMING, "b.csv"))
-    assert w.ready() == [] and w.queued() == 0

@@ -52,7 +52,7 @@ def test_loaded_model_reconstructs_like_the_trained_one(tmp_path, result, smd_ro
     path, _ = save_model(str(tmp_path), "m", model_payload(result), {})
     stored = load_model(str(tmp_path / "m"))  # the name directory resolves through current
     assert stored.path == path and stored.threshold == result.threshold
-    x = torch.from_numpy((smd_rows[:50] - result.mean) / result.std)
+    x = torch.from_numpy(((smd_rows[:50] - result.mean) / result.std).astype(np.float32))
     with torch.no_grad():
         torch.testing.assert_close(stored.model(x), result.model.eval()(x))
 
