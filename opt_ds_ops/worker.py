@@ -173,7 +173,10 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
     state = {"stage": "health", "beat": time.monotonic()}
 
     def send(kind: str, **fields) -> None:
-        conn.send((kind, fields))
+        try:
+            conn.send((kind, fields))
+        except OSError:  # EPIPE: the daemon is gone; its successor runs this job again
+            os._exit(1)
 
     def on_stage(stage: str) -> None:
         state["stage"] = stage
