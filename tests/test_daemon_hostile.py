@@ -360,3 +360,18 @@ def test_row11_empty_drops_leave_nothing_behind(tmp_path):
         then_a_good_dataset_is_trained(d, tmp_path)
         assert failed_names(tmp_path) == set() and sorted(os.listdir(spool_dir(tmp_path, "failed"))) == []
         assert os.listdir(spool_dir(tmp_path, "processing")) == []
+
+
+def test_row3_a_job_past_its_memory_limit_fails_in_its_stage_and_the_daemon_lives(tmp_path):
+    """job.memory_max is the job process's RLIMIT_DATA: training a 228 MB matrix under 600M fails
+    as out of memory in stage training, with the limit named; the daemon never notices."""
+    extra = ["job:", "  memory_max: 600M", "  max_matrix_bytes: 1073741824"]
+    with service(tmp_path, extra=extra) as d:
+        staged = tmp_path / "big.npy"
+        np.save(staged, np.random.default_rng(0).normal(size=(1_500_000, 38)).astype(np.float32))
+        os.rename(staged, spool_dir(tmp_path, "incoming") / "big.npy")
+        d.wait_until(lambda: failed_names(tmp_path) == {"big.npy"}, "the job to fail", timeout_s=300)
+        err = read_json(spool_dir(tmp_path, "failed") / "big.npy.error.json")
+        assert err["stage"] == "training" and "out of memory" in err["reason"], err
+        assert "job.memory_max = 600M" in err["reason"]
+        then_a_good_dataset_is_trained(d, tmp_path)
