@@ -54,7 +54,7 @@ JOB_FILE, CHECKPOINT_FILE, SOURCE_FILE, LOCK_FILE = "job.json", "checkpoint.pt",
 DATA_PREFIX = "dataset"
 NAME_MAX_BYTES = 255
 COPY_CHUNK = 1 << 20
-_JOB_ID = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6,32}$")
+_JOB_ID = re.compile(r"^\d{8}T\d{6}(\.\d{6})?Z-[0-9a-f]{6,32}$")
 # errno values that mean the file system (not one dataset) is in trouble: intake pauses, retries
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
@@ -79,8 +79,8 @@ def is_job_id(name: str) -> bool:
 
 
 def new_job_id() -> str:
-    """Return a unique job id that sorts by claim time: ``20261130T014242Z-3f9a2c1b``."""
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ-") + uuid.uuid4().hex[:8]
+    """Return a unique job id that sorts by claim time: ``20261130T014242.123456Z-3f9a2c1b``."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ-") + uuid.uuid4().hex[:8]
 
 
 def utc_now() -> str:

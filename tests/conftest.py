@@ -33,6 +33,22 @@ def small_smd_csv(tmp_path, smd_rows) -> Path:
     return path
 
 
+@pytest.fixture
+def spool(tmp_path):
+    """A fresh spool (incoming/, processing/, done/, failed/) under tmp_path."""
+    from opt_ds_ops.spool import open_spool
+
+    return open_spool(str(tmp_path / "spool"))
+
+
+def put(spool, which: str, name: str, data: bytes = b"1,2\n3,4\n") -> str:
+    """Write data to the spool directory ``which`` (incoming, processing, ...) as name; return its path."""
+    path = spool.path(which, name)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m opt_ds_ops.cli ARGS`` as a real process; return the completed process."""
     full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))

@@ -13,20 +13,10 @@ import time
 
 import pytest
 
+from conftest import put
+
 from opt_ds_ops import spool as sp
 from opt_ds_ops.spool import DONE, FAILED, INCOMING, PROCESSING, SpoolError
-
-
-@pytest.fixture
-def spool(tmp_path):
-    return sp.open_spool(str(tmp_path / "spool"))
-
-
-def put(spool, which, name, data=b"1,2\n3,4\n"):
-    path = spool.path(which, name)
-    with open(path, "wb") as f:
-        f.write(data)
-    return path
 
 
 # ---- names ---------------------------------------------------------------------------------------
