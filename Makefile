@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test bench eval clean deb lintian e2e
+.PHONY: venv demo test bench soak eval clean deb lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ test: venv
 
 bench: venv
 	$(BIN)/python scripts/bench_train.py
+
+# Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py).
+soak: venv
+	$(BIN)/python scripts/soak.py
 
 eval: venv
 	$(BIN)/python scripts/eval_smd.py
