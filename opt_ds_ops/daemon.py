@@ -45,7 +45,7 @@ from .notify import Notifier
 from .spool import (
     DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
     is_storage_error, job_ids, lock_job, migrate_legacy, open_spool, prune_failed, read_record, recover_claim,
-    save_record, utc_now,
+    remove_stale_temps, save_record, utc_now,
 )
 from .store import StoreError, find_job_version, publish, safe_model_name
 from .train import GPU_HEADROOM_BYTES
@@ -551,6 +551,7 @@ class Daemon:
     def _recover(self) -> None:
         """Queue every job found in processing/ at start-up; finish interrupted claims. A daemon's
         death counts against no dataset (``restarts`` counts them, for the record)."""
+        remove_stale_temps(self.spool)
         for name in migrate_legacy(self.spool):
             self.log.event("job-claimed", f"{safe_text(name)}: left in processing/ by an older ds-ops; "
                            "back in incoming/", dataset_file=name)

@@ -490,6 +490,24 @@ def finish(spool: Spool, job_id: str, record: dict, dest: str, doc: dict) -> str
     return final
 
 
+def remove_stale_temps(spool: Spool) -> list[str]:
+    """Remove the hidden ``.tmp-*`` files :func:`write_json` leaves in done/, failed/ and
+    processing/ when killed between writing and renaming (only the daemon writes there; call at
+    start-up, before any write). Returns the paths removed."""
+    removed = []
+    for which in (DONE, FAILED, PROCESSING):
+        try:
+            names = os.listdir(spool.dir(which))
+        except FileNotFoundError:
+            continue
+        for name in names:
+            path = spool.path(which, name)
+            if name.startswith(".tmp-") and not os.path.isdir(path):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
 def discard_job(spool: Spool, job_id: str) -> None:
     """Remove a job directory that holds nothing of a user's (an empty or vanished claim)."""
     shutil.rmtree(spool.job_dir(job_id), ignore_errors=True)

@@ -311,3 +311,13 @@ def test_spool_status_shows_queue_ignored_entries_jobs_and_latest_results(spool)
     assert st["done_count"] == 1 and st["recent_done"][0]["model_dir"] == "/m"
 
 
+
+
+def test_temporary_json_files_a_sigkill_left_are_removed_at_start_up(spool):
+    """Found by the soak: a kill between write_json's temporary file and its rename in done/."""
+    put(spool, DONE, ".tmp-a3oihku_", b'{"job_id": "j"}')
+    put(spool, FAILED, ".tmp-zz", b"{")
+    put(spool, DONE, "m.csv")
+    removed = sp.remove_stale_temps(spool)
+    assert sorted(os.path.basename(p) for p in removed) == [".tmp-a3oihku_", ".tmp-zz"]
+    assert os.listdir(spool.dir(DONE)) == ["m.csv"] and os.listdir(spool.dir(FAILED)) == []
