@@ -133,9 +133,11 @@ class Daemon:
     # ---- signals -------------------------------------------------------------------------------
     def _on_stop(self, signum, frame) -> None:
         self.stop_requested = True
+        self.watcher.wakeup.set()
 
     def _on_hup(self, signum, frame) -> None:
         self.reload_requested = True
+        self.watcher.wakeup.set()
 
     def run(self) -> int:
         """Run until SIGTERM/SIGINT and the running job has stopped; return the exit code (0)."""
@@ -169,7 +171,7 @@ class Daemon:
                 busy = self._guarded(self._tick)
                 if not busy:
                     self.notifier.status(self._idle_status())
-                    time.sleep(TICK_S)
+                    self.watcher.idle(TICK_S)  # ends early when a file event arrives
         finally:
             if self.job is not None:
                 self.job.kill("the daemon is stopping")

@@ -114,6 +114,7 @@ class IncomingWatcher:
         self._observer = None
         self._overflow_handler = None
         self._next_scan = 0.0
+        self.wakeup = threading.Event()  # set on every event: the daemon's idle wait ends at once
 
     @property
     def polling(self) -> bool:
@@ -179,6 +180,7 @@ class IncomingWatcher:
         name = self._name(path)
         if name is None:
             return
+        self.wakeup.set()
         with self._lock:
             if is_ignored(name):
                 n = self._opens_hidden.get(name, 0) + {"opened": 1, "closed": -1, "closed_no_write": -1}.get(what, 0)
@@ -203,6 +205,7 @@ class IncomingWatcher:
     def moved(self, src: str | None, dest: str | None) -> None:
         """Record a rename: src leaves incoming/ (or None: came from elsewhere), dest arrives (or None)."""
         src_name, dest_name = self._name(src), self._name(dest)
+        self.wakeup.set()
         with self._lock:
             opens = 0
             if src_name is not None:
@@ -221,6 +224,11 @@ class IncomingWatcher:
             if entry is None:
                 entry = self._entries[dest_name] = _Entry(next(self._seq), how="moved")
             entry.how, entry.opens, entry.sig = "moved", opens, None
+
+    def idle(self, timeout_s: float) -> None:
+        """Wait up to timeout_s seconds for the next event (the daemon's idle sleep)."""
+        self.wakeup.wait(timeout_s)
+        self.wakeup.clear()
 
     def overflowed(self) -> None:
         """The kernel dropped inotify events: forget open counts, judge every file as scan-found."""

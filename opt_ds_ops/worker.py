@@ -48,12 +48,16 @@ def context():
     return _CONTEXT
 
 
-def warm_up() -> None:
-    """Start the forkserver now (it imports torch: seconds), so the first job starts at once."""
-    context()
-    from multiprocessing import forkserver
+def _noop() -> None:
+    """The target of :func:`warm_up`'s first fork."""
 
-    forkserver.ensure_running()
+
+def warm_up() -> None:
+    """Start the forkserver and wait until it has imported torch and ds-ops (seconds), by forking
+    one process that does nothing, so the first job starts at once."""
+    p = context().Process(target=_noop, name="ds-ops forkserver warm-up")
+    p.start()
+    p.join()
 
 
 class JobProcess:

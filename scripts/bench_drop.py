@@ -77,7 +77,8 @@ def main() -> int:
         log.close()
     med_l, med_w = statistics.median(latencies), statistics.median(work)
     print(f"drop -> model by rename, SMD machine-1-2 (23,694 x 38, {args.epochs} epochs, cpu), {args.drops} drops")
-    print(f"  daemon latency   median {med_l:.3f} s  (min {min(latencies):.3f}, max {max(latencies):.3f})")
+    print(f"  daemon latency   median {med_l:.3f} s  (min {min(latencies):.3f}, max {max(latencies):.3f}; "
+          f"in drop order: {', '.join(f'{x:.2f}' for x in latencies)})")
     print(f"  in-process work  median {med_w:.3f} s  (parse + train + save, same machine, same run)")
     print(f"  overhead of the daemon path: {med_l - med_w:+.3f} s; latency / work = {med_l / med_w:.2f}x")
     shutil.rmtree(root, ignore_errors=True)
