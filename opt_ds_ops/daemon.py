@@ -177,6 +177,8 @@ class Daemon:
                 self.job.kill("the daemon is stopping")
             self._stopping()
             self.watcher.stop()
+            if self.mp_context is None:
+                worker.shut_down()
         self.log.event("daemon-stopping", "ds-trainer stopped")
         return 0
 

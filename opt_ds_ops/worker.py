@@ -60,6 +60,20 @@ def warm_up() -> None:
     p.join()
 
 
+def shut_down() -> None:
+    """Stop the forkserver and multiprocessing's resource tracker before the daemon exits, so a
+    clean stop leaves no process for systemd to SIGKILL. Uses their ``_stop`` methods (what
+    CPython's own tests call); where those are missing, the two exit by themselves once the
+    daemon's end of their pipes closes."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for server in (getattr(forkserver, "_forkserver", None), getattr(resource_tracker, "_resource_tracker", None)):
+        try:
+            server._stop()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
 class JobProcess:
     """The daemon's handle on one running job process.
 
