@@ -1,21 +1,28 @@
 """The journal: fields handed to systemd-python's ``systemd.journal.send``, and plain lines elsewhere.
 
 The real journal is checked by the packaging issue's end-to-end test (it boots systemd); here the
-library boundary is replaced, in-process and inside a real daemon process.
+library boundary is replaced, in-process and inside a real daemon process. The message catalog
+(debian/ds-ops.catalog, ``journalctl -x``) is checked against MESSAGE_IDS and the fields daemon.py
+sends with each event, and by journalctl itself where it is installed.
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import json
+import os
 import re
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import systemd.journal
 
 from daemon_kit import Daemon, base_env, copy_smd, done_names, failed_names, spool_dir, write_config
-from opt_ds_ops import journal
+from opt_ds_ops import daemon, journal
 from opt_ds_ops.journal import MESSAGE_IDS, EventLog, field_name
 
 FIELD_RULE = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")  # journald: no leading '_' or digit, <= 64 chars
@@ -149,3 +156,198 @@ def test_the_daemon_logs_each_job_stage_with_fields_journalctl_can_match(tmp_pat
 def _events(capture) -> str:
     ids = {v: k for k, v in MESSAGE_IDS.items()}
     return " ".join(ids.get(json.loads(line).get("MESSAGE_ID"), "?") for line in capture.read_text().splitlines())
+
+
+# ---- the message catalog (journalctl -x) ----------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+CATALOG = REPO / "debian" / "ds-ops.catalog"
+CATALOG_DIR = "usr/lib/systemd/catalog"     # where the package installs it (debian/ds-ops.install)
+PLACEHOLDER = re.compile(r"@([A-Z0-9_]+)@")  # what journalctl replaces with the entry's field
+HEADER = re.compile(r"^-- ([0-9a-fA-F]{32})(?: (\S+))?$")
+
+
+def parse_catalog(text: str) -> dict[str, dict]:
+    """Return {message id: {"lang", "fields" (header lines), "text" (the whole entry), "line"}}.
+
+    systemd's rules (catalog.c): lines starting with '#' or ';' are comments; ``-- ID [LANG]``
+    opens an entry where it follows a blank line or starts the file; header lines (``Key: value``)
+    run up to the first blank line. Raises ValueError for text before the first entry and for an
+    ID defined twice.
+    """
+    entries: dict[str, dict] = {}
+    current = None
+    blank = True
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line:
+            blank = True
+            if current is not None:
+                current["lines"].append("")
+            continue
+        if line[0] in "#;":
+            continue
+        m = HEADER.match(line)
+        if blank and m:
+            mid = m.group(1).lower()
+            if mid in entries:
+                raise ValueError(f"line {n}: {mid} is defined twice")
+            current = entries[mid] = {"lang": m.group(2), "lines": [], "line": n}
+        elif current is None:
+            raise ValueError(f"line {n}: text before the first '-- MESSAGE_ID' line")
+        else:
+            current["lines"].append(line)
+        blank = False
+    for e in entries.values():
+        lines = e.pop("lines")
+        head = []
+        for line in lines:
+            if not line:
+                break
+            head.append(line)
+        e["fields"] = dict(h.split(": ", 1) for h in head if ": " in h)
+        e["text"] = "\n".join(lines).strip()
+    return entries
+
+
+def _event_calls() -> dict[str, list[set[str]]]:
+    """Return {event: [keyword names of each ``self.log.event(event, ...)`` call in daemon.py]}.
+
+    ``**self._fields(record)`` (and ``**fields`` where every ``fields = `` is that call) counts as
+    the keys of _fields's returned dict; ``priority`` is not a field. Any other ``**`` fails: the
+    test cannot know its keys.
+    """
+    tree = ast.parse(Path(daemon.__file__).read_text())
+
+    def is_fields_call(node) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "_fields")
+
+    (fields_fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_fields"]
+    returns = [n.value for n in ast.walk(fields_fn) if isinstance(n, ast.Return)]
+    assert len(returns) == 1 and isinstance(returns[0], ast.Dict), "Daemon._fields must return a dict literal"
+    record_keys = {k.value for k in returns[0].keys}
+    assigns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == "fields" for t in n.targets)]
+    assert assigns and all(is_fields_call(v) for v in assigns), "'fields =' in daemon.py is not self._fields(...)"
+    calls: dict[str, list[set[str]]] = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "event"
+                and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "log"):
+            continue
+        event = node.args[0]
+        assert isinstance(event, ast.Constant) and isinstance(event.value, str), f"line {node.lineno}: event name"
+        keys = set()
+        for kw in node.keywords:
+            if kw.arg is None:
+                if is_fields_call(kw.value) or (isinstance(kw.value, ast.Name) and kw.value.id == "fields"):
+                    keys |= record_keys
+                else:
+                    raise AssertionError(f"daemon.py line {node.lineno}: unknown fields **{ast.unparse(kw.value)}")
+            elif kw.arg != "priority":
+                keys.add(kw.arg)
+        calls.setdefault(event.value, []).append(keys)
+    return calls
+
+
+def sent_fields() -> dict[str, set[str]]:
+    """Return {event: journal fields sent with every one of its events}: what EventLog.event really
+    sends (MESSAGE, MESSAGE_ID, PRIORITY, SYSLOG_IDENTIFIER, CODE_*, DS_STAGE for job events) given
+    the keywords that every call of that event in daemon.py passes. A field passed by only some
+    calls is left out: where it is missing journalctl prints the placeholder's bare name. (A keyword
+    whose value is None at run time is left out by EventLog too, which this cannot see: the catalog
+    names such fields in plain text, without @...@.)"""
+    calls = _event_calls()
+    assert set(calls) <= set(MESSAGE_IDS), set(calls) - set(MESSAGE_IDS)
+    allowed = {}
+    for event in MESSAGE_IDS:
+        keys = set.intersection(*calls[event]) if event in calls else set()
+        got = []
+        log = EventLog(journal=False)
+        log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: got.append(f))})
+        log.event(event, "message", **{k: "x" for k in keys})
+        allowed[event] = set(got[0]) | {"MESSAGE"}
+    return allowed
+
+
+def catalog_problems(entries: dict[str, dict], allowed: dict[str, set[str]]) -> list[str]:
+    """Return what is wrong with the parsed catalog, one line each (empty: nothing)."""
+    problems = []
+    names = {mid: event for event, mid in MESSAGE_IDS.items()}
+    for event, mid in MESSAGE_IDS.items():
+        if mid not in entries:
+            problems.append(f"{event} ({mid}): no catalog entry")
+    for mid, e in entries.items():
+        event = names.get(mid)
+        if event is None:
+            problems.append(f"{mid}: not a MESSAGE_ID of opt_ds_ops/journal.py")
+            continue
+        if not e["fields"].get("Subject", "").strip():
+            problems.append(f"{event}: no Subject")
+        if e["fields"].get("Defined-By") != "ds-ops":
+            problems.append(f"{event}: Defined-By is not ds-ops")
+        if "man:ds-ops(1)" not in e["fields"].get("Support", ""):
+            problems.append(f"{event}: Support does not name man:ds-ops(1)")
+        if e["lang"] is not None:
+            problems.append(f"{event}: has a language ({e['lang']}); this file is the untranslated one")
+        for name in sorted(set(PLACEHOLDER.findall(e["text"])) - allowed[event]):
+            problems.append(f"{event}: @{name}@ is not sent with this event (sent: {sorted(allowed[event])})")
+    return problems
+
+
+def test_the_catalog_explains_every_message_id_with_fields_the_daemon_sends():
+    entries = parse_catalog(CATALOG.read_text(encoding="utf-8"))
+    assert catalog_problems(entries, sent_fields()) == []
+
+
+def test_the_catalog_check_finds_a_missing_entry_a_missing_subject_and_an_unsent_field():
+    allowed = sent_fields()
+    # the derivation sees daemon.py's calls: _fields's keys, per-call keywords, DS_STAGE of job events
+    assert {"DS_JOB_ID", "DS_DATASET", "DS_DATASET_FILE", "DS_FAILED_STAGE", "DS_STAGE"} <= allowed["job-failed"]
+    assert {"DS_EPOCH", "DS_EPOCHS", "DS_LOSS"} <= allowed["job-epoch"]
+    assert {"DS_SPOOL", "DS_MODEL_DIR"} <= allowed["daemon-started"]
+    assert not {f for f in allowed["watcher"] if f.startswith("DS_")}
+    assert "DS_JOB_ID" not in allowed["job-claimed"]     # the older-ds-ops requeue sends only the file name
+    assert "DS_VERDICT" not in allowed["health"]         # not when the check failed or hung
+    assert {"MESSAGE", "MESSAGE_ID", "PRIORITY", "SYSLOG_IDENTIFIER", "CODE_FILE"} <= allowed["watcher"]
+    ids = MESSAGE_IDS
+    good = {e: f"-- {mid}\nSubject: s\nDefined-By: ds-ops\nSupport: man:ds-ops(1)\n\nText @MESSAGE_ID@.\n"
+            for e, mid in ids.items()}
+    text = "# comment\n\n" + "\n".join(good.values())
+    assert catalog_problems(parse_catalog(text), allowed) == []
+    missing = "\n".join(v for e, v in good.items() if e != "entry-busy")
+    assert catalog_problems(parse_catalog(missing), allowed) == [f"entry-busy ({ids['entry-busy']}): no catalog entry"]
+    no_subject = text.replace(f"-- {ids['job-saved']}\nSubject: s\n", f"-- {ids['job-saved']}\n")
+    assert catalog_problems(parse_catalog(no_subject), allowed) == ["job-saved: no Subject"]
+    unsent = text.replace(f"-- {ids['job-claimed']}\nSubject: s", f"-- {ids['job-claimed']}\nSubject: @DS_JOB_ID@")
+    (problem,) = catalog_problems(parse_catalog(unsent), allowed)
+    assert problem.startswith("job-claimed: @DS_JOB_ID@ is not sent with this event")
+    with pytest.raises(ValueError, match="before the first"):
+        parse_catalog("Subject: s\n")
+
+
+def test_the_package_installs_the_catalog_where_systemds_trigger_looks():
+    # systemd's dpkg trigger: 'interest-noawait /usr/lib/systemd/catalog' -> journalctl --update-catalog
+    install = (REPO / "debian" / "ds-ops.install").read_text().splitlines()
+    assert f"debian/ds-ops.catalog {CATALOG_DIR}/" in install
+
+
+def test_journalctl_accepts_the_catalog(tmp_path):
+    """journalctl --update-catalog builds the database from the file (as the dpkg trigger does on
+    install) under a temporary root, and --list-catalog shows every entry with its Subject."""
+    journalctl = shutil.which("journalctl")
+    if journalctl is None:
+        pytest.skip("journalctl is not installed here (Debian package systemd); the catalog's own parse "
+                    "is checked above, journalctl's only where systemd is installed")
+    (tmp_path / CATALOG_DIR).mkdir(parents=True)
+    shutil.copy(CATALOG, tmp_path / CATALOG_DIR / "ds-ops.catalog")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYSTEMD_")}
+    r = subprocess.run([journalctl, f"--root={tmp_path}", "--update-catalog"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr
+    assert (tmp_path / "var/lib/systemd/catalog/database").is_file()
+    r = subprocess.run([journalctl, f"--root={tmp_path}", "--list-catalog", "--no-pager"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    listed = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    subjects = {mid: e["fields"]["Subject"] for mid, e in parse_catalog(CATALOG.read_text(encoding="utf-8")).items()}
+    assert listed == {mid: f"ds-ops: {subjects[mid]}" for mid in MESSAGE_IDS.values()}
