@@ -4,8 +4,9 @@ One container per run; the tests run in file order and each builds on the previo
 order of docs/INSTALL.md: offline install, the unit enabled and active with its resource limits,
 ds-trainer-nvidia.service before it (skipped without nvidia-modprobe, never in the way), a dataset
 dropped by a member of group ds-ops becomes a model and a journal record, a bad file goes to
-failed/, a directory and a FIFO in incoming/ are reported and left alone, restart and SIGKILL are
-survived, purge leaves nothing behind. Needs root; the .deb comes from DS_OPS_DEB.
+failed/ (``journalctl -x`` explains it with the package's message catalog), a directory and a FIFO
+in incoming/ are reported and left alone, restart and SIGKILL are survived, purge leaves nothing
+behind. Needs root; the .deb comes from DS_OPS_DEB.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -77,6 +79,15 @@ def journal(box: Container, *matches: str) -> list[dict]:
     """Return the unit's journal entries (journalctl -o json), optionally filtered by FIELD=value."""
     out = box.run(["journalctl", "-u", UNIT, "-o", "json", "--no-pager", *matches]).stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def catalog_entry(event: str) -> list[str]:
+    """Return the lines of event's entry in debian/ds-ops.catalog (the package installs it in
+    /usr/lib/systemd/catalog/), as journalctl -x prints them before the placeholders are filled."""
+    text = (REPO / "debian/ds-ops.catalog").read_text(encoding="utf-8")
+    m = re.search(rf"^-- {MESSAGE_IDS[event]}\n(.*?)(?=^-- [0-9a-f]{{32}}|\Z)", text, re.M | re.S)
+    assert m, f"no catalog entry for {event}"
+    return [line for line in m.group(1).strip().splitlines() if not line.startswith(("#", ";"))]
 
 
 def drop(box: Container, source: str, name: str) -> None:
@@ -284,6 +295,19 @@ def test_bad_file_goes_to_failed_and_the_unit_stays_active(box):
     assert error["stage"] and error["reason"], error
     assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
     assert show(box, "MainPID") == pid
+    # journalctl -x: the catalog's job-failed text, its @DS_...@ filled with this job's fields (the
+    # database was built by systemd's dpkg trigger on /usr/lib/systemd/catalog at install)
+    entry = catalog_entry("job-failed")
+    subject = next(line for line in entry if line.startswith("Subject: "))
+    box.wait_for(f"journalctl -x -u {UNIT} --no-pager | grep -q -F {shlex.quote(subject)}", 30,
+                 "the job-failed catalog text in journalctl -x")
+    fields = {"DS_DATASET_FILE": "garbage.csv", "DS_DATASET": "garbage", "DS_JOB_ID": error["job_id"],
+              "DS_FAILED_STAGE": error["stage"], "DS_STAGE": "failed"}
+    filled = [re.sub(r"@([A-Z0-9_]+)@", lambda m: fields[m.group(1)], line) for line in entry if "@" in line]
+    assert filled, entry
+    out = box.run(["journalctl", "-x", "-u", UNIT, "--no-pager"]).stdout
+    missing = [line for line in filled if line not in out]
+    assert not missing, (missing, [line for line in out.splitlines() if "garbage.csv" in line])
 
 
 def test_a_directory_and_a_fifo_in_incoming_are_reported_and_left_alone(box):
@@ -435,7 +459,7 @@ def test_purge_leaves_no_unit_user_conffile_or_spool(box):
     for path in ("/lib/systemd/system/ds-trainer.service", f"/lib/systemd/system/{NVIDIA_UNIT}",
                  "/etc/systemd/system/multi-user.target.wants/ds-trainer.service",
                  "/etc/ds-ops", SPOOL, "/opt/ds-ops", "/usr/bin/ds-ops", "/usr/lib/sysusers.d/ds-ops.conf",
-                 "/usr/lib/tmpfiles.d/ds-ops.conf"):
+                 "/usr/lib/tmpfiles.d/ds-ops.conf", "/usr/lib/systemd/catalog/ds-ops.catalog"):
         box.run(["test", "!", "-e", path, "-a", "!", "-L", path])
     assert box.run(["getent", "passwd", "ds-ops"], check=False).returncode == 2
     assert box.run(["getent", "group", "ds-ops"], check=False).returncode == 2
