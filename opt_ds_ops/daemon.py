@@ -30,7 +30,6 @@ exits 0.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import signal
 import threading
@@ -44,8 +43,8 @@ from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .notify import Notifier
 from .spool import (
     DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
-    is_storage_error, job_ids, lock_job, migrate_legacy, open_spool, prune_failed, read_record, recover_claim,
-    remove_stale_temps, save_record, utc_now,
+    STORAGE_ERRNOS, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed, read_record,
+    recover_claim, remove_stale_temps, save_record, utc_now,
 )
 from .store import StoreError, find_job_version, publish, safe_model_name
 from .train import GPU_HEADROOM_BYTES
@@ -481,7 +480,7 @@ class Daemon:
             self.log.event("job-interrupted", f"{name}: stopped in epoch {f['epoch']}; checkpoint saved, "
                            "the job resumes on the next start", epoch=f["epoch"], **fields)
         elif kind == "failed":
-            if f.get("errno") in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO) or f.get("transient"):
+            if f.get("errno") in STORAGE_ERRNOS or f.get("transient"):
                 record["state"] = "claimed"
                 save_record(self.spool, record)
                 self.pending.insert(0, record["job_id"])
@@ -590,11 +589,15 @@ def start_daemon(cfg: Config, config_path: str, *, missing_ok: bool = False, log
     """Check the spool and models directories, then run the daemon; return its exit code.
 
     Raises SpoolError naming the path and the reason if either directory cannot be created or
-    written (the daemon does not start).
+    written, or another daemon serves the spool (the daemon does not start).
     """
     spool = open_spool(cfg.spool.dir)
     check_writable_dir(cfg.models_dir, "models directory")
-    return Daemon(cfg, spool, log or EventLog(), Notifier(), config_path, missing_ok).run()
+    lock = lock_spool(spool)
+    try:
+        return Daemon(cfg, spool, log or EventLog(), Notifier(), config_path, missing_ok).run()
+    finally:
+        os.close(lock)
 
 
 def config_path_from(arg: str | None) -> tuple[str, bool]:

@@ -196,6 +196,27 @@ def open_spool(root: str) -> Spool:
     return spool
 
 
+DAEMON_LOCK = ".daemon.lock"
+
+
+def lock_spool(spool: Spool) -> int:
+    """Take the spool's single-daemon lock (``flock`` on ``spool.dir/.daemon.lock``, holding the
+    pid); return its fd, to keep open for the daemon's life (the kernel drops the lock when the
+    process dies). Raises SpoolError naming the other daemon's pid if one holds it."""
+    path = os.path.join(spool.root, DAEMON_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise SpoolError(f"spool directory {spool.root} is served by another ds-trainer (pid {other}); "
+                         "one daemon per spool") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+    return fd
+
+
 def kind_of(mode: int) -> str:
     """Return what a non-regular file is, in words ("a FIFO (named pipe)", "a directory", ...)."""
     if stat.S_ISFIFO(mode):

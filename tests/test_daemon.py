@@ -426,6 +426,20 @@ def test_an_unwritable_models_directory_stops_the_start_with_the_path_and_why(tm
     assert "Not a directory" in r.stderr or "File exists" in r.stderr
 
 
+def test_a_second_daemon_on_the_same_spool_refuses_to_start(tmp_path):
+    conf = write_config(tmp_path)
+    d = Daemon(conf)
+    try:
+        started(d, tmp_path)
+        r = run_cli("daemon", "--config", str(conf), timeout=120)
+        assert r.returncode == 1
+        assert f"is served by another ds-trainer (pid {d.proc.pid}); one daemon per spool" in r.stderr
+        assert d.alive()
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+
+
 def test_an_unusable_spool_or_config_stops_the_start_with_a_message(tmp_path):
     conf = write_config(tmp_path)
     (tmp_path / "spool").write_text("not a directory")

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import REPO, SMD_TRAIN, run_cli
 from daemon_kit import (
-    START_TIMEOUT_S, Daemon, base_env, copy_smd, done_names, drop_dac_capabilities, failed_names, job_dir,
+    START_TIMEOUT_S, Daemon, base_env, copy_smd, done_names, drop_dac_capabilities, failed_names,
     job_record, read_json, spool_dir, versions, write_config,
 )
 

@@ -9,7 +9,6 @@ import sys
 import os
 import socket
 import threading
-import time
 
 import pytest
 

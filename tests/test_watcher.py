@@ -6,11 +6,8 @@ import errno
 import os
 import time
 
-import pytest
-
 from conftest import put
 
-from opt_ds_ops import spool as sp
 from opt_ds_ops.spool import INCOMING
 from opt_ds_ops.watcher import IncomingWatcher
 
