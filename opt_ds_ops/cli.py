@@ -8,21 +8,34 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-from . import __version__
-from .commands import CliError
-from .commands import daemon as daemon_cmd
-from .commands import doctor as doctor_cmd
-from .commands import score as score_cmd
-from .commands import status as status_cmd
-from .commands import train as train_cmd
-from .config import ConfigError
-from .dataset import DatasetError
-from .device import DeviceError
-from .job import JobError
-from .score import ScoreError
-from .store import StoreError
+from . import EARLY_STOP, __version__
+
+
+def _hold_stop_signals() -> None:
+    """For ``ds-ops daemon``: until the daemon installs its own handlers, remember a SIGTERM or
+    SIGINT instead of dying of it (importing torch takes seconds; systemd may stop us meanwhile)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: EARLY_STOP.append(signum))
+
+
+if sys.argv[1:2] == ["daemon"]:  # `ds-ops daemon` or `python -m opt_ds_ops.cli daemon`
+    _hold_stop_signals()  # before the imports below, which load torch
+
+from .commands import CliError  # noqa: E402 - after the signal hold, on purpose
+from .commands import daemon as daemon_cmd  # noqa: E402
+from .commands import doctor as doctor_cmd  # noqa: E402
+from .commands import score as score_cmd  # noqa: E402
+from .commands import status as status_cmd  # noqa: E402
+from .commands import train as train_cmd  # noqa: E402
+from .config import ConfigError  # noqa: E402
+from .dataset import DatasetError  # noqa: E402
+from .device import DeviceError  # noqa: E402
+from .job import JobError  # noqa: E402
+from .score import ScoreError  # noqa: E402
+from .store import StoreError  # noqa: E402
 
 COMMANDS = [train_cmd, score_cmd, doctor_cmd, daemon_cmd, status_cmd]
 USER_ERRORS = (CliError, ConfigError, DatasetError, DeviceError, JobError, ScoreError, StoreError)

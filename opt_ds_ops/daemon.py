@@ -36,6 +36,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
+from . import EARLY_STOP, worker
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
 from .health import gate_job, summary_line
@@ -49,7 +50,6 @@ from .spool import (
 from .store import StoreError, find_job_version, publish, safe_model_name
 from .train import GPU_HEADROOM_BYTES
 from .watcher import IncomingWatcher
-from . import worker
 
 TICK_S = 0.5  # idle loop period (seconds): the latency of SIGTERM, SIGHUP and new files when idle
 STEP_BUDGET_S = 120.0  # watchdog budget for one loop tick (seconds); the loop never waits on a job
@@ -143,6 +143,8 @@ class Daemon:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        if EARLY_STOP:  # a stop that came while the daemon was still importing (see opt_ds_ops.cli)
+            self.stop_requested = True
         self.notifier.keepalive(START_EXTEND_S)
         self.notifier.start_watchdog()
         self.notifier.extend_timeout(START_EXTEND_S)
@@ -150,7 +152,7 @@ class Daemon:
         self.log.event("watcher", f"watching {self.spool.dir(INCOMING)} with {how}",
                        priority=LOG_WARNING if self.watcher.polling else LOG_INFO)
         try:
-            if self.mp_context is None:
+            if self.mp_context is None and not self.stop_requested:
                 worker.warm_up()
             self._guarded(self._recover)
             self.watcher.tick()

@@ -426,6 +426,18 @@ def test_an_unwritable_models_directory_stops_the_start_with_the_path_and_why(tm
     assert "Not a directory" in r.stderr or "File exists" in r.stderr
 
 
+@pytest.mark.parametrize("after_s", [0.2, 1.0])
+def test_sigterm_while_the_daemon_is_still_starting_is_a_clean_exit(tmp_path, after_s):
+    """Found by the soak: a stop during the seconds torch takes to import killed the daemon (-15)."""
+    d = Daemon(write_config(tmp_path))
+    try:
+        time.sleep(after_s)
+        rc, _ = d.stop(signal.SIGTERM)
+    finally:
+        d.kill()
+    assert rc == 0, d.log()
+
+
 def test_a_second_daemon_on_the_same_spool_refuses_to_start(tmp_path):
     conf = write_config(tmp_path)
     d = Daemon(conf)
