@@ -712,6 +712,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  kill phase over after {t_kills:.0f} s, writers done after {t_writers:.0f} s; "
               f"daemon-{daemon.number:03d} drains the spool", flush=True)
 
+        # the last daemon must have started for real (recovery run, "ready") before it is judged;
+        # a SIGTERM in the first milliseconds of an interpreter, before any code of ours runs, is
+        # a death by signal (systemd counts it as a clean stop), not what this soak measures
+        if daemon.wait_ready(READY_TIMEOUT_S) is None:
+            raise SoakFailure(f"the last daemon exited ({daemon.proc.returncode}) before it was ready: "
+                              f"{daemon.log_path}")
         names = {p["name"] for p in datasets.plans}
         progress, last_change = None, time.monotonic()
         while True:
