@@ -39,16 +39,17 @@ from datetime import datetime, timezone
 from . import EARLY_STOP, worker
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
+from .fsutil import utc_now
 from .health import gate_job, summary_line
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .notify import Notifier
 from .spool import (
     DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
     STORAGE_ERRNOS, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed, read_record,
-    recover_claim, remove_stale_temps, save_record, utc_now,
+    recover_claim, remove_stale_temps, save_record,
 )
 from .store import StoreError, find_job_version, publish, safe_model_name
-from .train import GPU_HEADROOM_BYTES
+from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
 
 TICK_S = 0.5  # idle loop period (seconds): the latency of SIGTERM, SIGHUP and new files when idle
@@ -175,7 +176,7 @@ class Daemon:
                     self.watcher.idle(TICK_S)  # ends early when a file event arrives
         finally:
             if self.job is not None:
-                self.job.kill("the daemon is stopping")
+                self.job.kill("the daemon is stopping", crash=False)
             self._stopping()
             self.watcher.stop()
             if self.mp_context is None:
@@ -395,7 +396,7 @@ class Daemon:
                 job.stop_sent = True
                 self._stopping()
                 if job.stage in ("health", "dataset"):
-                    job.kill(f"stopping during the {job.stage} stage")
+                    job.kill(f"stopping during the {job.stage} stage", crash=False)
                     record.update(state="interrupted", stage=job.stage)
                     save_record(self.spool, record)
                     self.log.event("job-interrupted", f"{safe_text(record['dataset'])}: stopped in the {job.stage} "
@@ -407,18 +408,17 @@ class Daemon:
                     return
             elif job.stage == "health" and now - job.stage_since > self.cfg.job.health_timeout_s:
                 job.kill(f"the health check did not answer within {self.cfg.job.health_timeout_s:.0f} s "
-                         "(a hung NVML call?)")
+                         "(a hung NVML call?)", crash=False)
                 self._defer(record, job.killed_for)
             elif now - job.last_heard > self._stall_budget(record, job):
-                job.kill(f"no word from the job for {now - job.last_heard:.0f} s in stage {job.stage}")
+                job.kill(f"no word from the job for {now - job.last_heard:.0f} s in stage {job.stage}", crash=True)
             else:
                 return
         for kind, fields in job.receive(0):
             self._on_message(record, kind, fields)
         if job.final is not None:
-            for kind, fields in [job.final]:
-                self._on_final(record, kind, fields)
-        elif not job.killed_for.startswith(("stopping", "the health check")):
+            self._on_final(record, *job.final)
+        elif job.crashed:
             self._on_crash(record, job)
         job.close()
         self.job = None
@@ -452,8 +452,6 @@ class Daemon:
                 self.log.event("job-resumed", f"{name}: resuming from the checkpoint in epoch {f['epoch']} "
                                f"(batch {f.get('batch')})", epoch=f["epoch"], **fields)
         elif kind == "epoch":
-            from .train import EpochStats
-
             s = EpochStats(**f)
             total = self.cfg.train.epochs
             self.log.event("job-epoch", f"{name}: {s.line(total)}", epoch=s.epoch, epochs=total, loss=s.train_loss,

@@ -1,4 +1,5 @@
-"""Primitives shared by the spool and the model store: fsync'ed atomic writes, writer liveness.
+"""Primitives shared by the spool and the model store: fsync'ed atomic writes, writer liveness,
+non-blocking file locks and the UTC time stamps written into records and metadata.
 
 The pattern is the one POSIX rename(2) guarantees: write a hidden temporary file in the same
 directory, fsync it, rename it over the target, fsync the directory so the rename survives a
@@ -7,8 +8,31 @@ power cut. A reader sees the old file or the new one, never a partial one.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import os
+import stat
 import tempfile
+from datetime import datetime, timezone
+
+
+def utc_now() -> str:
+    """Return the current UTC time as ISO 8601 with microseconds (``2026-11-30T01:02:03.123456Z``)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def try_lock(path: str, mode: int = 0o600) -> int | None:
+    """Open (creating it) path and take an exclusive ``flock`` without waiting; return the fd, or
+    None if another open file description holds the lock. The kernel drops the lock when the
+    holder's last fd closes (its process dies), so a crash never leaves it held. Raises OSError."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def fsync_dir(path: str) -> None:
@@ -63,9 +87,6 @@ def rename_noreplace(src: str, dst: str) -> None:
     ENOSYS), which is only safe when no one else creates dst meanwhile. Raises OSError.
     """
     global _libc
-    import ctypes
-    import errno
-
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
     at_fdcwd = -100
@@ -86,9 +107,6 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     terminal is not acquired. Raises OSError, and IsADirectoryError / OSError(ENXIO-like) with
     "not a regular file" when the opened object is not a regular file (the fd is then closed).
     """
-    import errno
-    import stat
-
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -100,8 +118,6 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
 def read_small(path: str, max_bytes: int = 1 << 20) -> bytes:
     """Return the bytes of a small regular file (at most max_bytes) without following links or
     blocking on a FIFO. Raises OSError for anything else (not regular, too large, unreadable)."""
-    import errno
-
     fd, st = open_regular(path)
     try:
         if st.st_size > max_bytes:

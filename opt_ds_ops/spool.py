@@ -31,7 +31,6 @@ copy is fsync'ed, and the user's inode is unlinked last.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -44,7 +43,9 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from .fsutil import fsync_dir, open_regular, pid_alive, read_small, rename_noreplace, write_atomic
+from .fsutil import (
+    fsync_dir, open_regular, pid_alive, read_small, rename_noreplace, try_lock, utc_now, write_atomic,
+)
 
 INCOMING, PROCESSING, DONE, FAILED = "incoming", "processing", "done", "failed"
 SUBDIRS = (INCOMING, PROCESSING, DONE, FAILED)
@@ -81,11 +82,6 @@ def is_job_id(name: str) -> bool:
 def new_job_id() -> str:
     """Return a unique job id that sorts by claim time: ``20261130T014242.123456Z-3f9a2c1b``."""
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ-") + uuid.uuid4().hex[:8]
-
-
-def utc_now() -> str:
-    """Return the current UTC time as ISO 8601 with microseconds (``2026-11-30T01:02:03.123456Z``)."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def sidecar_name(name: str, suffix: str) -> str:
@@ -204,14 +200,14 @@ def lock_spool(spool: Spool) -> int:
     pid); return its fd, to keep open for the daemon's life (the kernel drops the lock when the
     process dies). Raises SpoolError naming the other daemon's pid if one holds it."""
     path = os.path.join(spool.root, DAEMON_LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        other = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
-        os.close(fd)
+    fd = try_lock(path, 0o640)
+    if fd is None:
+        try:
+            other = read_small(path, 64).decode("ascii", "replace").strip() or "?"
+        except OSError:
+            other = "?"
         raise SpoolError(f"spool directory {spool.root} is served by another ds-trainer (pid {other}); "
-                         "one daemon per spool") from None
+                         "one daemon per spool")
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode("ascii"))
     return fd
@@ -466,15 +462,9 @@ def save_record(spool: Spool, record: dict) -> None:
 
 def lock_job(spool: Spool, job_id: str) -> int | None:
     """Take the job's lock (``flock`` on processing/JOB/lock); return its fd, or None if a live
-    process (a job process of a daemon that was killed) still holds it. The kernel drops the
-    lock when the holder dies, so a crash never leaves a job locked."""
-    fd = os.open(spool.job_path(job_id, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    process (the job's own process, or one of a daemon that was killed) still holds it. The job
+    process holds it for its lifetime; the kernel drops it when the holder dies."""
+    return try_lock(spool.job_path(job_id, LOCK_FILE))
 
 
 def finish(spool: Spool, job_id: str, record: dict, dest: str, doc: dict) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Callable
 
 import numpy as np
@@ -30,6 +29,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .device import DevicePlan
+from .fsutil import utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth_scores
 
 # Keep this much GPU memory free beyond the dataset tensors (bytes): activations, optimizer, CUDA context.
@@ -103,11 +103,6 @@ class TrainResult:
         """Training throughput over all epochs (samples/s, validation excluded)."""
         secs = sum(h.seconds for h in self.history)
         return self.rows_train * len(self.history) / secs if secs else 0.0
-
-
-def utc_now() -> str:
-    """Return the current UTC time as ISO 8601 with microseconds (``2026-11-30T01:02:03.123456Z``)."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def split_rows(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,6 @@ against the job, in the stage the child last reported.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import multiprocessing
 import os
 import resource
@@ -95,7 +94,8 @@ class JobProcess:
         self.stage = "health"
         self.final: tuple[str, dict] | None = None
         self.stop_sent = False
-        self.killed_for = ""
+        self.killed_for = ""  # why the daemon killed it ("" if it did not)
+        self.crashed = True  # an end without a final message counts as the job's crash unless kill() said not
 
     def receive(self, timeout_s: float) -> list[tuple[str, dict]]:
         """Return the messages that arrived within timeout_s seconds (waits only for the first)."""
@@ -121,9 +121,10 @@ class JobProcess:
         """Return the exit code (negative: the signal that ended it), or None while it runs."""
         return self.proc.exitcode
 
-    def kill(self, why: str) -> None:
-        """SIGKILL the job process (a stop during a parse, a hung health check, a stalled job)."""
-        self.killed_for = why
+    def kill(self, why: str, *, crash: bool) -> None:
+        """SIGKILL the job process: a stalled job (``crash=True``: counts against it), a stop
+        during a parse or a hung health check (``crash=False``: not the dataset's fault)."""
+        self.killed_for, self.crashed = why, crash
         if self.proc.exitcode is None:
             self.proc.kill()
         self.proc.join(10)
@@ -183,7 +184,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
     from .config import config_to_dict
     from .health import gate_job
     from .job import JobError, run_job
-    from .spool import Spool, load_checkpoint, save_checkpoint, utc_now
+    from .fsutil import utc_now
+    from .spool import Spool, load_checkpoint, lock_job, save_checkpoint
     from .train import GPU_HEADROOM_BYTES, TrainingInterrupted
 
     spool = Spool(spool_root)
@@ -201,10 +203,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
         state["stage"] = stage
         send("stage", stage=stage)
 
-    lock_fd = os.open(spool.job_path(job_id, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    lock_fd = lock_job(spool, job_id)
+    if lock_fd is None:
         send("failed", stage="recovery", reason="another process of this job still runs", type="JobLocked",
              transient=True)
         return
