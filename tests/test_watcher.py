@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -13,6 +14,16 @@ from opt_ds_ops.watcher import IncomingWatcher
 
 
 # ---- the watcher ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def watching(w: IncomingWatcher):
+    """Start w (inotify unless it falls back), yield (w, how it watches), stop it at the end."""
+    how = w.start()
+    try:
+        yield w, how
+    finally:
+        w.stop()
+
 
 def make_watcher(spool, settle_s=0.3, quiet_s=3600.0, **kw) -> IncomingWatcher:
     return IncomingWatcher(spool.dir(INCOMING), settle_s=settle_s, quiet_s=quiet_s, rescan_s=kw.pop("rescan_s", 60.0),
@@ -31,24 +42,19 @@ def wait_ready(w: IncomingWatcher, expect, timeout_s=30.0):
 
 
 def test_a_copied_in_file_is_ready_after_close_and_settle_in_arrival_order(spool):
-    w = make_watcher(spool)
-    assert w.start() == "inotify"
-    try:
+    with watching(make_watcher(spool)) as (w, how):
+        assert how == "inotify"
         w.tick()
         put(spool, INCOMING, "b-first.csv")
         time.sleep(0.05)
         put(spool, INCOMING, "a-second.csv")
         put(spool, INCOMING, "ignored.csv.part")
         wait_ready(w, ["b-first.csv", "a-second.csv"])
-    finally:
-        w.stop()
 
 
 def test_a_file_held_open_by_a_paused_writer_is_not_ready_until_closed(spool):
     """Issue 8 row 4: a writer that pauses longer than settle_s, quiet_s and the rescan interval."""
-    w = make_watcher(spool, settle_s=0.1, quiet_s=0.2, rescan_s=0.1)
-    w.start()
-    try:
+    with watching(make_watcher(spool, settle_s=0.1, quiet_s=0.2, rescan_s=0.1)) as (w, how):
         w.tick()
         with open(spool.path(INCOMING, "slow.csv"), "wb") as f:
             for _ in range(4):
@@ -60,14 +66,10 @@ def test_a_file_held_open_by_a_paused_writer_is_not_ready_until_closed(spool):
                     assert w.ready() == []
                     time.sleep(0.05)
         wait_ready(w, ["slow.csv"])
-    finally:
-        w.stop()
 
 
 def test_a_file_renamed_in_is_ready_at_once_without_settling(spool):
-    w = make_watcher(spool, settle_s=3600)
-    w.start()
-    try:
+    with watching(make_watcher(spool, settle_s=3600)) as (w, how):
         w.tick()
         put(spool, INCOMING, "a.csv.part")
         os.rename(spool.path(INCOMING, "a.csv.part"), spool.path(INCOMING, "a.csv"))
@@ -78,14 +80,10 @@ def test_a_file_renamed_in_is_ready_at_once_without_settling(spool):
         t0 = time.monotonic()
         wait_ready(w, ["a.csv", "b.csv"], timeout_s=10)
         assert time.monotonic() - t0 < 3600
-    finally:
-        w.stop()
 
 
 def test_a_part_file_renamed_while_its_writer_still_has_it_open_waits_for_the_close(spool):
-    w = make_watcher(spool, settle_s=0.0)
-    w.start()
-    try:
+    with watching(make_watcher(spool, settle_s=0.0)) as (w, how):
         w.tick()
         f = open(spool.path(INCOMING, "c.csv.part"), "wb")
         f.write(b"1,2\n")
@@ -98,8 +96,6 @@ def test_a_part_file_renamed_while_its_writer_still_has_it_open_waits_for_the_cl
         f.write(b"3,4\n")
         f.close()
         wait_ready(w, ["c.csv"])
-    finally:
-        w.stop()
 
 
 def test_a_file_found_by_a_scan_waits_quiet_s(spool):
@@ -125,9 +121,7 @@ def test_a_file_still_growing_is_not_ready_without_any_event(spool):
 
 
 def test_special_files_are_offered_once_and_then_left_alone_until_replaced(spool):
-    w = make_watcher(spool, settle_s=3600)
-    w.start()
-    try:
+    with watching(make_watcher(spool, settle_s=3600)) as (w, how):
         os.mkfifo(spool.path(INCOMING, "fifo.csv"))
         wait_ready(w, ["fifo.csv"])
         w.ignore("fifo.csv")
@@ -135,8 +129,6 @@ def test_special_files_are_offered_once_and_then_left_alone_until_replaced(spool
         os.unlink(spool.path(INCOMING, "fifo.csv"))
         os.mkdir(spool.path(INCOMING, "fifo.csv"))  # a new inode under the same name is looked at again
         wait_ready(w, ["fifo.csv"])
-    finally:
-        w.stop()
 
 
 def test_inotify_limit_reached_falls_back_to_polling(spool, monkeypatch):
