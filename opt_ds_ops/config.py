@@ -160,6 +160,31 @@ class HealthConfig:
     retired_pages_fail: int = _field(63, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]")
 
 
+TIME_ORDERS = ("sort", "refuse")
+
+
+def _names_ok(v: tuple) -> bool:
+    return all(isinstance(x, (str, int)) and not isinstance(x, bool) and str(x).strip() for x in v)
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """Which columns of a tabular dataset (CSV, Parquet, Arrow) are features and which is time.
+
+    ``time_column``: ``auto`` (a column named like time, timestamp, date, epoch, ... or holding
+    ISO 8601 timestamps; see :mod:`opt_ds_ops.dataset.columns`), ``none``, or a column's header
+    name or 1-based number. ``columns``: the feature columns to use (names or 1-based numbers;
+    empty: every numeric column). ``exclude_columns``: columns left out. ``time_order``: rows out
+    of time order are sorted (``sort``, said in the journal and metadata.json) or refused.
+    Set per deployment here, per dataset in a sidecar ``NAME.yaml`` (:func:`load_sidecar`).
+    """
+
+    time_column: str = _field("auto", lambda v: bool(v.strip()), "auto, none, a column name or a 1-based number")
+    columns: tuple = _field((), _names_ok, "a list of column names or 1-based numbers")
+    exclude_columns: tuple = _field((), _names_ok, "a list of column names or 1-based numbers")
+    time_order: str = _field("sort", lambda v: v in TIME_ORDERS, "one of sort, refuse")
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole conffile. ``source`` is the file it came from (for messages), not a key."""
@@ -171,10 +196,12 @@ class Config:
     spool: SpoolConfig = field(default_factory=SpoolConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     source: str = field(default="<defaults>", compare=False)
 
 
-_SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig, "job": JobConfig}
+_SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig, "job": JobConfig,
+             "dataset": DatasetConfig}
 
 
 def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
@@ -183,11 +210,13 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
         return float(value)
     if typ is str and isinstance(value, int) and not isinstance(value, bool):
         return str(value)  # a size given as a plain number of bytes
+    if typ is tuple and isinstance(value, (list, tuple)):
+        return tuple(value)
     if typ in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {value!r}")
     if not isinstance(value, typ):
         raise ConfigError(
-            f"{where}: key '{key}' must be {allowed or typ.__name__} ({typ.__name__}), got {value!r}"
+            f"{where}: key '{key}' must be {allowed or typ.__name__} ({'list' if typ is tuple else typ.__name__}), got {value!r}"
         )
     return value
 
@@ -210,7 +239,7 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
             values[name] = _build(_SECTIONS[name], value or {}, where, key + ".")
             continue
         meta = fields[name].metadata
-        typ = {"int": int, "float": float, "str": str, "bool": bool}[hints[name]]
+        typ = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple}[hints[name]]
         value = _coerce(value, typ, where, key, meta.get("allowed", ""))
         check = meta.get("check")
         if check is not None and not check(value):
@@ -243,6 +272,42 @@ def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = Fa
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     cfg = _build(Config, raw or {}, path)
     return dataclasses.replace(cfg, source=path)
+
+
+SIDECAR_SUFFIXES = (".yaml", ".yml")
+SIDECAR_MAX_BYTES = 64 * 1024
+
+
+def parse_sidecar(text: bytes, where: str, base: DatasetConfig) -> tuple[DatasetConfig, str | None]:
+    """Given a sidecar's bytes (``NAME.yaml`` dropped beside dataset NAME), return (the dataset
+    options: ``base`` with the sidecar's keys applied, the model name it sets or None).
+
+    A sidecar is a YAML mapping with the keys of the conffile's ``dataset:`` section plus ``name``
+    (the model's name, instead of the file's stem), validated the same way. Raises ConfigError
+    naming ``where`` and the key for: more than SIDECAR_MAX_BYTES (64 KiB), invalid YAML or UTF-8,
+    not a mapping, an unknown key, a wrong type or value.
+    """
+    if len(text) > SIDECAR_MAX_BYTES:
+        raise ConfigError(f"{where}: {len(text)} bytes; a sidecar may hold at most {SIDECAR_MAX_BYTES}")
+    try:
+        raw = yaml.safe_load(text.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: a sidecar must be a mapping of dataset keys, got {type(raw).__name__}")
+    raw = dict(raw)
+    name = raw.pop("name", None)
+    if name is not None and (not isinstance(name, (str, int)) or isinstance(name, bool) or not str(name).strip()):
+        raise ConfigError(f"{where}: key 'name' must be a model name (text), got {name!r}")
+    allowed = {f.name for f in dataclasses.fields(DatasetConfig)}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key '{unknown[0]}' (allowed: name, {', '.join(sorted(allowed))})")
+    merged = dict(dataclasses.asdict(base), **raw)
+    return _build(DatasetConfig, merged, where), (str(name).strip() if name is not None else None)
 
 
 def with_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:

@@ -41,10 +41,11 @@ from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
 from .fsutil import utc_now
 from .health import gate_job, summary_line
+from .job import JobError, columns_note, read_sidecar
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .notify import Notifier
 from .spool import (
-    DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
+    DONE, FAILED, INCOMING, SIDECAR_FILE, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
     STORAGE_ERRNOS, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed, read_record,
     recover_claim, remove_stale_temps, save_record,
 )
@@ -353,7 +354,12 @@ class Daemon:
         self.records[job_id] = record
         if "model_name" not in record:
             try:
-                record["model_name"] = safe_model_name(dataset_stem(record["dataset"]))
+                name = self._sidecar_name(record)
+                record["name_explicit"] = name is not None
+                record["model_name"] = safe_model_name(name or dataset_stem(record["dataset"]))
+            except JobError as e:
+                self._fail(record, "dataset", str(e), "SidecarError")
+                return
             except StoreError as e:
                 self._fail(record, "spool", f"no model name can be made from this file name: {e}", "SpoolRefused")
                 return
@@ -382,6 +388,17 @@ class Daemon:
         save_record(self.spool, record)
         self.notifier.status(f"training {safe_text(record['dataset'])} ({job_id}): health check; "
                              f"{self.watcher.queued()} queued")
+
+    def _sidecar_name(self, record: dict) -> str | None:
+        """Return the model name the job's sidecar sets, or None; raise JobError for a sidecar that
+        could not be taken or is invalid (checked here, before the job starts)."""
+        if record.get("sidecar_error"):
+            raise JobError("dataset", f"sidecar {record['sidecar_error']}")
+        path = self.spool.job_path(record["job_id"], SIDECAR_FILE)
+        if not record.get("sidecar") or not os.path.exists(path):
+            return None
+        _, name = read_sidecar(path, self.cfg.dataset, record["sidecar"])
+        return name
 
     def _watch_job(self) -> None:
         """Handle the running job's messages, its end, a stall, a hung health check or a stop."""
@@ -527,7 +544,8 @@ class Daemon:
         self.log.event(
             "job-saved",
             f"{safe_text(record['dataset'])}: model saved to {doc['model_dir']} (final loss {doc['final_train_loss']:.6f}, "
-            f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}",
+            f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}"
+            f"{safe_text(columns_note(metadata.get('dataset') or {}))}",
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], **self._fields(record),
         )

@@ -6,6 +6,7 @@ is named in :class:`JobError` so a person knows where to look.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -13,10 +14,11 @@ from typing import Callable
 import torch
 
 from . import __version__
-from .config import Config, config_to_dict
+from .config import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, DatasetConfig, config_to_dict, parse_sidecar
 from .dataset import Dataset, DatasetError, DatasetLimits, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
-from .store import StoreError, model_payload, save_model
+from .fsutil import read_small
+from .store import StoreError, dataset_file_of, model_payload, safe_model_name, save_model
 from .train import EpochStats, TrainingError, TrainResult, train
 
 
@@ -43,8 +45,68 @@ class JobResult:
     metadata: dict
 
 
-def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, health: dict | None) -> dict:
-    """Return metadata.json's content for a trained model (all JSON types, times in UTC)."""
+def find_sidecar(dataset_path: str) -> str | None:
+    """Return the sidecar beside a dataset (``NAME.yaml`` or ``NAME.yml`` for ``NAME.csv.gz``), or None."""
+    base = os.path.join(os.path.dirname(dataset_path), dataset_stem(dataset_path))
+    for suffix in SIDECAR_SUFFIXES:
+        if os.path.isfile(base + suffix):
+            return base + suffix
+    return None
+
+
+def read_sidecar(path: str, base: DatasetConfig, label: str | None = None) -> tuple[DatasetConfig, str | None]:
+    """Return (dataset options, model name or None) from the sidecar at path over ``base`` (the
+    conffile's ``dataset:``); see :func:`opt_ds_ops.config.parse_sidecar`. ``label`` names it in
+    messages (default: path). Raises JobError(stage ``dataset``) for an unreadable or invalid
+    sidecar; it is read without following a link or blocking on a FIFO, 64 KiB at most."""
+    where = label or path
+    try:
+        text = read_small(path, SIDECAR_MAX_BYTES)
+        return parse_sidecar(text, where, base)
+    except OSError as e:
+        raise JobError("dataset", f"sidecar {where}: cannot read it: {e.strerror or e}", e) from None
+    except ConfigError as e:
+        raise JobError("dataset", f"sidecar {e}", e) from None
+
+
+def check_model_name(models_dir: str, name: str, source: str, explicit: bool) -> None:
+    """Raise JobError(stage ``dataset``) if a name made from the file name ``source`` (not
+    ``explicit``) would take over a model trained from a different file whose name cleans up to
+    the same model name (``gpu nöde 1.csv`` and ``gpu_nüde_1.csv`` both give ``gpu_n_de_1``)."""
+    if explicit:
+        return
+    owner = dataset_file_of(models_dir, name)
+    if owner is not None and dataset_stem(owner) != dataset_stem(source):
+        raise JobError(
+            "dataset",
+            f"{source}: its model name {safe_model_name(name)!r} is already the model of another dataset, "
+            f"{owner!r}; a name made from a file name never takes over another file's model. Rename the file, "
+            f"or set the model name in a sidecar {dataset_stem(source)}.yaml (name: ...) or with --name",
+        )
+
+
+def columns_note(ds: dict) -> str:
+    """Return what metadata.json's ``dataset`` says about columns and time, as a log-line tail:
+    ``; time index 'Time' (epoch_ms); left out: column 1 ('Time'), ...; 3 rows ... sorted``."""
+    parts = []
+    if ds.get("time"):
+        parts.append(f"time index {ds['time']['column']!r} ({ds['time']['kind']})")
+    left = [d["column"] for d in ds.get("left_out") or [] if not d["why"].startswith("time index")]
+    if left:
+        parts.append("left out: " + ", ".join(left[:8]) + (", ..." if len(left) > 8 else ""))
+    parts.extend(ds.get("notes") or [])
+    return "".join("; " + p for p in parts)
+
+
+def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, health: dict | None,
+                   options: DatasetConfig | None = None) -> dict:
+    """Return metadata.json's content for a trained model (all JSON types, times in UTC).
+
+    ``dataset.header`` names the feature columns (None without names), ``dataset.time`` is the
+    time index's summary (:meth:`opt_ds_ops.dataset.TimeIndex.summary`), ``dataset.left_out`` the
+    columns that are not features, ``dataset.options`` the column options the file was read with
+    (``ds-ops score`` reads new data the same way).
+    """
     return {
         "dataset": {
             "file": os.path.basename(ds.path),
@@ -54,6 +116,10 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
             "columns": ds.features,
             "header": ds.header,
             "format": ds.format,
+            "time": ds.time.summary() if ds.time is not None else None,
+            "left_out": ds.left_out,
+            "notes": ds.notes,
+            "options": dataclasses.asdict(options or cfg.dataset),
         },
         "rows_train": result.rows_train,
         "rows_val": result.rows_val,
@@ -94,6 +160,8 @@ def run_job(
     source_name: str | None = None,
     sha256: str | None = None,
     on_stage: Callable[[str], None] | None = None,
+    options: DatasetConfig | None = None,
+    explicit_name: bool = False,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -103,13 +171,23 @@ def run_job(
     propagates unchanged). The daemon passes ``job_id`` (stored in metadata.json, how recovery
     finds the job's version), ``source_name`` (the file name the user dropped; ``path`` is the
     daemon's copy) and ``sha256`` (hashed while copying); ``on_stage(stage)`` is called as each
-    stage (dataset, training, store) begins. Raises JobError naming the failed stage; nothing is
-    written to the store unless training succeeded.
+    stage (dataset, training, store) begins. ``options`` say which columns are features (default:
+    the conffile's ``dataset:``; a sidecar's, see :func:`read_sidecar`); ``explicit_name``: ``name``
+    was set by a person (sidecar or ``--name``), not made from the file name, so it may take over
+    another file's model (:func:`check_model_name`). Raises JobError naming the failed stage;
+    nothing is written to the store unless training succeeded.
     """
     stage = on_stage or (lambda _s: None)
     stage("dataset")
+    options = options or cfg.dataset
+    model_name = name or dataset_stem(source_name or path)
     try:
-        ds = load_dataset(path, DatasetLimits.from_config(cfg.job))
+        check_model_name(cfg.models_dir, safe_model_name(model_name), source_name or os.path.basename(path),
+                         explicit_name)
+    except StoreError as e:
+        raise JobError("dataset", f"{source_name or path}: {e}", e) from e
+    try:
+        ds = load_dataset(path, DatasetLimits.from_config(cfg.job), options)
         sha = sha256 or file_sha256(path)
     except DatasetError as e:
         raise JobError("dataset", str(e), e) from e
@@ -122,13 +200,14 @@ def run_job(
         result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume, offset=ds.offset)
     except TrainingError as e:
         raise JobError("training", f"{path}: {e}", e) from e
-    metadata = build_metadata(ds, sha, result, cfg, health)
+    metadata = build_metadata(ds, sha, result, cfg, health, options)
     metadata["job_id"] = job_id
+    metadata["name_explicit"] = explicit_name
     if source_name:
         metadata["dataset"]["file"] = source_name
     stage("store")
     try:
-        model_dir, metadata = save_model(cfg.models_dir, name or dataset_stem(path), model_payload(result), metadata)
+        model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata)
     except StoreError as e:
         err = JobError("store", str(e), e)
         err.errno = e.errno

@@ -2,11 +2,18 @@
 
 Layout under ``spool.dir`` (default ``/var/spool/ds-ops``)::
 
-    incoming/          group ds-ops drops datasets; '.NAME', NAME.part and NAME.tmp are ignored
+    incoming/          group ds-ops drops datasets; '.NAME', NAME.part and NAME.tmp are ignored;
+                       STEM.yaml (or .yml) is the sidecar of dataset STEM.<ext>, taken with it
     processing/JOB/    one directory per job, the daemon's own (0750): job.json (the record),
-                       dataset.<ext> (the daemon's 0600 copy of the bytes), checkpoint.pt
-    done/              NAME and NAME.result.json (model directory, sha256, losses, threshold, ...)
-    failed/            NAME and NAME.error.json (reason, stage, time, exception type)
+                       dataset.<ext> (the daemon's 0600 copy of the bytes), sidecar.yaml, checkpoint.pt
+    done/              NAME, NAME.result.json (model directory, sha256, losses, threshold, ...)
+                       and NAME.sidecar.yaml if it had one
+    failed/            NAME, NAME.error.json (reason, stage, time, exception type), NAME.sidecar.yaml
+
+**Sidecars.** A sidecar (``STEM.yaml`` beside ``STEM.csv``; keys in
+:func:`opt_ds_ops.config.parse_sidecar`) is never a job of its own: it waits in incoming/ until
+its dataset is claimed, and is then taken the same way (renamed into the job directory, copied,
+64 KiB at most), so drop it first. It is parsed by the daemon and the job, never here.
 
 **The bytes, not the name.** incoming/ is writable by every member of group ds-ops, so nothing
 there is trusted. An entry is looked at with ``lstat``; anything but a regular file (a directory,
@@ -43,6 +50,8 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from .config import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES
+from .dataset import dataset_stem
 from .fsutil import (
     fsync_dir, open_regular, pid_alive, read_small, rename_noreplace, try_lock, utc_now, write_atomic,
 )
@@ -50,8 +59,9 @@ from .fsutil import (
 INCOMING, PROCESSING, DONE, FAILED = "incoming", "processing", "done", "failed"
 SUBDIRS = (INCOMING, PROCESSING, DONE, FAILED)
 IGNORED_SUFFIXES = (".part", ".tmp")
-RESULT_SUFFIX, ERROR_SUFFIX = ".result.json", ".error.json"
+RESULT_SUFFIX, ERROR_SUFFIX, SIDECAR_SUFFIX = ".result.json", ".error.json", ".sidecar.yaml"
 JOB_FILE, CHECKPOINT_FILE, SOURCE_FILE, LOCK_FILE = "job.json", "checkpoint.pt", "source", "lock"
+SIDECAR_FILE, SIDECAR_SOURCE = "sidecar.yaml", "sidecar.source"
 DATA_PREFIX = "dataset"
 NAME_MAX_BYTES = 255
 COPY_CHUNK = 1 << 20
@@ -70,8 +80,14 @@ def is_storage_error(e: BaseException) -> bool:
 
 
 def is_ignored(name: str) -> bool:
-    """Return True for names the daemon leaves alone in incoming/: '.NAME', 'NAME.part', 'NAME.tmp'."""
-    return name.startswith(".") or name.lower().endswith(IGNORED_SUFFIXES)
+    """Return True for names the daemon never claims on their own in incoming/: '.NAME',
+    'NAME.part', 'NAME.tmp' and sidecars ('STEM.yaml', 'STEM.yml': taken with their dataset)."""
+    return name.startswith(".") or name.lower().endswith(IGNORED_SUFFIXES + SIDECAR_SUFFIXES)
+
+
+def sidecar_names(name: str) -> list[str]:
+    """Return the sidecar names dataset ``name`` may have in incoming/: ``STEM.yaml``, ``STEM.yml``."""
+    return [dataset_stem(name) + suffix for suffix in SIDECAR_SUFFIXES]
 
 
 def is_job_id(name: str) -> bool:
@@ -400,7 +416,51 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
     write_json(os.path.join(jdir, JOB_FILE), record)
     os.unlink(source)  # the user's inode: any writer still holding it now writes into nothing we read
     fsync_dir(jdir)
+    take_sidecar(spool, job_id, record)
     return Claim("claimed", job_id, record)
+
+
+def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
+    """Take the dataset's sidecar from incoming/ into the job directory (``sidecar.yaml``) and note
+    it in the record (``sidecar``: its name; ``sidecar_error``: why it could not be taken).
+
+    Taken like a dataset: only a regular file, renamed in, then copied (64 KiB at most); anything
+    else of that name (a directory, FIFO, link) is left alone and named in ``sidecar_error``, so the
+    job fails rather than silently training without the options it was meant to have.
+    Idempotent (a SIGKILL between the steps leaves ``sidecar.source`` for the next call).
+    """
+    jdir = spool.job_dir(job_id)
+    taken = os.path.join(jdir, SIDECAR_SOURCE)
+    if not os.path.lexists(taken):
+        for cand in sidecar_names(record["dataset"]):
+            src = spool.path(INCOMING, cand)
+            try:
+                st = os.lstat(src)
+            except FileNotFoundError:
+                continue
+            record["sidecar"] = cand
+            if not stat.S_ISREG(st.st_mode):
+                record["sidecar_error"] = f"incoming/{cand} is {kind_of(st.st_mode)}, not a regular file"
+                break
+            try:
+                os.rename(src, taken)
+            except FileNotFoundError:
+                record.pop("sidecar")
+                continue
+            fsync_dir(spool.dir(INCOMING))
+            break
+    if os.path.lexists(taken):
+        try:
+            data = read_small(taken, SIDECAR_MAX_BYTES)
+            write_atomic(os.path.join(jdir, SIDECAR_FILE), data)
+        except OSError as e:
+            if is_storage_error(e):
+                raise
+            record["sidecar_error"] = f"incoming/{record.get('sidecar')}: cannot be read: {e.strerror or e}"
+        os.unlink(taken)
+        fsync_dir(jdir)
+    if "sidecar" in record:
+        write_json(os.path.join(jdir, JOB_FILE), record)
 
 
 def _refuse(record: dict, reason: str) -> Claim:
@@ -416,6 +476,8 @@ def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int) -> Cl
     if record.get("state") != "claiming":
         if os.path.lexists(source) and record.get("data_file") != SOURCE_FILE:
             os.unlink(source)
+        if os.path.lexists(os.path.join(jdir, SIDECAR_SOURCE)):
+            take_sidecar(spool, job_id, record)
         return Claim("claimed", job_id, record)
     if not os.path.lexists(source):
         shutil.rmtree(jdir, ignore_errors=True)
@@ -492,6 +554,9 @@ def finish(spool: Spool, job_id: str, record: dict, dest: str, doc: dict) -> str
         n += 1
         final = _numbered(name, n)
     write_json(side, dict(doc, dataset_file=final))
+    sidecar = os.path.join(jdir, SIDECAR_FILE)
+    if os.path.lexists(sidecar):
+        os.replace(sidecar, spool.path(dest, sidecar_name(final, SIDECAR_SUFFIX)))
     if os.path.lexists(data):
         rename_noreplace(data, spool.path(dest, final))
         os.chmod(spool.path(dest, final), 0o640)

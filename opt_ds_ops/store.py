@@ -170,6 +170,17 @@ def publish(name_dir: str, version: str) -> None:
     fsync_dir(name_dir)
 
 
+def dataset_file_of(models_dir: str, name: str) -> str | None:
+    """Return the dataset file name the ``current`` version of model name was trained on (its
+    metadata's ``dataset.file``), or None if there is no such model or it cannot be read."""
+    try:
+        with open(os.path.join(models_dir, safe_model_name(name), CURRENT, METADATA_FILE), encoding="utf-8") as f:
+            md = json.load(f)
+        return md["dataset"]["file"]
+    except (OSError, ValueError, KeyError, TypeError, StoreError):
+        return None
+
+
 def current_version(name_dir: str) -> str | None:
     """Return the version ``current`` points at, or None if there is no ``current`` link."""
     try:

@@ -183,9 +183,9 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
 
     from .config import config_to_dict
     from .health import gate_job
-    from .job import JobError, run_job
+    from .job import JobError, read_sidecar, run_job
     from .fsutil import utc_now
-    from .spool import Spool, load_checkpoint, lock_job, save_checkpoint
+    from .spool import SIDECAR_FILE, Spool, load_checkpoint, lock_job, save_checkpoint
     from .train import GPU_HEADROOM_BYTES, TrainingInterrupted
 
     spool = Spool(spool_root)
@@ -246,10 +246,13 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
             return stop_event.is_set()
 
         try:
+            sidecar = spool.job_path(job_id, SIDECAR_FILE)
+            options = (read_sidecar(sidecar, cfg.dataset, record.get("sidecar"))[0]
+                       if record.get("sidecar") and os.path.exists(sidecar) else cfg.dataset)
             job = run_job(path, cfg, name=record["model_name"], plan=plan, health=decision.report,
                           on_epoch=lambda s: send("epoch", **s.as_dict()), should_stop=should_stop,
                           resume=resume, job_id=job_id, source_name=name, sha256=record.get("sha256"),
-                          on_stage=on_stage)
+                          on_stage=on_stage, options=options, explicit_name=bool(record.get("name_explicit")))
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             save_checkpoint(spool, job_id, {"job_id": job_id, "train_config": train_cfg, "amp_dtype": plan.amp_name,

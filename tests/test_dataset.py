@@ -89,16 +89,18 @@ def test_integer_npy_is_accepted(tmp_path):
     [
         ("empty.csv", "", "empty file"),
         ("blank.csv", "\n\n  \n", "empty file"),
-        ("header_only.csv", "a,b,c\n", "empty file"),
+        ("header_only.csv", "a,b,c\n", "only a header line (line 1), no data rows"),
         ("one_row.csv", "1,2,3\n", "1 row(s); at least 2"),
-        ("cell.csv", "1,2,3\n4,5,6\n7,x,9\n", "line 3, column 2: could not convert string 'x'"),
+        ("cell.csv", "1,2,3\n4,5,6\n7,x,9\n", "line 3, column 2: 'x' is not a number"),
         ("cell_after_header.csv", "a,b\n1,2\n3,oops\n", "line 3, column 2"),
         ("ragged.csv", "1,2,3\n4,5,6\n7,8\n", "line 3: ragged rows"),
         ("short_after_trailing_delim.csv", "1,2,3,\n4,5,6,\n7,8\n", "line 3: ragged rows: the number of columns changes from 3 to 2"),
-        ("nan.csv", "1,2,3\n4,nan,6\n", "line 2, column 2: value nan is not finite"),
-        ("inf.csv", "a,b\n1,2\n3,4\n5,inf\n", "line 4, column 2: value inf is not finite"),
+        ("nan.csv", "1,2,3\n4,nan,6\n", "line 2, column 2: a missing value (empty, NA or NaN)"),
+        ("empty_cell.csv", "a,b\n1,2\n3,\n", "line 3, column 2 ('b'): a missing value"),
+        ("inf.csv", "a,b\n1,2\n3,4\n5,inf\n", "line 4, column 2 ('b'): value inf is not finite"),
         ("data.json", "{}", "unknown dataset format"),
-        ("data.parquet", "PAR1", "unknown dataset format"),
+        ("data.parquet", "PAR1", "not a readable Parquet file"),
+        ("data.feather", "ARROW1", "not an Arrow IPC file or stream"),
     ],
 )
 def test_bad_text_is_refused_naming_file_line_and_column(tmp_path, name, content, expected):
@@ -153,7 +155,7 @@ def test_unreadable_and_corrupt_gzip_are_clear_errors(tmp_path):
     with pytest.raises(DatasetError, match="cannot read"):
         load_dataset(path)
     path = write(tmp_path, "latin1.csv", b"a,b\n1,2\n\xff\xfe,3\n")
-    with pytest.raises(DatasetError, match="cannot read"):
+    with pytest.raises(DatasetError, match="line 3: not UTF-8 text"):
         load_dataset(path)
 
 
@@ -231,14 +233,14 @@ def test_a_later_line_longer_than_max_columns_allows_is_refused_while_read(tmp_p
 
 
 def test_rows_past_max_matrix_bytes_are_refused_without_parsing_the_rest(tmp_path):
-    ten_rows = dataclasses.replace(ROOMY, max_matrix_bytes=10 * 3 * 4)
-    rows = "".join(f"{i},{i},{i}\n" for i in range(11))
-    assert load_dataset(write(tmp_path, "ten.csv", rows[: rows.index("10,")]), ten_rows).rows == 10
-    path = write(tmp_path, "eleven.csv", rows + "x,y,z\n")  # line 12 is never parsed
+    limit = dataclasses.replace(ROOMY, max_matrix_bytes=100 * 3 * 4)
+    rows = "".join(f"{i % 7},{i % 5},{i % 3}\n" for i in range(101))
+    assert load_dataset(write(tmp_path, "hundred.csv", rows[: rows.rindex("\n", 0, -1) + 1]), limit).rows == 100
+    path = write(tmp_path, "more.csv", rows + "x,y,z\n")  # line 102 lies past the limit: the limit is what is reported
     with pytest.raises(DatasetError) as err:
-        load_dataset(path, ten_rows)
-    assert str(err.value) == (f"{path}: more than 10 rows of 3 columns; the float32 matrix would pass "
-                              "job.max_matrix_bytes (120 bytes, 12 bytes a row)")
+        load_dataset(path, limit)
+    assert str(err.value) == (f"{path}: more than 100 rows of 3 columns; the float32 matrix would pass "
+                              "job.max_matrix_bytes (1200 bytes, 12 bytes a row)")
 
 
 def test_npy_header_is_checked_before_the_data_is_mapped(tmp_path):
@@ -295,7 +297,7 @@ def test_a_pt_tensor_that_requires_grad_loads_and_trains(tmp_path):
 
 @pytest.mark.parametrize("name, content, where", [
     ("big.csv", "1,2\n3,1e39\n5,6\n", "line 2, column 2"),
-    ("big_header.tsv", "a\tb\n1\t2\n\n-4e38\t6\n", "line 4, column 1"),
+    ("big_header.tsv", "a\tb\n1\t2\n\n-4e38\t6\n", "line 4, column 1 ('a')"),
 ])
 def test_text_values_beyond_float32_are_refused_naming_line_and_column(tmp_path, name, content, where):
     path = write(tmp_path, name, content)
@@ -359,17 +361,17 @@ def test_fortran_ordered_and_big_endian_arrays_are_read_in_row_order(tmp_path):
 @pytest.fixture
 def two_row_chunks(monkeypatch):
     """Parse text two rows of 3 columns at a time, so that chunk boundaries fall inside small files."""
-    import opt_ds_ops.dataset as dataset
+    import opt_ds_ops.dataset.core as core
 
-    monkeypatch.setattr(dataset, "_CHUNK_BYTES", 2 * 3 * 8)
+    monkeypatch.setattr(core, "CHUNK_BYTES", 2 * 3 * 8)
 
 
 @pytest.mark.parametrize("content, expected", [
     ("1,2,3\n4,5,6\n7,8,9\n1,2,3\n  \n\n", None),  # a whitespace tail that starts a chunk
     ("1,2,3\n4,5,6\n7,8,9\n1,2,3\n1,2\n", "line 5: ragged rows: the number of columns changes from 3 to 2"),
     ("1,2,3\n4,5,6\n7,8,9\n1,2\n1,2,3\n", "line 4: ragged rows: the number of columns changes from 3 to 2"),
-    ("1,2,3\n4,5,6\n\n7,8,9\n1,x,3\n", "line 5, column 2: could not convert string 'x'"),
-    ("a,b,c\n1,2,3\n4,5,6\n\n7,8,nan\n", "line 5, column 3: value nan is not finite"),
+    ("1,2,3\n4,5,6\n\n7,8,9\n1,x,3\n", "line 5, column 2: 'x' is not a number"),
+    ("a,b,c\n1,2,3\n4,5,6\n\n7,8,nan\n", "line 5, column 3 ('c'): a missing value (empty, NA or NaN)"),
 ])
 def test_chunk_boundaries_keep_line_numbers_and_the_whitespace_tail(tmp_path, two_row_chunks, content, expected):
     path = write(tmp_path, "chunked.csv", content)

@@ -5,17 +5,26 @@ from __future__ import annotations
 import json
 import sys
 
+import dataclasses
+
 from ..config import DEFAULT_CONFIG_PATH
 from ..health import gate_job, summary_line
-from ..job import JobError, run_job
+from ..job import JobError, columns_note, find_sidecar, read_sidecar, run_job
 from ..train import EpochStats
 from . import load_cfg
 
 
 def add_parser(sub) -> None:
     t = sub.add_parser("train", help="train the autoencoder on a dataset and save it in the model store")
-    t.add_argument("dataset", metavar="DATASET", help="telemetry file: .csv/.txt/.tsv[.gz], .npy, .npz, .pt")
-    t.add_argument("--name", help="model name (default: the dataset file's stem)")
+    t.add_argument("dataset", metavar="DATASET",
+                   help="telemetry file: .csv/.txt/.tsv[.gz], .parquet, .feather/.arrow, .npy, .npz, .pt")
+    t.add_argument("--name", help="model name (default: the sidecar's name, else the dataset file's stem)")
+    t.add_argument("--sidecar", metavar="FILE",
+                   help="dataset options (YAML: name, time_column, columns, exclude_columns, time_order); "
+                        "default: STEM.yaml beside the dataset, if there is one")
+    t.add_argument("--time-column", help="auto, none, a column name or a 1-based number (dataset.time_column)")
+    t.add_argument("--columns", type=_names, metavar="A,B,...", help="the feature columns (dataset.columns)")
+    t.add_argument("--exclude-columns", type=_names, metavar="A,B,...", help="columns left out (dataset.exclude_columns)")
     t.add_argument("--models-dir", help="model store directory (default: models_dir from the config)")
     t.add_argument("--config", help=f"configuration file (default: {DEFAULT_CONFIG_PATH} if present)")
     t.add_argument("--epochs", type=int)
@@ -25,6 +34,23 @@ def add_parser(sub) -> None:
     t.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"])
     t.add_argument("--json", action="store_true", help="print one JSON summary instead of text")
     t.set_defaults(func=run)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """``--columns a,b,3`` -> ("a", "b", "3") (names may not contain commas here; a sidecar takes any name)."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def dataset_options(args, cfg) -> tuple:
+    """Return (dataset options, model name or None, sidecar path or None) for ``ds-ops train``:
+    the conffile's ``dataset:``, then the sidecar, then the command line's options."""
+    options, name = cfg.dataset, None
+    sidecar = args.sidecar or find_sidecar(args.dataset)
+    if sidecar:
+        options, name = read_sidecar(sidecar, cfg.dataset)
+    flags = {"time_column": args.time_column, "columns": args.columns, "exclude_columns": args.exclude_columns}
+    options = dataclasses.replace(options, **{k: v for k, v in flags.items() if v is not None})
+    return options, args.name or name, sidecar
 
 
 def _is_asked(device, spec: str) -> bool:
@@ -39,6 +65,7 @@ def run(args) -> int:
         {"models_dir": args.models_dir, "device": args.device, "amp": args.amp, "train.epochs": args.epochs,
          "train.batch_size": args.batch_size, "train.seed": args.seed},
     )
+    options, name, sidecar = dataset_options(args, cfg)
     gate = gate_job(cfg)
     if gate.action != "run":
         raise JobError("health", f"health gate: {gate.action}: {gate.reason}")
@@ -64,9 +91,10 @@ def run(args) -> int:
     if not args.json:
         health = "" if gate.report["verdict"] == "ok" else f"; {summary_line(gate)}"
         print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {cfg.train.epochs} epochs"
-              f"{health})", flush=True)
+              f"{health}){f'; options from {sidecar}' if sidecar else ''}", flush=True)
     try:
-        job = run_job(args.dataset, cfg, name=args.name, plan=gate.plan, health=gate.report, on_epoch=on_epoch)
+        job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report, on_epoch=on_epoch,
+                      options=options, explicit_name=name is not None)
     finally:
         if bar is not None:
             bar.close()
@@ -87,6 +115,9 @@ def run(args) -> int:
         "skipped_steps": r.skipped_steps,
         "duration_s": r.duration_s,
         "health": md["health"]["verdict"],
+        "time": md["dataset"]["time"],
+        "left_out": md["dataset"]["left_out"],
+        "notes": md["dataset"]["notes"],
     }
     if args.json:
         print(json.dumps(summary, sort_keys=True))
@@ -96,6 +127,9 @@ def run(args) -> int:
             f"device {md['device']} amp {md['amp_dtype']}, {r.samples_per_s:,.0f} samples/s, "
             f"threshold {r.threshold:.4f} (q={r.threshold_quantile})"
         )
+        note = columns_note(md["dataset"])
+        if note:
+            print("columns: " + note[2:].replace("; ", "\n  "))
         print(f"model: {job.model_dir}")
     return 0
 

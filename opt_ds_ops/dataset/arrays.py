@@ -1,0 +1,142 @@
+"""Array datasets: ``.npy`` (float32 memory-mapped), ``.npz`` (exactly one array) and ``.pt`` (a
+plain tensor, loaded with ``torch.load(weights_only=True)``; nothing is ever unpickled).
+
+An ``.npy`` header, an ``.npz`` member's size and header and a ``.pt`` tensor's shape are checked
+against the limits before any data is read, inflated or converted. Arrays that are converted
+(float64, integers, ...) need the float32 matrix plus one 16 MiB float64 block, besides the source
+where that is in memory (a ``.pt`` tensor; a Fortran-ordered ``.npz`` member, read whole first).
+"""
+
+from __future__ import annotations
+
+import zipfile
+import zlib
+
+import numpy as np
+
+from .core import DatasetError, DatasetLimits, Float32Builder, block_rows, check_finite, check_shape, rows_where
+
+
+def _check_dtype(path: str, what: str, dtype: np.dtype, kind: str) -> None:
+    if dtype.hasobject:
+        raise DatasetError(f"{path}: not a plain numeric {kind} ({what} has dtype {dtype}, which needs pickle)")
+    if dtype.kind not in "fiu" or dtype.itemsize > 8:
+        raise DatasetError(f"{path}: {what} has dtype {dtype}; need a real number dtype (float or int)")
+
+
+def _npy_header(f, path: str, kind: str) -> tuple[tuple, bool, np.dtype]:
+    """Return (shape, fortran_order, dtype) from the .npy header at f's position (nothing else is read)."""
+    try:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        return read(f)
+    except ValueError as e:
+        raise DatasetError(f"{path}: not a plain numeric {kind} ({e})") from None
+
+
+def _centred(path: str, shape: tuple, block_of) -> tuple[np.ndarray, np.ndarray | None]:
+    """Return (float32, offset) of an array read as float64 blocks: ``block_of(start, stop)``."""
+    rows, cols = shape
+    build = Float32Builder(path, cols, rows_where, rows=rows)
+    step = block_rows(cols)
+    for start in range(0, rows, step):
+        build.add(block_of(start, min(start + step, rows)))
+    return build.finish()
+
+
+def load_array(path: str, fmt: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray | None]:
+    """Return (2-D float32 array, float64 offset or None) from .npy (memory-mapped), .npz or .pt."""
+    if fmt == "npy":
+        return _load_npy(path, limits)
+    if fmt == "npz":
+        return _load_npz(path, limits)
+    return _load_pt(path, limits)
+
+
+def _load_npy(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray | None]:
+    with open(path, "rb") as f:
+        shape, fortran, dtype = _npy_header(f, path, ".npy array")
+    _check_dtype(path, "array", dtype, ".npy array")
+    check_shape(path, "array", shape, limits)
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise DatasetError(f"{path}: not a plain numeric .npy array ({e})") from None
+    if dtype == np.float32 and not fortran:
+        check_finite(path, arr, rows_where)
+        return arr, None
+    return _centred(path, shape, lambda s, e: np.asarray(arr[s:e], dtype=np.float64))
+
+
+def _read_exact(f, out: np.ndarray, path: str) -> None:
+    """Fill out's bytes from stream f; raise DatasetError if f ends first."""
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise DatasetError(f"{path}: array data ends after {got} of {len(view)} bytes")
+        got += n
+
+
+def _load_npz(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray | None]:
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = [i for i in z.infolist() if not i.is_dir()]
+            names = [i.filename.removesuffix(".npy") for i in infos]
+            if len(infos) != 1:
+                raise DatasetError(f"{path}: .npz holds {len(names)} arrays ({', '.join(names) or 'none'}); need exactly one")
+            info, what = infos[0], f"array '{names[0]}'"
+            if info.file_size > limits.max_decompressed_bytes:
+                raise DatasetError(f"{path}: {what} inflates to {info.file_size} bytes; "
+                                   f"job.max_decompressed_bytes is {limits.max_decompressed_bytes}")
+            with z.open(info) as m:
+                shape, fortran, dtype = _npy_header(m, path, ".npz archive")
+                _check_dtype(path, what, dtype, ".npz archive")
+                check_shape(path, what, shape, limits)
+                rows, cols = shape
+                if info.file_size < m.tell() + rows * cols * dtype.itemsize:
+                    raise DatasetError(f"{path}: {what} is truncated ({info.file_size} bytes for shape {shape}, {dtype})")
+                if dtype == np.float32 and not fortran:
+                    out = np.empty(shape, dtype=np.float32)
+                    _read_exact(m, out, path)
+                    check_finite(path, out, rows_where)
+                    return out, None
+                if fortran:  # columns are contiguous: read the whole source (itemsize/4 x the matrix) first
+                    src = np.empty(shape[::-1], dtype=dtype)
+                    _read_exact(m, src, path)
+                    return _centred(path, shape, lambda s, e: src.T[s:e].astype(np.float64))
+
+                def block_of(start: int, stop: int) -> np.ndarray:
+                    buf = np.empty((stop - start, cols), dtype=dtype)
+                    _read_exact(m, buf, path)  # rows arrive in order: read each block once, as it streams
+                    return buf.astype(np.float64)
+
+                return _centred(path, shape, block_of)
+    except DatasetError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
+        raise DatasetError(f"{path}: not a plain numeric .npz archive ({e})") from None
+
+
+def _load_pt(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray | None]:
+    import torch  # only here: reading text or .npy does not need torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for non-tensor content
+        raise DatasetError(f"{path}: not a plain tensor file (loaded with weights_only=True: {type(e).__name__})") from None
+    if not isinstance(obj, torch.Tensor):
+        raise DatasetError(f"{path}: .pt holds a {type(obj).__name__}, need a plain 2-D tensor")
+    if obj.layout != torch.strided or obj.is_quantized:
+        raise DatasetError(f"{path}: tensor has layout {obj.layout}{' (quantized)' if obj.is_quantized else ''}; need a dense tensor")
+    if obj.is_complex() or obj.dtype == torch.bool:
+        raise DatasetError(f"{path}: tensor has dtype {obj.dtype}; need a real number dtype")
+    # before any copy: an expanded (stride 0) tensor of a few bytes on disk may claim any shape
+    check_shape(path, "tensor", tuple(obj.shape), limits)
+    t = obj.detach()
+    if t.dtype == torch.float32 and t.is_contiguous():
+        arr = t.numpy()
+        check_finite(path, arr, rows_where)
+        return arr, None
+    return _centred(path, tuple(t.shape), lambda s, e: t[s:e].to(torch.float64).numpy())

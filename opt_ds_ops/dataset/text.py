@@ -1,0 +1,507 @@
+"""Delimited text datasets (``.csv .txt .tsv``, optionally ``.gz``) as monitoring tools export them.
+
+The rows are parsed by Apache Arrow's CSV reader (``pyarrow.csv.open_csv``, streaming, C++):
+RFC 4180 quoting (``"cpu","load"``, ``"{cpu=""0""}"``, quoted numbers), CRLF, a UTF-8 BOM and
+blank lines. What Arrow does not decide is decided here, from the first lines:
+
+- **Delimiter**: tab, ``;``, ``,`` or ``|``, the first that splits the first lines (quotes
+  respected, by Python's ``csv`` module) into the same number (> 1) of fields; else runs of spaces
+  and tabs when they do (turned into commas on the way to Arrow); else one column. A trailing
+  delimiter on every line is allowed.
+- **Header**: the first line is one when a field of it is text (not a number, not a timestamp),
+  or when it has an empty field where the next line has a value (pandas' unnamed index).
+  However wide: the header line is read up to the line limit, not a fixed buffer.
+- **Decimal comma**: under ``;`` or tab, fields like ``44,08`` are read with ``,`` as the decimal
+  point. Under ``,`` it is ambiguous: integer fields with a leading zero after a comma (``44,08``)
+  are refused with a hint.
+- **Columns**: time index, row index, text columns and the ``dataset:`` options, by
+  :mod:`opt_ds_ops.dataset.columns`.
+
+**Budgets**: text is counted while it is read (``job.max_decompressed_bytes``, after gzip and for
+plain text too), a line may not run past ``job.max_columns`` x 256 bytes and the first line's
+fields are counted before anything is parsed (``job.max_columns``); reading stops once the rows
+would pass ``job.max_matrix_bytes``. Arrow parses blocks of ``2 x`` the line limit (at least
+1 MiB), so the parse itself holds a few MiB, besides the float32 matrix.
+
+**Errors** name the file, the line (1-based, as an editor shows it) and the column. Arrow does
+not report lines; on its error the file is read again from the start (an error path only).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import re
+
+import numpy as np
+
+from ..config import DatasetConfig
+from .columns import ColumnInfo, ColumnPlan, ZONED, is_iso_time, plan_columns
+from .core import (
+    FIELD_BYTES, SNIFF_BYTES, DatasetError, DatasetLimits, Float32Builder, block_rows, too_many_rows,
+)
+from .timeindex import TimeCollector
+
+_READ_BYTES = 256 * 1024  # text read from the file at a time (bytes)
+SAMPLE_LINES = 50  # lines after the first that decide the dialect and the columns' kinds
+DELIMITERS = ("\t", ";", ",", "|")
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*([eE][+-]?\d+)?|\.\d+([eE][+-]?\d+)?|nan|inf|infinity)$", re.I)
+_INTEGER = re.compile(r"^[+-]?\d+$")
+_DECIMAL_COMMA = re.compile(r"^[+-]?\d+,\d+$")
+_EXPECTED = re.compile(r"Expected (\d+) columns, got (\d+)")
+_CONVERSION = re.compile(r"In CSV column #(\d+): CSV conversion error to \w+: invalid value '(.*)'$", re.S)
+
+
+class _BoundedReader(io.RawIOBase):
+    """A binary stream over ``raw`` that raises DatasetError once more than
+    ``limits.max_decompressed_bytes`` were read from it, or a line runs past ``limits.max_line_bytes``.
+
+    Counted at every read, so a gzip bomb or an endless line stops within one read buffer
+    (256 KiB) of the limit; ``raw`` is a file or a GzipFile (bytes after decompression).
+    ``stop_at``: bytes after which the stream ends (a tail of blank lines cut off).
+    """
+
+    def __init__(self, raw, path: str, limits: DatasetLimits, stop_at: int | None = None):
+        super().__init__()
+        self._raw, self._path, self._limits, self._stop_at = raw, path, limits, stop_at
+        self.bytes_read = 0
+        self._line_bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self._stop_at is not None:
+            room = self._stop_at - self.bytes_read
+            if room <= 0:
+                return 0
+            b = memoryview(b)[:room]
+        n = self._raw.readinto(b)
+        if not n:
+            return n
+        self.bytes_read += n
+        lim = self._limits
+        if self.bytes_read > lim.max_decompressed_bytes:
+            raise DatasetError(
+                f"{self._path}: more than {lim.max_decompressed_bytes} bytes of text"
+                f"{' after decompression' if isinstance(self._raw, gzip.GzipFile) else ''}; "
+                f"job.max_decompressed_bytes is {lim.max_decompressed_bytes}"
+            )
+        data = bytes(memoryview(b)[:n])
+        end = max(data.rfind(b"\n"), data.rfind(b"\r"))
+        self._line_bytes = self._line_bytes + n if end < 0 else n - end - 1
+        if self._line_bytes > lim.max_line_bytes:
+            raise DatasetError(
+                f"{self._path}: a line longer than {lim.max_line_bytes} bytes; job.max_columns is {lim.max_columns} "
+                f"(a line may take {FIELD_BYTES} bytes a field, {SNIFF_BYTES} at least)"
+            )
+        return n
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+
+
+def _open(path: str, limits: DatasetLimits, stop_at: int | None = None) -> io.BufferedReader:
+    """Open a text dataset (gzip by suffix) as bytes through a :class:`_BoundedReader`."""
+    raw = gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb", buffering=0)
+    return io.BufferedReader(_BoundedReader(raw, path, limits, stop_at), buffer_size=_READ_BYTES)
+
+
+class _Prefixed(io.RawIOBase):
+    """``prefix`` bytes, then the rest of ``stream``; with ``whitespace``, runs of spaces and tabs
+    become one comma and are dropped at the ends of lines (line breaks are kept, so line numbers
+    hold). Arrow reads from this."""
+
+    def __init__(self, prefix: bytes, stream, whitespace: bool):
+        super().__init__()
+        self._pending, self._stream, self._ws = _commas(prefix) if whitespace else prefix, stream, whitespace
+        self._carry = b""  # an incomplete last line, held back until its end is read (whitespace only)
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self) -> None:
+        while not self._pending and not self._eof:
+            chunk = self._stream.read(_READ_BYTES)
+            if not chunk:
+                self._eof = True
+                self._pending, self._carry = _commas(self._carry) if self._ws else b"", b""
+                return
+            if not self._ws:
+                self._pending = chunk
+                return
+            data = self._carry + chunk
+            cut = data.rfind(b"\n") + 1
+            self._pending, self._carry = _commas(data[:cut]), data[cut:]
+
+    def readinto(self, b) -> int:
+        if not self._pending:
+            self._fill()
+        n = min(len(b), len(self._pending))
+        b[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+_EDGE_SPACE = re.compile(rb"(?m)^[ \t]+|[ \t]+(?=\r?$)")
+_RUN_SPACE = re.compile(rb"[ \t]+")
+
+
+def _commas(data: bytes) -> bytes:
+    """Return whitespace-separated lines as comma-separated ones (see :class:`_Prefixed`)."""
+    return _RUN_SPACE.sub(b",", _EDGE_SPACE.sub(b"", data))
+
+
+def _read_line(f, path: str, lineno: int, limits: DatasetLimits) -> bytes | None:
+    """Return line ``lineno`` (1-based) of binary stream f with its newline, or None at the end.
+
+    Read in pieces of 64 KiB; raise DatasetError as soon as the fields seen so far (under the
+    delimiter they select) exceed ``limits.max_columns``, before the rest is read.
+    """
+    parts: list[bytes] = []
+    tabs = semis = commas = pipes = words = 0
+    while True:
+        piece = f.readline(SNIFF_BYTES)
+        if not piece:
+            break
+        if parts and not parts[-1][-1:].isspace() and not piece[:1].isspace():
+            words -= 1  # a word cut in two by the piece boundary
+        parts.append(piece)
+        if piece.endswith(b"\n"):
+            break
+        tabs, semis = tabs + piece.count(b"\t"), semis + piece.count(b";")
+        commas, pipes = commas + piece.count(b","), pipes + piece.count(b"|")
+        words += len(piece.split())
+        seen = max(tabs, semis, commas, pipes) + 1 if (tabs or semis or commas or pipes) else words
+        if seen > limits.max_columns + 1:  # + 1: a trailing delimiter
+            raise DatasetError(
+                f"{path}: line {lineno} has more than {limits.max_columns} fields; job.max_columns is {limits.max_columns}"
+            )
+    return b"".join(parts) if parts else None
+
+
+def _decode(path: str, lineno: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: line {lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _split(line: str, delim: str | None) -> list[str]:
+    """Return the fields of one line: RFC 4180 under a delimiter, runs of whitespace without."""
+    if delim is None:
+        return line.split()
+    return next(csv.reader([line], delimiter=delim, quotechar='"', doublequote=True, skipinitialspace=True), [])
+
+
+def _field_counts(lines: list[str], delim: str | None) -> list[int]:
+    return [len(_split(line, delim)) for line in lines]
+
+
+def _choose_delimiter(lines: list[str]) -> str | None:
+    """Return the delimiter of the first lines (see the module docstring); None: whitespace."""
+    for delim in DELIMITERS:
+        counts = _field_counts(lines, delim)
+        if counts[0] > 1 and len(set(counts)) == 1:
+            return delim
+        if len(counts) > 1 and counts[1] > 1 and len(set(counts[1:])) == 1 and counts[0] in (counts[1], counts[1] - 1):
+            return delim  # a header one name short: a trailing delimiter on the rows only, or an unnamed index
+    counts = _field_counts(lines, None)
+    if len(lines) > 1 and counts[1] > 1 and len(set(counts[1:])) == 1 and counts[0] in (counts[1], counts[1] - 1):
+        return None
+    if counts[0] > 1 and len(set(counts)) == 1:
+        return None
+    for delim in DELIMITERS:  # ragged under every choice: the delimiter that is there, to name the ragged line
+        if delim in lines[0]:
+            return delim
+    return ","
+
+
+def _kind(value: str) -> str:
+    v = value.strip()
+    if not v:
+        return "empty"
+    if _NUMBER.match(v):
+        return "number"
+    return "time" if is_iso_time(v) else "text"
+
+
+def _is_header(first: list[str], below: list[list[str]]) -> bool:
+    """True if the first line names the columns: a text field over values that are not text, or
+    that never repeat it; or an empty field where the next line has a value (pandas' index)."""
+    for c, v in enumerate(first):
+        if _kind(v) != "text":
+            continue
+        column = [r[c].strip() for r in below if c < len(r)]
+        if any(_kind(x) != "text" for x in column) or v.strip() not in column:
+            return True
+    if not below or len(first) != len(below[0]):
+        return False
+    return any(not a.strip() and b.strip() for a, b in zip(first, below[0]))
+
+
+class _Dialect:
+    """What the first lines say: delimiter, decimal point, header, field count, data start."""
+
+    def __init__(self, delim, decimal, header, fields, trailing, skip_lines, first_data_line):
+        self.delim, self.decimal, self.header = delim, decimal, header
+        self.fields, self.trailing = fields, trailing
+        self.skip_lines, self.first_data_line = skip_lines, first_data_line
+
+
+def _column_infos(path: str, header: list[str] | None, rows: list[tuple[int, list[str]]], n: int) -> list[ColumnInfo]:
+    infos = []
+    for c in range(n):
+        cells = [(lineno, r[c].strip()) for lineno, r in rows if c < len(r)]
+        kinds = [_kind(v) for _, v in cells]
+        present = [k for k in kinds if k != "empty"]
+        name = header[c].strip() if header is not None else None
+        if not present:
+            infos.append(ColumnInfo(name, "empty"))
+            continue
+        if all(k == "number" for k in present):
+            vals = np.array([float(v) for _, v in cells if v], dtype=np.float64)
+            infos.append(ColumnInfo(name, "number", values=vals))
+            continue
+        kind = "time" if all(k == "time" for k in present) else "text"
+        lineno, example = next((ln, v) for (ln, v), k in zip(cells, kinds) if k == ("text" if kind == "text" else "time"))
+        zoned = kind == "time" and bool(ZONED.search(example))
+        infos.append(ColumnInfo(name, kind, example=example, where=f"line {lineno}", zoned=zoned,
+                                mixed=kind == "text" and "number" in present))
+    return infos
+
+
+def _sniff(path: str, f, limits: DatasetLimits):
+    """Read the first lines of f; return (dialect, column infos, the data bytes already read)."""
+    lineno, blank = 0, 0
+    while True:
+        raw = _read_line(f, path, lineno + 1, limits)
+        if raw is None:
+            raise DatasetError(f"{path}: empty file (no data rows)")
+        lineno += 1
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        if raw.strip():
+            break
+        blank += 1
+    first_no = lineno
+    lines, raws, linenos = [_decode(path, lineno, raw)], [], []
+    while len(linenos) < SAMPLE_LINES:
+        raw = _read_line(f, path, lineno + 1, limits)
+        if raw is None:
+            break
+        lineno += 1
+        raws.append(raw)
+        if raw.strip():
+            lines.append(_decode(path, lineno, raw))
+            linenos.append(lineno)
+    delim = _choose_delimiter(lines)
+    split = [_split(line, delim) for line in lines]
+    first = split[0]
+    if len(first) > limits.max_columns + (1 if delim and first[-1:] == [""] else 0):
+        raise DatasetError(f"{path}: line {first_no} has {len(first)} fields; job.max_columns is {limits.max_columns}")
+    header = first if _is_header(first, split[1:]) else None
+    data_rows = list(zip(linenos, split[1:])) if header is not None else [(first_no, first)] + list(zip(linenos, split[1:]))
+    if header is not None and not data_rows:
+        raise DatasetError(f"{path}: only a header line (line {first_no}), no data rows")
+    fields = len(data_rows[0][1])
+    trailing = bool(delim) and fields > 1 and all(r[-1:] == [""] for _, r in data_rows if len(r) == fields)
+    n = fields - 1 if trailing else fields
+    if n > limits.max_columns:
+        raise DatasetError(f"{path}: line {data_rows[0][0]} has {n} fields; job.max_columns is {limits.max_columns}")
+    if header is not None:
+        if len(header) == n + 1 and header[-1] == "":
+            header = header[:-1]  # a trailing delimiter on the header line
+        if len(header) == n - 1:
+            header = [""] + header  # pandas' index column: no name in the header
+        if len(header) != n:
+            hint = ""
+            if delim == "," and all(_INTEGER.match(v.strip()) for _, r in data_rows for v in r if v.strip()):
+                hint = " (a decimal comma? write numbers with '.' or separate fields with ';')"
+            raise DatasetError(f"{path}: line {first_no}: the header has {len(header)} names but line "
+                               f"{data_rows[0][0]} has {n} fields{hint}")
+    decimal = "."
+    cells = [v.strip() for _, r in data_rows for v in r[:n]]
+    if delim in ("\t", ";") and any(_DECIMAL_COMMA.match(v) for v in cells) and not any("." in v and _NUMBER.match(v) for v in cells):
+        decimal = ","
+        data_rows = [(ln, [v.replace(",", ".") if _DECIMAL_COMMA.match(v.strip()) else v for v in r]) for ln, r in data_rows]
+    if delim == ",":
+        _refuse_decimal_comma(path, data_rows, n)
+    infos = _column_infos(path, header, data_rows, n)
+    skip = first_no if header is not None else first_no - 1
+    prefix = b"".join(raws) if header is not None else raw_first(path, first_no, lines[0], raws)
+    dialect = _Dialect(delim, decimal, header, fields, trailing, skip, data_rows[0][0])
+    return dialect, infos, prefix, blank
+
+
+def raw_first(path: str, first_no: int, first_line: str, raws: list[bytes]) -> bytes:
+    """The bytes Arrow must parse when the first line is data: that line (BOM dropped) and the rest."""
+    return first_line.encode("utf-8") + b"\n" + b"".join(raws)
+
+
+def _refuse_decimal_comma(path: str, rows: list[tuple[int, list[str]]], n: int) -> None:
+    """Raise DatasetError if comma-separated integer fields look like decimal commas (``44,08``)."""
+    if not rows or any(not _INTEGER.match(v.strip()) for _, r in rows for v in r[:n] if v.strip()):
+        return
+    for lineno, r in rows:
+        for c, v in enumerate(r[1:n], start=1):
+            v = v.strip()
+            if len(v) > 1 and v.lstrip("+-").startswith("0"):
+                raise DatasetError(
+                    f"{path}: line {lineno}: {','.join(x.strip() for x in r[:n])!r} looks like a number with a "
+                    f"decimal comma ({r[c - 1].strip()},{v}), which is ambiguous in a comma-separated file. Write "
+                    "numbers with '.' as the decimal point, or separate fields with ';' (then '44,08' reads as 44.08)"
+                )
+
+
+def load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: int | None = None):
+    """Return (float32 matrix, float64 offset, plan, TimeIndex or None, where) of a text dataset;
+    ``where(row)`` names a 0-based data row as its file line (``line 7``).
+
+    ``stop_at``: bytes of the file (after decompression) after which it is taken to end (set when
+    the rest holds only whitespace lines). Raises DatasetError (see the module docstring).
+    """
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    with _open(path, limits, stop_at) as f:
+        dialect, infos, prefix, _blank = _sniff(path, f, limits)
+        plan = plan_columns(path, infos, opts)
+        names = [f"c{i}" for i in range(dialect.fields)]
+        types = {names[i]: pa.float64() for i in plan.features}
+        if plan.index is not None:
+            types[names[plan.index]] = pa.float64()
+        if plan.time is not None:
+            types[names[plan.time]] = pa.string() if plan.time_kind == "iso8601" else pa.float64()
+        include = [names[i] for i in range(dialect.fields) if names[i] in types]
+        block = max(1 << 20, 2 * limits.max_line_bytes)
+        stream = io.BufferedReader(_Prefixed(prefix, f, dialect.delim is None), buffer_size=_READ_BYTES)
+        reader_args = dict(
+            read_options=pacsv.ReadOptions(column_names=names, block_size=block, use_threads=True),
+            parse_options=pacsv.ParseOptions(delimiter=dialect.delim or ",", quote_char='"', double_quote=True,
+                                             newlines_in_values=False, ignore_empty_lines=True),
+            convert_options=pacsv.ConvertOptions(column_types=types, include_columns=include,
+                                                 decimal_point=dialect.decimal, strings_can_be_null=False),
+        )
+
+        def line_of(row: int) -> int:
+            return _line_of_row(path, limits, dialect, row)
+
+        max_rows = limits.max_rows(len(plan.features))
+        build = Float32Builder(path, len(plan.features), lambda r: f"line {line_of(r)}", max_rows=max_rows + 1,
+                               column=plan.feature_label, nan_is_missing=True)
+        times = TimeCollector(path, plan, lambda r: f"line {line_of(r)}") if plan.time is not None else None
+        try:
+            reader = pacsv.open_csv(stream, **reader_args)
+            while True:
+                try:
+                    batch = reader.read_next_batch()
+                except StopIteration:
+                    break
+                _add_batch(path, batch, plan, names, build, times, line_of)
+                if build.n > max_rows:
+                    raise too_many_rows(path, max_rows, len(plan.features), limits)
+        except pa.ArrowInvalid as e:
+            cut = _arrow_error(path, limits, dialect, plan, str(e), max_rows, stop_at is None)
+            return load_text(path, limits, opts, stop_at=cut)
+    data, offset = build.finish()
+    if data.shape[0] == 0:
+        raise DatasetError(f"{path}: empty file (no data rows)")
+    time = times.finish(data.shape[0]) if times is not None else None
+    return data, offset, plan, time, lambda r: f"line {line_of(r)}"
+
+
+def _add_batch(path, batch, plan: ColumnPlan, names, build: Float32Builder, times, line_of) -> None:
+    rows = batch.num_rows
+    if rows == 0:
+        return
+    if plan.index is not None:
+        idx = batch.column(names[plan.index]).to_numpy(zero_copy_only=False)
+        want = plan.index_start + build.n + np.arange(rows)
+        bad = np.flatnonzero(idx != want)
+        if len(bad):
+            r = int(bad[0])
+            raise DatasetError(
+                f"{path}: line {line_of(build.n + r)}, {plan.labels[plan.index]}: {idx[r]:g} where the row index "
+                f"{want[r]} was expected; this unnamed first column is not a row index: name it in the header, "
+                "or set dataset.columns"
+            )
+    if times is not None:
+        times.add(batch.column(names[plan.time]), build.n)
+    cols = [batch.column(names[i]).to_numpy(zero_copy_only=False) for i in plan.features]
+    block = np.empty((rows, len(cols)), dtype=np.float64)
+    for j, col in enumerate(cols):
+        block[:, j] = col
+    step = block_rows(len(cols))
+    for start in range(0, rows, step):
+        build.add(block[start : start + step])
+
+
+def _scan(path: str, limits: DatasetLimits, dialect: _Dialect):
+    """Yield (line number, fields) of every non-blank data line (error path: a Python scan)."""
+    with _open(path, limits) as f:
+        text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace", newline=None)
+        for lineno, line in enumerate(text, 1):
+            if lineno <= dialect.skip_lines:
+                continue
+            line = line.rstrip("\r\n")
+            if not line or (dialect.delim is None and not line.strip()):
+                continue
+            yield lineno, _split(line, dialect.delim)
+
+
+def _line_of_row(path: str, limits: DatasetLimits, dialect: _Dialect, row: int) -> int:
+    """Return the 1-based file line of 0-based data row ``row``."""
+    last = dialect.skip_lines
+    for n, (lineno, _) in enumerate(_scan(path, limits, dialect)):
+        last = lineno
+        if n == row:
+            return lineno
+    return last + 1
+
+
+def _arrow_error(path: str, limits: DatasetLimits, dialect: _Dialect, plan: ColumnPlan, msg: str, max_rows: int,
+                 tail_ok: bool) -> int:
+    """Turn Arrow's error into a DatasetError naming the line (or the row limit, if the bad line
+    lies past ``max_rows`` rows); or, if the file only has lines of whitespace from there on and
+    ``tail_ok``, return the byte offset to cut it at."""
+    expected = _EXPECTED.search(msg)
+    conv = _CONVERSION.search(msg)
+    want = dialect.fields
+    for row, (lineno, fields) in enumerate(_scan(path, limits, dialect)):
+        if row >= max_rows and any(x.strip() for x in fields):
+            raise too_many_rows(path, max_rows, len(plan.features), limits)
+        if conv:
+            c, value = int(conv.group(1)), conv.group(2)
+            if c < len(fields) and fields[c].strip() == value.strip():
+                raise DatasetError(f"{path}: line {lineno}, {plan.labels[c]}: {value!r} is not a number") from None
+        elif len(fields) != want:
+            if tail_ok and all(not x.strip() for x in fields):
+                cut = _blank_tail_offset(path, limits, lineno)
+                if cut is not None:
+                    return cut
+            n_have = len(fields) - (1 if dialect.trailing and fields[-1:] == [""] else 0)
+            n_want = want - (1 if dialect.trailing else 0)
+            raise DatasetError(f"{path}: line {lineno}: ragged rows: the number of columns changes from "
+                               f"{n_want} to {n_have}") from None
+    if expected:
+        raise DatasetError(f"{path}: ragged rows: {msg}") from None
+    raise DatasetError(f"{path}: {msg.strip()}") from None
+
+
+def _blank_tail_offset(path: str, limits: DatasetLimits, lineno: int) -> int | None:
+    """Return the byte offset where line ``lineno`` starts if it and every later line hold only
+    whitespace (an export's tail), else None."""
+    offset = 0
+    with _open(path, limits) as f:
+        for i, line in enumerate(f, 1):
+            if i >= lineno and line.strip():
+                return None
+            if i < lineno:
+                offset += len(line)
+    return offset
