@@ -187,7 +187,7 @@ def run_job(
     except StoreError as e:
         raise JobError("dataset", f"{source_name or path}: {e}", e) from e
     try:
-        ds = load_dataset(path, DatasetLimits.from_config(cfg.job), options)
+        ds = load_dataset(path, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), options)
         sha = sha256 or file_sha256(path)
     except DatasetError as e:
         raise JobError("dataset", str(e), e) from e

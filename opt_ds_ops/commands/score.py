@@ -28,7 +28,7 @@ def run(args) -> int:
     """``ds-ops score MODEL_DIR DATASET``: per-row anomaly scores and flags; metrics with --labels."""
     cfg = load_cfg(args, {})
     stored = load_model(args.model_dir)
-    ds = load_dataset(args.dataset, DatasetLimits.from_config(cfg.job))
+    ds = load_dataset(args.dataset, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes))
     scores = score_rows(stored, ds.data, offset=ds.offset)
     flags = scores > stored.threshold
     labels = load_labels(args.labels, ds.rows) if args.labels else None

@@ -14,7 +14,9 @@ import zlib
 
 import numpy as np
 
-from .core import DatasetError, DatasetLimits, Float32Builder, block_rows, check_finite, check_shape, rows_where
+from .core import (
+    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, block_rows, check_finite, check_shape, rows_where,
+)
 
 
 def _check_dtype(path: str, what: str, dtype: np.dtype, kind: str) -> None:
@@ -89,7 +91,7 @@ def _load_npz(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
             info, what = infos[0], f"array '{names[0]}'"
             if info.file_size > limits.max_decompressed_bytes:
                 raise DatasetError(f"{path}: {what} inflates to {info.file_size} bytes; "
-                                   f"job.max_decompressed_bytes is {limits.max_decompressed_bytes}")
+                                   f"{LIMIT_KEYS} is {limits.max_decompressed_bytes}")
             with z.open(info) as m:
                 shape, fortran, dtype = _npy_header(m, path, ".npz archive")
                 _check_dtype(path, what, dtype, ".npz archive")

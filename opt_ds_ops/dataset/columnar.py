@@ -7,8 +7,8 @@ lists, ...) are refused naming them, unless the ``dataset:`` options leave them 
 index columns (``__index_level_0__``, from its metadata) are dropped, unless it is a time index.
 
 **Budgets** before reading: rows x features x 4 bytes against ``job.max_matrix_bytes`` (Parquet
-knows its rows), the uncompressed size of the Parquet column chunks read against
-``job.max_decompressed_bytes``; Arrow record batches are counted against it while they are read.
+knows its rows) and the columns read, decoded (8 bytes a value), against the decompressed-bytes
+limit; record batches are counted against it again while they are read.
 Rows are converted to float64 in batches of about 16 MiB.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from ..config import DatasetConfig
 from .columns import ColumnInfo, ColumnPlan, is_iso_time, plan_columns
 from .core import (
-    DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, rows_where, too_many_rows,
+    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, rows_where, too_many_rows,
 )
 from .timeindex import TimeCollector
 
@@ -56,9 +56,8 @@ def _open(pa, path: str, fmt: str):
         md = pf.metadata
 
         def uncompressed(columns: list[str]) -> int:
-            want = set(columns)
-            return sum(rg.column(c).total_uncompressed_size for rg in (md.row_group(i) for i in range(md.num_row_groups))
-                       for c in range(rg.num_columns) if rg.column(c).path_in_schema.split(".")[0] in want)
+            """Bytes the columns take decoded: 8 a value (float64/int64/timestamps; what they become here)."""
+            return md.num_rows * 8 * len(columns)
 
         def batches(columns: list[str], size: int):
             return pf.iter_batches(batch_size=size, columns=columns, use_threads=True)
@@ -129,8 +128,8 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
                 raise DatasetError(f"{path}: {rows} rows of {len(plan.features)} features need {need} bytes as float32; "
                                    f"job.max_matrix_bytes is {limits.max_matrix_bytes}")
         if uncompressed is not None and uncompressed(read) > limits.max_decompressed_bytes:
-            raise DatasetError(f"{path}: the columns read hold {uncompressed(read)} bytes uncompressed; "
-                               f"job.max_decompressed_bytes is {limits.max_decompressed_bytes}")
+            raise DatasetError(f"{path}: the columns read hold {uncompressed(read)} bytes decoded (8 a value); "
+                               f"{LIMIT_KEYS} is {limits.max_decompressed_bytes}")
         return _read(pa, path, limits, plan, names, rows, batches, read)
     except DatasetError:
         raise
@@ -148,7 +147,7 @@ def _read(pa, path, limits, plan: ColumnPlan, names, rows, batches, read):
         seen += batch.nbytes
         if seen > limits.max_decompressed_bytes:
             raise DatasetError(f"{path}: more than {limits.max_decompressed_bytes} bytes of column data once "
-                               f"decompressed; job.max_decompressed_bytes is {limits.max_decompressed_bytes}")
+                               f"decompressed; {LIMIT_KEYS} is {limits.max_decompressed_bytes}")
         if times is not None:
             times.add(batch.column(len(plan.features)), build.n)
         block = np.empty((batch.num_rows, len(plan.features)), dtype=np.float64)

@@ -34,6 +34,7 @@ FIELD_BYTES = 256  # average bytes a field may take: a line may hold max_columns
 CHUNK_BYTES = 16 * 1024**2  # float64 rows converted at a time (bytes)
 _GROWTH = 1.125  # the matrix grows by this factor (a realloc, no copy): the most it overshoots
 F32_MAX = float(np.finfo(np.float32).max)
+LIMIT_KEYS = "job.max_decompressed_bytes (or spool.max_dataset_bytes, if smaller)"  # the decompressed-bytes limit, in messages
 
 
 class DatasetError(ValueError):
@@ -54,10 +55,15 @@ class DatasetLimits:
     max_matrix_bytes: int
 
     @classmethod
-    def from_config(cls, job_cfg: JobConfig) -> DatasetLimits:
-        """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes()``)."""
+    def from_config(cls, job_cfg: JobConfig, max_dataset_bytes: int | None = None) -> DatasetLimits:
+        """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes()``).
+
+        ``max_dataset_bytes`` (``spool.max_dataset_bytes``) also bounds the decompressed bytes: a
+        9.6 KB ``.csv.gz`` that inflates to 3.8 MB passes a 1 MB limit on the file's size only.
+        """
+        inflated = job_cfg.max_decompressed_bytes
         return cls(
-            max_decompressed_bytes=job_cfg.max_decompressed_bytes,
+            max_decompressed_bytes=min(inflated, max_dataset_bytes) if max_dataset_bytes else inflated,
             max_columns=job_cfg.max_columns,
             max_matrix_bytes=job_cfg.matrix_budget_bytes(),
         )

@@ -39,7 +39,7 @@ import numpy as np
 from ..config import DatasetConfig
 from .columns import ColumnInfo, ColumnPlan, ZONED, is_iso_time, plan_columns
 from .core import (
-    FIELD_BYTES, SNIFF_BYTES, DatasetError, DatasetLimits, Float32Builder, block_rows, too_many_rows,
+    FIELD_BYTES, LIMIT_KEYS, SNIFF_BYTES, DatasetError, DatasetLimits, Float32Builder, block_rows, too_many_rows,
 )
 from .timeindex import TimeCollector
 
@@ -86,7 +86,7 @@ class _BoundedReader(io.RawIOBase):
             raise DatasetError(
                 f"{self._path}: more than {lim.max_decompressed_bytes} bytes of text"
                 f"{' after decompression' if isinstance(self._raw, gzip.GzipFile) else ''}; "
-                f"job.max_decompressed_bytes is {lim.max_decompressed_bytes}"
+                f"{LIMIT_KEYS} is {lim.max_decompressed_bytes}"
             )
         data = bytes(memoryview(b)[:n])
         end = max(data.rfind(b"\n"), data.rfind(b"\r"))
