@@ -26,8 +26,11 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q -m 'not e2e'
 
+# Training loop against the seed script's loop; parsing of CSV (numeric, ISO time) and Parquet
+# against numpy's loadtxt. Each prints ratios against its baseline, run in the same process.
 bench: venv
-	$(BIN)/python scripts/bench_train.py
+	$(BIN)/python scripts/bench_train.py --skip-parse
+	$(BIN)/python scripts/bench_parse.py
 
 # Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py).
 soak: venv
