@@ -107,7 +107,7 @@ def _bad_inputs(stage_dir, incoming, tmp_path) -> dict:
     text("unreadable.csv", "1,2,3\n4,5,6\n")
     os.chmod(stage_dir / "unreadable.csv", 0)
     with open(stage_dir / "oversized.csv", "wb") as f:  # sparse: larger than max_dataset_bytes, nothing written
-        f.truncate(3_000_000)
+        f.truncate(10_000_000)
     for name in os.listdir(stage_dir):
         os.rename(stage_dir / name, incoming / name)
     return {
@@ -119,7 +119,7 @@ def _bad_inputs(stage_dir, incoming, tmp_path) -> dict:
         "object.npy": ("dataset", r"not a plain numeric \.npy"),
         "table.xlsx": ("dataset", r"unknown dataset format"),
         "unreadable.csv": ("spool", r"unreadable: permission denied"),
-        "oversized.csv": ("spool", r"3000000 bytes, larger than spool.max_dataset_bytes \(2000000 bytes\)"),
+        "oversized.csv": ("spool", r"10000000 bytes, larger than spool.max_dataset_bytes \(9000000 bytes\)"),
     }
 
 
@@ -134,7 +134,8 @@ def _left_alone(incoming) -> dict:
 def test_every_bad_input_ends_in_failed_with_a_reason_and_the_next_good_file_is_served(tmp_path):
     import re
 
-    conf = write_config(tmp_path, max_dataset_bytes=2_000_000, settle_s=0.5)
+    # 9 MB: the good SMD file inflates to 8.3 MB, and decompressed bytes count against this limit too
+    conf = write_config(tmp_path, max_dataset_bytes=9_000_000, settle_s=0.5)
     # As root, the daemon runs without the capabilities that let root read a mode-000 file.
     d = Daemon(conf, preexec_fn=drop_dac_capabilities if os.geteuid() == 0 else None)
     try:

@@ -198,13 +198,13 @@ def test_gzip_text_is_refused_once_it_inflates_past_max_decompressed_bytes(tmp_p
     limits = dataclasses.replace(ROOMY, max_decompressed_bytes=1_000_000)
     err, peak = traced_peak(lambda: load_dataset(str(path), limits))
     assert str(err).startswith(f"{path}: more than 1000000 bytes of text after decompression")
-    assert "job.max_decompressed_bytes is 1000000" in str(err)
+    assert "job.max_decompressed_bytes (or spool.max_dataset_bytes, if smaller) is 1000000" in str(err)
     assert peak < 40 * 1024**2  # the float32 matrix of 16 Mi rows alone would be 128 MiB
 
 
 def test_plain_text_counts_against_max_decompressed_bytes_too(tmp_path):
     path = write(tmp_path, "big.csv", "1,2\n" * 1000)
-    with pytest.raises(DatasetError, match="more than 3999 bytes of text; job.max_decompressed_bytes is 3999"):
+    with pytest.raises(DatasetError, match=r"more than 3999 bytes of text; job.max_decompressed_bytes \(or spool.max_dataset_bytes, if smaller\) is 3999"):
         load_dataset(path, dataclasses.replace(ROOMY, max_decompressed_bytes=3999))
     assert load_dataset(path, dataclasses.replace(ROOMY, max_decompressed_bytes=4000)).rows == 1000
 
@@ -261,7 +261,7 @@ def test_a_deflated_npz_is_refused_by_its_member_size_without_inflating_it(tmp_p
     assert os.path.getsize(path) < 200_000
     limits = dataclasses.replace(ROOMY, max_decompressed_bytes=1_000_000)
     err, peak = traced_peak(lambda: load_dataset(str(path), limits))
-    assert str(err) == f"{path}: array 'rows' inflates to 67108992 bytes; job.max_decompressed_bytes is 1000000"
+    assert str(err) == f"{path}: array 'rows' inflates to 67108992 bytes; job.max_decompressed_bytes (or spool.max_dataset_bytes, if smaller) is 1000000"
     assert peak < 1024**2
 
 

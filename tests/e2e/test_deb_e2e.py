@@ -310,6 +310,38 @@ def test_bad_file_goes_to_failed_and_the_unit_stays_active(box):
     assert not missing, (missing, [line for line in out.splitlines() if "garbage.csv" in line])
 
 
+EXPORTS = r"""
+import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+rng = np.random.default_rng(0)
+rows = rng.random((600, 2))
+with open("/tmp/grafana.csv", "w") as f:
+    f.write('"Time","node_load1","host"\n')
+    for i, r in enumerate(rows):
+        f.write(f"{1716000000000 + 60000 * i},{r[0]:.4f},gpu1\n")
+stamps = pa.array(np.datetime64("2024-05-18T00:00:00", "ms") + np.arange(600) * np.timedelta64(60, "s"),
+                  type=pa.timestamp("ms", tz="UTC"))
+pq.write_table(pa.table({"ts": stamps, "cpu": rows[:, 0], "mem": rows[:, 1]}), "/tmp/node.parquet")
+"""
+
+
+def test_exports_with_a_time_column_and_a_sidecar_train_in_the_installed_package(box):
+    """A Grafana CSV (epoch-ms Time column, a text column left out by its sidecar) and a Parquet file
+    written with the package's own pyarrow: the time column is the index, never a feature."""
+    box.run(["/opt/ds-ops/bin/python", "-c", EXPORTS], user=USER)
+    box.run(f"printf 'name: grafana-node\\nexclude_columns: [host]\\n' > /tmp/grafana.yaml", user=USER)
+    drop(box, "/tmp/grafana.yaml", "grafana.yaml")  # the sidecar first
+    drop(box, "/tmp/grafana.csv", "grafana.csv")
+    drop(box, "/tmp/node.parquet", "node.parquet")
+    wait_model(box, "grafana-node", 1)
+    wait_model(box, "node", 1)
+    grafana = json.loads(box.run(["cat", f"{MODELS}/grafana-node/current/metadata.json"], user=USER).stdout)
+    assert grafana["dataset"]["header"] == ["node_load1"], grafana["dataset"]
+    assert grafana["dataset"]["time"]["kind"] == "epoch_ms" and grafana["dataset"]["time"]["median_step_s"] == 60
+    node = json.loads(box.run(["cat", f"{MODELS}/node/current/metadata.json"], user=USER).stdout)
+    assert node["dataset"]["header"] == ["cpu", "mem"] and node["dataset"]["time"]["kind"] == "timestamp"
+    box.wait_for(f"test -f {SPOOL}/done/grafana.csv.sidecar.yaml", 30, "the sidecar beside its dataset in done/")
+
+
 def test_a_directory_and_a_fifo_in_incoming_are_reported_and_left_alone(box):
     """As alice: a directory and a FIFO named like an error report, then a bad file 'v', then a
     good dataset. The unit stays up; the entries stay where they are, reported once each; status
