@@ -216,8 +216,10 @@ def plot(results: list[dict], path: str, machine: str | None = None) -> None:
     (log scale), its threshold and the labelled segments shaded. results need ``_scores``
     (:func:`evaluate_machine` with keep_scores). Raises EvaluateError for an unknown machine or
     an unwritable path."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise EvaluateError("--plot needs matplotlib (pip install 'ds-ops[plot]', or matplotlib==3.11.2)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -79,7 +79,7 @@ def gpd_fit(excesses: np.ndarray) -> tuple[float, float]:
     (``-k log(mean y) - k`` at theta = 0). Grimshaw and Siffer find the roots of
     ``u(theta) v(theta) = 1``; this function instead maximises L directly over theta in
     ``(-1 / max(y), 2 (mean(y) - min(y)) / min(y)**2]`` (Siffer's bounds on the roots) on a
-    log-spaced grid refined by golden-section search, and keeps theta = 0 when no theta beats the
+    log-spaced grid (theta spans many decades) refined by golden-section search, and keeps theta = 0 when no theta beats the
     exponential fit. Raises ValueError with fewer than 2 excesses or a non-positive one.
     """
     y = np.asarray(excesses, dtype=np.float64)
@@ -97,7 +97,8 @@ def gpd_fit(excesses: np.ndarray) -> tuple[float, float]:
 
     lower = -1.0 / ymax * (1 - 1e-9)
     upper = max(2 * (ymean - ymin) / ymin**2, 1e-12)
-    grid = np.r_[lower * np.geomspace(1.0, 1e-8, 60), 0.0, upper * np.geomspace(1e-8, 1.0, 60)]
+    pos_low = min(1e-8 / ymax, upper / 2)
+    grid = np.r_[lower * np.geomspace(1.0, 1e-8, 80), 0.0, np.geomspace(pos_low, upper, 200)]
     values = np.array([loglik(float(t)) for t in grid])
     best = int(np.argmax(values))
     theta = float(grid[best])
