@@ -16,7 +16,11 @@ Metrics, point-wise (each row counts once): ROC-AUC, PR-AUC (average precision),
 thresholds (an upper bound: it looks at the labels), F1 at the threshold set from the validation
 split without labels (the stored one for ds-ops; the baselines get theirs from their own
 validation-split scores by the same method), false alarms per day of normal data, and
-HitRate@100 % / @150 % of the per-metric ranking against interpretation_label. Point-adjusted F1
+HitRate@100 % / @150 % against interpretation_label: ``hit_rate_*`` of the ranking ``ds-ops
+score`` gives a segment (one figure per labelled segment, :func:`segment_hit_rate`) and
+``row_hit_rate_*`` of each labelled row's own ranking by the smoothed terms (OmniAnomaly's
+per-point definition, :func:`hit_rate`). The z-score baseline ranks by each metric's squared
+z-score the same two ways. Point-adjusted F1
 is not reported: it rates random scores as state of the art (Kim et al., AAAI 2022).
 """
 
@@ -43,6 +47,7 @@ from .score import (
     evaluate,
     false_alarms_per_day,
     hit_rate,
+    segment_hit_rate,
     load_interpretation,
     load_labels,
     roc_auc,
@@ -55,7 +60,8 @@ from .threshold import pick_threshold
 from .train import split_rows
 
 SCORES = ("ds-ops", "z-ema", "seed-mse")
-METRICS = ("roc_auc", "pr_auc", "best_f1", "f1", "alarms_per_day", "hit_rate_100", "hit_rate_150")
+METRICS = ("roc_auc", "pr_auc", "best_f1", "f1", "alarms_per_day", "hit_rate_100", "hit_rate_150",
+           "row_hit_rate_100", "row_hit_rate_150")
 
 
 class EvaluateError(ScoreError):
@@ -145,7 +151,6 @@ def evaluate_machine(files: MachineFiles, cfg: Config, plan: DevicePlan | None =
 
     ours, cells = score_with_cells(stored, test.data, offset=test.offset)
     ours_contrib = contributions(stored, cells)
-    del cells
 
     train_values = job.dataset.values()
     _, val_idx = split_rows(train_values.shape[0], tcfg.val_fraction)
@@ -173,8 +178,11 @@ def evaluate_machine(files: MachineFiles, cfg: Config, plan: DevicePlan | None =
     for name in SCORES:
         m = _threshold_metrics(scores[name], labels, thresholds[name], period)
         contrib = {"ds-ops": ours_contrib, "z-ema": z_contrib}.get(name)
+        terms = {"ds-ops": cells, "z-ema": z_test_cells}.get(name)
         for pct in (100, 150):
-            m[f"hit_rate_{pct}"] = hit_rate(contrib, truth, pct) if truth is not None and contrib is not None else None
+            ok = truth is not None and contrib is not None
+            m[f"hit_rate_{pct}"] = segment_hit_rate(terms, truth, pct) if ok else None
+            m[f"row_hit_rate_{pct}"] = hit_rate(contrib, truth, pct) if ok else None
         result[name] = m
     if keep_scores:
         result.update(_scores=scores, _labels=labels, _thresholds=thresholds)

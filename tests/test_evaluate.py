@@ -22,6 +22,7 @@ from opt_ds_ops.score import (
     flagged_segments,
     hit_rate,
     in_memory_model,
+    segment_hit_rate,
     load_interpretation,
     score_rows,
 )
@@ -130,6 +131,16 @@ def test_hit_rate_counts_the_true_columns_among_the_top_k():
     assert hit_rate(contrib, truth, 100) == pytest.approx(0.5)
     assert hit_rate(contrib, truth, 150) == pytest.approx((2 / 2 + 1 / 2) / 2)
     assert hit_rate(contrib, [], 150) is None
+
+
+def test_segment_hit_rate_ranks_by_the_segments_summed_terms():
+    cells = np.array([[5.0, 4, 3, 0], [0, 1, 9, 8], [1, 1, 1, 1]])
+    # rows 0-1 sum to [5, 5, 12, 8]: ranking 2, 3, then 0 and 1 tied (first column first)
+    assert segment_hit_rate(cells, [(0, 2, [0, 2])], 100) == pytest.approx(1 / 2)
+    assert segment_hit_rate(cells, [(0, 2, [0, 2])], 150) == 1.0  # k = 3: {2, 3, 0} holds both
+    # row 2 alone: all tied, ranking 0, 1, 2, 3; k = floor(1.5 * 1) = 1: {0} misses column 3
+    assert segment_hit_rate(cells, [(0, 2, [0, 2]), (2, 3, [3])], 150) == pytest.approx((1 + 0) / 2)
+    assert segment_hit_rate(cells, [], 150) is None
 
 
 def test_interpretation_labels_are_read_and_checked(tmp_path):

@@ -75,8 +75,11 @@ def run(args) -> int:
     print(f"ds-ops vs z-ema: mean ROC-AUC {ours['roc_auc']:.4f} vs {z['roc_auc']:.4f}, mean PR-AUC "
           f"{ours['pr_auc']:.4f} vs {z['pr_auc']:.4f}; higher ROC-AUC on {wins} of {len(public)} machines")
     if ours["hit_rate_150"] is not None:
-        print(f"which metrics: HitRate@100% {ours['hit_rate_100']:.4f}, HitRate@150% {ours['hit_rate_150']:.4f} "
-              f"(OmniAnomaly reports about 0.89 at 150 % on SMD)")
+        print(f"which metrics (HR: HitRate per labelled segment, of the ranking ds-ops score prints): "
+              f"HitRate@100% {ours['hit_rate_100']:.4f}, HitRate@150% {ours['hit_rate_150']:.4f}; per labelled row "
+              f"(OmniAnomaly's per-point definition; it reports about 0.89 at 150 % on SMD): "
+              f"{ours['row_hit_rate_100']:.4f} and {ours['row_hit_rate_150']:.4f}; z-ema per segment "
+              f"{z['hit_rate_100']:.4f} and {z['hit_rate_150']:.4f}")
     if args.plot:
         print(f"plot: {args.plot}")
     print(f"{len(public)} machine(s) in {seconds:.1f} s; alarms/d: false alarms per day of normal rows "

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..config import DEFAULT_CONFIG_PATH
 from ..dataset import DatasetLimits, load_dataset
-from ..score import contributions, evaluate, flagged_segments, fmt_metric, load_labels, metric_names, score_with_cells
+from ..score import evaluate, flagged_segments, fmt_metric, load_labels, metric_names, score_with_cells
 from ..store import load_model
 from . import CliError, load_cfg
 
@@ -38,7 +38,7 @@ def run(args) -> int:
     flags = scores > stored.threshold
     labels = load_labels(args.labels, ds.rows) if args.labels else None
     names = metric_names(ds.header, ds.features)
-    segs = flagged_segments(scores, stored.threshold, contributions(stored, cells), names, args.top)
+    segs = flagged_segments(scores, stored.threshold, cells, names, args.top)
     del cells
     if args.output:
         write_rows(args.output, scores, flags, labels, segs)
