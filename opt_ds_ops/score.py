@@ -77,6 +77,16 @@ def _check_shape(stored: StoredModel, data: np.ndarray, offset: np.ndarray | Non
         raise ScoreError(f"offset has shape {np.shape(offset)}, model expects ({want},)")
 
 
+def _cell_batches(stored: StoredModel, data: np.ndarray, batch_rows: int, offset: np.ndarray | None):
+    """Yield (start row, (n, D) float32 normalised errors) for batches of batch_rows rows."""
+    _check_shape(stored, data, offset)
+    for start in range(0, data.shape[0], batch_rows):
+        x = standardise_rows(stored, data[start : start + batch_rows], offset)
+        if stored.input_clip > 0:
+            x.clamp_(-stored.input_clip, stored.input_clip)
+        yield start, (feature_errors(stored.model, x, batch_rows) / stored.error_scale).numpy()
+
+
 def normalised_errors(
     stored: StoredModel, data: np.ndarray, batch_rows: int = 65536, *, offset: np.ndarray | None = None
 ) -> np.ndarray:
@@ -88,13 +98,9 @@ def normalised_errors(
     +-``stored.input_clip``, ``batch_rows`` at a time. Raises ScoreError if D differs from the
     model's feature count or offset is not of shape (D,).
     """
-    _check_shape(stored, data, offset)
     out = np.empty(data.shape, dtype=np.float32)
-    for start in range(0, data.shape[0], batch_rows):
-        x = standardise_rows(stored, data[start : start + batch_rows], offset)
-        if stored.input_clip > 0:
-            x.clamp_(-stored.input_clip, stored.input_clip)
-        out[start : start + batch_rows] = (feature_errors(stored.model, x, batch_rows) / stored.error_scale).numpy()
+    for start, cells in _cell_batches(stored, data, batch_rows, offset):
+        out[start : start + cells.shape[0]] = cells
     return out
 
 
@@ -105,19 +111,27 @@ def score_rows(
 
     The mean over features of :func:`normalised_errors`, smoothed over the stored ``score_window``
     rows by the stored ``score_smoothing`` (rows in file order, oldest first; causal: appending
-    rows never changes earlier scores), comparable with ``stored.threshold``. Raises ScoreError
-    if D differs from the model's feature count or offset is not of shape (D,).
+    rows never changes earlier scores), comparable with ``stored.threshold``. Holds one batch of
+    cells at a time. Raises ScoreError if D differs from the model's feature count or offset is
+    not of shape (D,).
     """
-    return score_with_cells(stored, data, batch_rows, offset=offset)[0]
+    raw = np.empty(data.shape[0], dtype=np.float32)
+    for start, cells in _cell_batches(stored, data, batch_rows, offset):
+        raw[start : start + cells.shape[0]] = cells.mean(axis=1)
+    return smooth(raw, stored.score_window, stored.score_smoothing).astype(np.float32)
 
 
 def score_with_cells(
     stored: StoredModel, data: np.ndarray, batch_rows: int = 65536, *, offset: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Return (:func:`score_rows`' scores (rows,) float32, :func:`normalised_errors`' (rows, D)
-    float32): one pass of the model for both. Raises ScoreError as :func:`score_rows` does."""
+    """Return (:func:`score_rows`' scores (rows,) float32, equal to its to the bit, and
+    :func:`normalised_errors`' (rows, D) float32, which costs the memory of data again).
+    Raises ScoreError as :func:`score_rows` does."""
     cells = normalised_errors(stored, data, batch_rows, offset=offset)
-    return smooth(cells.mean(axis=1), stored.score_window, stored.score_smoothing).astype(np.float32), cells
+    raw = np.empty(data.shape[0], dtype=np.float32)
+    for start in range(0, data.shape[0], batch_rows):
+        raw[start : start + batch_rows] = cells[start : start + batch_rows].mean(axis=1)
+    return smooth(raw, stored.score_window, stored.score_smoothing).astype(np.float32), cells
 
 
 def contributions(stored: StoredModel, cells: np.ndarray) -> np.ndarray:

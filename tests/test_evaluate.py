@@ -18,6 +18,7 @@ from opt_ds_ops.evaluate import EvaluateError, evaluate_machine, smd_machines
 from opt_ds_ops.score import (
     ScoreError,
     best_f1,
+    contributions,
     false_alarms_per_day,
     flagged_segments,
     hit_rate,
@@ -25,6 +26,7 @@ from opt_ds_ops.score import (
     segment_hit_rate,
     load_interpretation,
     score_rows,
+    score_with_cells,
 )
 from opt_ds_ops.store import StoreError, load_model, model_payload, save_model
 from opt_ds_ops.train import train
@@ -91,6 +93,15 @@ def test_appending_rows_never_changes_earlier_scores(smd_rows, smoothing):
     changed[4000:] += 5  # a change after row 1000 leaves rows before it alone
     assert np.array_equal(score_rows(stored, changed)[:1000], full[:1000])
     assert not np.array_equal(score_rows(stored, changed)[1000:], full[1000:])
+
+
+def test_score_rows_and_score_with_cells_agree_to_the_bit(smd_rows):
+    stored = in_memory_model(train(smd_rows[:3000], TrainConfig(epochs=1), CPU))
+    data = smd_rows[3000:6000]
+    scores, cells = score_with_cells(stored, data, batch_rows=700)
+    assert np.array_equal(score_rows(stored, data, batch_rows=700), scores)
+    assert np.array_equal(score_rows(stored, data), scores) and cells.shape == (3000, 38)
+    np.testing.assert_allclose(contributions(stored, cells).mean(axis=1), scores, rtol=1e-5)  # shares add up
 
 
 def test_a_model_saved_before_issue_10_scores_with_its_old_trailing_mean(smd_rows, tmp_path):

@@ -69,7 +69,8 @@ def run(args) -> int:
         top = sorted(segs, key=lambda g: -g["peak_score"])[:5]
         print(f"{len(segs)} flagged segment(s); highest peaks (rows, peak score, top metrics by share of the score):")
         for g in top:
-            named = ", ".join(f"{m['metric']} {100 * m['share']:.0f}%" for m in g["top_metrics"])
+            col = "" if ds.header else "col "
+            named = ", ".join(f"{col}{m['metric']} {100 * m['share']:.0f}%" for m in g["top_metrics"])
             print(f"  rows {g['start']}-{g['end']}  peak {g['peak_score']:.4f}  {named}")
     if args.output:
         print(f"per-row scores: {args.output}")
