@@ -9,6 +9,7 @@ from ..config import DEFAULT_CONFIG_PATH
 from ..dataset import dataset_stem
 from ..device import plan_device
 from ..evaluate import MachineFiles, format_table, mean_row, plot, run_evaluation, smd_machines
+from ..score import fmt_metric
 from . import CliError, load_cfg
 
 
@@ -72,8 +73,8 @@ def run(args) -> int:
     ours, z = means["ds-ops"], means["z-ema"]
     wins = sum(r["ds-ops"]["roc_auc"] is not None and r["z-ema"]["roc_auc"] is not None
                and r["ds-ops"]["roc_auc"] > r["z-ema"]["roc_auc"] for r in public)
-    print(f"ds-ops vs z-ema: mean ROC-AUC {ours['roc_auc']:.4f} vs {z['roc_auc']:.4f}, mean PR-AUC "
-          f"{ours['pr_auc']:.4f} vs {z['pr_auc']:.4f}; higher ROC-AUC on {wins} of {len(public)} machines")
+    print(f"ds-ops vs z-ema: mean ROC-AUC {fmt_metric(ours['roc_auc'])} vs {fmt_metric(z['roc_auc'])}, mean PR-AUC "
+          f"{fmt_metric(ours['pr_auc'])} vs {fmt_metric(z['pr_auc'])}; higher ROC-AUC on {wins} of {len(public)} machines")
     if ours["hit_rate_150"] is not None:
         print(f"which metrics (HR: HitRate per labelled segment, of the ranking ds-ops score prints): "
               f"HitRate@100% {ours['hit_rate_100']:.4f}, HitRate@150% {ours['hit_rate_150']:.4f}; per labelled row "

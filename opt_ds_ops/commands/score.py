@@ -49,6 +49,7 @@ def run(args) -> int:
         "threshold": stored.threshold,
         "score_window": stored.score_window,
         "score_smoothing": stored.score_smoothing,
+        "threshold_method": stored.metadata.get("threshold_method", "quantile"),
         "flagged": int(flags.sum()),
         "output": args.output,
         "segments": segs,
