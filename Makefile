@@ -36,8 +36,10 @@ bench: venv
 soak: venv
 	$(BIN)/python scripts/soak.py
 
+# Detection quality: train and score every labelled machine, with both baselines (ds-ops evaluate).
+EVAL_SMD ?= $(if $(wildcard ../shared/data/smd/train),../shared/data/smd,$(SMD))
 eval: venv
-	$(BIN)/python scripts/eval_smd.py
+	$(BIN)/python -m opt_ds_ops.cli evaluate $(EVAL_SMD)
 
 clean:
 	rm -rf build $(VENV) *.egg-info

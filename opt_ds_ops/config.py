@@ -53,7 +53,17 @@ class TrainConfig:
     latent: int = _field(8, _positive, "an integer >= 1")
     val_fraction: float = _field(0.1, lambda v: 0 <= v < 0.9, "a number in [0, 0.9)")
     threshold_quantile: float = _field(0.99, lambda v: 0 < v < 1, "a number in (0, 1)")
-    score_window: int = _field(15, _positive, "an integer >= 1 (rows; 1 = no smoothing)")
+    # Score and threshold (issue 10; selection protocol and figures in the README's detection section).
+    score_window: int = _field(30, _positive, "an integer >= 1 (rows; 1 = no smoothing)")
+    score_smoothing: str = _field("ema", lambda v: v in ("ema", "mean"), "one of ema, mean")
+    input_clip: float = _field(20.0, _non_negative, "a number >= 0 (standard deviations; 0 = no clipping)")
+    error_floor: float = _field(0.01, _positive, "a number > 0")
+    threshold_method: str = _field("quantile", lambda v: v in ("quantile", "alarm_rate", "spot"),
+                                   "one of quantile, alarm_rate, spot")
+    alarms_per_day: float = _field(1.0, _non_negative, "a number >= 0 (alarms per day)")
+    sample_period_s: float = _field(60.0, _positive, "seconds > 0")
+    spot_risk: float = _field(1e-4, lambda v: 0 < v < 0.5, "a number in (0, 0.5)")
+    spot_level: float = _field(0.98, lambda v: 0.5 <= v < 1, "a number in [0.5, 1)")
     seed: int = _field(0, _non_negative, "an integer >= 0")
 
 

@@ -47,7 +47,9 @@ class StoredModel:
 
     ``mean``: (D,) float64 tensor (float32 in models saved before ds-ops kept the exact mean of
     columns far from zero); ``std``, ``error_scale``: (D,) float32 tensors; ``threshold``: anomaly-score threshold
-    for scores smoothed by a trailing mean of ``score_window`` rows.
+    for scores smoothed over ``score_window`` rows by ``score_smoothing`` (``ema`` or ``mean``) of
+    inputs clipped to +-``input_clip`` standard deviations (0: none). Models saved before issue 10
+    lack the last two and load with their score then: a trailing mean, no clipping.
     """
 
     path: str
@@ -58,6 +60,8 @@ class StoredModel:
     threshold: float
     score_window: int
     metadata: dict
+    score_smoothing: str = "mean"
+    input_clip: float = 0.0
 
 
 def safe_model_name(name: str) -> str:
@@ -114,6 +118,9 @@ def model_payload(result) -> dict:
         "threshold": float(result.threshold),
         "threshold_quantile": float(result.threshold_quantile),
         "score_window": int(result.score_window),
+        "score_smoothing": str(result.score_smoothing),
+        "input_clip": float(result.input_clip),
+        "threshold_method": str(result.threshold_method),
     }
 
 
@@ -236,6 +243,9 @@ def load_model(path: str) -> StoredModel:
         raise StoreError(f"{path}: cannot read model: {str(e).splitlines()[0]}") from None
     if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
         raise StoreError(f"{model_file}: unknown model format (want format_version {FORMAT_VERSION})")
+    smoothing = payload.get("score_smoothing", "mean")  # "mean": the score of models saved before issue 10
+    if smoothing not in ("ema", "mean"):
+        raise StoreError(f"{model_file}: unknown score_smoothing {smoothing!r} (this ds-ops knows ema, mean)")
     model = TelemetryAutoencoder(**payload["model_args"])
     model.load_state_dict(payload["state_dict"])
     model.eval()
@@ -248,4 +258,6 @@ def load_model(path: str) -> StoredModel:
         threshold=float(payload["threshold"]),
         score_window=int(payload["score_window"]),
         metadata=metadata,
+        score_smoothing=smoothing,
+        input_clip=float(payload.get("input_clip", 0.0)),
     )

@@ -30,7 +30,8 @@ from torch import nn
 from .config import TrainConfig
 from .device import DevicePlan
 from .fsutil import utc_now
-from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth_scores
+from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
+from .threshold import pick_threshold
 
 # Keep this much GPU memory free beyond the dataset tensors (bytes): activations, optimizer, CUDA context.
 GPU_HEADROOM_BYTES = 512 * 1024**2
@@ -75,9 +76,11 @@ class TrainResult:
 
     ``mean``/``std``: (D,) float64 column statistics of the training split, in the units of the
     file's values (the dataset's offset included; a zero std is 1).
-    ``error_scale``: (D,) float32 mean squared validation error per feature (score normaliser).
-    ``threshold``: the ``threshold_quantile`` of the validation rows' anomaly scores, smoothed by a
-    trailing mean of ``score_window`` rows exactly as scoring does.
+    ``error_scale``: (D,) float32 mean squared validation error per feature, at least
+    ``error_floor`` (score normaliser).
+    ``threshold``: set by ``threshold_method`` (:func:`opt_ds_ops.threshold.pick_threshold`) from
+    the validation rows' anomaly scores, computed exactly as scoring does: inputs clipped to
+    +-``input_clip`` (0: not clipped), smoothed over ``score_window`` rows by ``score_smoothing``.
     """
 
     model: TelemetryAutoencoder
@@ -97,6 +100,10 @@ class TrainResult:
     duration_s: float
     data_placement: str = ""
     extra: dict = field(default_factory=dict)
+    score_smoothing: str = "ema"
+    input_clip: float = 0.0
+    error_floor: float = 1e-6
+    threshold_method: str = "quantile"
 
     @property
     def samples_per_s(self) -> float:
@@ -163,6 +170,15 @@ def standardise(rows: np.ndarray, mean: np.ndarray, std: np.ndarray) -> torch.Te
         block /= std
         out[start : start + len(block)] = block
     return torch.from_numpy(out)
+
+
+def clip_inputs(x: torch.Tensor, clip: float) -> torch.Tensor:
+    """Return standardised rows x (N, D) clipped in place to [-clip, clip] (clip 0: unchanged).
+
+    Robust clipping: one value of 1e6 standard deviations neither dominates a training batch nor a
+    row's score. ds-ops's default 20 was chosen on five SMD machines (README, detection quality).
+    """
+    return x.clamp_(-clip, clip) if clip > 0 else x
 
 
 def threshold_at(scores: torch.Tensor | np.ndarray, quantile: float) -> float:
@@ -242,8 +258,8 @@ def train(
     train_idx, val_idx = split_rows(data.shape[0], cfg.val_fraction)
     train_rows, val_rows = data[: len(train_idx)], data[len(train_idx) :]  # contiguous: views, no copies
     mean, std = fit_scaler(train_rows)
-    x_train, placement = _place(standardise(train_rows, mean, std), device)
-    x_val = standardise(val_rows, mean, std).to(device) if len(val_idx) else None
+    x_train, placement = _place(clip_inputs(standardise(train_rows, mean, std), cfg.input_clip), device)
+    x_val = clip_inputs(standardise(val_rows, mean, std), cfg.input_clip).to(device) if len(val_idx) else None
     n = x_train.shape[0]
 
     model = TelemetryAutoencoder(data.shape[1], cfg.hidden, cfg.latent).to(device)
@@ -324,9 +340,9 @@ def train(
 
     ref = x_val if x_val is not None else x_train
     cell = feature_errors(model, ref)
-    error_scale = cell.mean(dim=0).clamp_min(1e-6)
-    scores = smooth_scores(anomaly_scores(cell, error_scale), cfg.score_window)
-    threshold = threshold_at(scores, cfg.threshold_quantile)
+    error_scale = cell.mean(dim=0).clamp_min(cfg.error_floor)
+    scores = smooth(anomaly_scores(cell, error_scale).cpu().numpy(), cfg.score_window, cfg.score_smoothing)
+    threshold = pick_threshold(scores.astype(np.float32), cfg)
     model = model.cpu().eval()
     return TrainResult(
         model=model,
@@ -345,6 +361,10 @@ def train(
         ended_at=utc_now(),
         duration_s=time.perf_counter() - t_start,
         data_placement=placement,
+        score_smoothing=cfg.score_smoothing,
+        input_clip=cfg.input_clip,
+        error_floor=cfg.error_floor,
+        threshold_method=cfg.threshold_method,
     )
 
 

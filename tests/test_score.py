@@ -14,6 +14,7 @@ from opt_ds_ops.score import (
     ScoreError,
     average_precision,
     evaluate,
+    in_memory_model,
     load_labels,
     roc_auc,
     score_rows,
@@ -100,10 +101,8 @@ def test_scores_of_a_stored_model_on_real_smd_find_the_labelled_anomalies(tmp_pa
 
 
 def in_memory(result) -> StoredModel:
-    """The StoredModel of a TrainResult, as scripts/eval_smd.py builds it (float64 scaler mean)."""
-    return StoredModel(path="", model=result.model, mean=torch.from_numpy(result.mean), std=torch.from_numpy(result.std),
-                       error_scale=torch.from_numpy(result.error_scale), threshold=result.threshold,
-                       score_window=result.score_window, metadata={})
+    """The StoredModel of a TrainResult, without the store (float64 scaler mean)."""
+    return in_memory_model(result)
 
 
 def factor_rows(rows: int, seed: int) -> np.ndarray:

@@ -36,7 +36,7 @@ def test_loss_falls_and_the_result_carries_scaler_and_threshold(rows):
     assert all(np.isfinite(losses)) and all(h.val_loss is not None for h in r.history)
     assert r.mean.shape == r.std.shape == r.error_scale.shape == (38,)
     assert r.rows_train == 5400 and r.rows_val == 600
-    assert r.threshold > 0 and r.score_window == 15
+    assert r.threshold > 0 and (r.score_window, r.score_smoothing, r.input_clip) == (30, "ema", 20.0)
     assert r.samples_per_s > 0 and r.skipped_steps == 0
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import numpy as np
 
-from ..config import DEFAULT_CONFIG_PATH
+from ..config import DEFAULT_CONFIG_PATH, DatasetConfig
 from ..dataset import DatasetLimits, load_dataset
-from ..score import evaluate, fmt_metric, load_labels, score_rows
+from ..score import evaluate, flagged_segments, fmt_metric, load_labels, metric_names, score_with_cells
 from ..store import load_model
 from . import CliError, load_cfg
 
@@ -18,38 +19,70 @@ def add_parser(sub) -> None:
     s.add_argument("model_dir", metavar="MODEL_DIR", help="a model version directory, its 'current' link or the model name's directory")
     s.add_argument("dataset", metavar="DATASET")
     s.add_argument("--labels", help="file of one 0/1 per row: also print ROC-AUC, PR-AUC, precision, recall, F1")
-    s.add_argument("--output", help="write per-row CSV: row,score,anomaly[,label]")
+    s.add_argument("--output", help="write per-row CSV: row,score,anomaly[,label],top_metrics")
+    s.add_argument("--top", type=int, default=3, metavar="N",
+                   help="metrics named per flagged segment, largest share of the score first (default 3)")
     s.add_argument("--config", help=f"configuration file, for the job.* dataset budgets (default: {DEFAULT_CONFIG_PATH} if present)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=run)
+
+
+def stored_options(stored, cfg) -> DatasetConfig:
+    """The column options the model's dataset was read with (metadata.json ``dataset.options``; a
+    sidecar's included), so new data is read the same way; models from before them: the conffile's."""
+    saved = (stored.metadata.get("dataset") or {}).get("options")
+    if not isinstance(saved, dict):
+        return cfg.dataset
+    try:
+        return DatasetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+    except TypeError:
+        return cfg.dataset
+
+
+def align_columns(stored, ds) -> None:
+    """Put ds's feature columns in the order of the model's, by header name, where both have names;
+    raise CliError naming the columns the model needs and the file lacks."""
+    names = (stored.metadata.get("dataset") or {}).get("header")
+    if not names or not ds.header or list(names) == list(ds.header):
+        return
+    missing = [n for n in names if n not in ds.header]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise CliError(f"{ds.path}: the model was trained on columns this file lacks: {shown}")
+    order = [ds.header.index(n) for n in names]
+    ds.data = np.ascontiguousarray(np.asarray(ds.data)[:, order])
+    ds.offset = ds.offset[order] if ds.offset is not None else None
+    ds.header = list(names)
 
 
 def run(args) -> int:
     """``ds-ops score MODEL_DIR DATASET``: per-row anomaly scores and flags; metrics with --labels."""
     cfg = load_cfg(args, {})
     stored = load_model(args.model_dir)
-    ds = load_dataset(args.dataset, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes))
-    scores = score_rows(stored, ds.data, offset=ds.offset)
+    ds = load_dataset(args.dataset, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes),
+                      stored_options(stored, cfg))
+    align_columns(stored, ds)
+    if args.top < 1:
+        raise CliError(f"--top {args.top}: must be >= 1")
+    scores, cells = score_with_cells(stored, ds.data, offset=ds.offset)
     flags = scores > stored.threshold
     labels = load_labels(args.labels, ds.rows) if args.labels else None
+    names = metric_names(ds.header, ds.features)
+    segs = flagged_segments(scores, stored.threshold, cells, names, args.top)
+    del cells
     if args.output:
-        cols = [np.arange(ds.rows), scores, flags.astype(np.int8)]
-        header, fmt = "row,score,anomaly", ["%d", "%.6g", "%d"]
-        if labels is not None:
-            cols.append(labels.astype(np.int8))
-            header, fmt = header + ",label", fmt + ["%d"]
-        try:
-            np.savetxt(args.output, np.column_stack(cols), delimiter=",", header=header, comments="", fmt=fmt)
-        except OSError as e:
-            raise CliError(f"{args.output}: cannot write: {e.strerror}") from None
+        write_rows(args.output, scores, flags, labels, segs)
     summary = {
         "model_dir": stored.path,
         "dataset": args.dataset,
         "rows": ds.rows,
         "threshold": stored.threshold,
         "score_window": stored.score_window,
+        "score_smoothing": stored.score_smoothing,
+        "threshold_method": stored.metadata.get("threshold_method", "quantile"),
         "flagged": int(flags.sum()),
         "output": args.output,
+        "segments": segs,
     }
     if labels is not None:
         summary["evaluation"] = evaluate(scores, labels, stored.threshold).as_dict()
@@ -63,8 +96,33 @@ def run(args) -> int:
         print(f"labels: {ev['anomalies']} anomalous rows ({100 * ev['anomalies'] / ev['rows']:.2f} %)")
         print(f"ROC-AUC {fmt_metric(ev['roc_auc'])}  PR-AUC {fmt_metric(ev['pr_auc'])}")
         print(f"at threshold: precision {ev['precision']:.4f}  recall {ev['recall']:.4f}  F1 {ev['f1']:.4f}")
+    if segs:
+        top = sorted(segs, key=lambda g: -g["peak_score"])[:5]
+        print(f"{len(segs)} flagged segment(s); highest peaks (rows, peak score, top metrics by share of the score):")
+        for g in top:
+            col = "" if ds.header else "col "
+            named = ", ".join(f"{col}{m['metric']} {100 * m['share']:.0f}%" for m in g["top_metrics"])
+            print(f"  rows {g['start']}-{g['end']}  peak {g['peak_score']:.4f}  {named}")
     if args.output:
         print(f"per-row scores: {args.output}")
     return 0
+
+
+def write_rows(path: str, scores: np.ndarray, flags: np.ndarray, labels: np.ndarray | None, segs: list[dict]) -> None:
+    """Write ``row,score,anomaly[,label],top_metrics`` per row to path; top_metrics (names joined
+    by ``;``, largest share first) is set on the rows of a flagged segment, empty elsewhere.
+    Raises CliError if the file cannot be written."""
+    top = [""] * scores.shape[0]
+    for g in segs:
+        names = ";".join(m["metric"] for m in g["top_metrics"])
+        top[g["start"] : g["end"] + 1] = [names] * (g["end"] + 1 - g["start"])
+    try:
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f, lineterminator="\n")
+            w.writerow(["row", "score", "anomaly"] + (["label"] if labels is not None else []) + ["top_metrics"])
+            for i, (s, a) in enumerate(zip(scores.tolist(), flags.tolist())):
+                w.writerow([i, f"{s:.6g}", int(a)] + ([int(labels[i])] if labels is not None else []) + [top[i]])
+    except OSError as e:
+        raise CliError(f"{path}: cannot write: {e.strerror}") from None
 
 

@@ -58,6 +58,11 @@ def _is_asked(device, spec: str) -> bool:
     return str(device) == spec or device.type == spec
 
 
+def _threshold_how(r) -> str:
+    """How the threshold was set, for the summary line: ``q=0.99``, ``alarm_rate`` or ``spot``."""
+    return f"q={r.threshold_quantile}" if r.threshold_method == "quantile" else r.threshold_method
+
+
 def run(args) -> int:
     """``ds-ops train DATASET``: train, save, print per-epoch losses and the model directory."""
     cfg = load_cfg(
@@ -125,7 +130,7 @@ def run(args) -> int:
         print(
             f"trained {md['name']} on {job.dataset.rows} rows x {job.dataset.features} features, "
             f"device {md['device']} amp {md['amp_dtype']}, {r.samples_per_s:,.0f} samples/s, "
-            f"threshold {r.threshold:.4f} (q={r.threshold_quantile})"
+            f"threshold {r.threshold:.4f} ({_threshold_how(r)})"
         )
         note = columns_note(md["dataset"])
         if note:

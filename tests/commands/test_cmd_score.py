@@ -23,8 +23,8 @@ def test_score_with_labels_prints_metrics_and_writes_rows(tmp_path, model_dir):
     p = run_cli("score", model_dir, str(SMD_TEST), "--labels", str(SMD_LABELS), "--output", str(out))
     assert p.returncode == 0, p.stderr
     assert "ROC-AUC" in p.stdout and "PR-AUC" in p.stdout and "F1" in p.stdout
-    rows = np.loadtxt(out, delimiter=",", skiprows=1)
-    assert out.read_text().splitlines()[0] == "row,score,anomaly,label"
+    rows = np.loadtxt(out, delimiter=",", skiprows=1, usecols=(0, 1, 2, 3))
+    assert out.read_text().splitlines()[0] == "row,score,anomaly,label,top_metrics"
     assert rows.shape == (23694, 4) and set(np.unique(rows[:, 2])) <= {0, 1}
 
 
