@@ -41,7 +41,6 @@ from .model import feature_errors, smooth
 from .score import (
     EMA_BASELINE_WINDOW,
     ScoreError,
-    average_precision,
     best_f1,
     contributions,
     evaluate,
@@ -50,7 +49,6 @@ from .score import (
     segment_hit_rate,
     load_interpretation,
     load_labels,
-    roc_auc,
     score_with_cells,
     standardise_rows,
     zscore_cells,

@@ -328,7 +328,7 @@ def test_exports_with_a_time_column_and_a_sidecar_train_in_the_installed_package
     """A Grafana CSV (epoch-ms Time column, a text column left out by its sidecar) and a Parquet file
     written with the package's own pyarrow: the time column is the index, never a feature."""
     box.run(["/opt/ds-ops/bin/python", "-c", EXPORTS], user=USER)
-    box.run(f"printf 'name: grafana-node\\nexclude_columns: [host]\\n' > /tmp/grafana.yaml", user=USER)
+    box.run("printf 'name: grafana-node\\nexclude_columns: [host]\\n' > /tmp/grafana.yaml", user=USER)
     drop(box, "/tmp/grafana.yaml", "grafana.yaml")  # the sidecar first
     drop(box, "/tmp/grafana.csv", "grafana.csv")
     drop(box, "/tmp/node.parquet", "node.parquet")
