@@ -112,9 +112,9 @@ def _bad_inputs(stage_dir, incoming, tmp_path) -> dict:
         os.rename(stage_dir / name, incoming / name)
     return {
         "one-row.csv": ("dataset", r"1 row\(s\); at least 2"),
-        "non-numeric.csv": ("dataset", r"line 2, column 2: could not convert string 'x'"),
+        "non-numeric.csv": ("dataset", r"line 2, column 2: 'x' is not a number"),
         "ragged.csv": ("dataset", r"line 2: ragged rows"),
-        "nan.csv": ("dataset", r"line 2, column 2: value nan is not finite"),
+        "nan.csv": ("dataset", r"line 2, column 2: a missing value \(empty, NA or NaN\)"),
         "rank3.npy": ("dataset", r"rank 3"),
         "object.npy": ("dataset", r"not a plain numeric \.npy"),
         "table.xlsx": ("dataset", r"unknown dataset format"),
@@ -236,7 +236,7 @@ def _save_version(tmp_path, model_name: str, job_id: str, *, publish: bool) -> s
     from opt_ds_ops.train import train
 
     result = train(load_dataset(str(SMD_TRAIN)).data[:3000], TrainConfig(epochs=1), plan_device("cpu", "off"))
-    md = {"job_id": job_id, "dataset": {"file": "x", "rows": 3000, "columns": 38, "sha256": sha256(SMD_TRAIN)},
+    md = {"job_id": job_id, "dataset": {"file": "machine-1-2.txt.gz", "rows": 3000, "columns": 38, "sha256": sha256(SMD_TRAIN)},
           "epochs": 1, "history": [], "final_train_loss": 1.0, "final_val_loss": 1.0, "threshold": 1.0,
           "threshold_quantile": 0.99, "samples_per_s": 1.0, "device": "cpu", "amp_dtype": "off", "duration_s": 1.0}
     if publish:

@@ -287,7 +287,7 @@ def test_journal_has_the_jobs_structured_fields(box):
 
 def test_bad_file_goes_to_failed_and_the_unit_stays_active(box):
     pid = show(box, "MainPID")
-    box.run(f"printf 'not,a,number\\nfoo,bar,baz\\n' > /tmp/garbage.csv", user=USER)
+    box.run("printf 'not,a,number\\nfoo,bar,baz\\n' > /tmp/garbage.csv", user=USER)
     drop(box, "/tmp/garbage.csv", "garbage.csv")
     box.wait_for(f"test -f {SPOOL}/failed/garbage.csv", 60, "garbage.csv in failed/")
     box.wait_for(f"test -f {SPOOL}/failed/garbage.csv.error.json", 30, "the error report in failed/")
