@@ -258,6 +258,14 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
     return cls(**values)
 
 
+def yaml_problem(e: Exception) -> str:
+    """One line for a YAML error: ``line 3, column 7: expected ',' or ']', but got '<stream end>'``."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
+
+
 def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = False) -> Config:
     """Given the path of a YAML conffile, return the validated :class:`Config`.
 
@@ -279,7 +287,7 @@ def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = Fa
     except OSError as e:
         raise ConfigError(f"{path}: cannot read configuration: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        raise ConfigError(f"{path}: invalid YAML: {yaml_problem(e)}") from None
     cfg = _build(Config, raw or {}, path)
     return dataclasses.replace(cfg, source=path)
 
@@ -304,7 +312,7 @@ def parse_sidecar(text: bytes, where: str, base: DatasetConfig) -> tuple[Dataset
     except UnicodeDecodeError:
         raise ConfigError(f"{where}: not UTF-8 text") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+        raise ConfigError(f"{where}: invalid YAML: {yaml_problem(e)}") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: a sidecar must be a mapping of dataset keys, got {type(raw).__name__}")

@@ -141,11 +141,12 @@ def contributions(stored: StoredModel, cells: np.ndarray) -> np.ndarray:
     return smooth(cells, stored.score_window, stored.score_smoothing)
 
 
-def metric_names(header: list[str] | None, features: int) -> list[str]:
-    """Return the metrics' names: the dataset's header names, else 1-based column numbers as text."""
+def metric_names(header: list[str] | None, features: int, columns: list[int] | None = None) -> list[str]:
+    """Return the metrics' names: the dataset's header names, else 1-based column numbers as text
+    (of the file, when ``columns``, the features' 0-based file columns, are given)."""
     if header is not None and len(header) == features:
         return [str(h) for h in header]
-    return [str(i + 1) for i in range(features)]
+    return [str(c + 1) for c in (columns if columns is not None else range(features))]
 
 
 def rank_metrics(contrib: np.ndarray, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:

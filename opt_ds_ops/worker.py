@@ -182,6 +182,7 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
     _limit_memory(memory_max)
 
     from .config import config_to_dict
+    from .dataset import dataset_stem
     from .health import gate_job
     from .job import JobError, read_sidecar, run_job
     from .fsutil import utc_now
@@ -261,7 +262,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
             return
         send("saved", metadata=job.metadata)
     except JobError as e:
-        send("failed", stage=e.stage, reason=str(e).replace(path, name), type=e.cause_type, errno=e.errno)
+        reason = str(e).replace(path, name).replace(f" {dataset_stem(path)}.yaml ", f" {dataset_stem(name)}.yaml ")
+        send("failed", stage=e.stage, reason=reason, type=e.cause_type, errno=e.errno)
     except BaseException as e:  # noqa: BLE001 - everything is reported; the daemon decides
         stage = state["stage"]
         if _out_of_memory(e):

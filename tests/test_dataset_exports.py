@@ -134,11 +134,19 @@ def test_a_time_named_column_that_holds_no_times_is_refused(tmp_path):
     assert load_dataset(str(path), options=DatasetConfig(time_column="none")).features == 2
 
 
-def test_an_unnamed_first_column_that_stops_counting_is_refused(tmp_path):
+def test_a_pandas_index_of_a_filtered_or_sorted_frame_is_dropped_and_a_broken_one_refused(tmp_path):
+    filtered = tmp_path / "filtered.csv"  # df[df.cpu > x].to_csv(): the index keeps its gaps
+    filtered.write_text(",cpu,load\n" + "".join(f"{i},{i % 7},{i % 3}\n" for i in range(0, 400, 3)))
+    ds = load_dataset(str(filtered))
+    assert ds.header == ["cpu", "load"] and ds.left_out == [{"column": "column 1", "why": "row index (integers)"}]
     path = tmp_path / "idx.csv"
-    path.write_text(",a\n" + "".join(f"{i},{i % 3}\n" for i in range(60)) + "99,1\n")
-    with pytest.raises(DatasetError, match=r"line 62, column 1: 99 where the row index 60 was expected"):
+    path.write_text(",a\n" + "".join(f"{i},{i % 3}\n" for i in range(60)) + "99.5,1\n")
+    with pytest.raises(DatasetError, match=r"line 62, column 1: 99.5 where an integer row index was expected"):
         load_dataset(str(path))
+    headerless = tmp_path / "counted.csv"  # no header: only 0, 1, 2, ... is an index, checked to the end
+    headerless.write_text("".join(f"{i},{i % 3}\n" for i in range(60)) + "99,1\n")
+    with pytest.raises(DatasetError, match=r"line 61, column 1: 99 where the row index 60 was expected"):
+        load_dataset(str(headerless))
 
 
 # ---------------------------------------------------------------------------------- Parquet / Arrow
@@ -282,3 +290,54 @@ def test_a_grafana_time_column_gives_the_same_model_as_the_data_without_it(capsy
         fractions[tag] = float((score_rows(model, ds.data, offset=ds.offset) > model.threshold).mean())
     assert features["timed"] == features["plain"] == smd_rows.shape[1]
     assert abs(fractions["timed"] - fractions["plain"]) <= 0.01, fractions
+
+
+def test_an_arrow_stream_is_read_whole_whatever_its_batches(tmp_path):
+    t = table(400)
+    for batches in (1, 4):
+        path = tmp_path / f"s{batches}.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as w:
+            for b in t.to_batches(max_chunksize=400 // batches):
+                w.write_batch(b)
+        ds = load_dataset(str(path), options=DatasetConfig(exclude_columns=("host",)))
+        assert ds.rows == 400 and ds.time.summary()["first"] == "2024-05-18T00:00:00.000000Z"
+        np.testing.assert_allclose(ds.values()[:, 0], t.column("cpu").to_numpy(), atol=1e-6)
+
+
+def test_interleaved_series_train_pooled_and_say_so(tmp_path):
+    path = tmp_path / "two-gpus.csv"  # nvidia-smi -l 1 on a 2-GPU server: one line per GPU per second
+    path.write_text("".join(f"2024/05/18 12:{i // 120:02d}:{i // 2 % 60:02d}.000, {40 + i % 2}, {100 + i % 7}\n"
+                            for i in range(240)))
+    ds = load_dataset(str(path))
+    assert ds.time.shared_times == 120 and "several series" in " ".join(ds.notes)
+
+
+def test_score_keeps_labels_with_their_rows_and_names_file_columns(capsys, tmp_path, no_conffile):
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(600, 2)) * [1, 5] + [20, 100]
+    order = np.arange(600)
+    order[100:110] = order[100:110][::-1]  # ten rows written out of time order
+    lines = [f"2024-05-18T{i // 60:02d}:{i % 60:02d}:00Z, label-free, {a:.4f}, {b:.4f}\n" for i, (a, b) in enumerate(rows)]
+    train = tmp_path / "gpu.csv"
+    train.write_text("".join(lines))
+    (tmp_path / "gpu.yaml").write_text("exclude_columns: [2]\n")
+    code, got = train_cli(capsys, tmp_path, train)
+    assert code == 0, got
+    test_rows = rows.copy()
+    test_rows[300:306, 1] += 200  # a spike in file column 4, rows 300-305
+    spiky = [f"2024-05-18T{i // 60:02d}:{i % 60:02d}:00Z, x, {a:.4f}, {b:.4f}\n" for i, (a, b) in enumerate(test_rows)]
+    shuffled = [spiky[i] for i in order]
+    (tmp_path / "later.csv").write_text("".join(shuffled))
+    labels = np.zeros(600, dtype=int)
+    labels[300:306] = 1
+    (tmp_path / "labels.txt").write_text("".join(f"{labels[i]}\n" for i in order))
+    code = cli.main(["score", got["model_dir"], str(tmp_path / "later.csv"), "--labels", str(tmp_path / "labels.txt"),
+                     "--output", str(tmp_path / "out.csv"), "--config", str(tmp_path / "none.yaml")])
+    out = capsys.readouterr().out
+    assert code == 0 and "were sorted by column 1" in out and "row numbers below count rows in time order" in out
+    assert "column 4 " in out  # the spike's metric, numbered as the file numbers it (column 2 was left out)
+    written = (tmp_path / "out.csv").read_text().splitlines()
+    assert written[0] == "row,time,score,anomaly,label,top_metrics"
+    flagged_labels = [line.split(",")[4] for line in written[1:] if line.split(",")[3] == "1"]
+    assert flagged_labels and flagged_labels.count("1") == 6  # the labels moved with their rows
+    assert written[301].split(",")[1] == "2024-05-18T05:00:00.000000Z"

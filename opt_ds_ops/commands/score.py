@@ -67,11 +67,14 @@ def run(args) -> int:
     scores, cells = score_with_cells(stored, ds.data, offset=ds.offset)
     flags = scores > stored.threshold
     labels = load_labels(args.labels, ds.rows) if args.labels else None
-    names = metric_names(ds.header, ds.features)
+    order = ds.time.order if ds.time is not None else None
+    if labels is not None and order is not None:
+        labels = labels[order]  # the labels follow the file's rows; the rows were sorted by time
+    names = metric_names(ds.header, ds.features, ds.feature_columns)
     segs = flagged_segments(scores, stored.threshold, cells, names, args.top)
     del cells
     if args.output:
-        write_rows(args.output, scores, flags, labels, segs)
+        write_rows(args.output, scores, flags, labels, segs, ds)
     summary = {
         "model_dir": stored.path,
         "dataset": args.dataset,
@@ -83,6 +86,7 @@ def run(args) -> int:
         "flagged": int(flags.sum()),
         "output": args.output,
         "segments": segs,
+        "notes": ds.notes,
     }
     if labels is not None:
         summary["evaluation"] = evaluate(scores, labels, stored.threshold).as_dict()
@@ -90,6 +94,8 @@ def run(args) -> int:
         print(json.dumps(summary, sort_keys=True))
         return 0
     print(f"scored {ds.rows} rows with {stored.path}")
+    for note in ds.notes:
+        print(f"note: {note}{'; row numbers below count rows in time order' if 'sorted' in note else ''}")
     print(f"threshold {stored.threshold:.4f}: {summary['flagged']} rows flagged ({100 * summary['flagged'] / ds.rows:.2f} %)")
     if labels is not None:
         ev = summary["evaluation"]
@@ -100,7 +106,7 @@ def run(args) -> int:
         top = sorted(segs, key=lambda g: -g["peak_score"])[:5]
         print(f"{len(segs)} flagged segment(s); highest peaks (rows, peak score, top metrics by share of the score):")
         for g in top:
-            col = "" if ds.header else "col "
+            col = "" if ds.header else "column "
             named = ", ".join(f"{col}{m['metric']} {100 * m['share']:.0f}%" for m in g["top_metrics"])
             print(f"  rows {g['start']}-{g['end']}  peak {g['peak_score']:.4f}  {named}")
     if args.output:
@@ -108,10 +114,15 @@ def run(args) -> int:
     return 0
 
 
-def write_rows(path: str, scores: np.ndarray, flags: np.ndarray, labels: np.ndarray | None, segs: list[dict]) -> None:
-    """Write ``row,score,anomaly[,label],top_metrics`` per row to path; top_metrics (names joined
-    by ``;``, largest share first) is set on the rows of a flagged segment, empty elsewhere.
+def write_rows(path: str, scores: np.ndarray, flags: np.ndarray, labels: np.ndarray | None, segs: list[dict],
+               ds=None) -> None:
+    """Write ``row,[time,]score,anomaly[,label],top_metrics`` per row to path; top_metrics (names
+    joined by ``;``, largest share first) is set on the rows of a flagged segment, empty elsewhere;
+    ``time`` (ISO 8601 UTC) when the dataset ``ds`` has a time index (rows in time order).
     Raises CliError if the file cannot be written."""
+    from ..dataset.core import iso_utc
+
+    times = ds.time.seconds if ds is not None and ds.time is not None else None
     top = [""] * scores.shape[0]
     for g in segs:
         names = ";".join(m["metric"] for m in g["top_metrics"])
@@ -119,9 +130,11 @@ def write_rows(path: str, scores: np.ndarray, flags: np.ndarray, labels: np.ndar
     try:
         with open(path, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f, lineterminator="\n")
-            w.writerow(["row", "score", "anomaly"] + (["label"] if labels is not None else []) + ["top_metrics"])
+            w.writerow(["row"] + (["time"] if times is not None else []) + ["score", "anomaly"]
+                       + (["label"] if labels is not None else []) + ["top_metrics"])
             for i, (s, a) in enumerate(zip(scores.tolist(), flags.tolist())):
-                w.writerow([i, f"{s:.6g}", int(a)] + ([int(labels[i])] if labels is not None else []) + [top[i]])
+                w.writerow([i] + ([iso_utc(float(times[i]))] if times is not None else []) + [f"{s:.6g}", int(a)]
+                           + ([int(labels[i])] if labels is not None else []) + [top[i]])
     except OSError as e:
         raise CliError(f"{path}: cannot write: {e.strerror}") from None
 

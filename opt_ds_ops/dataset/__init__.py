@@ -48,7 +48,7 @@ def _select_array_columns(path: str, data, offset, opts: DatasetConfig):
         raise DatasetError(f"{path}: dataset.time_column is {opts.time_column!r}, but an array has no time column "
                            "(write a CSV, Parquet or Arrow file with a time column instead)")
     if not opts.columns and not opts.exclude_columns:
-        return data, offset, []
+        return data, offset, [], None
     n = data.shape[1]
 
     def number(key: str, ref) -> int:
@@ -67,7 +67,7 @@ def _select_array_columns(path: str, data, offset, opts: DatasetConfig):
     import numpy as np
 
     data = np.ascontiguousarray(np.asarray(data)[:, keep])
-    return data, (offset[keep] if offset is not None else None), left_out
+    return data, (offset[keep] if offset is not None else None), left_out, keep
 
 
 def load_dataset(path: str, limits: DatasetLimits | None = None, options: DatasetConfig | None = None) -> Dataset:
@@ -86,7 +86,7 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
     limits = limits or DatasetLimits.from_config(JobConfig())
     options = options or DatasetConfig()
     fmt = format_of(path)
-    header, time, left_out, notes = None, None, [], []
+    header, time, left_out, notes, feature_columns = None, None, [], [], None
     try:
         size = os.stat(path).st_size
         if fmt == "text":
@@ -95,7 +95,7 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
             data, offset, plan, time, where = columnar.load_columnar(path, fmt, limits, options)
         else:
             data, offset = arrays.load_array(path, fmt, limits)
-            data, offset, left_out = _select_array_columns(path, data, offset, options)
+            data, offset, left_out, feature_columns = _select_array_columns(path, data, offset, options)
             plan = None
     except DatasetError:
         raise
@@ -106,7 +106,7 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
             raise DatasetError(f"{path}: cannot read: {e}") from None
         raise
     if plan is not None:
-        header, left_out = plan.feature_names(), plan.left_out
+        header, left_out, feature_columns = plan.feature_names(), plan.left_out, list(plan.features)
     if data.shape[0] < 2:
         raise DatasetError(f"{path}: {data.shape[0]} row(s); at least 2 are needed to train")
     if data.shape[1] < 1:
@@ -114,4 +114,4 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
     if time is not None:
         data, notes = apply_time_order(path, data, time, options, where)
     return Dataset(path=path, format=fmt, data=data, header=header, size_bytes=size, offset=offset, time=time,
-                   left_out=left_out, notes=notes)
+                   left_out=left_out, notes=notes, feature_columns=feature_columns)

@@ -78,9 +78,14 @@ def _open(pa, path: str, fmt: str):
         except pa.ArrowInvalid as e:
             raise DatasetError(f"{path}: not an Arrow IPC file or stream (Feather v2); {e}") from None
         reader = stream
+        seen: list = []  # a stream is read once: its first batch is kept for the second pass (the sample's)
 
         def batches(columns: list[str], size: int):
+            for b in seen:
+                yield b.select(columns)
             for b in stream:
+                if not seen:
+                    seen.append(b)
                 yield b.select(columns)
     return reader.schema, None, batches, None
 

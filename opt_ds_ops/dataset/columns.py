@@ -14,8 +14,10 @@ Shared by the text and the Parquet/Arrow readers: each describes its columns as
   - else, without a name, holding strictly increasing integers of epoch seconds or milliseconds
     between 2000 and 2100.
   A time-named column whose values are neither is refused: a silent wrong model is worse.
-- **Row index**: a first column without a name (``""``, pandas' ``Unnamed: 0``, ``index``) holding
-  0, 1, 2, ... (or 1, 2, 3, ...) is dropped; the readers check every row of it.
+- **Row index**: a first column whose header name is empty (pandas' ``to_csv``), ``Unnamed: 0`` or
+  ``index`` and that holds integers (in any order: pandas keeps the index of a filtered or sorted
+  frame) is dropped; in a file without a header, a first column of 0, 1, 2, ... (or 1, 2, 3, ...).
+  The readers check every row of it.
 - **Text columns** are refused, naming them and the line that shows it, unless left out by
   ``exclude_columns`` or not listed in ``columns``.
 """
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import DatasetConfig
-from .core import DatasetError
+from .core import DatasetError, dataset_stem
 
 TIME_NAMES = frozenset({
     "time", "timestamp", "date", "datetime", "date_time", "ts", "epoch", "time_stamp", "timestamp_utc",
@@ -91,7 +93,8 @@ class ColumnPlan:
 
     ``features``: the feature columns in file order. ``time``: the time column or None, read as
     ``time_kind`` (iso8601, timestamp, epoch_s/ms/us/ns) because ``time_detected``. ``index``:
-    a row-index column to drop (its values must be ``index_start``, ``index_start`` + 1, ...).
+    a row-index column to drop: its values must be integers, and ``index_start``,
+    ``index_start`` + 1, ... unless ``index_start`` is None (a named index: any integers).
     ``left_out``: ``{"column": label, "why": ...}`` for every column not a feature.
     """
 
@@ -103,7 +106,7 @@ class ColumnPlan:
     time_detected: str | None = None
     time_zoned: bool = False
     index: int | None = None
-    index_start: int = 0
+    index_start: int | None = 0
     left_out: list[dict] = field(default_factory=list)
 
     def feature_names(self) -> list[str] | None:
@@ -159,14 +162,33 @@ def _time_candidate(info: ColumnInfo, unnamed_ok: bool) -> str | None:
     return None
 
 
-def _is_index(info: ColumnInfo) -> int | None:
-    """Return the first value of a row-index column (0 or 1), or None if info is not one."""
-    if info.name is not None and info.name.strip().casefold() not in INDEX_NAMES:
-        return None
+def _is_index(info: ColumnInfo) -> tuple[bool, int | None]:
+    """Return (is a row-index column, its first value 0 or 1 when it must count up; None: any integers)."""
     v = info.values
-    if info.kind != "number" or len(v) < 2 or v[0] not in (0.0, 1.0):
-        return None
-    return int(v[0]) if np.array_equal(v, v[0] + np.arange(len(v))) else None
+    if info.kind != "number" or len(v) < 2 or not np.all(v == np.round(v)):
+        return False, None
+    if info.name is not None:
+        return info.name.strip().casefold() in INDEX_NAMES, None
+    if v[0] in (0.0, 1.0) and np.array_equal(v, v[0] + np.arange(len(v))):
+        return True, int(v[0])
+    return False, None
+
+
+_GROUPED_NUMBER = re.compile(r"^[+-]?\d{1,3}([.,' \u00a0\u202f]\d{3})+([.,]\d+)?$")
+_OTHER_TIME = re.compile(r"^\d{1,4}[./-]\d{1,2}[./-]\d{1,4}([ T]\d{1,2}:\d{2}(:\d{2}([.,]\d+)?)?)?$")
+
+
+def _what_text(info: ColumnInfo) -> str:
+    """How a refused column's values read to a person: timestamps, numbers ds-ops cannot read, text."""
+    if info.kind in TIME_KINDS:
+        return "timestamps (only one column is the time index)"
+    v = info.example.strip()
+    if _GROUPED_NUMBER.match(v):
+        return "numbers with thousands separators, which ds-ops does not read (export them without)"
+    if _OTHER_TIME.match(v):
+        return ("dates that are not ISO 8601 (ds-ops reads 2024-05-18T00:00:00 and epoch numbers; export "
+                "them so, or leave the column out)")
+    return "text"
 
 
 def plan_columns(path: str, infos: list[ColumnInfo], opts: DatasetConfig) -> ColumnPlan:
@@ -211,10 +233,11 @@ def plan_columns(path: str, infos: list[ColumnInfo], opts: DatasetConfig) -> Col
                           else epoch_kind(info.values[0] if len(info.values) else 0.0))
         plan.left_out.append({"column": labels[plan.time], "why": f"time index ({plan.time_detected})"})
     if infos and plan.time != 0 and 0 not in chosen and 0 not in excluded:
-        start = _is_index(infos[0])
-        if start is not None:
+        is_index, start = _is_index(infos[0])
+        if is_index:
             plan.index, plan.index_start = 0, start
-            plan.left_out.append({"column": labels[0], "why": f"row index ({start}, {start + 1}, {start + 2}, ...)"})
+            why = f"row index ({start}, {start + 1}, {start + 2}, ...)" if start is not None else "row index (integers)"
+            plan.left_out.append({"column": labels[0], "why": why})
     text = []
     for i, info in enumerate(infos):
         if i in (plan.time, plan.index):
@@ -234,14 +257,14 @@ def plan_columns(path: str, infos: list[ColumnInfo], opts: DatasetConfig) -> Col
                            "(the column's other values are)")
     if text:
         shown = "; ".join(
-            f"{labels[i]} holds {'timestamps' if infos[i].kind in TIME_KINDS else 'text'} "
+            f"{labels[i]} holds {_what_text(infos[i])} "
             f"({infos[i].example!r}{', ' + infos[i].where if infos[i].where else ''})" for i in text[:5]
         )
         refs = ", ".join(infos[i].name.strip() if (infos[i].name or "").strip() else str(i + 1) for i in text)
         raise DatasetError(
             f"{path}: {shown}{'; ...' if len(text) > 5 else ''}. Only numbers can be features: leave "
             f"{'it' if len(text) == 1 else 'them'} out with dataset.exclude_columns: [{refs}] "
-            "(in the conffile, or in a sidecar NAME.yaml beside the dataset)"
+            f"(in the conffile, or in a sidecar {dataset_stem(path)}.yaml beside the dataset)"
         )
     if not plan.features:
         raise DatasetError(f"{path}: no feature column left ({'; '.join(d['column'] + ': ' + d['why'] for d in plan.left_out)})")

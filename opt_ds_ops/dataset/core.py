@@ -90,8 +90,11 @@ class TimeIndex:
     ``seconds``: (rows,) float64 epoch seconds (UTC) in the rows' final order. ``column``: its
     header name (or ``column N``); ``kind``: how it was read (``iso8601``, ``epoch_s``,
     ``epoch_ms``, ``epoch_us``, ``epoch_ns``, ``timestamp`` for a typed Parquet/Arrow column);
-    ``detected``: why it was taken as the time index. ``sorted_rows``: how many rows were out of
-    time order and sorted (0: the file was in order).
+    ``detected``: why it was taken as the time index. ``sorted_rows``: how many rows changed
+    place when the rows were sorted by time (0: the file was in order); ``order``: then the
+    (rows,) int64 permutation applied (row i of the dataset is row ``order[i]`` of the file),
+    else None. ``shared_times``: rows whose time equals the row before's (several series
+    interleaved, such as one nvidia-smi line per GPU).
     """
 
     column: str
@@ -99,6 +102,8 @@ class TimeIndex:
     detected: str
     seconds: np.ndarray
     sorted_rows: int = 0
+    order: np.ndarray | None = None
+    shared_times: int = 0
 
     def summary(self) -> dict:
         """Return metadata.json's ``dataset.time``: first/last (ISO UTC), median step (seconds),
@@ -112,9 +117,9 @@ class TimeIndex:
             "detected": self.detected,
             "first": iso_utc(float(t[0])) if len(t) else None,
             "last": iso_utc(float(t[-1])) if len(t) else None,
-            "median_step_s": median,
+            "median_step_s": round(median, 6) if median is not None else None,
             "gaps": int((steps > 3 * median).sum()) if median else 0,
-            "duplicate_times": int((steps == 0).sum()),
+            "duplicate_times": int((steps == 0).sum()),  # several series interleaved, when many
             "rows_sorted": self.sorted_rows,
         }
 
@@ -131,6 +136,7 @@ class Dataset:
     file names its columns (a header line, Parquet, Arrow), else None. ``time`` is the time
     index (None without one). ``left_out`` lists the file's columns that are not features, each
     ``{"column": name, "why": ...}``; ``notes`` are what a person should know (rows sorted, ...).
+    ``feature_columns``: the 0-based file columns the features come from (None: all, in order).
     ``size_bytes``: the file's size on disk.
     """
 
@@ -143,6 +149,7 @@ class Dataset:
     time: TimeIndex | None = None
     left_out: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    feature_columns: list[int] | None = None
 
     @property
     def rows(self) -> int:
@@ -156,6 +163,14 @@ class Dataset:
     def name(self) -> str:
         """The dataset's stem: ``machine-1-2.txt.gz`` -> ``machine-1-2``."""
         return dataset_stem(self.path)
+
+    def metric_labels(self) -> list[str]:
+        """Return each feature's name: its header name, else its 1-based column number in the file
+        (as errors and ``dataset.exclude_columns`` count them)."""
+        if self.header is not None and len(self.header) == self.features:
+            return [str(h) for h in self.header]
+        cols = self.feature_columns if self.feature_columns is not None else range(self.features)
+        return [str(c + 1) for c in cols]
 
     def values(self) -> np.ndarray:
         """Return the file's values, (rows, features) float64: ``data + offset`` (a new array, 2x data)."""

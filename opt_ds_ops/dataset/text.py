@@ -422,14 +422,18 @@ def _add_batch(path, batch, plan: ColumnPlan, names, build: Float32Builder, time
         return
     if plan.index is not None:
         idx = batch.column(names[plan.index]).to_numpy(zero_copy_only=False)
-        want = plan.index_start + build.n + np.arange(rows)
-        bad = np.flatnonzero(idx != want)
+        if plan.index_start is not None:
+            want = plan.index_start + build.n + np.arange(rows)
+            bad = np.flatnonzero(idx != want)
+            expected = lambda r: f"the row index {want[r]}"  # noqa: E731
+        else:
+            bad = np.flatnonzero(~(idx == np.round(idx)))
+            expected = lambda r: "an integer row index"  # noqa: E731
         if len(bad):
             r = int(bad[0])
             raise DatasetError(
-                f"{path}: line {line_of(build.n + r)}, {plan.labels[plan.index]}: {idx[r]:g} where the row index "
-                f"{want[r]} was expected; this unnamed first column is not a row index: name it in the header, "
-                "or set dataset.columns"
+                f"{path}: line {line_of(build.n + r)}, {plan.labels[plan.index]}: {idx[r]:g} where {expected(r)} "
+                "was expected; this first column is not a row index: name it in the header, or set dataset.columns"
             )
     if times is not None:
         times.add(batch.column(names[plan.time]), build.n)

@@ -102,9 +102,17 @@ def apply_time_order(path: str, data: np.ndarray, time: TimeIndex, opts: Dataset
     """Return (data, notes) with rows in time order: sorted (stable; a copy of data) when
     ``opts.time_order`` is ``sort``, else DatasetError naming the first row out of order."""
     t = time.seconds
+    notes = []
+    time.shared_times = int((np.diff(t) == 0).sum())
+    if time.shared_times > 0.1 * max(len(t) - 1, 1):
+        notes.append(
+            f"{time.shared_times} of {len(t)} rows have the time of the row before: several series (GPUs, hosts, "
+            "cores) interleaved? They train as one pooled model; split the file per series for one model each "
+            "(e.g. by nvidia-smi's index column)"
+        )
     back = np.flatnonzero(np.diff(t) < 0)
     if not len(back):
-        return data, []
+        return data, notes
     r = int(back[0]) + 1
     if opts.time_order == "refuse":
         raise DatasetError(
@@ -113,7 +121,7 @@ def apply_time_order(path: str, data: np.ndarray, time: TimeIndex, opts: Dataset
         )
     order = np.argsort(t, kind="stable")
     moved = int((order != np.arange(len(order))).sum())
-    time.seconds, time.sorted_rows = t[order], moved
-    note = (f"{moved} of {len(t)} rows were out of time order (the first at {where(r)}) and were sorted by "
-            f"{time.column} (dataset.time_order: sort)")
-    return np.ascontiguousarray(np.asarray(data)[order]), [note]
+    time.seconds, time.sorted_rows, time.order = t[order], moved, order
+    note = (f"rows out of time order (the first at {where(r)}) were sorted by {time.column}: {moved} of {len(t)} "
+            "rows moved (dataset.time_order: sort)")
+    return np.ascontiguousarray(np.asarray(data)[order]), [note] + notes
