@@ -266,6 +266,8 @@ class Float32Builder:
 
     def add(self, block: np.ndarray) -> None:
         """Append block, (k, D) float64; raise DatasetError at a NaN/Inf or a value beyond float32."""
+        if self.max_rows and self.n + len(block) > self.max_rows:
+            block = block[: self.max_rows - self.n]  # the rows past max_rows are never kept: the caller refuses
         if len(block) == 0:
             return
         # NaN propagates through max and min: two passes without a temporary find NaN, Inf and overflow

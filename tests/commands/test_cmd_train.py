@@ -53,9 +53,9 @@ def test_config_file_and_overrides(tmp_path, small_smd_csv):
 BAD = {
     "empty.csv": ("", "empty file"),
     "one-row.csv": ("1,2,3\n", "1 row(s); at least 2 are needed"),
-    "cell.csv": ("1,2,3\n4,5,6\n7,x,9\n", "line 3, column 2: could not convert string 'x'"),
+    "cell.csv": ("1,2,3\n4,5,6\n7,x,9\n", "line 3, column 2: 'x' is not a number"),
     "ragged.csv": ("1,2,3\n4,5,6\n7,8\n", "line 3: ragged rows"),
-    "nan.csv": ("1,2,3\n4,NaN,6\n", "line 2, column 2: value nan is not finite"),
+    "nan.csv": ("1,2,3\n4,NaN,6\n", "line 2, column 2: a missing value (empty, NA or NaN)"),
     "inf.tsv": ("1\t2\n3\tinf\n", "line 2, column 2: value inf is not finite"),
     "data.xlsx": ("PK", "unknown dataset format"),
 }
