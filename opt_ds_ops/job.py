@@ -196,7 +196,7 @@ def run_job(
     except DatasetError as e:
         raise JobError("dataset", str(e), e) from e
     try:
-        plan = plan or plan_device(cfg.device, cfg.amp)
+        plan = plan or plan_device(cfg.device, cfg.amp, tf32=cfg.tf32)
     except DeviceError as e:
         raise JobError("health", str(e), e) from e
     stage("training")
