@@ -206,13 +206,13 @@ class Config:
     models_dir: str = _field("/var/models", os.path.isabs, "an absolute path")
     device: str = _field("auto", _device_ok, "auto, cpu, mps, cuda or cuda:N")
     amp: str = _field("auto", lambda v: v in ("auto", "bf16", "fp16", "off"), "one of auto, bf16, fp16, off")
-    # TF32 matmuls for fp32 work (amp off) on a CUDA GPU of compute capability >= 8.0 (see device.py).
-    tf32: bool = _field(False, None, "true or false")
     train: TrainConfig = field(default_factory=TrainConfig)
     spool: SpoolConfig = field(default_factory=SpoolConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     job: JobConfig = field(default_factory=JobConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # TF32 matmuls for fp32 work (amp off) on a CUDA GPU of compute capability >= 8.0 (see device.py).
+    tf32: bool = _field(False, None, "true or false")
     source: str = field(default="<defaults>", compare=False)
 
 
