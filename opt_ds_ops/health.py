@@ -296,8 +296,10 @@ def decide(cfg: Config, report: dict) -> GateDecision:
 
 
 def _run(report: dict, plan: DevicePlan) -> GateDecision:
+    gpu = next(({"index": g["index"], "uuid": g["uuid"]} for g in report.get("gpus", [])
+                if plan.device.type == "cuda" and g["torch_index"] == plan.device.index), None)
     report["decision"] = {"action": "run", "device": str(plan.device), "amp_dtype": plan.amp_name, "reason": plan.reason,
-                          "tf32": plan.tf32, "float32_matmul_precision": plan.matmul_precision}
+                          "tf32": plan.tf32, "float32_matmul_precision": plan.matmul_precision, "gpu": gpu}
     return GateDecision("run", plan, plan.reason, report)
 
 

@@ -446,7 +446,7 @@ def test_doctor_json_on_this_machine():
     assert report["host"]["status"] == "no_library" and "no NVIDIA driver" in report["findings"][0]["message"]
     assert report["decision"] == {"action": "run", "device": "cpu", "amp_dtype": "off",
                                   "reason": "device: auto and no usable CUDA GPU", "tf32": False,
-                                  "float32_matmul_precision": "highest"}
+                                  "float32_matmul_precision": "highest", "gpu": None}
     assert report["smoke_tests"] == []
 
 
