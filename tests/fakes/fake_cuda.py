@@ -48,7 +48,7 @@ class FakeCudaRuntime:
     ``release`` is set; the test's teardown sets it), ``"nan"`` (every tensor copied to the GPU
     arrives as NaN: corrupt memory), ``"oom"`` (copies to the GPU of ``oom_min_bytes`` or more raise
     torch.OutOfMemoryError, as when another tenant holds the memory). ``free_bytes``/``total_bytes``
-    are what torch.cuda.mem_get_info answers. ``calls``: names of the CUDA calls made, in order.
+    are what torch.cuda.mem_get_info answers (``free_bytes`` may be a function: called per query). ``calls``: names of the CUDA calls made, in order.
     """
 
     def __init__(self, fault: str | None, free_bytes: int, total_bytes: int, oom_min_bytes: int):
@@ -85,7 +85,7 @@ def fake_cuda_runtime(monkeypatch, fault: str | None = None, free_bytes: int = 1
             if rt.fault == "oom" and nbytes >= rt.oom_min_bytes:
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {nbytes / 1024**2:.2f} MiB. GPU 0 has a total capacity "
-                    f"of {rt.total_bytes / 1024**3:.2f} GiB of which {rt.free_bytes / 1024**2:.2f} MiB is free.")
+                    f"of {rt.total_bytes / 1024**3:.2f} GiB.")
             args = tuple("cpu" if _is_cuda(a) else a for a in args)
             if "device" in kw:
                 kw["device"] = "cpu"
@@ -115,5 +115,6 @@ def fake_cuda_runtime(monkeypatch, fault: str | None = None, free_bytes: int = 1
         "cpu" if device == "cuda" else device, *a, **k))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: rt.calls.append("set_device"))
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (rt.free_bytes, rt.total_bytes))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (
+        rt.free_bytes() if callable(rt.free_bytes) else rt.free_bytes, rt.total_bytes))
     return rt
