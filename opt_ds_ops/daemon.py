@@ -557,7 +557,8 @@ class Daemon:
             "job-saved",
             f"{safe_text(record['dataset'])}: model saved to {doc['model_dir']} (final loss {doc['final_train_loss']:.6f}, "
             f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}"
-            f"{safe_text(columns_note(metadata.get('dataset') or {}))}",
+            f"{safe_text(columns_note(metadata.get('dataset') or {}))}"
+            + (f"; {metadata['data_placement_note']}" if metadata.get("data_placement_note") else ""),
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], **self._fields(record),
         )
