@@ -114,3 +114,29 @@ def smoke_test(plan: DevicePlan, timeout_s: float) -> SmokeResult:
     if not grads_finite:
         return SmokeResult(False, seconds, "the backward pass gave non-finite gradients", loss=loss, **where)
     return SmokeResult(True, seconds, "", loss=loss, **where)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m opt_ds_ops.smoke [--device cuda] [--amp bf16] [--timeout-s 5]``: run the smoke
+    test once and print its result as one JSON line; exit 0 if it passed, 1 if not (a device this
+    machine lacks is a failed result too). scripts/gpu-check.sh runs it."""
+    import argparse
+    import json
+
+    from .device import DeviceError, plan_device
+
+    ap = argparse.ArgumentParser(prog="python -m opt_ds_ops.smoke", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="auto, cpu, mps, cuda or cuda:N (default: cuda)")
+    ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"])
+    ap.add_argument("--timeout-s", type=float, default=5.0, help="seconds (default 5: health.smoke_timeout_s)")
+    args = ap.parse_args(argv)
+    try:
+        result = smoke_test(plan_device(args.device, args.amp), args.timeout_s)
+    except DeviceError as e:
+        result = SmokeResult(False, 0.0, str(e), args.device, args.amp)
+    print(json.dumps(result.as_dict(), sort_keys=True), flush=True)
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
