@@ -257,7 +257,8 @@ class Daemon:
 
         def run() -> None:
             try:
-                box["decision"] = gate_job(self.cfg, GPU_HEADROOM_BYTES)
+                # no CUDA smoke test here: the daemon holds no CUDA context; each job runs it in its process
+                box["decision"] = gate_job(self.cfg, GPU_HEADROOM_BYTES, smoke=False)
             except Exception as e:  # a broken NVML must not stop the daemon; jobs report it again
                 box["error"] = e
 
