@@ -39,7 +39,9 @@ from NVML's -> warn.
 CUDA smoke test (:mod:`opt_ds_ops.smoke`), after the decision, only when the job would run on a
 CUDA GPU: a CUDA error, a timeout (``health.smoke_timeout_s``) or a non-finite result is a ``fail``
 finding (check ``cuda``) on that GPU with the error text, and the decision is made again without
-it: another healthy GPU, or ``health.on_fail``. Nothing touches CUDA when no GPU is planned.
+it: another healthy GPU, or ``health.on_fail``. Nothing touches CUDA when no GPU is planned. After
+a sticky CUDA error (an illegal memory access) the process's CUDA state may stay broken, so the
+next GPU's smoke test in that process can fail too; ``health.on_fail`` then decides.
 """
 
 from __future__ import annotations

@@ -397,6 +397,23 @@ def test_no_smoke_test_when_the_job_is_not_planned_on_a_gpu(host, runtime):
     assert gate_job(cfg(), smoke=False).report.get("smoke_tests") is None and rt.calls == []
 
 
+def test_the_daemons_start_up_health_log_runs_no_smoke_test(host, runtime, tmp_path):
+    import io
+
+    from opt_ds_ops.daemon import Daemon
+    from opt_ds_ops.journal import EventLog
+    from opt_ds_ops.notify import Notifier
+    from opt_ds_ops.spool import open_spool
+
+    host()
+    rt = runtime("error")  # a smoke test would fail the GPU: the log says ok, and no CUDA call was made
+    out = io.StringIO()
+    d = Daemon(Config(), open_spool(str(tmp_path / "spool")), EventLog(journal=False, stream=out), Notifier({}),
+               str(tmp_path / "trainer.yaml"))
+    d._log_health()
+    assert "health ok: all checks passed -> cuda:0 amp=bf16" in out.getvalue() and rt.calls == []
+
+
 def test_tf32_is_planned_only_for_fp32_on_a_gpu_that_has_it(host, monkeypatch):
     host()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: dataclasses.make_dataclass(
