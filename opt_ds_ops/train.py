@@ -241,8 +241,10 @@ def _first_line(e: BaseException) -> str:
 
 def out_of_memory_reason(device: torch.device, placement: str, need_bytes: int, e: BaseException) -> str:
     """Return the reason a job failed with CUDA out of memory: free and needed MiB on ``device``
-    (``torch.cuda.mem_get_info`` now; ``need_bytes``: ds-ops's estimate for the placement it ran
-    with) and torch's own words."""
+    (``torch.cuda.mem_get_info`` now) and torch's own words. ``need_bytes`` is ds-ops's estimate
+    for the placement it ran with: GPU_HEADROOM_BYTES (model, optimizer, activations, CUDA context)
+    + the float32 validation split + two batches, + twice the training split (it and the epoch's
+    shuffled copy) when the dataset is on the GPU."""
     try:
         free = f"{torch.cuda.mem_get_info(device)[0] // 1024**2} MiB free"
     except Exception:  # noqa: BLE001 - the reason must be given even when CUDA no longer answers

@@ -1,11 +1,15 @@
-"""Device and AMP decision on this CPU-only machine."""
+"""Device, AMP and TF32 decision on this CPU-only machine; the dataset's placement on a fake GPU
+(tests/fakes/fake_cuda.py: a CUDA runtime on the CPU that runs out of memory)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fakes.fake_cuda import fake_cuda, fake_cuda_runtime
+from fakes.fake_pynvml import h200
 from opt_ds_ops.device import DeviceError, plan_device, resolve_amp, resolve_device
+from opt_ds_ops.train import GPU_HEADROOM_BYTES, _place
 
 
 def test_auto_picks_the_cpu_and_fp32_without_a_gpu():
@@ -29,11 +33,6 @@ def test_a_missing_cuda_device_is_a_clear_error(spec):
 
 
 # --- CUDA out of memory at the dataset's placement (fake CUDA runtime on the CPU) ----------------
-
-from fakes.fake_cuda import fake_cuda, fake_cuda_runtime  # noqa: E402
-from fakes.fake_pynvml import h200  # noqa: E402
-
-from opt_ds_ops.train import GPU_HEADROOM_BYTES, TrainingError, _place, train  # noqa: E402
 
 MiB = 1024**2
 

@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pynvml
-import pytest
 
 from daemon_kit import done_names, read_json, spool_dir, write_config
 from fakes.fake_pynvml import FakeNvml, h200, install
