@@ -93,3 +93,22 @@ def test_tf32_is_planned_only_with_amp_off_on_a_gpu_that_has_it(monkeypatch):
     assert not plan_device("cpu", "off", tf32=True).tf32
     fake_cuda(monkeypatch, [h200(compute_capability=(7, 0))])  # Volta: no TF32 tensor cores
     assert not plan_device("cuda:0", "off", tf32=True).tf32
+
+
+def test_a_job_whose_dataset_hit_out_of_memory_trains_from_pinned_host_memory_and_says_so(
+        gpu, tmp_path, small_smd_csv, monkeypatch):
+    from opt_ds_ops.config import Config, TrainConfig
+    from opt_ds_ops.job import run_job
+
+    x_train_bytes = 2700 * 38 * 4  # the 3,000-row slice's training split (90 %), float32
+    rt = gpu(oom_min_bytes=x_train_bytes)  # only the dataset's copy runs out of memory; smaller ones fit
+    precision = []
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", precision.append)
+    cfg = Config(models_dir=str(tmp_path / "models"), train=TrainConfig(epochs=2))
+    job = run_job(str(small_smd_csv), cfg, plan=plan_device("cuda:0", "off", tf32=True))
+    md = job.metadata
+    assert md["device"] == "cuda:0" and md["data_placement"] == "pinned-host" and md["epochs"] == 2
+    assert md["data_placement_note"].startswith("CUDA out of memory placing the dataset (1 MiB) on cuda:0")
+    assert md["data_placement_note"].endswith("retried with the dataset in pinned host memory")
+    assert rt.calls[:2] == ["to", "pin_memory"] and md["final_train_loss"] < 2
+    assert (md["tf32"], md["float32_matmul_precision"], precision) == (True, "high", ["high"])

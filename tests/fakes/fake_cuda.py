@@ -68,10 +68,12 @@ def fake_cuda_runtime(monkeypatch, fault: str | None = None, free_bytes: int = 1
     :class:`FakeCudaRuntime`). Use with :func:`fake_cuda` (which makes torch see the GPUs).
 
     Replaced at torch's boundary: ``Tensor.to`` (a CUDA device becomes the CPU; the fault applies),
-    ``Tensor.pin_memory`` (a copy; the CPU build has no pinned allocator), ``torch.autocast`` and
-    ``torch.amp.GradScaler`` (device type cuda runs as cpu), ``torch.cuda.set_device``,
-    ``torch.cuda.synchronize`` and ``torch.cuda.mem_get_info``. Tensors made with ``device="cuda"``
-    directly are not covered: code under test must move tensors with ``.to``.
+    ``Tensor.pin_memory`` (a copy; the CPU build has no pinned allocator), ``torch.empty``,
+    ``torch.zeros`` and ``torch.tensor`` (``device=cuda`` becomes the CPU, ``pin_memory=True`` is
+    dropped), ``torch.autocast`` and ``torch.amp.GradScaler`` (device type cuda runs as cpu),
+    ``torch.cuda.set_device``, ``torch.cuda.synchronize`` and ``torch.cuda.mem_get_info``: enough
+    for the smoke test and for :func:`opt_ds_ops.train.train` to run on "cuda:0". Other factories
+    (``torch.ones(device="cuda")``, ...) are not covered.
     """
     rt = FakeCudaRuntime(fault, free_bytes, total_bytes, oom_min_bytes)
     monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.4")
@@ -107,6 +109,18 @@ def fake_cuda_runtime(monkeypatch, fault: str | None = None, free_bytes: int = 1
         if rt.fault == "hang":
             rt.release.wait()
 
+    def factory(real):
+        def make(*args, **kw):
+            if _is_cuda(kw.get("device")):
+                kw["device"] = "cpu"
+            if kw.get("pin_memory"):
+                rt.calls.append("pin_memory")
+                kw["pin_memory"] = False
+            return real(*args, **kw)
+        return make
+
+    for name in ("empty", "zeros", "tensor"):
+        monkeypatch.setattr(torch, name, factory(getattr(torch, name)))
     monkeypatch.setattr(torch.Tensor, "to", to)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch, "autocast", lambda device_type, *a, **k: real_autocast(
