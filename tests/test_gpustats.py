@@ -2,6 +2,8 @@
 
 The fake replaces ``pynvml`` at its boundary (tests/fakes/fake_pynvml.py); the jobs train on the
 CPU, with a health report that names the fake GPU, so the readings path is the one a GPU job takes.
+The last test runs a daemon job on a fake GPU (tests/fakes/fake_cuda.py: a CUDA runtime on the CPU)
+whose dataset copy runs out of memory.
 """
 
 from __future__ import annotations
@@ -105,10 +107,10 @@ def test_each_epoch_in_metadata_carries_its_gpu_reading(tmp_path, monkeypatch, s
     assert [h["gpu"] for h in cpu.metadata["history"]] == [None, None, None]
 
 
-def test_a_jobs_journal_events_carry_the_gpu_fields_and_a_throttle_warning(tmp_path, monkeypatch):
-    """The real daemon in this process, its job in a spawned process whose gate (tests/fakes/
-    scripted_gate.py: gpu_gate) installs the fake NVML there; journald's send is captured."""
-    from fakes import scripted_gate
+def run_daemon_job(tmp_path, monkeypatch, gate, rows: int, epochs: int = 3) -> list[dict]:
+    """Run one dataset of ``rows`` x 4 through the real daemon in this process, its job in a spawned
+    process whose health gate is ``gate`` (tests/fakes/scripted_gate.py); return what the daemon
+    sent to journald (captured at systemd-python's send)."""
     from opt_ds_ops import daemon as daemon_mod
     from opt_ds_ops.config import load_config
     from opt_ds_ops.journal import EventLog
@@ -116,18 +118,27 @@ def test_a_jobs_journal_events_carry_the_gpu_fields_and_a_throttle_warning(tmp_p
     from opt_ds_ops.spool import open_spool
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    cfg = load_config(str(write_config(tmp_path, settle_s=0, epochs=3)))
+    cfg = load_config(str(write_config(tmp_path, settle_s=0, epochs=epochs)))
     sent = []
     log = EventLog(journal=False, stream=io.StringIO())
     log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
     d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(tmp_path / "trainer.yaml"),
-                          mp_context=multiprocessing.get_context("spawn"), gate=scripted_gate.gpu_gate)
-    np.savetxt(spool_dir(tmp_path, "incoming") / "gpu.csv", np.random.default_rng(0).normal(size=(300, 4)), delimiter=",")
+                          mp_context=multiprocessing.get_context("spawn"), gate=gate)
+    np.savetxt(spool_dir(tmp_path, "incoming") / "gpu.csv", np.random.default_rng(0).normal(size=(rows, 4)), delimiter=",")
     assert d._take("gpu.csv")
     deadline = time.monotonic() + 300
     while d.job is not None:
         assert time.monotonic() < deadline, sent
         d._tick()
+    return sent
+
+
+def test_a_jobs_journal_events_carry_the_gpu_fields_and_a_throttle_warning(tmp_path, monkeypatch):
+    """The real daemon in this process, its job in a spawned process whose gate (tests/fakes/
+    scripted_gate.py: gpu_gate) installs the fake NVML there; journald's send is captured."""
+    from fakes import scripted_gate
+
+    sent = run_daemon_job(tmp_path, monkeypatch, scripted_gate.gpu_gate, rows=300)
     assert done_names(tmp_path) == {"gpu.csv"}, sent  # NVML failing in epoch 3 did not fail the job
     epochs = [e for e in sent if e["MESSAGE_ID"] == MESSAGE_IDS["job-epoch"]]
     got = [{k: v for k, v in e.items() if k.startswith("DS_GPU_")} for e in epochs]
@@ -147,3 +158,19 @@ def test_a_jobs_journal_events_carry_the_gpu_fields_and_a_throttle_warning(tmp_p
     md = json.loads(open(os.path.join(result["model_dir"], "metadata.json")).read())
     assert [h["gpu"]["temperature_c"] for h in md["history"]] == [71, 86, 88]
     assert md["history"][2]["gpu"]["errors"] == {"power_draw_w": "Unknown Error"}
+
+
+def test_a_daemon_job_whose_dataset_hit_cuda_out_of_memory_says_so_when_saved(tmp_path, monkeypatch):
+    """The job process sees a fake GPU (scripted_gate.oom_gate) on which the dataset's copy runs out
+    of memory: the job trains from pinned host memory and its saved event and metadata say so."""
+    from fakes import scripted_gate
+
+    monkeypatch.setenv("DS_OPS_TEST_OOM_BYTES", str(2700 * 4 * 4))  # the training split of 3,000 x 4 rows
+    sent = run_daemon_job(tmp_path, monkeypatch, scripted_gate.oom_gate, rows=3000, epochs=1)
+    assert done_names(tmp_path) == {"gpu.csv"}, sent
+    (saved,) = [e for e in sent if e["MESSAGE_ID"] == MESSAGE_IDS["job-saved"]]
+    assert saved["DS_DEVICE"] == "cuda:0" and "; CUDA out of memory placing the dataset (1 MiB) on cuda:0" in saved["MESSAGE"]
+    assert saved["MESSAGE"].endswith("retried with the dataset in pinned host memory")
+    result = read_json(spool_dir(tmp_path, "done") / "gpu.csv.result.json")
+    md = json.loads(open(os.path.join(result["model_dir"], "metadata.json")).read())
+    assert md["data_placement"] == "pinned-host" and md["data_placement_note"] in saved["MESSAGE"]

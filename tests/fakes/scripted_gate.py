@@ -62,3 +62,21 @@ def gpu_gate(cfg, need_bytes):
     report = {"verdict": "ok", "gpus": [], "decision": {"action": "run", "device": "cpu", "amp_dtype": "off",
                                                         "gpu": {"index": 0, "uuid": gpu.uuid}}}
     return GateDecision("run", plan_device("cpu", "off"), "", report)
+
+
+def oom_gate(cfg, need_bytes):
+    """A gate for the out-of-memory test: makes torch in the job process see one H200 whose CUDA
+    runtime runs on the CPU (tests/fakes/fake_cuda.py) and runs out of memory for copies of
+    ``$DS_OPS_TEST_OOM_BYTES`` bytes or more; answers "run" on cuda:0 with fp32."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from fakes.fake_cuda import fake_cuda, fake_cuda_runtime
+    from fakes.fake_pynvml import h200
+    from opt_ds_ops.device import plan_device
+    from opt_ds_ops.health import GateDecision
+
+    mp = MonkeyPatch()  # never undone: the job process ends with the job
+    fake_cuda(mp, [h200()])
+    fake_cuda_runtime(mp, "oom", oom_min_bytes=int(os.environ["DS_OPS_TEST_OOM_BYTES"]))
+    report = {"verdict": "ok", "gpus": [], "decision": {"action": "run", "device": "cuda:0", "amp_dtype": "off"}}
+    return GateDecision("run", plan_device("cuda:0", "off"), "", report)
