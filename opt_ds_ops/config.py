@@ -160,7 +160,10 @@ class HealthConfig:
     after the fact). ``retired_pages_warn``/``retired_pages_fail``: retired-page counts (pre-A100
     page retirement) for warn and fail; defaults DCGM_LIMIT_MAX_RETIRED_PAGES_SOFT_LIMIT (15) and
     DCGM_LIMIT_MAX_RETIRED_PAGES (63; 60 before DCGM aligned it with NVIDIA's field diagnostic) from
-    DCGM's dcgm_gpu_hardware_limits.h, used by its memory health watch.
+    DCGM's dcgm_gpu_hardware_limits.h, used by its memory health watch. ``smoke_timeout_s``: the
+    CUDA smoke test (:mod:`opt_ds_ops.smoke`: one forward and backward on the job's GPU) must end
+    within this many seconds or the GPU fails; the issue's budget for the work is about 2 s, and 5 s
+    leaves room for the first CUDA context of a fresh process on a loaded host (a ds-ops choice).
     """
 
     on_fail: str = _field("cpu", lambda v: v in ("cpu", "defer", "refuse"), "one of cpu, defer, refuse")
@@ -168,6 +171,7 @@ class HealthConfig:
     temp_margin_c: int = _field(5, lambda v: 0 <= v <= 30, "degrees Celsius in [0, 30]")
     retired_pages_warn: int = _field(15, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]")
     retired_pages_fail: int = _field(63, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]")
+    smoke_timeout_s: float = _field(5.0, lambda v: 0 < v <= 600, "seconds in (0, 600]")
 
 
 TIME_ORDERS = ("sort", "refuse")
@@ -207,6 +211,8 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     job: JobConfig = field(default_factory=JobConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # TF32 matmuls for fp32 work (amp off) on a CUDA GPU of compute capability >= 8.0 (see device.py).
+    tf32: bool = _field(False, None, "true or false")
     source: str = field(default="<defaults>", compare=False)
 
 

@@ -36,7 +36,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from . import EARLY_STOP, worker
+from . import EARLY_STOP, gpustats, worker
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
 from .fsutil import utc_now
@@ -257,7 +257,8 @@ class Daemon:
 
         def run() -> None:
             try:
-                box["decision"] = gate_job(self.cfg, GPU_HEADROOM_BYTES)
+                # no CUDA smoke test here: the daemon holds no CUDA context; each job runs it in its process
+                box["decision"] = gate_job(self.cfg, GPU_HEADROOM_BYTES, smoke=False)
             except Exception as e:  # a broken NVML must not stop the daemon; jobs report it again
                 box["error"] = e
 
@@ -471,9 +472,21 @@ class Daemon:
         elif kind == "epoch":
             s = EpochStats(**f)
             total = self.cfg.train.epochs
+            g = s.gpu or {}
             self.log.event("job-epoch", f"{name}: {s.line(total)}", epoch=s.epoch, epochs=total, loss=s.train_loss,
                            val_loss=s.val_loss, samples_per_s=s.samples_per_s, device=record.get("device"),
-                           amp_dtype=record.get("amp_dtype"), **fields)
+                           amp_dtype=record.get("amp_dtype"), gpu_temp_c=gpustats.field(g, "temperature_c"),
+                           gpu_power_w=gpustats.field(g, "power_draw_w"), gpu_sm_clock_mhz=gpustats.field(g, "sm_clock_mhz"),
+                           gpu_mem_used_mib=gpustats.field(g, "memory_used_mib"),
+                           gpu_proc_mem_mib=gpustats.field(g, "process_memory_mib"),
+                           gpu_util_pct=gpustats.field(g, "utilization_gpu_pct"),
+                           gpu_throttle=gpustats.field(g, "clocks_event_reasons"), **fields)
+            if g.get("throttle_started"):  # a thermal/power slowdown that began during this job
+                self.log.event("job-gpu-throttle", f"{name}: GPU {g.get('index')} started throttling in epoch "
+                               f"{s.epoch}: {gpustats.throttle_words(g['throttle_started'])}", priority=LOG_WARNING,
+                               epoch=s.epoch, gpu_index=g.get("index"), gpu_throttle_started=",".join(g["throttle_started"]),
+                               gpu_temp_c=gpustats.field(g, "temperature_c"), gpu_power_w=gpustats.field(g, "power_draw_w"),
+                               **fields)
             record.update(epoch=s.epoch, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
                           updated_at=utc_now())
             save_record(self.spool, record)
@@ -545,7 +558,8 @@ class Daemon:
             "job-saved",
             f"{safe_text(record['dataset'])}: model saved to {doc['model_dir']} (final loss {doc['final_train_loss']:.6f}, "
             f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}"
-            f"{safe_text(columns_note(metadata.get('dataset') or {}))}",
+            f"{safe_text(columns_note(metadata.get('dataset') or {}))}"
+            + (f"; {metadata['data_placement_note']}" if metadata.get("data_placement_note") else ""),
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], **self._fields(record),
         )

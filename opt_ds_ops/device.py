@@ -4,6 +4,11 @@ Policy (``device: auto``): cuda -> mps -> cpu. AMP (``amp: auto``): bf16 autocas
 that supports it (compute capability >= 8.0), else fp16 autocast with GradScaler on CUDA; plain
 fp32 on the CPU and MPS, because bf16 autocast measured 4.4x slower than fp32 on the 2-core AVX2
 build machines (see README). Explicit ``bf16``/``fp16``/``off`` are honoured on any device.
+
+TF32 (``tf32: true``): with AMP off on a CUDA GPU of compute capability >= 8.0 (Ampere and later,
+the GPUs whose tensor cores have TF32), fp32 matmuls may run as TF32
+(``torch.set_float32_matmul_precision("high")``: 10-bit mantissa, fp32 range). The default is
+``false``, PyTorch's own default since 1.12 ("highest"): amp off is chosen for full fp32.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ class DevicePlan:
     device: torch.device
     amp_dtype: torch.dtype | None
     reason: str = ""
+    tf32: bool = False
+
+    @property
+    def matmul_precision(self) -> str:
+        """``torch.set_float32_matmul_precision``'s argument for this job: ``high`` (TF32) or ``highest``."""
+        return "high" if self.tf32 else "highest"
 
     @property
     def use_grad_scaler(self) -> bool:
@@ -40,7 +51,8 @@ class DevicePlan:
         return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "off"}[self.amp_dtype]
 
     def describe(self) -> str:
-        return f"{self.device} amp={self.amp_name}" + (f" ({self.reason})" if self.reason else "")
+        tf32 = " tf32=on" if self.tf32 else ""
+        return f"{self.device} amp={self.amp_name}{tf32}" + (f" ({self.reason})" if self.reason else "")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -83,7 +95,18 @@ def resolve_amp(spec: str, device: torch.device) -> torch.dtype | None:
     return dtype
 
 
-def plan_device(device_spec: str, amp_spec: str, reason: str = "") -> DevicePlan:
-    """Return the :class:`DevicePlan` for the configured device and AMP specs (raises DeviceError)."""
+def has_tf32(device: torch.device) -> bool:
+    """Return True if device is a CUDA GPU with TF32 tensor cores (compute capability >= 8.0)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).major >= 8
+
+
+def plan_device(device_spec: str, amp_spec: str, reason: str = "", tf32: bool = False) -> DevicePlan:
+    """Return the :class:`DevicePlan` for the configured device, AMP and TF32 specs; TF32 is on
+    only where it applies (amp off on a GPU with TF32, see the module). Raises DeviceError."""
     device = resolve_device(device_spec)
-    return DevicePlan(device=device, amp_dtype=resolve_amp(amp_spec, device), reason=reason)
+    amp_dtype = resolve_amp(amp_spec, device)
+    return DevicePlan(device=device, amp_dtype=amp_dtype, reason=reason,
+                      tf32=bool(tf32) and amp_dtype is None and has_tf32(device))

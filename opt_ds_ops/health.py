@@ -35,6 +35,13 @@ mismatch -> fail, "reboot required" (warn under ``device: cpu``); torch's CUDA m
 the driver's -> fail, its minor version above -> warn (CUDA minor-version compatibility); torch a
 CPU build or unable to initialise CUDA while NVML sees GPUs -> warn; torch's GPU count differing
 from NVML's -> warn.
+
+CUDA smoke test (:mod:`opt_ds_ops.smoke`), after the decision, only when the job would run on a
+CUDA GPU: a CUDA error, a timeout (``health.smoke_timeout_s``) or a non-finite result is a ``fail``
+finding (check ``cuda``) on that GPU with the error text, and the decision is made again without
+it: another healthy GPU, or ``health.on_fail``. Nothing touches CUDA when no GPU is planned. After
+a sticky CUDA error (an illegal memory access) the process's CUDA state may stay broken, so the
+next GPU's smoke test in that process can fail too; ``health.on_fail`` then decides.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from . import nvml
 from .config import Config, HealthConfig
 from .device import DeviceError, DevicePlan, plan_device
 from .nvml import NA, GpuReading, HostReading
+from .smoke import SmokeResult, smoke_test
 
 LEVELS = {"ok": 0, "warn": 1, "fail": 2}
 THROTTLE_WARN = ("HwSlowdown", "HwThermalSlowdown", "SwThermalSlowdown", "HwPowerBrakeSlowdown")
@@ -275,7 +283,7 @@ def decide(cfg: Config, report: dict) -> GateDecision:
             g = min(usable, key=lambda g: (LEVELS[g["verdict"]], g["index"]))
             warns = "; ".join(_lines(report["findings"]) + _lines(g["findings"]))
             reason = f"GPU {g['index']} {g['name']}: {g['verdict']}" + (f" ({warns})" if warns else "")
-            return _run(report, plan_device(f"cuda:{g['torch_index']}", cfg.amp, reason=reason))
+            return _run(report, plan_device(f"cuda:{g['torch_index']}", cfg.amp, reason=reason, tf32=cfg.tf32))
         gpu_fails = [f"GPU {g['index']} {line}" for g in report["gpus"] for line in _lines(g["findings"], "fail")]
         if spec == "auto" and not host_fails and not gpu_fails:
             return _run(report, plan_device("auto", cfg.amp, reason="device: auto and no usable CUDA GPU"))
@@ -290,7 +298,10 @@ def decide(cfg: Config, report: dict) -> GateDecision:
 
 
 def _run(report: dict, plan: DevicePlan) -> GateDecision:
-    report["decision"] = {"action": "run", "device": str(plan.device), "amp_dtype": plan.amp_name, "reason": plan.reason}
+    gpu = next(({"index": g["index"], "uuid": g["uuid"]} for g in report.get("gpus", [])
+                if plan.device.type == "cuda" and g["torch_index"] == plan.device.index), None)
+    report["decision"] = {"action": "run", "device": str(plan.device), "amp_dtype": plan.amp_name, "reason": plan.reason,
+                          "tf32": plan.tf32, "float32_matmul_precision": plan.matmul_precision, "gpu": gpu}
     return GateDecision("run", plan, plan.reason, report)
 
 
@@ -299,11 +310,36 @@ def _stop(report: dict, action: str, reason: str) -> GateDecision:
     return GateDecision(action, None, reason, report)
 
 
-def gate_job(cfg: Config, need_bytes: int | None = None) -> GateDecision:
+def gate_job(cfg: Config, need_bytes: int | None = None, smoke: bool = True) -> GateDecision:
     """Given the configuration and the bytes a job needs on the device (None: not judged), read
-    NVML and torch, judge them and return the GateDecision (see :func:`decide`); never raises
-    for a GPU's or the driver's sake."""
-    return decide(cfg, health_report(cfg, nvml.read_host(), read_torch(), need_bytes))
+    NVML and torch, judge them and return the GateDecision (see :func:`decide`), after the CUDA
+    smoke test on the chosen GPU unless ``smoke`` is False (see :func:`with_smoke_test`); never
+    raises for a GPU's or the driver's sake."""
+    decision = decide(cfg, health_report(cfg, nvml.read_host(), read_torch(), need_bytes))
+    return with_smoke_test(cfg, decision) if smoke else decision
+
+
+def with_smoke_test(cfg: Config, decision: GateDecision, run=smoke_test) -> GateDecision:
+    """Given a decision, run the CUDA smoke test (``run(plan, timeout_s) -> SmokeResult``) on its
+    GPU if it runs on CUDA; return it unchanged if the test passed (or no GPU is planned), else
+    the decision made again with that GPU failed (finding ``cuda``, level fail), which tests the
+    next GPU or applies ``health.on_fail``. The report keeps every result in ``smoke_tests``
+    (``[]``: none ran) and the verdict is raised to fail for a failed one."""
+    report = decision.report
+    report.setdefault("smoke_tests", [])
+    while decision.action == "run" and decision.plan is not None and decision.plan.device.type == "cuda":
+        result: SmokeResult = run(decision.plan, cfg.health.smoke_timeout_s)
+        report["smoke_tests"].append(result.as_dict())
+        if result.ok:
+            return decision
+        index = decision.plan.device.index
+        gpu = next((g for g in report["gpus"] if g["torch_index"] == index), None)
+        if gpu is None:  # not a GPU of the report (cannot happen: decide picks from them); stop here
+            return _stop(report, "refuse", f"CUDA smoke test on {decision.plan.device} failed: {result.error}")
+        gpu["findings"].append(asdict(Finding("fail", "cuda", f"CUDA smoke test failed: {result.error}")))
+        gpu["verdict"] = report["verdict"] = "fail"
+        decision = decide(cfg, report)
+    return decision
 
 
 def summary_line(decision: GateDecision) -> str:

@@ -18,6 +18,7 @@ from .config import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, Da
 from .dataset import Dataset, DatasetError, DatasetLimits, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import read_small
+from .gpustats import sampler_for
 from .store import StoreError, dataset_file_of, model_payload, safe_model_name, save_model
 from .train import EpochStats, TrainingError, TrainResult, train
 
@@ -105,7 +106,10 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
     ``dataset.header`` names the feature columns (None without names), ``dataset.time`` is the
     time index's summary (:meth:`opt_ds_ops.dataset.TimeIndex.summary`), ``dataset.left_out`` the
     columns that are not features, ``dataset.options`` the column options the file was read with
-    (``ds-ops score`` reads new data the same way).
+    (``ds-ops score`` reads new data the same way). ``history`` holds each epoch's GPU reading
+    (``gpu``, None on the CPU); ``tf32`` and ``float32_matmul_precision`` say how fp32 matmuls ran
+    on CUDA (None off CUDA); ``data_placement_note`` says why the dataset went to pinned host memory
+    after a CUDA out-of-memory error ("" otherwise).
     """
     return {
         "dataset": {
@@ -138,6 +142,9 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
         "device": str(result.plan.device),
         "amp_dtype": result.plan.amp_name,
         "data_placement": result.data_placement,
+        "data_placement_note": result.placement_note,
+        "tf32": result.plan.tf32 if result.plan.device.type == "cuda" else None,
+        "float32_matmul_precision": result.plan.matmul_precision if result.plan.device.type == "cuda" else None,
         "skipped_steps": result.skipped_steps,
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
@@ -178,7 +185,9 @@ def run_job(
     stage (dataset, training, store) begins. ``options`` say which columns are features (default:
     the conffile's ``dataset:``; a sidecar's, see :func:`read_sidecar`); ``explicit_name``: ``name``
     was set by a person (sidecar or ``--name``), not made from the file name, so it may take over
-    another file's model (:func:`check_model_name`). Raises JobError naming the failed stage;
+    another file's model (:func:`check_model_name`). When ``health`` names the GPU the gate chose,
+    each epoch carries its NVML reading (:mod:`opt_ds_ops.gpustats`; a failing NVML never fails the
+    job). Raises JobError naming the failed stage;
     nothing is written to the store unless training succeeded.
     """
     stage = on_stage or (lambda _s: None)
@@ -196,14 +205,19 @@ def run_job(
     except DatasetError as e:
         raise JobError("dataset", str(e), e) from e
     try:
-        plan = plan or plan_device(cfg.device, cfg.amp)
+        plan = plan or plan_device(cfg.device, cfg.amp, tf32=cfg.tf32)
     except DeviceError as e:
         raise JobError("health", str(e), e) from e
     stage("training")
+    sampler = sampler_for(health)  # per-epoch NVML readings of the GPU the gate chose; None off CUDA
     try:
-        result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume, offset=ds.offset)
+        result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume, offset=ds.offset,
+                       read_gpu=sampler.read if sampler is not None else None)
     except TrainingError as e:
         raise JobError("training", f"{path}: {e}", e) from e
+    finally:
+        if sampler is not None:
+            sampler.close()
     metadata = build_metadata(ds, sha, result, cfg, health, options)
     metadata["job_id"] = job_id
     metadata["name_explicit"] = explicit_name

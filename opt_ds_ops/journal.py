@@ -48,6 +48,7 @@ MESSAGE_IDS = {
     "entry-removed": "0ede7a68e90d4a33adc01d551c97b563",
     "job-crashed": "84733394dd9e48ae9dfa064d239fbc70",
     "failed-pruned": "698d943f89974410b6b9c40cb0ae0e58",
+    "job-gpu-throttle": "c183b2cf20ed4a22ab23aed6f682eca5",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).
@@ -57,6 +58,7 @@ STAGES = {
     "job-deferred": "health",
     "job-resumed": "training",
     "job-epoch": "training",
+    "job-gpu-throttle": "training",
     "job-interrupted": "training",
     "job-saved": "saved",
     "job-recovered": "saved",

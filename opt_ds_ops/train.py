@@ -51,7 +51,10 @@ class TrainingInterrupted(Exception):
 
 @dataclass
 class EpochStats:
-    """One epoch: mean train and validation MSE (standardised units), throughput (samples/s)."""
+    """One epoch: mean train and validation MSE (standardised units), throughput (samples/s).
+
+    ``gpu``: the job's GPU read through NVML at the epoch's end (:meth:`opt_ds_ops.gpustats.GpuSampler.read`:
+    °C, W, MHz, MiB, %, throttle reasons), None on the CPU."""
 
     epoch: int
     train_loss: float
@@ -59,6 +62,7 @@ class EpochStats:
     samples_per_s: float
     seconds: float
     skipped_steps: int = 0
+    gpu: dict | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -99,6 +103,7 @@ class TrainResult:
     ended_at: str
     duration_s: float
     data_placement: str = ""
+    placement_note: str = ""
     extra: dict = field(default_factory=dict)
     score_smoothing: str = "ema"
     input_clip: float = 0.0
@@ -206,16 +211,48 @@ def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _place(x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, str]:
-    """Put the dataset tensor on the GPU if it fits in free memory, else in pinned host memory."""
+def _place(x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, str, str]:
+    """Put the dataset tensor on the GPU if it fits in free memory, else in pinned host memory;
+    return (tensor, placement, note). A CUDA out-of-memory error on the copy (another process took
+    the memory after ``mem_get_info``) retries in pinned host memory and ``note`` says so."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         if 2 * x.nbytes + GPU_HEADROOM_BYTES < free:
-            return x.to(device), "gpu"
-        return x.pin_memory(), "pinned-host"
+            try:
+                return x.to(device), "gpu", ""
+            except torch.OutOfMemoryError as e:
+                torch.cuda.empty_cache()
+                note = (f"CUDA out of memory placing the dataset ({_mib(x.nbytes)} MiB) on {device} "
+                        f"({_first_line(e)}); retried with the dataset in pinned host memory")
+                return x.pin_memory(), "pinned-host", note
+        return x.pin_memory(), "pinned-host", ""
     if device.type == "cpu":
-        return x, "host"
-    return x.to(device), str(device.type)
+        return x, "host", ""
+    return x.to(device), str(device.type), ""
+
+
+def _mib(nbytes: int) -> int:
+    return -(-int(nbytes) // 1024**2)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def out_of_memory_reason(device: torch.device, placement: str, need_bytes: int, e: BaseException) -> str:
+    """Return the reason a job failed with CUDA out of memory: free and needed MiB on ``device``
+    (``torch.cuda.mem_get_info`` now) and torch's own words. ``need_bytes`` is ds-ops's estimate
+    for the placement it ran with: GPU_HEADROOM_BYTES (model, optimizer, activations, CUDA context)
+    + the float32 validation split + two batches, + twice the training split (it and the epoch's
+    shuffled copy) when the dataset is on the GPU."""
+    try:
+        free = f"{torch.cuda.mem_get_info(device)[0] // 1024**2} MiB free"
+    except Exception:  # noqa: BLE001 - the reason must be given even when CUDA no longer answers
+        free = "free memory unknown"
+    where = ("even with the dataset in pinned host memory" if placement == "pinned-host"
+             else "with the dataset on the GPU")
+    return (f"CUDA out of memory on {device} {where}: {free}, the job needs about {_mib(need_bytes)} MiB "
+            f"({_first_line(e)}); another process may hold the GPU's memory (nvidia-smi lists them)")
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -235,6 +272,7 @@ def train(
     should_stop: Callable[[], bool] | None = None,
     resume: dict | None = None,
     offset: np.ndarray | None = None,
+    read_gpu: Callable[[], dict] | None = None,
 ) -> TrainResult:
     """Train a TelemetryAutoencoder on data (rows, D), any real dtype; return a :class:`TrainResult`.
 
@@ -246,19 +284,40 @@ def train(
     optimizer and GradScaler state_dicts, epoch, batch, partial sums) passed back as ``resume``
     continues the same run: the split is fixed and every epoch's permutation derives from ``cfg.seed``.
 
-    Raises TrainingError on a non-finite loss or weights (naming the epoch), or when every step
-    of an epoch was skipped by the fp16 GradScaler (loss-scale collapse); ValueError if offset is
-    not of shape (D,).
+    ``read_gpu()`` (:meth:`opt_ds_ops.gpustats.GpuSampler.read`) is called at each epoch's end;
+    its reading is the epoch's ``gpu``. On CUDA, fp32 matmuls follow ``plan.tf32``
+    (``torch.set_float32_matmul_precision``). The dataset goes to the GPU when it fits, else to
+    pinned host memory (``data_placement``; a CUDA out-of-memory error on that copy retries in
+    pinned host memory, ``placement_note`` says so).
+
+    Raises TrainingError on a non-finite loss or weights (naming the epoch), when every step
+    of an epoch was skipped by the fp16 GradScaler (loss-scale collapse), or on CUDA out of
+    memory that the pinned-host placement did not cure (naming free and needed MiB); ValueError
+    if offset is not of shape (D,).
     """
+    placed = {"placement": "", "need_bytes": 0}
+    try:
+        return _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, placed)
+    except torch.OutOfMemoryError as e:
+        raise TrainingError(out_of_memory_reason(plan.device, placed["placement"], placed["need_bytes"], e)) from None
+
+
+def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, placed: dict) -> TrainResult:
+    """:func:`train`'s body; ``placed`` receives the placement and the GPU bytes it needs (for the OOM reason)."""
     if offset is not None and np.shape(offset) != (data.shape[1],):
         raise ValueError(f"offset has shape {np.shape(offset)}, data has {data.shape[1]} columns")
     started, t_start = utc_now(), time.perf_counter()
     device = plan.device
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision(plan.matmul_precision)
     torch.manual_seed(cfg.seed)
     train_idx, val_idx = split_rows(data.shape[0], cfg.val_fraction)
     train_rows, val_rows = data[: len(train_idx)], data[len(train_idx) :]  # contiguous: views, no copies
     mean, std = fit_scaler(train_rows)
-    x_train, placement = _place(clip_inputs(standardise(train_rows, mean, std), cfg.input_clip), device)
+    x_train, placement, placement_note = _place(clip_inputs(standardise(train_rows, mean, std), cfg.input_clip), device)
+    val_bytes = len(val_idx) * data.shape[1] * 4
+    placed.update(placement=placement, need_bytes=GPU_HEADROOM_BYTES + val_bytes + 2 * min(cfg.batch_size, len(train_idx))
+                  * data.shape[1] * 4 + (2 * x_train.nbytes if placement == "gpu" else 0))
     x_val = clip_inputs(standardise(val_rows, mean, std), cfg.input_clip).to(device) if len(val_idx) else None
     n = x_train.shape[0]
 
@@ -332,7 +391,8 @@ def train(
             raise TrainingError(f"non-finite weights after epoch {epoch + 1}")
         val_loss = float(feature_errors(model, x_val).mean()) if x_val is not None else None
         train_loss = sums["loss_sum"] / max(sums["rows_counted"], 1)
-        stats = EpochStats(epoch + 1, train_loss, val_loss, n / seconds, seconds, n_skipped)
+        stats = EpochStats(epoch + 1, train_loss, val_loss, n / seconds, seconds, n_skipped,
+                           gpu=read_gpu() if read_gpu is not None else None)
         skipped_total += n_skipped
         history.append(stats)
         if on_epoch is not None:
@@ -361,6 +421,7 @@ def train(
         ended_at=utc_now(),
         duration_s=time.perf_counter() - t_start,
         data_placement=placement,
+        placement_note=placement_note,
         score_smoothing=cfg.score_smoothing,
         input_clip=cfg.input_clip,
         error_floor=cfg.error_floor,

@@ -1,6 +1,7 @@
 #!/bin/bash
 # GPU check for ds-ops, for a machine with an NVIDIA GPU: about 2-3 minutes expected; every step has
-# a timeout and together they stay under 8 minutes (30+30 s doctor, 4 x 60 s train, 150 s bench).
+# a timeout and together they stay under 8 minutes (60 s doctor, 2 x 30 s smoke test, 4 x 60 s
+# train, 150 s bench, 120 s for the job through the installed unit; worst case 7.5 minutes).
 #
 # Usage: scripts/gpu-check.sh [WHEEL_DIR]
 #   Runs from the source tree (PYTHONPATH), with the python3 on PATH or $PYTHON, which must have
@@ -11,13 +12,20 @@
 #   machine with network: pip download -d wheels numpy PyYAML nvidia-ml-py tqdm watchdog --only-binary=:all:
 #   (same python version and platform as the GPU machine; versions as pinned in pyproject.toml)
 #
-# Steps: ds-ops doctor (text and --json); ds-ops train --device cuda with bf16 and with
-# fp16+GradScaler on the bundled SMD machine and on a 1,000,000 x 32 synthetic file;
-# scripts/bench_train.py --device cuda (seed loop against ds-ops's trainer); then one table.
+# Steps: 1. ds-ops doctor (text and --json; it runs the CUDA smoke test in the gate);
+# 2. the CUDA smoke test alone with bf16 and with fp16+GradScaler (python -m opt_ds_ops.smoke);
+# 3. ds-ops train --device cuda with bf16 and with fp16+GradScaler on the bundled SMD machine and on
+# a 1,000,000 x 32 synthetic file (GPU readings per epoch from metadata.json);
+# 4. scripts/bench_train.py --device cuda (seed loop against ds-ops's trainer);
+# 5. one job through the installed ds-trainer unit (its sandbox, its user) when systemd is PID 1
+# and the unit is installed: the SMD file dropped into its spool, waited for in done/ (else the
+# step says it was skipped); then one table of every figure.
 # Everything is kept in $GPU_CHECK_OUT (default: a new folder under /tmp), printed at the end.
-# Exit status: 0 all steps passed; 1 a step failed; 3 no usable CUDA GPU or missing packages.
-# GPU_CHECK_DEVICE=cpu runs the same steps on the CPU (a dry run of this script on a machine
-# without a GPU; slow, bf16/fp16 autocast on the CPU).
+# Exit status: 0 every step passed (a skipped unit step is not a failure); 1 a step failed;
+# 3 no usable CUDA GPU or missing packages.
+# GPU_CHECK_DEVICE=cpu is the dry run on a machine without a GPU: the same steps on the CPU with a
+# 20,000-row synthetic file, 2 epochs and a 20,000-row benchmark (under a minute on 2 cores);
+# `make test` runs it (tests/test_gpu_check.py).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -58,7 +66,13 @@ if ((${#missing[@]})); then
 fi
 DSOPS=("$PY" -m opt_ds_ops.cli)
 
-# --- 1. doctor ----------------------------------------------------------------------------------
+if [[ "$DEVICE" == cpu ]]; then ROWS=20000 EPOCHS=2 BENCH_ROWS=20000; else ROWS=1000000 EPOCHS=5 BENCH_ROWS=500000; fi
+ROWS="${GPU_CHECK_ROWS:-$ROWS}"
+mkdir -p "$OUT/steps"
+# step NAME STATUS NOTE: a table row for a step with no figures (status ok, FAILED or skipped)
+step() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >"$OUT/steps/$1.tsv"; }
+
+# --- 1. doctor (the gate, with the CUDA smoke test on the chosen GPU) -------------------------------
 say "ds-ops doctor"
 timeout 30 "${DSOPS[@]}" doctor | tee "$OUT/doctor.txt"
 timeout 30 "${DSOPS[@]}" doctor --json >"$OUT/doctor.json"
@@ -71,48 +85,86 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available={ok}, GP
 sys.exit(0 if ok else 1)
 EOF
 
-# --- 2. training on $DEVICE with bf16 and fp16 + GradScaler ---------------------------------------
-say "making a 1,000,000 x 32 synthetic dataset"
-"$PY" - "$OUT/synthetic-1m.npy" <<'EOF' || die "cannot write the synthetic dataset" 1
+# --- 2. the CUDA smoke test alone, bf16 and fp16 + GradScaler -------------------------------------
+for amp in bf16 fp16; do
+    say "python -m opt_ds_ops.smoke --device $DEVICE --amp $amp"
+    timeout 30 "$PY" -m opt_ds_ops.smoke --device "$DEVICE" --amp "$amp" --timeout-s 20 | tee "$OUT/smoke-$amp.json"
+done
+
+# --- 3. training on $DEVICE with bf16 and fp16 + GradScaler ---------------------------------------
+say "making a $ROWS x 32 synthetic dataset"
+"$PY" - "$OUT/synthetic.npy" "$ROWS" <<'EOF' || die "cannot write the synthetic dataset" 1
 import sys, numpy as np
+rows = int(sys.argv[2])
 rng = np.random.default_rng(0)
-base = rng.standard_normal((1_000_000, 8), dtype=np.float32)
+base = rng.standard_normal((rows, 8), dtype=np.float32)
 mix = rng.standard_normal((8, 32), dtype=np.float32)
-x = base @ mix + 0.1 * rng.standard_normal((1_000_000, 32), dtype=np.float32)  # low-rank telemetry-like
+x = base @ mix + 0.1 * rng.standard_normal((rows, 32), dtype=np.float32)  # low-rank telemetry-like
 np.save(sys.argv[1], x.astype(np.float32))
 EOF
 
-failed=0
 for amp in bf16 fp16; do
-    for data in data/smd/train/machine-1-2.txt.gz "$OUT/synthetic-1m.npy"; do
+    for data in data/smd/train/machine-1-2.txt.gz "$OUT/synthetic.npy"; do
         base="$(basename "$data")"
         name="${base%%.*}-$amp"
-        say "ds-ops train $data --device $DEVICE --amp $amp"
-        timeout 60 "${DSOPS[@]}" train "$data" --device "$DEVICE" --amp "$amp" --epochs 5 --json \
+        say "ds-ops train $data --device $DEVICE --amp $amp --epochs $EPOCHS"
+        timeout 60 "${DSOPS[@]}" train "$data" --device "$DEVICE" --amp "$amp" --epochs "$EPOCHS" --json \
             --name "$name" --models-dir "$OUT/models" >"$OUT/train-$name.json" 2>"$OUT/train-$name.err"
         rc=$?
         if ((rc)); then
-            failed=1
             echo "ds-ops train exit status $rc (124: timed out after 60 s)" >>"$OUT/train-$name.err"
             cat "$OUT/train-$name.err" >&2
         fi
     done
 done
 
-# --- 3. benchmark: seed loop against ds-ops's trainer on CUDA ---------------------------------
-say "scripts/bench_train.py --device $DEVICE"
-timeout 150 "$PY" scripts/bench_train.py --device "$DEVICE" --skip-parse >"$OUT/bench.txt" 2>"$OUT/bench.err"
+# --- 4. benchmark: seed loop against ds-ops's trainer ----------------------------------------------
+say "scripts/bench_train.py --device $DEVICE --rows $BENCH_ROWS"
+bench_args=(--device "$DEVICE" --skip-parse --rows "$BENCH_ROWS")
+[[ "$DEVICE" == cpu ]] && bench_args+=(--epochs 1)
+timeout 150 "$PY" scripts/bench_train.py "${bench_args[@]}" >"$OUT/bench.txt" 2>"$OUT/bench.err"
 rc=$?
 if ((rc)); then
-    failed=1
     echo "bench_train.py exit status $rc (124: timed out after 150 s)" >>"$OUT/bench.err"
     cat "$OUT/bench.err" >&2
 fi
 cat "$OUT/bench.txt"
 
-# --- 4. one table -------------------------------------------------------------------------------
+# --- 5. one job through the installed unit (systemd PID 1 only) -------------------------------------
+say "a job through the installed ds-trainer unit"
+pid1="$(cat /proc/1/comm 2>/dev/null || echo '?')"
+if [[ "$pid1" != systemd ]]; then
+    step unit skipped "systemd is not PID 1 here (PID 1 is $pid1): no unit to run a job through"
+elif ! systemctl cat ds-trainer.service >/dev/null 2>&1; then
+    step unit skipped "the ds-trainer unit is not installed (install ds-ops.deb to check it)"
+elif ! systemctl is-active --quiet ds-trainer.service; then
+    step unit FAILED "ds-trainer is installed but not active: systemctl status ds-trainer"
+else
+    spool="$("$PY" -c 'from opt_ds_ops.config import load_config
+print(load_config("/etc/ds-ops/trainer.yaml", missing_ok=True).spool.dir)')"
+    drop="gpu-check-$$-$(date +%s).txt.gz"
+    if ! cp data/smd/train/machine-1-2.txt.gz "$spool/incoming/$drop.part" 2>"$OUT/unit.err" \
+        || ! mv "$spool/incoming/$drop.part" "$spool/incoming/$drop" 2>>"$OUT/unit.err"; then
+        step unit FAILED "cannot drop into $spool/incoming (run as root or a member of the spool's group): $(head -n1 "$OUT/unit.err")"
+    else
+        for _ in $(seq 120); do
+            [[ -e "$spool/done/$drop.result.json" || -e "$spool/failed/$drop.error.json" ]] && break
+            sleep 1
+        done
+        if [[ -e "$spool/done/$drop.result.json" ]]; then
+            cp "$spool/done/$drop.result.json" "$OUT/unit.json"
+        elif [[ -e "$spool/failed/$drop.error.json" ]]; then
+            cp "$spool/failed/$drop.error.json" "$OUT/unit-error.json"
+            step unit FAILED "the job failed: see $OUT/unit-error.json and journalctl -u ds-trainer"
+        else
+            step unit FAILED "no result in $spool/done/ within 120 s: journalctl -u ds-trainer"
+        fi
+    fi
+fi
+
+# --- 6. one table ---------------------------------------------------------------------------------
 say "summary ($OUT)"
-"$PY" - "$OUT" "$DEVICE" <<'EOF' || failed=1
+"$PY" - "$OUT" "$DEVICE" <<'EOF'
 import glob, json, os, sys
 
 out, device = sys.argv[1], sys.argv[2]
@@ -126,37 +178,79 @@ def load(path, last_line=False):
         return None
 
 
+def gpu_figures(history):
+    """Max temperature (°C), power (W) and job memory (MiB), mean utilisation (%) over the epochs."""
+    gs = [h.get("gpu") for h in history or [] if isinstance(h.get("gpu"), dict)]
+    if not gs:
+        return "-"
+
+    def vals(k):
+        return [g[k] for g in gs if isinstance(g.get(k), (int, float))]
+    t, w, m, u = vals("temperature_c"), vals("power_draw_w"), vals("process_memory_mib"), vals("utilization_gpu_pct")
+    throttled = sorted({r for g in gs for r in g.get("throttle_started") or []})
+    return (f"{max(t) if t else '?'} °C, {max(w) if w else '?'} W, {max(m) if m else '?'} MiB, "
+            f"{sum(u) / len(u) if u else float('nan'):.0f} %" + (f", throttled {'+'.join(throttled)}" if throttled else ""))
+
+
 rows = []
 doc = load(f"{out}/doctor.json")
 if doc:
     d = doc["decision"]
+    smokes = doc.get("smoke_tests") or []
+    ok = (d["action"] == "run" and str(d["device"]).startswith(device) and all(t["ok"] for t in smokes)
+          and (device == "cpu" or bool(smokes)))
     gpus = ", ".join(f"{g['name']} {g['verdict']}" for g in doc["gpus"]) or "no GPU"
-    rows.append(("doctor", str(d["device"]), str(d["amp_dtype"]), "-", "-", "-",
-                 f"verdict {doc['verdict']} (exit {doc['exit_code']}): {gpus}"))
+    smoke = "; ".join(f"smoke test {t['device']} " + ("ok" if t["ok"] else f"FAILED: {t['error']}") for t in smokes)
+    rows.append(("doctor", "ok" if ok else "FAILED", str(d["device"]), str(d["amp_dtype"]), "-", "-", "-",
+                 f"{smokes[-1]['seconds']:.2f}" if smokes else "-", "-",
+                 f"verdict {doc['verdict']} (exit {doc['exit_code']}), tf32 {d.get('tf32')}: {gpus}"
+                 + (f"; {smoke}" if smoke else "; no smoke test (no GPU planned)")))
 else:
-    rows.append(("doctor", "?", "?", "-", "-", "-", "no JSON (see doctor.txt)"))
+    rows.append(("doctor", "FAILED", "?", "?", "-", "-", "-", "-", "-", "no JSON (see doctor.txt)"))
+for amp in ("bf16", "fp16"):
+    s = load(f"{out}/smoke-{amp}.json", last_line=True)
+    if s is None:
+        rows.append((f"smoke {amp}", "FAILED", "?", amp, "-", "-", "-", "-", "-", "no result (timed out?)"))
+        continue
+    rows.append((f"smoke {amp}", "ok" if s["ok"] else "FAILED", s["device"], s["amp_dtype"], "512", "-",
+                 f"{s['loss']:.5f}" if s["loss"] is not None else "-", f"{s['seconds']:.2f}", "-",
+                 "one forward + backward, synchronised" if s["ok"] else s["error"]))
 for path in sorted(glob.glob(f"{out}/train-*.json")):
     name = os.path.basename(path)[6:-5]
     t = load(path)
     if t is None:
-        rows.append((f"train {name}", "?", "?", "-", "-", "-", "FAILED (see .err)"))
+        rows.append((f"train {name}", "FAILED", "?", "?", "-", "-", "-", "-", "-", "see .err"))
         continue
+    md = load(os.path.join(t["model_dir"], "metadata.json")) or {}
     ok = t["device"].startswith(device) and t["amp_dtype"] in name
-    rows.append((f"train {name}", t["device"], t["amp_dtype"], f"{t['rows']:,}", f"{t['samples_per_s']:,.0f}",
-                 f"{t['final_train_loss']:.5f}",
-                 f"skipped_steps {t['skipped_steps']}, health {t.get('health', '?')}" + ("" if ok else f" NOT ON {device.upper()}")))
+    rows.append((f"train {name}", "ok" if ok else "FAILED", t["device"], t["amp_dtype"], f"{t['rows']:,}",
+                 f"{t['samples_per_s']:,.0f}", f"{t['final_train_loss']:.5f}", f"{t['duration_s']:.1f}",
+                 gpu_figures(md.get("history")),
+                 f"skipped_steps {t['skipped_steps']}, health {t.get('health', '?')}, placement {md.get('data_placement', '?')}"
+                 + ("" if ok else f", NOT ON {device.upper()}")))
 b = load(f"{out}/bench.txt", last_line=True)
 if b:
-    rows.append(("bench seed loop", b["device"], b["amp_dtype"], f"{b['rows']:,}", f"{b['seed_samples_per_s']:,}",
-                 f"{b['seed_final_loss']:.5f}", "DataLoader + loss.item() per batch"))
-    rows.append(("bench ds-ops", b["device"], b["amp_dtype"], f"{b['rows']:,}", f"{b['ds_ops_samples_per_s']:,}",
-                 f"{b['ds_ops_final_loss']:.5f}", f"ratio {b['ratio']}x, loss diff {b['loss_rel_diff']:.1%}"))
+    rows.append(("bench seed loop", "ok", b["device"], b["amp_dtype"], f"{b['rows']:,}", f"{b['seed_samples_per_s']:,}",
+                 f"{b['seed_final_loss']:.5f}", "-", "-", "DataLoader + loss.item() per batch"))
+    rows.append(("bench ds-ops", "ok", b["device"], b["amp_dtype"], f"{b['rows']:,}", f"{b['ds_ops_samples_per_s']:,}",
+                 f"{b['ds_ops_final_loss']:.5f}", "-", "-", f"ratio {b['ratio']}x, loss diff {b['loss_rel_diff']:.1%}"))
 else:
-    rows.append(("bench", "?", "?", "-", "-", "-", "FAILED (see bench.err)"))
-head = ("check", "device", "amp", "rows", "samples/s", "final loss", "note")
+    rows.append(("bench", "FAILED", "?", "?", "-", "-", "-", "-", "-", "see bench.err"))
+u = load(f"{out}/unit.json")
+if u:
+    ok = str(u["device"]).startswith(device)
+    rows.append(("unit job", "ok" if ok else "FAILED", u["device"], u["amp_dtype"], f"{u['rows']:,}",
+                 f"{u['samples_per_s']:,.0f}", f"{u['final_train_loss']:.5f}", f"{u['duration_s']:.1f}",
+                 gpu_figures(u.get("history")), "through ds-trainer.service" + ("" if ok else f", NOT ON {device.upper()}")))
+for path in sorted(glob.glob(f"{out}/steps/*.tsv")):
+    name, status, note = open(path).read().rstrip("\n").split("\t", 2)
+    rows.append((f"{name} job", status, "-", "-", "-", "-", "-", "-", "-", note))
+head = ("check", "status", "device", "amp", "rows", "samples/s", "final loss", "seconds", "GPU max °C, W, MiB; mean util", "note")
 widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
 for r in [head] + rows:
     print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-sys.exit(0 if all("FAILED" not in r[-1] and " NOT ON " not in r[-1] for r in rows) else 1)
+failed = [r[0] for r in rows if r[1] == "FAILED"]
+print(f"\n{len(rows) - len(failed)} of {len(rows)} checks passed or were skipped"
+      + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+sys.exit(1 if failed else 0)
 EOF
-exit "$failed"

@@ -1,8 +1,11 @@
-"""scripts/gpu-check.sh on a machine without a GPU: valid bash, and a clean stop after the doctor."""
+"""scripts/gpu-check.sh on a machine without a GPU: valid bash, a clean stop after the doctor, and
+the dry run (GPU_CHECK_DEVICE=cpu: every step on the CPU, about 30 s on 2 cores) with its table."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -27,3 +30,31 @@ def test_gpu_check_without_cuda_runs_the_doctor_then_stops_with_a_clear_message(
     assert "no NVIDIA driver" in p.stdout and "a job would get: device cpu" in p.stdout
     assert "torch sees no CUDA GPU" in p.stderr and "Traceback" not in p.stderr
     assert (tmp_path / "doctor.json").is_file() and (tmp_path / "doctor.rc").read_text().strip() == "1"
+
+
+def _dry_run(tmp_path, **extra):
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_OUT=str(tmp_path), GPU_CHECK_DEVICE="cpu",
+               OMP_NUM_THREADS="1", **extra)
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+
+
+def test_gpu_check_dry_run_on_the_cpu_passes_every_step_and_prints_one_table(tmp_path):
+    p = _dry_run(tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    table = p.stdout[p.stdout.index("== summary"):].splitlines()
+    assert table[1].split()[:3] == ["check", "status", "device"]
+    rows = [line for line in table[2:] if line.strip() and not line.startswith("10 of")]
+    status = dict(re.match(r"(.+?)\s{2,}(\S+)", line).groups() for line in rows)  # check -> status
+    assert [k for k, v in status.items() if v == "ok"] == [
+        "doctor", "smoke bf16", "smoke fp16", "train machine-1-2-bf16", "train machine-1-2-fp16",
+        "train synthetic-bf16", "train synthetic-fp16", "bench seed loop", "bench ds-ops"], table
+    assert status["unit job"] in ("skipped", "ok")  # skipped unless systemd is PID 1 with ds-trainer running
+    assert "10 of 10 checks passed or were skipped" in p.stdout and "Traceback" not in p.stderr
+    smoke = json.loads((tmp_path / "smoke-fp16.json").read_text())
+    assert smoke["ok"] and smoke["device"] == "cpu" and smoke["amp_dtype"] == "fp16"
+
+
+def test_gpu_check_exits_1_naming_the_steps_that_failed(tmp_path):
+    p = _dry_run(tmp_path, GPU_CHECK_ROWS="1")  # a 1-row synthetic file cannot be trained on
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "8 of 10 checks passed or were skipped; FAILED: train synthetic-bf16, train synthetic-fp16" in p.stdout

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
 
 from conftest import SMD_TRAIN, run_cli
-from fakes.fake_cuda import fake_cuda
+from fakes.fake_cuda import fake_cuda, fake_cuda_runtime
 from fakes.fake_pynvml import FakeNvml, h100, h200, install, v100
 from opt_ds_ops import cli, nvml
 from opt_ds_ops.config import Config, ConfigError, HealthConfig, load_config
@@ -22,17 +23,31 @@ from opt_ds_ops.health import gate_job
 GiB = 1024**3
 
 
+# The CUDA smoke test runs on the CPU here (fake_cuda_runtime); on a loaded 2-core machine its
+# default 5 s budget is no test of anything, so tests give it 600 s unless a test is about the timeout.
+RELAXED = 600.0
+
+
 def cfg(device="auto", amp="auto", **health) -> Config:
-    return Config(device=device, amp=amp, health=HealthConfig(**health))
+    return Config(device=device, amp=amp, health=HealthConfig(**{"smoke_timeout_s": RELAXED, **health}))
+
+
+def relaxed_conffile(tmp_path) -> str:
+    path = tmp_path / "trainer.yaml"
+    path.write_text(f"health:\n  smoke_timeout_s: {RELAXED}\n")
+    return str(path)
 
 
 @pytest.fixture
 def host(monkeypatch):
-    """Install a fake NVML host with the given GPUs (default: one healthy H200) that torch also sees."""
+    """Install a fake NVML host with the given GPUs (default: one healthy H200) that torch also sees,
+    with a working CUDA runtime (on the CPU) for the smoke test; ``runtime`` installs a faulty one."""
 
     def make(*gpus, torch_cuda="12.4", **kw) -> FakeNvml:
         fake = install(monkeypatch, FakeNvml(gpus=list(gpus) or [h200()], **kw))
         fake_cuda(monkeypatch, fake.gpus if fake.init_error is None else [], cuda_version=torch_cuda)
+        if fake.init_error is None and torch_cuda is not None:
+            fake_cuda_runtime(monkeypatch)
         return fake
 
     return make
@@ -300,6 +315,130 @@ def test_an_amp_the_gpu_cannot_do_is_refused(host, monkeypatch):
     assert d.action == "refuse" and "bf16" in d.reason
 
 
+# --- the CUDA smoke test in the gate ------------------------------------------------------------
+
+@pytest.fixture
+def runtime(monkeypatch):
+    """Install the fake CUDA runtime (CPU kernels) with a fault; a hung one is released at teardown."""
+    made = []
+
+    def make(fault=None, **kw):
+        made.append(fake_cuda_runtime(monkeypatch, fault, **kw))
+        return made[-1]
+
+    yield make
+    for rt in made:
+        rt.release.set()
+
+
+def test_smoke_test_on_a_working_gpu_passes_and_is_timed(host, runtime):
+    host()
+    rt = runtime()
+    d = gate_job(cfg())
+    assert d.action == "run" and str(d.plan.device) == "cuda:0" and d.report["verdict"] == "ok"
+    (t,) = d.report["smoke_tests"]
+    assert t["ok"] and t["error"] == "" and t["device"] == "cuda:0" and t["amp_dtype"] == "bf16"
+    assert t["seconds"] > 0 and 0.5 < t["loss"] < 3  # an untrained autoencoder on N(0, 1) data: MSE about 1
+    assert rt.calls[0] == "set_device" and rt.calls[-1] == "synchronize"  # context first, result synchronised
+    json.dumps(d.report)
+
+
+def test_smoke_test_uses_the_grad_scaler_with_fp16(host, runtime, monkeypatch):
+    host(v100())
+    runtime()
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    scalers = []
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: scalers.append(k.get("enabled")) or real(*a, **k))
+    (t,) = gate_job(cfg()).report["smoke_tests"]
+    assert t["ok"] and t["amp_dtype"] == "fp16" and scalers == [True]
+
+
+SMOKE_FAULTS = [
+    ("error", "AcceleratorError: CUDA error: an illegal memory access was encountered"),
+    ("hang", "did not finish within 0.2 s (health.smoke_timeout_s)"),
+    ("nan", "the forward pass gave a non-finite loss (nan)"),
+]
+
+
+@pytest.mark.parametrize("fault, words", SMOKE_FAULTS)
+@pytest.mark.parametrize("on_fail", ["cpu", "defer", "refuse"])
+def test_a_failed_smoke_test_is_a_fail_finding_and_on_fail_decides(host, runtime, fault, words, on_fail):
+    host()
+    runtime(fault)
+    d = gate_job(cfg(on_fail=on_fail, smoke_timeout_s=0.2 if fault == "hang" else RELAXED))
+    g = d.report["gpus"][0]
+    assert d.report["verdict"] == g["verdict"] == "fail"
+    assert ("fail", "cuda") in findings(d) and f"CUDA smoke test failed: {words}" in messages(d, 0)
+    (t,) = d.report["smoke_tests"]
+    assert not t["ok"] and words in t["error"] and t["timed_out"] == (fault == "hang")
+    assert f"GPU 0 cuda: CUDA smoke test failed: {words}" in d.reason
+    assert d.action == {"cpu": "run", "defer": "defer", "refuse": "refuse"}[on_fail]
+    assert d.report["decision"]["action"] == d.action
+    if on_fail == "cpu":
+        assert str(d.plan.device) == "cpu" and "health.on_fail=cpu" in d.reason
+    json.dumps(d.report)
+
+
+def test_a_failed_smoke_test_moves_the_job_to_the_next_healthy_gpu(host, runtime, monkeypatch):
+    host(h200(), h200(uuid="GPU-00000000-0000-4000-8000-000000000002", bus_id="00000000:2A:00.0"))
+    rt = runtime()
+    real_sync = torch.cuda.synchronize
+    tried = []
+
+    def sync(device=None):  # GPU 0 raises, GPU 1 works
+        tried.append(str(device))
+        if str(device) == "cuda:0":
+            raise torch.AcceleratorError("CUDA error: unspecified launch failure")
+        real_sync(device)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    d = gate_job(cfg(on_fail="refuse"))
+    assert tried == ["cuda:0", "cuda:1"] and d.action == "run" and str(d.plan.device) == "cuda:1"
+    assert [t["ok"] for t in d.report["smoke_tests"]] == [False, True]
+    assert d.report["gpus"][0]["verdict"] == "fail" and d.report["gpus"][1]["verdict"] == "ok"
+    assert rt.calls.count("set_device") == 2
+
+
+def test_no_smoke_test_when_the_job_is_not_planned_on_a_gpu(host, runtime):
+    host()
+    rt = runtime("error")
+    d = gate_job(cfg(device="cpu"))
+    assert d.action == "run" and d.report["smoke_tests"] == [] and rt.calls == []
+    assert gate_job(cfg(), smoke=False).report.get("smoke_tests") is None and rt.calls == []
+
+
+def test_the_daemons_start_up_health_log_runs_no_smoke_test(host, runtime, tmp_path):
+    import io
+
+    from opt_ds_ops.daemon import Daemon
+    from opt_ds_ops.journal import EventLog
+    from opt_ds_ops.notify import Notifier
+    from opt_ds_ops.spool import open_spool
+
+    host()
+    rt = runtime("error")  # a smoke test would fail the GPU: the log says ok, and no CUDA call was made
+    out = io.StringIO()
+    d = Daemon(cfg(), open_spool(str(tmp_path / "spool")), EventLog(journal=False, stream=out), Notifier({}),
+               str(tmp_path / "trainer.yaml"))
+    d._log_health()
+    assert "health ok: all checks passed -> cuda:0 amp=bf16" in out.getvalue() and rt.calls == []
+
+
+def test_tf32_is_planned_only_for_fp32_on_a_gpu_that_has_it(host, monkeypatch):
+    host()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: dataclasses.make_dataclass(
+        "P", ["major"])(9))
+    assert gate_job(cfg(), smoke=False).plan.tf32 is False  # bf16 autocast: TF32 does not apply
+    off = gate_job(Config(amp="off", tf32=True), smoke=False)
+    assert off.plan.tf32 and off.report["decision"]["float32_matmul_precision"] == "high"
+    assert "tf32=on" in off.plan.describe()
+    assert gate_job(Config(amp="off"), smoke=False).report["decision"]["tf32"] is False
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: dataclasses.make_dataclass(
+        "P", ["major"])(7))  # Volta: no TF32
+    assert gate_job(Config(amp="off", tf32=True), smoke=False).plan.tf32 is False
+
+
 # --- configuration ---------------------------------------------------------------------------
 
 def test_health_thresholds_are_validated_with_file_and_key(tmp_path):
@@ -314,7 +453,9 @@ def test_shipped_conffile_health_section_equals_the_defaults():
 
     assert load_config(str(REPO / "etc" / "ds-ops" / "trainer.yaml")).health == HealthConfig()
     assert dataclasses.asdict(HealthConfig()) == {"on_fail": "cpu", "retry_s": 300.0, "temp_margin_c": 5,
-                                                 "retired_pages_warn": 15, "retired_pages_fail": 63}
+                                                 "retired_pages_warn": 15, "retired_pages_fail": 63,
+                                                 "smoke_timeout_s": 5.0}
+    assert load_config(str(REPO / "etc" / "ds-ops" / "trainer.yaml")).tf32 is Config().tf32 is False
 
 
 # --- ds-ops doctor and ds-ops train --------------------------------------------------------------
@@ -332,7 +473,45 @@ def test_doctor_json_on_this_machine():
     assert p.returncode == 1 == report["exit_code"]
     assert report["host"]["status"] == "no_library" and "no NVIDIA driver" in report["findings"][0]["message"]
     assert report["decision"] == {"action": "run", "device": "cpu", "amp_dtype": "off",
-                                  "reason": "device: auto and no usable CUDA GPU"}
+                                  "reason": "device: auto and no usable CUDA GPU", "tf32": False,
+                                  "float32_matmul_precision": "highest", "gpu": None}
+    assert report["smoke_tests"] == []
+
+
+def test_doctor_here_makes_no_cuda_attempt(monkeypatch, capsys):
+    """No driver: doctor never reaches the smoke test nor any CUDA call beyond torch's availability query."""
+    from opt_ds_ops import health, smoke
+
+    def boom(*a, **k):
+        raise AssertionError("CUDA was touched")
+
+    monkeypatch.setattr(smoke, "_one_step", boom)
+    monkeypatch.setattr(health, "smoke_test", boom)
+    for name in ("set_device", "synchronize", "mem_get_info", "init"):
+        monkeypatch.setattr(torch.cuda, name, boom)
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "no NVIDIA driver" in out and "cuda smoke test: not run (no CUDA GPU planned)" in out
+    assert cli.main(["doctor", "--no-smoke"]) == 1 and "cuda smoke test: skipped (--no-smoke)" in capsys.readouterr().out
+
+
+def test_doctor_prints_the_smoke_tests_time_and_no_smoke_skips_it(host, runtime, capsys, tmp_path):
+    host()
+    rt = runtime()
+    assert cli.main(["doctor", "--config", relaxed_conffile(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"cuda smoke test: ok in \d+\.\d\d s \(cuda:0 amp=bf16, loss [\d.]+\)", out), out
+    assert cli.main(["doctor", "--no-smoke"]) == 0
+    assert "cuda smoke test: skipped (--no-smoke)" in capsys.readouterr().out and rt.calls.count("synchronize") == 1
+
+
+def test_doctor_with_a_failing_smoke_test_exits_2(host, runtime, capsys, tmp_path):
+    host()
+    runtime("error")
+    assert cli.main(["doctor", "--json", "--config", relaxed_conffile(tmp_path)]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "fail" and report["decision"]["device"] == "cpu"
+    assert "illegal memory access" in report["smoke_tests"][0]["error"]
 
 
 def test_doctor_exit_code_follows_the_policy(tmp_path):
@@ -343,10 +522,10 @@ def test_doctor_exit_code_follows_the_policy(tmp_path):
     assert run_cli("doctor", "--device", "cpu").returncode == 0
 
 
-def test_doctor_table_on_a_fake_two_gpu_host(host, capsys):
+def test_doctor_table_on_a_fake_two_gpu_host(host, capsys, tmp_path):
     host(h200(), h200(uuid="GPU-00000000-0000-4000-8000-000000000002", bus_id="00000000:2A:00.0",
                       clocks_event_mask=0x8 | 0x80))
-    assert cli.main(["doctor"]) == 1
+    assert cli.main(["doctor", "--config", relaxed_conffile(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "NVIDIA driver 550.54.15, NVML 12.550.54.15, CUDA 12.4 (driver), 2 GPU(s)" in out
     assert "1 / 143771" in out and "30 (89/92)" in out and "70 / 700" in out and "HwSlowdown,HwPowerBrakeSlowdown" in out

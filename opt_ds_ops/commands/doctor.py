@@ -1,8 +1,10 @@
 """``ds-ops doctor``: GPU and driver health on demand, and the device a job would get now.
 
 Prints a table like ``nvidia-smi --query-gpu=...`` (one row per GPU), each GPU's verdict with one
-line per finding, and the device and AMP dtype the health gate would give a job now. ``--json``
-prints the health report (the one metadata.json stores) plus ``exit_code``.
+line per finding, the CUDA smoke test's result and time (:mod:`opt_ds_ops.smoke`; only when the
+job would run on a CUDA GPU; ``--no-smoke`` skips it), and the device, AMP dtype and TF32 setting
+the health gate would give a job now. ``--json`` prints the health report (the one metadata.json
+stores) plus ``exit_code``.
 
 Exit codes: 0 ok; 1 warn (this includes "no NVIDIA driver, the CPU is the device" under
 ``device: auto``); 2 fail, or no device per ``health.on_fail`` (defer/refuse). A configuration
@@ -25,6 +27,7 @@ def add_parser(sub) -> None:
     d.add_argument("--device", help="judge for this device instead of the configured one: auto, cpu, mps, cuda, cuda:N")
     d.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"])
     d.add_argument("--json", action="store_true", help="print the health report as JSON")
+    d.add_argument("--no-smoke", action="store_true", help="skip the CUDA smoke test (one forward and backward on the GPU)")
     d.set_defaults(func=run)
 
 
@@ -81,7 +84,24 @@ def _driver_line(report: dict) -> str:
     return f"{driver}; torch {t['version']} ({cuda}) sees {t['device_count']} CUDA GPU(s)"
 
 
-def render(decision) -> list[str]:
+def smoke_lines(report: dict, skipped: bool = False) -> list[str]:
+    """Return the lines about the CUDA smoke tests in a report (one per GPU tried)."""
+    if skipped:
+        return ["cuda smoke test: skipped (--no-smoke)"]
+    tests = report.get("smoke_tests") or []
+    if not tests:
+        return ["cuda smoke test: not run (no CUDA GPU planned)"]
+    out = []
+    for t in tests:
+        where = f"{t['device']} amp={t['amp_dtype']}"
+        if t["ok"]:
+            out.append(f"cuda smoke test: ok in {t['seconds']:.2f} s ({where}, loss {t['loss']:.3g})")
+        else:
+            out.append(f"cuda smoke test: FAILED after {t['seconds']:.2f} s ({where}): {t['error']}")
+    return out
+
+
+def render(decision, smoke_skipped: bool = False) -> list[str]:
     """Return the text ``ds-ops doctor`` prints for a GateDecision."""
     r = decision.report
     out = [_driver_line(r), ""]
@@ -94,10 +114,12 @@ def render(decision) -> list[str]:
     for g in r["gpus"]:
         out.append(f"  GPU {g['index']} {g['name']}: {g['verdict']}")
         out += [f"    {f['level']:<4}  {f['check']}: {f['message']}" for f in g["findings"]]
+    out += smoke_lines(r, smoke_skipped)
     if decision.plan is not None:
         amp = decision.plan.amp_name + (" (fp32)" if decision.plan.amp_dtype is None else "")
         scaler = " with GradScaler" if decision.plan.use_grad_scaler else ""
-        out.append(f"a job would get: device {decision.plan.device}, amp {amp}{scaler}")
+        tf32 = ", tf32 matmuls" if decision.plan.tf32 else ""
+        out.append(f"a job would get: device {decision.plan.device}, amp {amp}{scaler}{tf32}")
     else:
         out.append(f"a job would get: no device ({decision.action}, health.on_fail={r['on_fail']})")
     if decision.reason:
@@ -108,10 +130,10 @@ def render(decision) -> list[str]:
 def run(args) -> int:
     """``ds-ops doctor``: print health and the device a job would get; return 0/1/2 (see module)."""
     cfg = load_cfg(args, {"device": args.device, "amp": args.amp})
-    decision = gate_job(cfg)
+    decision = gate_job(cfg, smoke=not args.no_smoke)
     code = exit_code(decision)
     if args.json:
         print(json.dumps({**decision.report, "exit_code": code}, sort_keys=True))
     else:
-        print("\n".join(render(decision)))
+        print("\n".join(render(decision, smoke_skipped=args.no_smoke)))
     return code

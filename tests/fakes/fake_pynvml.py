@@ -15,6 +15,8 @@ Where the figures come from (NVIDIA's public documents; no real H200 was at hand
 - Slowdown 89 degC / shutdown 92 degC: what `nvidia-smi -q` prints under "Temperature" on
   H100 SXM boards (inside the 87-90 degC slowdown range NVIDIA documents for data-centre parts).
 - Idle readings: P0, about 70 W, 30 degC, 0 % utilisation, clocks-event reason GpuIdle only.
+- SM clock 1980 MHz: the H100/H200 SXM maximum boost clock in public spec listings (what
+  `nvidia-smi -q` shows under "Max Clocks"; not read from a real board).
 - Driver 550.54.15 is an R550 production driver (the first branch listing H200), which supports
   CUDA 12.4 (NVML reports 12040); NVML version "12.550.54.15".
 - V100 SXM2 16 GB (a board with page retirement instead of row remapping): 16160 MiB, 300 W,
@@ -35,7 +37,11 @@ MIB = 1024 * 1024
 
 @dataclass
 class FakeGpu:
-    """One fake GPU; units as NVML returns them (bytes via MiB here, milliwatts, degC)."""
+    """One fake GPU; units as NVML returns them (bytes via MiB here, milliwatts, degC).
+
+    ``temperature_c``, ``power_draw_mw``, ``sm_clock_mhz``, ``pstate``, ``clocks_event_mask`` and
+    ``processes`` may be functions of no arguments: each query calls them (readings that change
+    while a job trains; one that raises NVMLError is a query that fails)."""
 
     name: str = "NVIDIA H200"
     uuid: str = "GPU-4d6e1c2a-8b3f-4e57-9a10-2f6c3b8d9e01"
@@ -52,6 +58,8 @@ class FakeGpu:
     utilization: tuple = (0, 0)  # gpu %, memory %
     pcie: tuple = (5, 5, 16, 16)  # gen current, gen max, width current, width max
     clocks_event_mask: int = _real.nvmlClocksEventReasonGpuIdle
+    sm_clock_mhz: int = 1980
+    processes: list = field(default_factory=list)  # (pid, used bytes or None) of compute processes
     ecc_mode: tuple = (_real.NVML_FEATURE_ENABLED, _real.NVML_FEATURE_ENABLED)
     ecc: dict = field(default_factory=lambda: {"volatile_corrected": 0, "volatile_uncorrected": 0,
                                                "aggregate_corrected": 0, "aggregate_uncorrected": 0})
@@ -148,6 +156,21 @@ class FakeNvml:
         if not 0 <= index < len(self.gpus):
             raise _real.NVMLError(_real.NVML_ERROR_INVALID_ARGUMENT)
         return self._call("nvmlDeviceGetHandleByIndex", self.gpus[index], self.gpus[index])
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        found = [g for g in self.gpus if g.uuid == uuid]
+        if not found:
+            raise _real.NVMLError(_real.NVML_ERROR_NOT_FOUND)
+        return self._call("nvmlDeviceGetHandleByUUID", found[0], found[0])
+
+    def nvmlDeviceGetClockInfo(self, h, clock_type):
+        return self._call("nvmlDeviceGetClockInfo", h, h.sm_clock_mhz if clock_type == _real.NVML_CLOCK_SM else 2619)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return self._call("nvmlDeviceGetComputeRunningProcesses", h, lambda: [
+            SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in (h.processes() if callable(h.processes)
+                                                                            else h.processes)])
 
     def nvmlDeviceGetName(self, h):
         return self._call("nvmlDeviceGetName", h, h.name)

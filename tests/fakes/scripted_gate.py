@@ -23,3 +23,60 @@ def gate(cfg, need_bytes):
     action, reason, verdict = json.load(open(os.path.join(d, "answers.json")))[n]
     report = {"verdict": verdict, "gpus": []}
     return GateDecision(action, plan_device("cpu", "off") if action == "run" else None, reason, report)
+
+
+def gpu_gate(cfg, need_bytes):
+    """A gate for the GPU-readings test: installs a fake NVML (tests/fakes/fake_pynvml.py) in the
+    job process, one H200 whose readings change per query as a GPU's do while a job trains, and
+    answers "run" with a CPU plan and a report whose decision names that GPU (NVML index 0), so the
+    job reads it every epoch. Readings (baseline at the job's start, then epochs 1, 2, 3):
+    temperature 30, 71, 86, 88 °C; power 70, 650, 690 W, then NVML fails (UNKNOWN); clocks-event
+    reasons GpuIdle, SwPowerCap, SwPowerCap+HwThermalSlowdown (twice); this process holds 1500 MiB.
+    """
+    import sys
+
+    import pynvml as real
+
+    from fakes.fake_pynvml import FakeNvml, h200
+    from opt_ds_ops.device import plan_device
+    from opt_ds_ops.health import GateDecision
+
+    def script(values):
+        calls = iter(values)
+
+        def next_value():
+            v = next(calls, values[-1])
+            if isinstance(v, Exception):
+                raise v
+            return v
+        return next_value
+
+    hot = real.nvmlClocksEventReasonSwPowerCap | real.nvmlClocksEventReasonHwThermalSlowdown
+    gpu = h200(temperature_c=script([30, 71, 86, 88]),
+               power_draw_mw=script([70_000, 650_000, 690_000, real.NVMLError(real.NVML_ERROR_UNKNOWN)]),
+               clocks_event_mask=script([real.nvmlClocksEventReasonGpuIdle, real.nvmlClocksEventReasonSwPowerCap,
+                                         hot, hot]),
+               processes=lambda: [(os.getpid(), 1500 * 1024 * 1024), (1, 4096 * 1024 * 1024)],
+               memory_used_mib=5597)
+    sys.modules["pynvml"] = FakeNvml(gpus=[gpu]).module()
+    report = {"verdict": "ok", "gpus": [], "decision": {"action": "run", "device": "cpu", "amp_dtype": "off",
+                                                        "gpu": {"index": 0, "uuid": gpu.uuid}}}
+    return GateDecision("run", plan_device("cpu", "off"), "", report)
+
+
+def oom_gate(cfg, need_bytes):
+    """A gate for the out-of-memory test: makes torch in the job process see one H200 whose CUDA
+    runtime runs on the CPU (tests/fakes/fake_cuda.py) and runs out of memory for copies of
+    ``$DS_OPS_TEST_OOM_BYTES`` bytes or more; answers "run" on cuda:0 with fp32."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from fakes.fake_cuda import fake_cuda, fake_cuda_runtime
+    from fakes.fake_pynvml import h200
+    from opt_ds_ops.device import plan_device
+    from opt_ds_ops.health import GateDecision
+
+    mp = MonkeyPatch()  # never undone: the job process ends with the job
+    fake_cuda(mp, [h200()])
+    fake_cuda_runtime(mp, "oom", oom_min_bytes=int(os.environ["DS_OPS_TEST_OOM_BYTES"]))
+    report = {"verdict": "ok", "gpus": [], "decision": {"action": "run", "device": "cuda:0", "amp_dtype": "off"}}
+    return GateDecision("run", plan_device("cuda:0", "off"), "", report)
