@@ -30,6 +30,7 @@ from .commands import daemon as daemon_cmd  # noqa: E402
 from .commands import doctor as doctor_cmd  # noqa: E402
 from .commands import evaluate as evaluate_cmd  # noqa: E402
 from .commands import models as models_cmd  # noqa: E402
+from .commands import report as report_cmd  # noqa: E402
 from .commands import requeue as requeue_cmd  # noqa: E402
 from .commands import score as score_cmd  # noqa: E402
 from .commands import status as status_cmd  # noqa: E402
@@ -42,7 +43,7 @@ from .score import ScoreError  # noqa: E402
 from .store import StoreError  # noqa: E402
 
 COMMANDS = [train_cmd, score_cmd, evaluate_cmd, doctor_cmd, daemon_cmd, status_cmd, models_cmd,
-            requeue_cmd, check_config_cmd]
+            requeue_cmd, check_config_cmd, report_cmd]
 USER_ERRORS = (CliError, ConfigError, DatasetError, DeviceError, JobError, ScoreError, StoreError)
 
 

@@ -638,6 +638,10 @@ class Daemon:
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], **self._fields(record),
         )
+        if metadata.get("report_warning"):  # issue 11: the picture failed, the job did not
+            self.log.event("report-failed", f"{safe_text(record['dataset'])}: {metadata['report_warning']}; the model "
+                           f"is saved; redraw it with ds-ops report {doc['model_dir']}", priority=LOG_WARNING,
+                           model_dir=doc["model_dir"], **self._fields(record))
         self._prune_versions(metadata)
         self._retention()
         self.metrics.job_done(doc)

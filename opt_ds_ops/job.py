@@ -18,6 +18,7 @@ from .config import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, Da
 from .dataset import Dataset, DatasetError, DatasetLimits, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import read_small
+from .report import try_write_report, validation_summary
 from .store import StoreError, dataset_file_of, model_payload, safe_model_name, save_model
 from .train import EpochStats, TrainingError, TrainResult, train
 
@@ -43,6 +44,7 @@ class JobResult:
     result: TrainResult
     dataset: Dataset
     metadata: dict
+    report_warning: str | None = None  # issue 11: why report.png was not drawn (None: it was)
 
 
 def find_sidecar(dataset_path: str) -> str | None:
@@ -209,6 +211,12 @@ def run_job(
     metadata["name_explicit"] = explicit_name
     if source_name:
         metadata["dataset"]["file"] = source_name
+    # issue 11: the validation scores' histogram for report.png (warning-only, like the report)
+    try:
+        metadata["validation_scores"] = validation_summary(result, ds.data, ds.offset, cfg.train.val_fraction)
+    except Exception as e:  # noqa: BLE001 - a picture's data never fails a trained job
+        metadata["validation_scores"] = None
+        metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
     stage("store")
     try:
         model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata)
@@ -216,4 +224,8 @@ def run_job(
         err = JobError("store", str(e), e)
         err.errno = e.errno
         raise err from e
-    return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata)
+    # issue 11: report.png beside the published version; a failure is a warning, never the job's
+    report_warning = try_write_report(model_dir)
+    metadata = dict(metadata, report_warning=report_warning)  # the caller's copy only, not metadata.json
+    return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata,
+                     report_warning=report_warning)

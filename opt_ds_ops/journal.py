@@ -52,6 +52,7 @@ MESSAGE_IDS = {
     "metrics": "66e2a7bc87cd4753948bcfd936ddfa3a",
     "model-pruned": "dc03cf1c701c4dfc8ab394ceda57ee35",
     "spool-pruned": "ab9635bf3fe34652aab8a3ae634cce4e",
+    "report-failed": "50091f7c7c094ec080584c7cf9395808",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).

@@ -1,0 +1,145 @@
+"""``report.png`` of a model version: what the model learned, at a glance.
+
+Three panels, drawn by matplotlib's Agg backend (no display needed): the per-epoch training and
+validation loss (MSE of standardised values); the distribution of the validation rows' anomaly
+scores with the stored threshold; the per-feature error scale (the mean squared validation error
+of each metric, the metrics the model reconstructs worst first, by header name when the dataset
+had one). Everything comes from the version directory alone (metadata.json, with its
+``validation_scores`` histogram, and model.pt), so ``ds-ops report`` redraws it any time.
+A report that cannot be drawn is a warning for the job, never a failure (:func:`try_write_report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+REPORT_FILE = "report.png"
+HIST_BINS = 60
+TOP_FEATURES = 20  # the error-scale panel shows this many metrics, worst first
+
+
+class ReportError(RuntimeError):
+    """A report that cannot be drawn or written; the message names the file and why."""
+
+
+def validation_summary(result, data: np.ndarray, offset, val_fraction: float) -> dict | None:
+    """Given a TrainResult and its dataset's (rows, D) matrix (and ``Dataset.offset``), return the
+    validation rows' anomaly-score histogram for metadata.json: ``{rows, edges, counts, max}``
+    (scores as ``ds-ops score`` computes them; ``HIST_BINS`` bins up to the larger of the highest
+    score and 1.2 x the threshold); None without a validation split."""
+    from .score import in_memory_model, score_rows
+    from .train import split_rows
+
+    train_idx, val_idx = split_rows(data.shape[0], val_fraction)
+    if len(val_idx) == 0:
+        return None
+    scores = score_rows(in_memory_model(result), data[len(train_idx):], offset=offset).astype(np.float64)
+    top = max(float(scores.max()), 1.2 * float(result.threshold), 1e-12)
+    counts, edges = np.histogram(scores, bins=HIST_BINS, range=(0.0, top))
+    return {"rows": int(len(scores)), "edges": [float(e) for e in edges], "counts": [int(c) for c in counts],
+            "max": float(scores.max())}
+
+
+def _error_scale(version_dir: str) -> np.ndarray | None:
+    import torch
+
+    try:
+        payload = torch.load(os.path.join(version_dir, "model.pt"), map_location="cpu", weights_only=True)
+        return np.asarray(payload["error_scale"], dtype=np.float64)
+    except Exception:  # an older or damaged model.pt: the panel says so instead
+        return None
+
+
+def write_report(version_dir: str, out: str | None = None) -> str:
+    """Draw the report of the model version in version_dir to out (default
+    ``version_dir/report.png``), atomically (a hidden temporary file renamed over it); return its
+    path. Raises ReportError if metadata.json cannot be read, matplotlib is missing or the PNG
+    cannot be written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        raise ReportError("drawing report.png needs matplotlib (pip install matplotlib==3.11.2)") from None
+    try:
+        with open(os.path.join(version_dir, "metadata.json"), encoding="utf-8") as f:
+            md = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{version_dir}: cannot read metadata.json: {getattr(e, 'strerror', None) or e}") from None
+    out = out or os.path.join(version_dir, REPORT_FILE)
+    threshold = md.get("threshold")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    try:
+        title = (f"{md.get('name', '?')} / {md.get('version', '?')}  -  {(md.get('dataset') or {}).get('file', '?')}, "
+                 f"{(md.get('dataset') or {}).get('rows', '?')} rows x {(md.get('dataset') or {}).get('columns', '?')} "
+                 f"metrics, {md.get('device', '?')}")
+        fig.suptitle(title, fontsize=11)
+        ax = axes[0]
+        hist = md.get("history") or []
+        epochs = [h.get("epoch") for h in hist]
+        ax.plot(epochs, [h.get("train_loss") for h in hist], "o-", label="train loss")
+        if any(h.get("val_loss") is not None for h in hist):
+            ax.plot(epochs, [h.get("val_loss") for h in hist], "s-", label="validation loss")
+        ax.set(title="loss per epoch", xlabel="epoch", ylabel="MSE (standardised units)")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.legend()
+        ax.grid(alpha=0.3)
+        ax = axes[1]
+        vs = md.get("validation_scores")
+        if vs:
+            edges = np.asarray(vs["edges"])
+            ax.bar(edges[:-1], vs["counts"], width=np.diff(edges), align="edge", color="tab:blue", alpha=0.7,
+                   label=f"{vs['rows']} validation rows")
+            ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "no validation scores stored\n(model from before issue 11,\nor no validation split)",
+                    ha="center", va="center", transform=ax.transAxes)
+        if isinstance(threshold, (int, float)):
+            ax.axvline(threshold, color="tab:red", lw=1.5, label=f"threshold {threshold:.4g} "
+                       f"({md.get('threshold_method', 'quantile')})")
+        ax.set(title="validation anomaly scores", xlabel="anomaly score", ylabel="rows")
+        ax.legend(fontsize=8)
+        ax = axes[2]
+        scale = _error_scale(version_dir)
+        if scale is not None and scale.size:
+            header = (md.get("dataset") or {}).get("header")
+            names = list(header) if header and len(header) == scale.size else [f"col {i + 1}" for i in range(scale.size)]
+            order = np.argsort(-scale)[:TOP_FEATURES][::-1]
+            ax.barh([str(names[i])[:28] for i in order], scale[order], color="tab:orange")
+            ax.set(title=f"error scale per metric (worst {len(order)} of {scale.size})",
+                   xlabel="mean squared validation error (standardised)")
+            ax.tick_params(axis="y", labelsize=7)
+        else:
+            ax.text(0.5, 0.5, "model.pt unreadable", ha="center", va="center", transform=ax.transAxes)
+        fig.tight_layout()
+        tmp = os.path.join(os.path.dirname(out) or ".", f".tmp-report-{os.getpid()}.png")
+        try:
+            fig.savefig(tmp, dpi=90, format="png")
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise ReportError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    return out
+
+
+def try_write_report(version_dir: str) -> str | None:
+    """Draw ``version_dir/report.png``; return None on success, else one line saying why not (a
+    warning for the job: a plot never fails a job, whatever goes wrong in matplotlib)."""
+    try:
+        write_report(version_dir)
+    except ReportError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - matplotlib's errors are many; none may fail a trained job
+        return f"report.png not drawn: {type(e).__name__}: {e}"
+    return None
