@@ -636,7 +636,8 @@ class Daemon:
             f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}"
             f"{safe_text(columns_note(metadata.get('dataset') or {}))}",
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
-            device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], **self._fields(record),
+            device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], threshold=doc["threshold"],
+            **self._fields(record),
         )
         if metadata.get("report_warning"):  # issue 11: the picture failed, the job did not
             self.log.event("report-failed", f"{safe_text(record['dataset'])}: {metadata['report_warning']}; the model "
@@ -655,7 +656,7 @@ class Daemon:
         self._forget(record["job_id"])
         self.log.event("job-failed", f"{safe_text(record.get('dataset', ''))}: failed in stage {stage}: {reason}; "
                        f"dataset in failed/{safe_text(final)}", priority=LOG_ERR, failed_stage=stage,
-                       **self._fields(record))
+                       reason=reason, **self._fields(record))
         for old in prune_failed(self.spool, self.cfg.spool.max_failed):
             self.log.event("failed-pruned", f"failed/{safe_text(old)} removed: failed/ keeps the newest "
                            f"{self.cfg.spool.max_failed} (spool.max_failed)", dataset_file=old)

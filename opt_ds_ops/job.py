@@ -7,6 +7,7 @@ is named in :class:`JobError` so a person knows where to look.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +46,23 @@ class JobResult:
     dataset: Dataset
     metadata: dict
     report_warning: str | None = None  # issue 11: why report.png was not drawn (None: it was)
+
+
+def _check_store_writable(models_dir: str) -> None:
+    """Create and remove a hidden probe directory in models_dir (issue 11), so that a store the
+    user cannot write fails the job before training rather than after. Raises JobError (stage
+    store, ``errno`` set) naming the directory and who may write it."""
+    import tempfile
+
+    try:
+        os.makedirs(models_dir, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".tmp-probe-", dir=models_dir))
+    except OSError as e:
+        hint = (" (the service's store: train as root or user ds-ops, or pass --models-dir DIR)"
+                if e.errno in (errno.EACCES, errno.EPERM) else "")
+        err = JobError("store", f"cannot write models under {models_dir}: {e.strerror or e}{hint}")
+        err.errno = e.errno
+        raise err from None
 
 
 def find_sidecar(dataset_path: str) -> str | None:
@@ -192,6 +210,7 @@ def run_job(
                          explicit_name)
     except StoreError as e:
         raise JobError("dataset", f"{source_name or path}: {e}", e) from e
+    _check_store_writable(cfg.models_dir)  # issue 11: before spending the training, not after
     try:
         ds = load_dataset(path, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), options)
         sha = sha256 or file_sha256(path)

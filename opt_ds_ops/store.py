@@ -224,6 +224,16 @@ def list_versions(name_dir: str) -> list[str]:
     return sorted(e for e in entries if not e.startswith(".") and e != CURRENT and os.path.isdir(os.path.join(name_dir, e)))
 
 
+def model_path(spec: str, models_dir: str) -> str:
+    """Return spec as a model path: spec itself if it exists, else ``models_dir/NAME[/VERSION]``
+    when spec is a model name (``ds-ops score machine-1-2 FILE``) that exists there; otherwise
+    spec unchanged (load_model then says what is missing)."""
+    if os.path.exists(spec) or spec.startswith(("/", ".")):
+        return spec
+    candidate = os.path.join(models_dir, spec)
+    return candidate if os.path.isdir(candidate) else spec
+
+
 def load_model(path: str) -> StoredModel:
     """Load a model directory (a version dir, a ``current`` link or a ``<name>`` dir) for scoring.
 

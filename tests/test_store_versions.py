@@ -144,3 +144,18 @@ def test_models_command_lists_shows_rolls_back_and_promotes_as_a_real_process(tm
     assert p.returncode == 0 and v[1] in p.stdout and "(* current, P pinned)" in p.stdout
     p = run_cli("models", "show", "nope", *d)
     assert p.returncode == 1 and p.stderr.strip() == f"ds-ops: error: no model named 'nope' under {tmp_path}"
+
+
+def test_score_takes_a_model_name_under_models_dir(tmp_path, payload, smd_rows):
+    import numpy as np
+
+    make_versions(tmp_path / "models", "machine-1-2", 1, payload)
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text(f"models_dir: {tmp_path / 'models'}\n")
+    data = tmp_path / "new.csv"
+    np.savetxt(data, smd_rows[:500], delimiter=",", fmt="%.6f")
+    p = run_cli("score", "machine-1-2", str(data), "--config", str(conf), "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["rows"] == 500
+    p = run_cli("score", "machine-9-9", str(data), "--config", str(conf))
+    assert p.returncode == 1 and "machine-9-9: not a model directory" in p.stderr

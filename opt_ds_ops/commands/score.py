@@ -10,13 +10,13 @@ import numpy as np
 from ..config import DEFAULT_CONFIG_PATH, DatasetConfig
 from ..dataset import DatasetLimits, load_dataset
 from ..score import evaluate, flagged_segments, fmt_metric, load_labels, metric_names, score_with_cells
-from ..store import load_model
+from ..store import load_model, model_path
 from . import CliError, load_cfg
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("score", help="score a dataset with a trained model (per-row reconstruction error)")
-    s.add_argument("model_dir", metavar="MODEL_DIR", help="a model version directory, its 'current' link or the model name's directory")
+    s.add_argument("model_dir", metavar="MODEL_DIR", help="a model version directory, its 'current' link, the model name's directory or a model name under models_dir")
     s.add_argument("dataset", metavar="DATASET")
     s.add_argument("--labels", help="file of one 0/1 per row: also print ROC-AUC, PR-AUC, precision, recall, F1")
     s.add_argument("--output", help="write per-row CSV: row,score,anomaly[,label],top_metrics")
@@ -58,7 +58,7 @@ def align_columns(stored, ds) -> None:
 def run(args) -> int:
     """``ds-ops score MODEL_DIR DATASET``: per-row anomaly scores and flags; metrics with --labels."""
     cfg = load_cfg(args, {})
-    stored = load_model(args.model_dir)
+    stored = load_model(model_path(args.model_dir, cfg.models_dir))  # issue 11: a bare model name too
     ds = load_dataset(args.dataset, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes),
                       stored_options(stored, cfg))
     align_columns(stored, ds)

@@ -302,7 +302,7 @@ def test_bad_file_goes_to_failed_and_the_unit_stays_active(box):
     box.wait_for(f"journalctl -x -u {UNIT} --no-pager | grep -q -F {shlex.quote(subject)}", 30,
                  "the job-failed catalog text in journalctl -x")
     fields = {"DS_DATASET_FILE": "garbage.csv", "DS_DATASET": "garbage", "DS_JOB_ID": error["job_id"],
-              "DS_FAILED_STAGE": error["stage"], "DS_STAGE": "failed"}
+              "DS_FAILED_STAGE": error["stage"], "DS_STAGE": "failed", "DS_REASON": error["reason"]}
     filled = [re.sub(r"@([A-Z0-9_]+)@", lambda m: fields[m.group(1)], line) for line in entry if "@" in line]
     assert filled, entry
     out = box.run(["journalctl", "-x", "-u", UNIT, "--no-pager"]).stdout
