@@ -61,6 +61,8 @@ def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     assert f"Prometheus metrics: {prom / 'ds_ops.prom'}" in log
     assert log.count("removed: the model keeps its newest 2 versions") == 1
     assert len(versions(tmp_path, "m")) == 2
+    for v in versions(tmp_path, "m"):  # report.png beside each version the job saved
+        assert (tmp_path / "models" / "m" / v / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert done_names(tmp_path) == {"m.txt.gz"}, "done/ keeps only what fits done_max_bytes"
     last = json.loads((spool_dir(tmp_path, "done") / "m.txt.gz.result.json").read_text())
     assert last["version"] == versions(tmp_path, "m")[-1], "the newest one stays"
