@@ -143,3 +143,48 @@ def try_write_report(version_dir: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - matplotlib's errors are many; none may fail a trained job
         return f"report.png not drawn: {type(e).__name__}: {e}"
     return None
+
+
+def write_score_plot(scores: np.ndarray, threshold: float, path: str, *, labels: np.ndarray | None = None,
+                     title: str = "") -> str:
+    """Draw ``ds-ops score --plot``: the anomaly score per row (log scale), the threshold, flagged
+    rows and, with labels (0/1 per row), the labelled segments shaded; write a PNG to path
+    atomically and return it. Raises ReportError if matplotlib is missing or path cannot be written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ReportError("--plot needs matplotlib (pip install matplotlib==3.11.2)") from None
+    from .threshold import segments
+
+    s = np.asarray(scores, dtype=np.float64)
+    fig, ax = plt.subplots(figsize=(14, 3.6))
+    try:
+        ax.plot(s, lw=0.6, color="tab:blue", label="anomaly score")
+        ax.axhline(threshold, color="tab:red", lw=0.9, ls="--", label=f"threshold {threshold:.4g}")
+        flagged = np.flatnonzero(s > threshold)
+        if flagged.size:
+            ax.plot(flagged, s[flagged], ".", ms=2, color="tab:red", label=f"{flagged.size} rows flagged")
+        if labels is not None:
+            for i, (a, b) in enumerate(zip(*segments(np.asarray(labels).astype(bool)))):
+                ax.axvspan(a, b, color="tab:orange", alpha=0.3, lw=0, label="labelled anomaly" if i == 0 else None)
+        if np.all(s > 0):
+            ax.set_yscale("log")
+        ax.set(title=title, xlabel="row", ylabel="anomaly score", xlim=(0, max(s.size, 1)))
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-plot-{os.getpid()}.png")
+        try:
+            fig.savefig(tmp, dpi=90, format="png")
+            os.replace(tmp, path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise ReportError(f"{path}: cannot write plot: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    return path

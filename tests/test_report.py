@@ -67,3 +67,18 @@ def test_a_report_that_cannot_be_drawn_is_a_warning_and_the_model_is_saved(tmp_p
     assert os.path.isfile(os.path.join(model_dir, "model.pt"))
     assert not os.path.exists(os.path.join(model_dir, "report.png"))
     assert p.stderr.startswith("ds-ops: warning: ") and "Traceback" not in p.stderr
+
+
+def test_score_plot_draws_the_score_with_threshold_and_labels(tmp_path, small_smd_csv):
+    from conftest import SMD_LABELS, SMD_TEST
+
+    models = tmp_path / "models"
+    p = run_cli("train", str(small_smd_csv), "--models-dir", str(models), "--epochs", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "score.png"
+    p = run_cli("score", json.loads(p.stdout)["model_dir"], str(SMD_TEST), "--labels", str(SMD_LABELS),
+                "--plot", str(out))
+    assert p.returncode == 0, p.stderr
+    assert f"plot: {out}" in p.stdout and png_size(out) == (1260, 324)
+    p = run_cli("score", str(models / "machine-small"), str(SMD_TEST), "--plot", str(tmp_path / "no" / "x.png"))
+    assert p.returncode == 1 and "cannot write plot" in p.stderr and "Traceback" not in p.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import numpy as np
 
@@ -23,6 +24,7 @@ def add_parser(sub) -> None:
     s.add_argument("--top", type=int, default=3, metavar="N",
                    help="metrics named per flagged segment, largest share of the score first (default 3)")
     s.add_argument("--config", help=f"configuration file, for the job.* dataset budgets (default: {DEFAULT_CONFIG_PATH} if present)")
+    s.add_argument("--plot", metavar="FILE", help="draw the score over the rows with the threshold (and the labels) to a PNG")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=run)
 
@@ -72,6 +74,14 @@ def run(args) -> int:
     del cells
     if args.output:
         write_rows(args.output, scores, flags, labels, segs)
+    if args.plot:  # issue 11
+        from ..report import ReportError, write_score_plot
+
+        try:
+            write_score_plot(scores, stored.threshold, args.plot, labels=labels,
+                             title=f"{os.path.basename(args.dataset)} scored with {stored.path}")
+        except ReportError as e:
+            raise CliError(str(e)) from None
     summary = {
         "model_dir": stored.path,
         "dataset": args.dataset,
@@ -82,6 +92,7 @@ def run(args) -> int:
         "threshold_method": stored.metadata.get("threshold_method", "quantile"),
         "flagged": int(flags.sum()),
         "output": args.output,
+        "plot": args.plot,
         "segments": segs,
     }
     if labels is not None:
@@ -105,6 +116,8 @@ def run(args) -> int:
             print(f"  rows {g['start']}-{g['end']}  peak {g['peak_score']:.4f}  {named}")
     if args.output:
         print(f"per-row scores: {args.output}")
+    if args.plot:
+        print(f"plot: {args.plot}")
     return 0
 
 
