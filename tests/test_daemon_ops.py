@@ -189,3 +189,26 @@ def test_status_works_with_a_broken_conffile(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "queued  waiting.csv" in r.stdout and f"spool {tmp_path / 'spool'}:" in r.stdout
     assert r.stderr.startswith(f"ds-ops: warning: {conf}: unknown key 'bogus_key'")
+
+
+def test_status_follow_prints_again_until_interrupted(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from daemon_kit import base_env
+
+    spool_dir(tmp_path, "incoming").mkdir(parents=True)
+    p = subprocess.Popen([sys.executable, "-m", "opt_ds_ops.cli", "status", "--spool-dir", str(tmp_path / "spool"),
+                          "--json", "--follow", "--interval", "0.2"], cwd=REPO, env=base_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(p.stdout.readline())
+        (spool_dir(tmp_path, "incoming") / "new.csv").write_text("1,2\n3,4\n")
+        while "new.csv" not in (doc := json.loads(p.stdout.readline()))["queue"]:
+            pass
+    finally:
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(30)
+    assert first["queue"] == [] and doc["queue"] == ["new.csv"]
+    assert rc == 130 and p.stderr.read().strip() == "ds-ops: interrupted"
