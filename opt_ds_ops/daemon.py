@@ -217,7 +217,7 @@ class Daemon:
             self.log.event("metrics", f"Prometheus metrics: {self.metrics.path} (node_exporter textfile collector)")
         else:
             self.log.event("metrics", f"Prometheus metrics off: {self.metrics.why_off}")
-        self._retention()
+        self._guarded(self._retention)
         self._write_metrics()
 
     def _write_metrics(self, ended: bool = False) -> None:
@@ -644,8 +644,8 @@ class Daemon:
                            f"is saved; redraw it with ds-ops report {doc['model_dir']}", priority=LOG_WARNING,
                            model_dir=doc["model_dir"], **self._fields(record))
         self._prune_versions(metadata)
-        self._retention()
         self.metrics.job_done(doc)
+        self._guarded(self._retention)  # a file system error here pauses intake; the job is done
         self._write_metrics(ended=True)
 
     def _fail(self, record: dict, stage: str, reason: str, exception_type: str, *, report: dict | None = None) -> None:
@@ -660,8 +660,8 @@ class Daemon:
         for old in prune_failed(self.spool, self.cfg.spool.max_failed):
             self.log.event("failed-pruned", f"failed/{safe_text(old)} removed: failed/ keeps the newest "
                            f"{self.cfg.spool.max_failed} (spool.max_failed)", dataset_file=old)
-        self._retention()
         self.metrics.job_failed()
+        self._guarded(self._retention)
         self._write_metrics(ended=True)
 
     def _forget(self, job_id: str) -> None:

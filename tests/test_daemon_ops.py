@@ -212,3 +212,19 @@ def test_status_follow_prints_again_until_interrupted(tmp_path):
         rc = p.wait(30)
     assert first["queue"] == [] and doc["queue"] == ["new.csv"]
     assert rc == 130 and p.stderr.read().strip() == "ds-ops: interrupted"
+
+
+def test_a_metrics_write_that_fails_is_reported_once_per_reason(tmp_path):
+    from opt_ds_ops.metrics import MetricsWriter
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    m = MetricsWriter(str(prom), str(tmp_path / "models"))
+    assert m.enabled and m.write() is None and (prom / "ds_ops.prom").exists()
+    (prom / "ds_ops.prom").unlink()
+    prom.rmdir()  # node-exporter removed while the daemon runs
+    first = m.write()
+    assert first.startswith(f"cannot write {prom / 'ds_ops.prom'}: ") and "No such file or directory" in first
+    assert m.write() == ""  # the same reason again: nothing new to log
+    prom.mkdir()
+    assert m.write() is None and (prom / "ds_ops.prom").exists()
