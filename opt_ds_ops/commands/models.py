@@ -9,13 +9,14 @@ or the service user ds-ops (``sudo ds-ops models promote ...``). Every change re
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 from ..config import DEFAULT_CONFIG_PATH
 from ..store import (
-    METADATA_FILE, StoreError, list_models, pin, promote, read_metadata, remove, resolve, rollback,
-    version_summary, current_version,
+    METADATA_FILE, StoreError, current_version, list_models, pin, promote, read_metadata, remove, resolve,
+    rollback, version_summary,
 )
 from . import load_cfg
 
@@ -45,15 +46,9 @@ def add_parser(sub) -> None:
     a.add_argument("spec", metavar="NAME[/VERSION]")
     a.add_argument("--why", help="reason, recorded when current moves")
     for p in acts.choices.values():  # the options also after the action: `ds-ops models list --json`
-        p.add_argument("--json", action="store_true", default=argparse_suppress(), help="print one JSON document")
-        p.add_argument("--models-dir", default=argparse_suppress(), help="model store (default: models_dir from the config)")
-        p.add_argument("--config", default=argparse_suppress(), help="configuration file naming models_dir")
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
+        p.add_argument("--models-dir", default=argparse.SUPPRESS, help="model store (default: models_dir from the config)")
+        p.add_argument("--config", default=argparse.SUPPRESS, help="configuration file naming models_dir")
 
 
 def _age(seconds) -> str:
