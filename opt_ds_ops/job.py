@@ -49,20 +49,25 @@ class JobResult:
 
 
 def _check_store_writable(models_dir: str) -> None:
-    """Create and remove a hidden probe directory in models_dir (issue 11), so that a store the
-    user cannot write fails the job before training rather than after. Raises JobError (stage
-    store, ``errno`` set) naming the directory and who may write it."""
-    import tempfile
-
+    """Check with access(2) that models_dir (or, where it does not exist yet, the directory it would
+    be made in) is writable by this process (issue 11), so that a store the user cannot write fails
+    the job before training rather than after; nothing is created. Raises JobError (stage store,
+    ``errno`` EROFS on a read-only file system, which the daemon treats as the store's fault and
+    pauses for, else EACCES) naming the directory and who may write it."""
+    path = os.path.abspath(models_dir)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.access(path, os.W_OK | os.X_OK):
+        return
     try:
-        os.makedirs(models_dir, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=".tmp-probe-", dir=models_dir))
-    except OSError as e:
-        hint = (" (the service's store: train as root or user ds-ops, or pass --models-dir DIR)"
-                if e.errno in (errno.EACCES, errno.EPERM) else "")
-        err = JobError("store", f"cannot write models under {models_dir}: {e.strerror or e}{hint}")
-        err.errno = e.errno
-        raise err from None
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    code = errno.EROFS if read_only else errno.EACCES
+    hint = "" if read_only else " (the service's store: train as root or user ds-ops, or pass --models-dir DIR)"
+    err = JobError("store", f"cannot write models under {models_dir}: {os.strerror(code)}{hint}")
+    err.errno = code
+    raise err
 
 
 def find_sidecar(dataset_path: str) -> str | None:
@@ -237,14 +242,18 @@ def run_job(
         metadata["validation_scores"] = None
         metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
     stage("store")
+    # issue 11: report.png is drawn into the version's hidden temporary directory, so it is
+    # published with the version by the same rename (a kill leaves no partial picture behind); a
+    # failure is a warning, never the job's
+    report_warnings: list[str | None] = []
     try:
-        model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata)
+        model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata,
+                                         before_publish=lambda tmp: report_warnings.append(try_write_report(tmp)))
     except StoreError as e:
         err = JobError("store", str(e), e)
         err.errno = e.errno
         raise err from e
-    # issue 11: report.png beside the published version; a failure is a warning, never the job's
-    report_warning = try_write_report(model_dir)
+    report_warning = report_warnings[0] if report_warnings else None
     metadata = dict(metadata, report_warning=report_warning)  # the caller's copy only, not metadata.json
     return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata,
                      report_warning=report_warning)

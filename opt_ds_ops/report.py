@@ -16,6 +16,8 @@ import os
 
 import numpy as np
 
+from .fsutil import fsync_dir
+
 REPORT_FILE = "report.png"
 HIST_BINS = 60
 TOP_FEATURES = 20  # the error-scale panel shows this many metrics, worst first
@@ -117,11 +119,16 @@ def write_report(version_dir: str, out: str | None = None) -> str:
         else:
             ax.text(0.5, 0.5, "model.pt unreadable", ha="center", va="center", transform=ax.transAxes)
         fig.tight_layout()
-        tmp = os.path.join(os.path.dirname(out) or ".", f".tmp-report-{os.getpid()}.png")
+        directory = os.path.dirname(out) or "."
+        tmp = os.path.join(directory, f".tmp-report-{os.getpid()}.png")
         try:
-            fig.savefig(tmp, dpi=90, format="png")
+            with open(tmp, "wb") as f:
+                fig.savefig(f, dpi=90, format="png")
+                f.flush()
+                os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
             os.replace(tmp, out)
+            fsync_dir(directory)
         except OSError as e:
             try:
                 os.unlink(tmp)
