@@ -61,11 +61,8 @@ def write_report(version_dir: str, out: str | None = None) -> str:
     path. Raises ReportError if metadata.json cannot be read, matplotlib is missing or the PNG
     cannot be written."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ReportError("drawing report.png needs matplotlib (pip install matplotlib==3.11.2)") from None
     try:
@@ -75,68 +72,68 @@ def write_report(version_dir: str, out: str | None = None) -> str:
         raise ReportError(f"{version_dir}: cannot read metadata.json: {getattr(e, 'strerror', None) or e}") from None
     out = out or os.path.join(version_dir, REPORT_FILE)
     threshold = md.get("threshold")
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    # Figure without pyplot: no global figure registry, no GUI backend, and 0.26 s less to import;
+    # savefig renders a PNG with Agg
+    fig = Figure(figsize=(16, 4.6))
+    axes = fig.subplots(1, 3)
+    title = (f"{md.get('name', '?')} / {md.get('version', '?')}  -  {(md.get('dataset') or {}).get('file', '?')}, "
+             f"{(md.get('dataset') or {}).get('rows', '?')} rows x {(md.get('dataset') or {}).get('columns', '?')} "
+             f"metrics, {md.get('device', '?')}")
+    fig.suptitle(title, fontsize=11)
+    ax = axes[0]
+    hist = md.get("history") or []
+    epochs = [h.get("epoch") for h in hist]
+    ax.plot(epochs, [h.get("train_loss") for h in hist], "o-", label="train loss")
+    if any(h.get("val_loss") is not None for h in hist):
+        ax.plot(epochs, [h.get("val_loss") for h in hist], "s-", label="validation loss")
+    ax.set(title="loss per epoch", xlabel="epoch", ylabel="MSE (standardised units)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax = axes[1]
+    vs = md.get("validation_scores")
+    if vs:
+        edges = np.asarray(vs["edges"])
+        ax.bar(edges[:-1], vs["counts"], width=np.diff(edges), align="edge", color="tab:blue", alpha=0.7,
+               label=f"{vs['rows']} validation rows")
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no validation scores stored\n(model from before issue 11,\nor no validation split)",
+                ha="center", va="center", transform=ax.transAxes)
+    if isinstance(threshold, (int, float)):
+        ax.axvline(threshold, color="tab:red", lw=1.5, label=f"threshold {threshold:.4g} "
+                   f"({md.get('threshold_method', 'quantile')})")
+    ax.set(title="validation anomaly scores", xlabel="anomaly score", ylabel="rows")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    scale = _error_scale(version_dir)
+    if scale is not None and scale.size:
+        header = (md.get("dataset") or {}).get("header")
+        names = list(header) if header and len(header) == scale.size else [f"col {i + 1}" for i in range(scale.size)]
+        order = np.argsort(-scale)[:TOP_FEATURES][::-1]
+        ax.barh([str(names[i])[:28] for i in order], scale[order], color="tab:orange")
+        ax.set(title=f"error scale per metric (worst {len(order)} of {scale.size})",
+               xlabel="mean squared validation error (standardised)")
+        ax.tick_params(axis="y", labelsize=7)
+    else:
+        ax.text(0.5, 0.5, "model.pt unreadable", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    directory = os.path.dirname(out) or "."
+    tmp = os.path.join(directory, f".tmp-report-{os.getpid()}.png")
     try:
-        title = (f"{md.get('name', '?')} / {md.get('version', '?')}  -  {(md.get('dataset') or {}).get('file', '?')}, "
-                 f"{(md.get('dataset') or {}).get('rows', '?')} rows x {(md.get('dataset') or {}).get('columns', '?')} "
-                 f"metrics, {md.get('device', '?')}")
-        fig.suptitle(title, fontsize=11)
-        ax = axes[0]
-        hist = md.get("history") or []
-        epochs = [h.get("epoch") for h in hist]
-        ax.plot(epochs, [h.get("train_loss") for h in hist], "o-", label="train loss")
-        if any(h.get("val_loss") is not None for h in hist):
-            ax.plot(epochs, [h.get("val_loss") for h in hist], "s-", label="validation loss")
-        ax.set(title="loss per epoch", xlabel="epoch", ylabel="MSE (standardised units)")
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.legend()
-        ax.grid(alpha=0.3)
-        ax = axes[1]
-        vs = md.get("validation_scores")
-        if vs:
-            edges = np.asarray(vs["edges"])
-            ax.bar(edges[:-1], vs["counts"], width=np.diff(edges), align="edge", color="tab:blue", alpha=0.7,
-                   label=f"{vs['rows']} validation rows")
-            ax.set_yscale("log")
-        else:
-            ax.text(0.5, 0.5, "no validation scores stored\n(model from before issue 11,\nor no validation split)",
-                    ha="center", va="center", transform=ax.transAxes)
-        if isinstance(threshold, (int, float)):
-            ax.axvline(threshold, color="tab:red", lw=1.5, label=f"threshold {threshold:.4g} "
-                       f"({md.get('threshold_method', 'quantile')})")
-        ax.set(title="validation anomaly scores", xlabel="anomaly score", ylabel="rows")
-        ax.legend(fontsize=8)
-        ax = axes[2]
-        scale = _error_scale(version_dir)
-        if scale is not None and scale.size:
-            header = (md.get("dataset") or {}).get("header")
-            names = list(header) if header and len(header) == scale.size else [f"col {i + 1}" for i in range(scale.size)]
-            order = np.argsort(-scale)[:TOP_FEATURES][::-1]
-            ax.barh([str(names[i])[:28] for i in order], scale[order], color="tab:orange")
-            ax.set(title=f"error scale per metric (worst {len(order)} of {scale.size})",
-                   xlabel="mean squared validation error (standardised)")
-            ax.tick_params(axis="y", labelsize=7)
-        else:
-            ax.text(0.5, 0.5, "model.pt unreadable", ha="center", va="center", transform=ax.transAxes)
-        fig.tight_layout()
-        directory = os.path.dirname(out) or "."
-        tmp = os.path.join(directory, f".tmp-report-{os.getpid()}.png")
+        with open(tmp, "wb") as f:
+            fig.savefig(f, dpi=90, format="png")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+        fsync_dir(directory)
+    except OSError as e:
         try:
-            with open(tmp, "wb") as f:
-                fig.savefig(f, dpi=90, format="png")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, out)
-            fsync_dir(directory)
-        except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise ReportError(f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise ReportError(f"cannot write {out}: {e.strerror or e}") from None
     return out
 
 
@@ -158,40 +155,35 @@ def write_score_plot(scores: np.ndarray, threshold: float, path: str, *, labels:
     rows and, with labels (0/1 per row), the labelled segments shaded; write a PNG to path
     atomically and return it. Raises ReportError if matplotlib is missing or path cannot be written."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise ReportError("--plot needs matplotlib (pip install matplotlib==3.11.2)") from None
     from .threshold import segments
 
     s = np.asarray(scores, dtype=np.float64)
-    fig, ax = plt.subplots(figsize=(14, 3.6))
+    fig = Figure(figsize=(14, 3.6))
+    ax = fig.subplots()
+    ax.plot(s, lw=0.6, color="tab:blue", label="anomaly score")
+    ax.axhline(threshold, color="tab:red", lw=0.9, ls="--", label=f"threshold {threshold:.4g}")
+    flagged = np.flatnonzero(s > threshold)
+    if flagged.size:
+        ax.plot(flagged, s[flagged], ".", ms=2, color="tab:red", label=f"{flagged.size} rows flagged")
+    if labels is not None:
+        for i, (a, b) in enumerate(zip(*segments(np.asarray(labels).astype(bool)))):
+            ax.axvspan(a, b, color="tab:orange", alpha=0.3, lw=0, label="labelled anomaly" if i == 0 else None)
+    if np.all(s > 0):
+        ax.set_yscale("log")
+    ax.set(title=title, xlabel="row", ylabel="anomaly score", xlim=(0, max(s.size, 1)))
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-plot-{os.getpid()}.png")
     try:
-        ax.plot(s, lw=0.6, color="tab:blue", label="anomaly score")
-        ax.axhline(threshold, color="tab:red", lw=0.9, ls="--", label=f"threshold {threshold:.4g}")
-        flagged = np.flatnonzero(s > threshold)
-        if flagged.size:
-            ax.plot(flagged, s[flagged], ".", ms=2, color="tab:red", label=f"{flagged.size} rows flagged")
-        if labels is not None:
-            for i, (a, b) in enumerate(zip(*segments(np.asarray(labels).astype(bool)))):
-                ax.axvspan(a, b, color="tab:orange", alpha=0.3, lw=0, label="labelled anomaly" if i == 0 else None)
-        if np.all(s > 0):
-            ax.set_yscale("log")
-        ax.set(title=title, xlabel="row", ylabel="anomaly score", xlim=(0, max(s.size, 1)))
-        ax.legend(loc="upper right", fontsize=8)
-        fig.tight_layout()
-        tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-plot-{os.getpid()}.png")
+        fig.savefig(tmp, dpi=90, format="png")
+        os.replace(tmp, path)
+    except OSError as e:
         try:
-            fig.savefig(tmp, dpi=90, format="png")
-            os.replace(tmp, path)
-        except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise ReportError(f"{path}: cannot write plot: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise ReportError(f"{path}: cannot write plot: {e.strerror or e}") from None
     return path
