@@ -510,7 +510,7 @@ def test_metrics_catalog_text_and_report_png_after_a_job(box):
     box.run(["systemctl", "restart", UNIT], timeout=300)
     drop(box, f"/srv/smd/{DATASET}", "metrics.txt.gz")
     wait_model(box, "metrics", 1)
-    box.wait_for(f"grep -q 'ds_ops_model_threshold{{model=\"metrics\"}}' {TEXTFILE_DIR}/ds_ops.prom", 60,
+    box.wait_for(f"grep -qF 'ds_ops_model_threshold{{model=\"metrics\"}}' {TEXTFILE_DIR}/ds_ops.prom", 60,
                  "the job in ds_ops.prom")
     out = box.run(["/opt/ds-ops/bin/python", "-c", READ_PROM, f"{TEXTFILE_DIR}/ds_ops.prom"], user=USER).stdout
     got = {" ".join(line.split()[:-1]): float(line.split()[-1]) for line in out.splitlines()}
