@@ -379,6 +379,9 @@ class Daemon:
         if kept:
             spool_cfg = dataclasses.replace(new.spool, dir=self.cfg.spool.dir, watcher=self.cfg.spool.watcher)
             new = dataclasses.replace(new, spool=spool_cfg)
+        if new.metrics != self.cfg.metrics:  # issue 11: the unit's sandbox binds the directory at start
+            kept.append(f"metrics.textfile_dir stays {self.cfg.metrics.textfile_dir!r} until a restart")
+            new = dataclasses.replace(new, metrics=self.cfg.metrics)
         changed = _changed_keys(self.cfg, new)  # issue 11: a good reload says what changed
         self.cfg = new
         self.watcher.set_timing(new.spool.settle_s, new.spool.scan_interval_s, new.spool.quiet_s)

@@ -165,7 +165,7 @@ def test_a_reload_says_what_changed_and_check_config_refuses_a_broken_conffile(t
     d = Daemon(conf)
     try:
         started(d)
-        write_config(tmp_path, epochs=3)
+        write_config(tmp_path, epochs=3, extra=["metrics:", f"  textfile_dir: {tmp_path}"])
         r = run_cli("check-config", "--config", str(conf))
         assert (r.returncode, r.stdout.strip()) == (0, f"{conf}: ok")
         d.proc.send_signal(signal.SIGHUP)
@@ -173,7 +173,8 @@ def test_a_reload_says_what_changed_and_check_config_refuses_a_broken_conffile(t
         assert d.stop()[0] == 0
     finally:
         d.kill()
-    assert f"configuration reloaded from {conf}: train.epochs 1 -> 3" in d.log()
+    assert (f"configuration reloaded from {conf} (metrics.textfile_dir stays '/var/lib/prometheus/node-exporter' "
+            "until a restart): train.epochs 1 -> 3\n") in d.log()
     conf.write_text(conf.read_text().replace("epochs: 3", "epochs: twenty"))
     r = run_cli("check-config", "--config", str(conf))
     assert r.returncode == 1 and "Traceback" not in r.stderr
