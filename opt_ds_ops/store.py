@@ -10,10 +10,12 @@ removed by the next save of the same name.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
 import pickle
+import pwd
 import re
 import shutil
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from .fsutil import fsync_dir, pid_alive
+from .fsutil import fsync_dir, pid_alive, utc_now, write_atomic
 from .model import TelemetryAutoencoder
 
 MODEL_FILE = "model.pt"
@@ -302,8 +304,6 @@ class _NameLock:
         self.fd = -1
 
     def __enter__(self):
-        import fcntl
-
         self.fd = os.open(self.name_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
@@ -314,8 +314,6 @@ class _NameLock:
 
 def who() -> str:
     """Return who runs this process, for the metadata: the user name, ``root (sudo by alice)``."""
-    import pwd
-
     try:
         user = pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
@@ -339,15 +337,11 @@ def read_metadata(version_dir: str) -> dict:
 
 
 def _write_metadata(version_dir: str, md: dict) -> None:
-    from .fsutil import write_atomic
-
     write_atomic(os.path.join(version_dir, METADATA_FILE), (json.dumps(md, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _record(version_dir: str, action: str, why: str | None, **extra) -> dict:
     """Append ``{action, by, at, why, ...}`` to the version's ``operator_log`` and return the entry."""
-    from .fsutil import utc_now
-
     md = read_metadata(version_dir)
     entry = dict(action=action, by=who(), at=utc_now(), why=why or "", **extra)
     md.setdefault("operator_log", []).append(entry)
@@ -368,7 +362,8 @@ def is_pinned(version_dir: str) -> bool:
 
 
 def _clean_removed(name_dir: str) -> None:
-    """Delete ``.rm-*`` directories whose remover is gone (a kill between the rename and the delete)."""
+    """Delete ``.rm-*`` directories in name_dir (a model's directory, or models_dir for whole
+    models) whose remover is gone (a kill between the rename and the delete). Raises OSError."""
     for entry in os.listdir(name_dir):
         if entry.startswith(RM_PREFIX):
             pid = entry.rsplit("-", 1)[-1]
@@ -500,6 +495,7 @@ def remove(models_dir: str, spec: str, why: str | None = None) -> dict:
     Return ``{removed: [...], current: ...}``. Raises StoreError."""
     name_dir, version = resolve(models_dir, spec)
     try:
+        _clean_removed(models_dir)  # a whole model whose removal was killed midway
         with _NameLock(name_dir):
             _clean_removed(name_dir)
             versions = list_versions(name_dir)

@@ -122,6 +122,11 @@ def test_rm_of_the_current_version_moves_current_and_a_pinned_one_is_refused(tmp
         remove(str(tmp_path), f"m/{v[1]}")
     assert remove(str(tmp_path), "m")["removed"] == [v[1]]
     assert os.listdir(tmp_path) == []
+    # a whole-model removal killed between its rename and its delete is finished by the next rm
+    make_versions(tmp_path, "n", 1, payload)
+    os.mkdir(tmp_path / ".rm-gone-999999999")  # no such pid: its remover is gone
+    remove(str(tmp_path), "n")
+    assert os.listdir(tmp_path) == []
 
 
 def test_models_command_lists_shows_rolls_back_and_promotes_as_a_real_process(tmp_path, payload):
