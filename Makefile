@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test bench soak eval clean deb lintian e2e
+.PHONY: venv demo test bench soak eval clean deb deb-deps lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -51,7 +51,13 @@ TORCH   ?= cpu
 DEBDIR   = build/deb$(if $(filter cuda,$(TORCH)),-cuda)
 DEB      = $(DEBDIR)/ds-ops_$(shell dpkg-parsechangelog -S Version)_$(shell dpkg --print-architecture).deb
 
-deb:
+# deb-deps first, as its own target: $(DEB) runs dpkg-parsechangelog (dpkg-dev) when the deb
+# recipe is expanded, which must come after the install. As root it installs debian/control's
+# Build-Depends (apt-get build-dep ./); as another user it prints the command and stops.
+deb-deps:
+	scripts/install-build-deps.sh --deb
+
+deb: deb-deps
 	rm -rf $(DEBDIR) && mkdir -p $(DEBDIR)/src
 	git ls-files -z --cached --others --exclude-standard \
 	    | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(DEBDIR)/src

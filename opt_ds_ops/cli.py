@@ -25,9 +25,13 @@ if sys.argv[1:2] == ["daemon"]:  # `ds-ops daemon` or `python -m opt_ds_ops.cli 
     _hold_stop_signals()  # before the imports below, which load torch
 
 from .commands import CliError  # noqa: E402 - after the signal hold, on purpose
+from .commands import check_config as check_config_cmd  # noqa: E402
 from .commands import daemon as daemon_cmd  # noqa: E402
 from .commands import doctor as doctor_cmd  # noqa: E402
 from .commands import evaluate as evaluate_cmd  # noqa: E402
+from .commands import models as models_cmd  # noqa: E402
+from .commands import report as report_cmd  # noqa: E402
+from .commands import requeue as requeue_cmd  # noqa: E402
 from .commands import score as score_cmd  # noqa: E402
 from .commands import status as status_cmd  # noqa: E402
 from .commands import train as train_cmd  # noqa: E402
@@ -38,7 +42,8 @@ from .job import JobError  # noqa: E402
 from .score import ScoreError  # noqa: E402
 from .store import StoreError  # noqa: E402
 
-COMMANDS = [train_cmd, score_cmd, evaluate_cmd, doctor_cmd, daemon_cmd, status_cmd]
+COMMANDS = [train_cmd, score_cmd, evaluate_cmd, doctor_cmd, daemon_cmd, status_cmd, models_cmd,
+            requeue_cmd, check_config_cmd, report_cmd]
 USER_ERRORS = (CliError, ConfigError, DatasetError, DeviceError, JobError, ScoreError, StoreError)
 
 

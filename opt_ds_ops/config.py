@@ -79,6 +79,30 @@ class SpoolConfig:
     max_crashes: int = _field(3, _positive, "an integer >= 1")
     quiet_s: float = _field(60.0, _non_negative, "seconds >= 0")
     max_failed: int = _field(1000, _positive, "an integer >= 1")
+    # Retention of done/ and failed/ (issue 11): datasets (with their JSON) older than max_age_days
+    # are removed, then the oldest until the directory holds at most max_bytes; 0 = no limit.
+    done_max_age_days: float = _field(30.0, _non_negative, "days >= 0 (0: keep forever)")
+    done_max_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: no limit)")
+    failed_max_age_days: float = _field(0.0, _non_negative, "days >= 0 (0: keep forever)")
+    failed_max_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: no limit)")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The model store's retention: ``keep_versions`` newest versions of each model are kept after
+    each job, besides ``current`` and pinned versions (``ds-ops models pin``); 0 keeps all."""
+
+    keep_versions: int = _field(10, _non_negative, "an integer >= 0 (0: keep every version)")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics in the node_exporter textfile way: ``ds_ops.prom`` is written into
+    ``textfile_dir`` after every job and state change; when that directory does not exist (no
+    node-exporter installed) metrics are off, said once at start. Empty: off."""
+
+    textfile_dir: str = _field("/var/lib/prometheus/node-exporter", lambda v: v == "" or os.path.isabs(v),
+                               "an absolute path, or empty for off")
 
 
 def _size_ok(v: str) -> bool:
@@ -213,11 +237,13 @@ class Config:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     # TF32 matmuls for fp32 work (amp off) on a CUDA GPU of compute capability >= 8.0 (see device.py).
     tf32: bool = _field(False, None, "true or false")
+    store: StoreConfig = field(default_factory=StoreConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str = field(default="<defaults>", compare=False)
 
 
 _SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig, "job": JobConfig,
-             "dataset": DatasetConfig}
+             "dataset": DatasetConfig, "store": StoreConfig, "metrics": MetricsConfig}
 
 
 def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:

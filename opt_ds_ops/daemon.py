@@ -43,13 +43,14 @@ from .fsutil import utc_now
 from .health import gate_job, summary_line
 from .job import JobError, columns_note, read_sidecar
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
+from .metrics import MetricsWriter
 from .notify import Notifier
 from .spool import (
     DONE, FAILED, INCOMING, SIDECAR_FILE, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
     STORAGE_ERRNOS, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed, read_record,
-    recover_claim, remove_stale_temps, save_record,
+    process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
 )
-from .store import StoreError, find_job_version, publish, safe_model_name
+from .store import StoreError, find_job_version, prune, publish, safe_model_name
 from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
 
@@ -66,6 +67,24 @@ def _parse_utc(stamp) -> float | None:
         return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
     except (TypeError, ValueError):
         return None
+
+
+def _changed_keys(old: Config, new: Config) -> list[str]:
+    """Return ``key: old -> new`` for each dotted conffile key whose value differs (issue 11)."""
+    from .config import config_to_dict
+
+    out = []
+
+    def walk(a: dict, b: dict, prefix: str) -> None:
+        for key in sorted(set(a) | set(b)):
+            va, vb = a.get(key), b.get(key)
+            if isinstance(va, dict) and isinstance(vb, dict):
+                walk(va, vb, f"{prefix}{key}.")
+            elif va != vb:
+                out.append(f"{prefix}{key} {va!r} -> {vb!r}")
+
+    walk(config_to_dict(old), config_to_dict(new), "")
+    return out
 
 
 def result_doc(record: dict, metadata: dict) -> dict:
@@ -130,6 +149,11 @@ class Daemon:
         self.stop_requested = False
         self.reload_requested = False
         self._stopping_sent = False
+        # issue 11: Prometheus textfile metrics (opt_ds_ops.metrics), written on every state change
+        import torch
+
+        self.metrics = MetricsWriter(cfg.metrics.textfile_dir, cfg.models_dir, torch_version=torch.__version__,
+                                     cuda_version=torch.version.cuda or "")
 
     # ---- signals -------------------------------------------------------------------------------
     def _on_stop(self, signum, frame) -> None:
@@ -167,6 +191,7 @@ class Daemon:
                 f"{len(self.pending)} to resume",
                 spool=self.spool.root, model_dir=self.cfg.models_dir,
             )
+            self._start_metrics()
             while not (self.stop_requested and self.job is None):
                 self.notifier.keepalive(STEP_BUDGET_S)
                 if self.reload_requested:
@@ -184,6 +209,59 @@ class Daemon:
                 worker.shut_down()
         self.log.event("daemon-stopping", "ds-trainer stopped")
         return 0
+
+    # ---- issue 11: metrics and retention ---------------------------------------------------------
+    def _start_metrics(self) -> None:
+        """Say once where metrics go (or why they are off), prune done/ and failed/, write metrics."""
+        if self.metrics.enabled:
+            self.log.event("metrics", f"Prometheus metrics: {self.metrics.path} (node_exporter textfile collector)")
+        else:
+            self.log.event("metrics", f"Prometheus metrics off: {self.metrics.why_off}")
+        self._guarded(self._retention)
+        self._write_metrics()
+
+    def _write_metrics(self, ended: bool = False) -> None:
+        """Write ds_ops.prom with the queue, the running job and the last results (``ended``: the
+        running job has just finished, its process not yet reaped); a failure is a warning logged
+        once per reason, never a stop."""
+        m = self.metrics
+        if not m.enabled:
+            return
+        m.queued = self.watcher.queued() + len(self.pending)
+        m.paused = time.monotonic() < self.paused_until
+        if self.job is not None and not ended:
+            record = self.records.get(self.job.job_id, {})
+            m.job = {"epoch": record.get("epoch") or 0, "epochs": self.cfg.train.epochs}
+        else:
+            m.job = None
+        problem = m.write()
+        if problem:
+            self.log.event("metrics", f"Prometheus metrics not written: {problem}", priority=LOG_WARNING)
+
+    def _prune_versions(self, metadata: dict) -> None:
+        """After a job: keep store.keep_versions versions of its model (never current or pinned)."""
+        name, keep = metadata.get("name"), self.cfg.store.keep_versions
+        if not name or keep <= 0:
+            return
+        try:
+            removed = prune(self.cfg.models_dir, name, keep)
+        except StoreError as e:
+            self.log.event("model-pruned", f"{safe_text(name)}: old versions not pruned: {e}", priority=LOG_WARNING,
+                           model_name=name)
+            return
+        for version in removed:
+            self.log.event("model-pruned", f"{safe_text(name)}/{version} removed: the model keeps its newest "
+                           f"{keep} versions (store.keep_versions), current and pinned ones", model_name=name)
+
+    def _retention(self) -> None:
+        """Remove datasets past the retention of done/ and failed/ (spool.*_max_age_days, *_max_bytes)."""
+        sp = self.cfg.spool
+        for dest, days, max_bytes in ((DONE, sp.done_max_age_days, sp.done_max_bytes),
+                                      (FAILED, sp.failed_max_age_days, sp.failed_max_bytes)):
+            for old in prune_retention(self.spool, dest, days, max_bytes):
+                self.log.event("spool-pruned", f"{dest}/{safe_text(old)} removed with its JSON: past the retention "
+                               f"of {dest}/ (spool.{dest}_max_age_days {days:g}, spool.{dest}_max_bytes "
+                               f"{max_bytes})", dataset_file=old)
 
     def _guarded(self, step) -> bool:
         """Run step(); an OSError of the spool or store pauses intake with back-off instead of
@@ -203,6 +281,7 @@ class Daemon:
         self.pause_reason = reason
         self.log.event("intake-paused", f"intake paused for {delay:.0f} s: {reason}", priority=LOG_ERR)
         self.notifier.status(self._idle_status())
+        self._write_metrics()
 
     def _stopping(self) -> None:
         """On the way out (first call only): stop the WATCHDOG=1 pings, send STOPPING=1."""
@@ -275,6 +354,7 @@ class Daemon:
             return
         decision = box["decision"]
         verdict = decision.report.get("verdict", "?")
+        self.metrics.health(decision.report)
         plan = decision.plan
         self.log.event("health", summary_line(decision), priority=LOG_INFO if verdict == "ok" else LOG_WARNING,
                        verdict=verdict, action=decision.action, device=str(plan.device) if plan else None,
@@ -300,11 +380,18 @@ class Daemon:
         if kept:
             spool_cfg = dataclasses.replace(new.spool, dir=self.cfg.spool.dir, watcher=self.cfg.spool.watcher)
             new = dataclasses.replace(new, spool=spool_cfg)
+        if new.metrics != self.cfg.metrics:  # issue 11: the unit's sandbox binds the directory at start
+            kept.append(f"metrics.textfile_dir stays {self.cfg.metrics.textfile_dir!r} until a restart")
+            new = dataclasses.replace(new, metrics=self.cfg.metrics)
+        changed = _changed_keys(self.cfg, new)  # issue 11: a good reload says what changed
         self.cfg = new
         self.watcher.set_timing(new.spool.settle_s, new.spool.scan_interval_s, new.spool.quiet_s)
         note = f" ({'; '.join(kept)})" if kept else ""
+        note += f": {', '.join(changed)}" if changed else ": nothing changed"
         self.log.event("config-reloaded", f"configuration reloaded from {self.config_path}{note}")
+        self.metrics.models_dir = new.models_dir
         self.notifier.ready(self._idle_status())
+        self._write_metrics()
 
     # ---- claiming ------------------------------------------------------------------------------
     @staticmethod
@@ -384,11 +471,13 @@ class Daemon:
         for stale in ("epoch", "loss", "val_loss", "samples_per_s", "updated_at"):
             record.pop(stale, None)
         self.job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context, self.gate)
-        record.update(state="running", pid=os.getpid(), job_pid=self.job.proc.pid, boot_id=boot_id(),
+        record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()),  # issue 11
+                      job_pid=self.job.proc.pid, boot_id=boot_id(),
                       started_at=utc_now(), epochs=self.cfg.train.epochs, stage="health")
         save_record(self.spool, record)
         self.notifier.status(f"training {safe_text(record['dataset'])} ({job_id}): health check; "
                              f"{self.watcher.queued()} queued")
+        self._write_metrics()
 
     def _sidecar_name(self, record: dict) -> str | None:
         """Return the model name the job's sidecar sets, or None; raise JobError for a sidecar that
@@ -462,6 +551,7 @@ class Daemon:
             self.log.event("job-health", f"{name}: health gate says {f['action']}{where}{why}", device=f.get("device"),
                            amp_dtype=f.get("amp_dtype"), verdict=(f.get("report") or {}).get("verdict"), **fields)
             record.update(device=f.get("device"), amp_dtype=f.get("amp_dtype"))
+            self.metrics.health(f.get("report"))
         elif kind == "resumed":
             if f.get("why"):
                 self.log.event("job-resumed", f"{name}: {f['why']}; starting at epoch 1", priority=LOG_WARNING, **fields)
@@ -492,6 +582,7 @@ class Daemon:
             save_record(self.spool, record)
             self.notifier.status(f"training {name} ({record['job_id']}): epoch {s.epoch}/{total} "
                                  f"loss {s.train_loss:.4g}; {self.watcher.queued()} queued")
+            self._write_metrics()
 
     def _on_final(self, record: dict, kind: str, f: dict) -> None:
         name = safe_text(record["dataset"])
@@ -549,6 +640,7 @@ class Daemon:
         self.defer_reason[job_id] = reason
         self.log.event("job-deferred", f"{safe_text(record['dataset'])}: deferred for {self.cfg.health.retry_s:.0f} s: "
                        f"{reason}", priority=LOG_WARNING, **self._fields(record))
+        self._write_metrics()
 
     def _finish_done(self, record: dict, metadata: dict) -> None:
         doc = result_doc(record, metadata)
@@ -561,8 +653,17 @@ class Daemon:
             f"{safe_text(columns_note(metadata.get('dataset') or {}))}"
             + (f"; {metadata['data_placement_note']}" if metadata.get("data_placement_note") else ""),
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
-            device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], **self._fields(record),
+            device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], threshold=doc["threshold"],
+            **self._fields(record),
         )
+        if metadata.get("report_warning"):  # issue 11: the picture failed, the job did not
+            self.log.event("report-failed", f"{safe_text(record['dataset'])}: {metadata['report_warning']}; the model "
+                           f"is saved; redraw it with ds-ops report {doc['model_dir']}", priority=LOG_WARNING,
+                           model_dir=doc["model_dir"], **self._fields(record))
+        self._prune_versions(metadata)
+        self.metrics.job_done(doc)
+        self._guarded(self._retention)  # a file system error here pauses intake; the job is done
+        self._write_metrics(ended=True)
 
     def _fail(self, record: dict, stage: str, reason: str, exception_type: str, *, report: dict | None = None) -> None:
         doc = {"job_id": record.get("job_id"), "dataset": record.get("dataset"), "stage": stage, "reason": reason,
@@ -572,10 +673,13 @@ class Daemon:
         self._forget(record["job_id"])
         self.log.event("job-failed", f"{safe_text(record.get('dataset', ''))}: failed in stage {stage}: {reason}; "
                        f"dataset in failed/{safe_text(final)}", priority=LOG_ERR, failed_stage=stage,
-                       **self._fields(record))
+                       reason=reason, **self._fields(record))
         for old in prune_failed(self.spool, self.cfg.spool.max_failed):
             self.log.event("failed-pruned", f"failed/{safe_text(old)} removed: failed/ keeps the newest "
                            f"{self.cfg.spool.max_failed} (spool.max_failed)", dataset_file=old)
+        self.metrics.job_failed()
+        self._guarded(self._retention)
+        self._write_metrics(ended=True)
 
     def _forget(self, job_id: str) -> None:
         self.records.pop(job_id, None)

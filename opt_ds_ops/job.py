@@ -7,6 +7,7 @@ is named in :class:`JobError` so a person knows where to look.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +20,7 @@ from .dataset import Dataset, DatasetError, DatasetLimits, dataset_stem, file_sh
 from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import read_small
 from .gpustats import sampler_for
+from .report import try_write_report, validation_summary
 from .store import StoreError, dataset_file_of, model_payload, safe_model_name, save_model
 from .train import EpochStats, TrainingError, TrainResult, train
 
@@ -44,6 +46,29 @@ class JobResult:
     result: TrainResult
     dataset: Dataset
     metadata: dict
+    report_warning: str | None = None  # issue 11: why report.png was not drawn (None: it was)
+
+
+def _check_store_writable(models_dir: str) -> None:
+    """Check with access(2) that models_dir (or, where it does not exist yet, the directory it would
+    be made in) is writable by this process (issue 11), so that a store the user cannot write fails
+    the job before training rather than after; nothing is created. Raises JobError (stage store,
+    ``errno`` EROFS on a read-only file system, which the daemon treats as the store's fault and
+    pauses for, else EACCES) naming the directory and who may write it."""
+    path = os.path.abspath(models_dir)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.access(path, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    code = errno.EROFS if read_only else errno.EACCES
+    hint = "" if read_only else " (the service's store: train as root or user ds-ops, or pass --models-dir DIR)"
+    err = JobError("store", f"cannot write models under {models_dir}: {os.strerror(code)}{hint}")
+    err.errno = code
+    raise err
 
 
 def find_sidecar(dataset_path: str) -> str | None:
@@ -199,6 +224,7 @@ def run_job(
                          explicit_name)
     except StoreError as e:
         raise JobError("dataset", f"{source_name or path}: {e}", e) from e
+    _check_store_writable(cfg.models_dir)  # issue 11: before spending the training, not after
     try:
         ds = load_dataset(path, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), options)
         sha = sha256 or file_sha256(path)
@@ -223,11 +249,25 @@ def run_job(
     metadata["name_explicit"] = explicit_name
     if source_name:
         metadata["dataset"]["file"] = source_name
-    stage("store")
+    # issue 11: the validation scores' histogram for report.png (warning-only, like the report)
     try:
-        model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata)
+        metadata["validation_scores"] = validation_summary(result, ds.data, ds.offset, cfg.train.val_fraction)
+    except Exception as e:  # noqa: BLE001 - a picture's data never fails a trained job
+        metadata["validation_scores"] = None
+        metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
+    stage("store")
+    # issue 11: report.png is drawn into the version's hidden temporary directory, so it is
+    # published with the version by the same rename (a kill leaves no partial picture behind); a
+    # failure is a warning, never the job's
+    report_warnings: list[str | None] = []
+    try:
+        model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata,
+                                         before_publish=lambda tmp: report_warnings.append(try_write_report(tmp)))
     except StoreError as e:
         err = JobError("store", str(e), e)
         err.errno = e.errno
         raise err from e
-    return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata)
+    report_warning = report_warnings[0] if report_warnings else None
+    metadata = dict(metadata, report_warning=report_warning)  # the caller's copy only, not metadata.json
+    return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata,
+                     report_warning=report_warning)

@@ -49,6 +49,11 @@ MESSAGE_IDS = {
     "job-crashed": "84733394dd9e48ae9dfa064d239fbc70",
     "failed-pruned": "698d943f89974410b6b9c40cb0ae0e58",
     "job-gpu-throttle": "c183b2cf20ed4a22ab23aed6f682eca5",
+    # issue 11
+    "metrics": "66e2a7bc87cd4753948bcfd936ddfa3a",
+    "model-pruned": "dc03cf1c701c4dfc8ab394ceda57ee35",
+    "spool-pruned": "ab9635bf3fe34652aab8a3ae634cce4e",
+    "report-failed": "50091f7c7c094ec080584c7cf9395808",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).

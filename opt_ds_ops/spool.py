@@ -684,9 +684,27 @@ def boot_id() -> str:
         return ""
 
 
-def process_alive(pid: int | None, boot: str | None) -> bool:
-    """Return True if pid runs now and the record it came from was written during this boot."""
-    if not pid or (boot and boot != boot_id()):
+def process_start_ticks(pid: int) -> int | None:
+    """Return when process pid started (``/proc/PID/stat`` field 22, clock ticks since boot), or
+    None if it does not exist or /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat_line = f.read()
+        return int(stat_line.rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_alive(pid: int | None, boot: str | None, start_ticks: int | None = None) -> bool:
+    """Return True if the process pid of a record runs now. With ``start_ticks`` (the record's
+    :func:`process_start_ticks` of pid) the same pid must have started then: that tells a reused pid
+    apart without the boot id, which differs between a sandboxed unit and a shell in a container
+    (ProtectKernelTunables= hides nspawn's boot id). Without it: pid runs and the boot id matches."""
+    if not pid:
+        return False
+    if start_ticks is not None:
+        return process_start_ticks(pid) == start_ticks
+    if boot and boot != boot_id():
         return False
     return pid_alive(pid)
 
@@ -726,6 +744,37 @@ def ignored_entries(spool: Spool) -> list[dict]:
     return sorted(out, key=lambda d: d["name"])
 
 
+def _not_superseded(spool: Spool, failed: list[dict]) -> list[dict]:
+    """Return the failed docs that no later success of the same dataset name superseded (a fixed
+    file dropped again, or requeued, that then trained): ``latest failed`` shows what still needs
+    an operator. Only done/ results newer than the oldest of these failures are read."""
+    times = [t for d in failed if (t := d.get("failed_at"))]
+    if not times:
+        return failed
+    oldest = min(times)
+    try:
+        since = datetime.strptime(oldest, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except (TypeError, ValueError):
+        since = 0.0
+    done_at: dict[str, str] = {}
+    try:
+        with os.scandir(spool.dir(DONE)) as it:
+            for e in it:
+                if e.name.endswith(RESULT_SUFFIX) and not e.name.startswith("."):
+                    try:
+                        if e.stat(follow_symlinks=False).st_mtime < since - 1:
+                            continue  # written before the oldest failure shown: cannot supersede it
+                    except FileNotFoundError:
+                        continue
+                    doc = read_json(e.path) or {}
+                    at, name = doc.get("finished_at"), doc.get("dataset")
+                    if isinstance(at, str) and isinstance(name, str) and at > oldest and at > done_at.get(name, ""):
+                        done_at[name] = at
+    except FileNotFoundError:
+        return failed
+    return [d for d in failed if not (isinstance(d.get("failed_at"), str) and done_at.get(d.get("dataset"), "") > d["failed_at"])]
+
+
 def spool_status(spool: Spool, last: int = 5) -> dict:
     """Return what the spool shows: queue, jobs in processing/, counts and the newest results.
 
@@ -743,10 +792,12 @@ def spool_status(spool: Spool, last: int = 5) -> dict:
     jobs = []
     for job_id in job_ids(spool):
         record = read_record(spool, job_id) or {"job_id": job_id}
-        jobs.append(dict(record, daemon_alive=process_alive(record.get("pid"), record.get("boot_id")),
+        jobs.append(dict(record, daemon_alive=process_alive(record.get("pid"), record.get("boot_id"),
+                                                            record.get("pid_start")),
                          checkpoint=os.path.exists(spool.job_path(job_id, CHECKPOINT_FILE))))
     n_done, done = _recent_docs(spool.dir(DONE), RESULT_SUFFIX, last)
     n_failed, failed = _recent_docs(spool.dir(FAILED), ERROR_SUFFIX, last)
+    failed = _not_superseded(spool, failed)
     return {
         "spool": spool.root,
         "queue": [n for n in queue if n not in skip],
@@ -758,3 +809,99 @@ def spool_status(spool: Spool, last: int = 5) -> dict:
         "recent_failed": failed,
         "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+# ---- retention of done/ and failed/, requeue (issue 11) -----------------------------------------
+
+def _finished_entries(spool: Spool, dest: str) -> list[tuple[float, int, list[str], str]]:
+    """Return (mtime of the JSON in seconds, bytes, [paths: dataset, sidecar, JSON], dataset name)
+    per finished dataset of dest (DONE or FAILED), oldest first. The JSON (``NAME.result.json``,
+    ``NAME.error.json``) anchors each entry: it is written first by :func:`finish` and removed
+    last by :func:`prune_retention`."""
+    suffix = RESULT_SUFFIX if dest == DONE else ERROR_SUFFIX
+    entries = []
+    with os.scandir(spool.dir(dest)) as it:
+        for e in it:
+            if e.name.startswith(".") or not e.name.endswith(suffix):
+                continue
+            doc = read_json(e.path) or {}
+            name = doc.get("dataset_file") if isinstance(doc.get("dataset_file"), str) else None
+            paths = []
+            if name and "/" not in name and name not in (".", ".."):
+                paths = [spool.path(dest, name), spool.path(dest, sidecar_name(name, SIDECAR_SUFFIX))]
+            paths.append(e.path)
+            size, mtime = 0, 0.0
+            for p in paths:
+                try:
+                    st = os.lstat(p)
+                except FileNotFoundError:
+                    continue
+                size += st.st_size
+                if p == e.path:
+                    mtime = st.st_mtime
+            entries.append((mtime, size, paths, name or e.name))
+    entries.sort()
+    return entries
+
+
+def prune_retention(spool: Spool, dest: str, max_age_days: float, max_bytes: int, now: float | None = None) -> list[str]:
+    """Remove finished datasets of dest (DONE or FAILED) with their JSON and sidecar: those older
+    than ``max_age_days`` (days, by the JSON's mtime: when the job finished), then the oldest until
+    the directory's datasets total at most ``max_bytes``; 0 turns either rule off. Return the
+    dataset names removed, oldest first. The JSON goes last, so a kill midway leaves an entry the
+    next call finds again. Raises OSError if the directory cannot be read or a file removed."""
+    if max_age_days <= 0 and max_bytes <= 0:
+        return []
+    entries = _finished_entries(spool, dest)
+    now = time.time() if now is None else now
+    total = sum(size for _, size, _, _ in entries)
+    removed = []
+    for mtime, size, paths, name in entries:
+        too_old = max_age_days > 0 and now - mtime > max_age_days * 86400
+        too_big = max_bytes > 0 and total > max_bytes
+        if not (too_old or too_big):
+            break  # oldest first: nothing newer is older, and the total already fits
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        total -= size
+        removed.append(name)
+    if removed:
+        fsync_dir(spool.dir(dest))
+    return removed
+
+
+def requeue(spool: Spool, name: str) -> dict:
+    """Move failed/NAME back to incoming/NAME for the daemon to take again: its sidecar first (as
+    ``incoming/STEM.yaml``, taken with the dataset), then the dataset (a rename that never replaces
+    a file of the same name in incoming/), then its ``.error.json`` is removed. Return
+    ``{dataset, sidecar, error}`` (the error document, for the record). Raises SpoolError for a name
+    not in failed/ or already in incoming/, OSError if the spool cannot be written (root or the
+    service user ds-ops may write failed/; a group member may not)."""
+    if "/" in name or name in ("", ".", "..") or name.startswith("."):
+        raise SpoolError(f"{name!r} is not a dataset name in failed/")
+    src = spool.path(FAILED, name)
+    if not os.path.isfile(src) or os.path.islink(src):
+        raise SpoolError(f"failed/{name} does not exist (ds-ops status lists the latest failures)")
+    err_path = spool.path(FAILED, sidecar_name(name, ERROR_SUFFIX))
+    doc = read_json(err_path) if os.path.lexists(err_path) else None
+    original = (doc or {}).get("dataset") or name
+    if not isinstance(original, str) or "/" in original or original.startswith("."):
+        original = name
+    if os.path.lexists(spool.path(INCOMING, original)):
+        raise SpoolError(f"incoming/{original} exists already; remove or rename it first")
+    side_src = spool.path(FAILED, sidecar_name(name, SIDECAR_SUFFIX))
+    side_dst = None
+    if os.path.lexists(side_src):
+        side_dst = dataset_stem(original) + SIDECAR_SUFFIXES[0]
+        rename_noreplace(side_src, spool.path(INCOMING, side_dst))
+    rename_noreplace(src, spool.path(INCOMING, original))
+    fsync_dir(spool.dir(INCOMING))
+    try:
+        os.unlink(err_path)
+    except FileNotFoundError:
+        pass
+    fsync_dir(spool.dir(FAILED))
+    return {"dataset": original, "sidecar": side_dst, "error": doc}

@@ -147,6 +147,8 @@ def test_the_daemon_logs_each_job_stage_with_fields_journalctl_can_match(tmp_pat
     (failed,) = [e for e in entries if e.get("DS_DATASET") == "broken" and e["DS_STAGE"] == "failed"]
     assert failed["MESSAGE_ID"] == MESSAGE_IDS["job-failed"] and failed["PRIORITY"] == "3"
     assert failed["DS_FAILED_STAGE"] == "dataset" and "line 2, column 2" in failed["MESSAGE"]
+    assert "line 2, column 2" in failed["DS_REASON"]  # issue 11: the reason in a field of its own
+    assert float(saved["DS_THRESHOLD"]) > 0  # issue 11: the saved model's threshold
     # start-up health check, once, with the verdict and the device (device: cpu needs no driver: ok)
     (health,) = [e for e in entries if e["MESSAGE_ID"] == MESSAGE_IDS["health"]]
     assert health["PRIORITY"] == "6" and health["DS_VERDICT"] == "ok" and health["DS_DEVICE"] == "cpu"

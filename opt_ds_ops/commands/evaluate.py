@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from ..config import DEFAULT_CONFIG_PATH
@@ -57,8 +58,25 @@ def run(args) -> int:
         print(f"evaluating {len(machines)} machine(s) on {plan.device} amp={plan.amp_name}: {t.epochs} epochs, "
               f"score {t.score_smoothing} over {t.score_window} rows, input clip {t.input_clip:g}, "
               f"error floor {t.error_floor:g}, threshold {t.threshold_method}", flush=True)
-    results = run_evaluation(machines, cfg, plan, models_dir=args.models_dir, keep_scores=bool(args.plot),
-                             on_machine=None if args.json else lambda r: print(f"  {r['machine']} done", flush=True))
+    bar = None
+    if not args.json and sys.stderr.isatty():  # issue 11: a progress bar on a terminal only, never in a pipe
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(machines), unit="machine", desc="evaluating", file=sys.stderr)
+
+    def on_machine(r) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.write(f"  {r['machine']} done")
+        elif not args.json:
+            print(f"  {r['machine']} done", flush=True)
+
+    try:
+        results = run_evaluation(machines, cfg, plan, models_dir=args.models_dir, keep_scores=bool(args.plot),
+                                 on_machine=on_machine)
+    finally:
+        if bar is not None:
+            bar.close()
     means = mean_row(results)
     if args.plot:
         plot(results, args.plot, args.plot_machine)

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import numpy as np
 
 from ..config import DEFAULT_CONFIG_PATH, DatasetConfig
 from ..dataset import DatasetLimits, load_dataset
 from ..score import evaluate, flagged_segments, fmt_metric, load_labels, metric_names, score_with_cells
-from ..store import load_model
+from ..store import load_model, model_path
 from . import CliError, load_cfg
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("score", help="score a dataset with a trained model (per-row reconstruction error)")
-    s.add_argument("model_dir", metavar="MODEL_DIR", help="a model version directory, its 'current' link or the model name's directory")
+    s.add_argument("model_dir", metavar="MODEL_DIR", help="a model version directory, its 'current' link, the model name's directory or a model name under models_dir")
     s.add_argument("dataset", metavar="DATASET")
     s.add_argument("--labels", help="file of one 0/1 per row: also print ROC-AUC, PR-AUC, precision, recall, F1")
     s.add_argument("--output", help="write per-row CSV: row,score,anomaly[,label],top_metrics")
     s.add_argument("--top", type=int, default=3, metavar="N",
                    help="metrics named per flagged segment, largest share of the score first (default 3)")
     s.add_argument("--config", help=f"configuration file, for the job.* dataset budgets (default: {DEFAULT_CONFIG_PATH} if present)")
+    s.add_argument("--plot", metavar="FILE", help="draw the score over the rows with the threshold (and the labels) to a PNG")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=run)
 
@@ -58,7 +60,7 @@ def align_columns(stored, ds) -> None:
 def run(args) -> int:
     """``ds-ops score MODEL_DIR DATASET``: per-row anomaly scores and flags; metrics with --labels."""
     cfg = load_cfg(args, {})
-    stored = load_model(args.model_dir)
+    stored = load_model(model_path(args.model_dir, cfg.models_dir))  # issue 11: a bare model name too
     ds = load_dataset(args.dataset, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes),
                       stored_options(stored, cfg))
     align_columns(stored, ds)
@@ -75,6 +77,14 @@ def run(args) -> int:
     del cells
     if args.output:
         write_rows(args.output, scores, flags, labels, segs, ds)
+    if args.plot:  # issue 11
+        from ..report import ReportError, write_score_plot
+
+        try:
+            write_score_plot(scores, stored.threshold, args.plot, labels=labels,
+                             title=f"{os.path.basename(args.dataset)} scored with {stored.path}")
+        except ReportError as e:
+            raise CliError(str(e)) from None
     summary = {
         "model_dir": stored.path,
         "dataset": args.dataset,
@@ -85,6 +95,7 @@ def run(args) -> int:
         "threshold_method": stored.metadata.get("threshold_method", "quantile"),
         "flagged": int(flags.sum()),
         "output": args.output,
+        "plot": args.plot,
         "segments": segs,
         "notes": ds.notes,
     }
@@ -111,6 +122,8 @@ def run(args) -> int:
             print(f"  rows {g['start']}-{g['end']}  peak {g['peak_score']:.4f}  {named}")
     if args.output:
         print(f"per-row scores: {args.output}")
+    if args.plot:
+        print(f"plot: {args.plot}")
     return 0
 
 

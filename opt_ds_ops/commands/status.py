@@ -1,14 +1,20 @@
 """``ds-ops status``: the spool's queue, the running job and its epoch, the latest results.
 
 Read from the spool directory alone, so it works whether or not the daemon runs (and as any user
-who can read the spool).
+who can read the spool), and with a broken conffile (it says so and reads ``spool.dir`` from the
+file if it can, else uses the default). ``--follow`` prints it again every ``--interval`` seconds.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
+from datetime import datetime, timezone
 
-from ..config import DEFAULT_CONFIG_PATH
+import yaml
+
+from ..config import DEFAULT_CONFIG_PATH, ConfigError, SpoolConfig
 from ..journal import safe_text
 from ..spool import Spool, spool_status
 from . import CliError, load_cfg
@@ -20,13 +26,61 @@ def add_parser(sub) -> None:
     s.add_argument("--spool-dir", help="spool directory (default: spool.dir from the config)")
     s.add_argument("--last", type=int, default=5, metavar="N", help="how many latest results to show (default 5)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--follow", action="store_true", help="print the status again every --interval seconds (Ctrl-C ends)")
+    s.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between --follow updates (default 2)")
     s.set_defaults(func=run)
+
+
+def _spool_root(args) -> str:
+    """Return the spool directory: --spool-dir, else the conffile's spool.dir. A conffile that does
+    not validate is reported on stderr (one ``ds-ops: warning:`` line) and its ``spool.dir`` used
+    if it is a readable absolute path, else the default."""
+    if args.spool_dir:
+        return args.spool_dir
+    try:
+        return load_cfg(args, {}).spool.dir
+    except ConfigError as e:
+        root = SpoolConfig().dir
+        try:
+            with open(args.config or DEFAULT_CONFIG_PATH, encoding="utf-8") as f:
+                raw = yaml.safe_load(f)
+            candidate = raw["spool"]["dir"]
+            if isinstance(candidate, str) and candidate.startswith("/"):
+                root = candidate
+        except Exception:  # a broken file: anything may be wrong with it; the default it is
+            pass
+        print(f"ds-ops: warning: {e}; showing spool {root} (ds-ops check-config)", file=sys.stderr)
+        return root
+
+
+def _seconds_since(stamp) -> float | None:
+    try:
+        t = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    except (TypeError, ValueError):
+        return None
+    return datetime.now(timezone.utc).timestamp() - t.timestamp()
+
+
+def time_left_s(job: dict) -> float | None:
+    """Return an estimate of the running job's training time left (seconds): the mean time of its
+    finished epochs times the epochs to go, less the time since the last one; None before epoch 1."""
+    epoch, epochs = job.get("epoch"), job.get("epochs")
+    since_start, since_epoch = _seconds_since(job.get("started_at")), _seconds_since(job.get("updated_at"))
+    if not (isinstance(epoch, int) and isinstance(epochs, int) and epoch > 0) or since_start is None or since_epoch is None:
+        return None
+    per_epoch = max(since_start - since_epoch, 0.0) / epoch
+    return max(per_epoch * (epochs - epoch) - since_epoch, 0.0)
 
 
 def _job_line(job: dict) -> str:
     state = job.get("state", "?")
     if job.get("daemon_alive") and state == "running":
-        epoch = f" epoch {job['epoch']}/{job.get('epochs', '?')} loss {job['loss']:.6g}" if job.get("epoch") else " (loading)"
+        if job.get("epoch"):
+            left = time_left_s(job)
+            eta = f", about {left:.0f} s left" if left is not None else ""
+            epoch = f" epoch {job['epoch']}/{job.get('epochs', '?')} loss {job['loss']:.6g}{eta}"
+        else:
+            epoch = f" ({job.get('stage') or 'loading'})"
         what = f"training{epoch} on {job.get('device', '?')}, daemon pid {job.get('pid')}"
     elif state == "deferred":
         what = "deferred by the health gate"
@@ -36,18 +90,7 @@ def _job_line(job: dict) -> str:
     return f"  {safe_text(job.get('dataset') or '?')}  job {job.get('job_id', '?')}: {what}"
 
 
-def run(args) -> int:
-    """``ds-ops status [--json]``: exit 0; 1 if the spool directory does not exist."""
-    root = args.spool_dir or load_cfg(args, {}).spool.dir
-    try:
-        st = spool_status(Spool(root), last=max(args.last, 0))
-    except FileNotFoundError:
-        raise CliError(f"spool directory {root} does not exist (is ds-trainer installed? see spool.dir)") from None
-    except PermissionError as e:
-        raise CliError(f"cannot read the spool directory: {e.strerror} ({e.filename})") from None
-    if args.json:
-        print(json.dumps(st, sort_keys=True))
-        return 0
+def _print(st: dict) -> None:
     print(f"spool {st['spool']}: {len(st['queue'])} queued, {len(st['processing'])} in processing, "
           f"{st['done_count']} done, {st['failed_count']} failed")
     for name in st["queue"]:
@@ -64,7 +107,32 @@ def run(args) -> int:
             print(f"  {safe_text(d.get('dataset_file') or '?')}  -> {d.get('model_dir')}  loss {loss_text}  "
                   f"{d.get('device')} {d.get('finished_at')}")
     if st["recent_failed"]:
-        print("latest failed:")
+        print("latest failed (fix the file, then: sudo ds-ops requeue NAME):")
         for d in st["recent_failed"]:
             print(f"  {safe_text(d.get('dataset_file') or '?')}  [{d.get('stage')}] {safe_text(str(d.get('reason')))}")
-    return 0
+
+
+def run(args) -> int:
+    """``ds-ops status [--json] [--follow]``: exit 0; 1 if the spool directory does not exist or
+    cannot be read."""
+    root = _spool_root(args)
+    while True:
+        try:
+            st = spool_status(Spool(root), last=max(args.last, 0))
+        except FileNotFoundError:
+            raise CliError(f"spool directory {root} does not exist (is ds-trainer installed? see spool.dir)") from None
+        except PermissionError as e:
+            raise CliError(f"cannot read the spool directory: {e.strerror} ({e.filename}); "
+                           "members of group ds-ops may read it") from None
+        for job in st["processing"]:
+            job["time_left_s"] = time_left_s(job) if job.get("daemon_alive") else None
+        if args.json:
+            print(json.dumps(st, sort_keys=True), flush=True)
+        else:
+            _print(st)
+        if not args.follow:
+            return 0
+        sys.stdout.flush()
+        time.sleep(max(args.interval, 0.2))
+        if not args.json:
+            print()

@@ -124,6 +124,8 @@ def run(args) -> int:
         "left_out": md["dataset"]["left_out"],
         "notes": md["dataset"]["notes"],
     }
+    if job.report_warning:  # issue 11: the picture failed, the model is saved
+        print(f"ds-ops: warning: {job.report_warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:

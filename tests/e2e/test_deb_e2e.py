@@ -302,7 +302,7 @@ def test_bad_file_goes_to_failed_and_the_unit_stays_active(box):
     box.wait_for(f"journalctl -x -u {UNIT} --no-pager | grep -q -F {shlex.quote(subject)}", 30,
                  "the job-failed catalog text in journalctl -x")
     fields = {"DS_DATASET_FILE": "garbage.csv", "DS_DATASET": "garbage", "DS_JOB_ID": error["job_id"],
-              "DS_FAILED_STAGE": error["stage"], "DS_STAGE": "failed"}
+              "DS_FAILED_STAGE": error["stage"], "DS_STAGE": "failed", "DS_REASON": error["reason"]}
     filled = [re.sub(r"@([A-Z0-9_]+)@", lambda m: fields[m.group(1)], line) for line in entry if "@" in line]
     assert filled, entry
     out = box.run(["journalctl", "-x", "-u", UNIT, "--no-pager"]).stdout
@@ -479,6 +479,105 @@ def test_upgrade_keeps_the_conffile_edit_models_and_account(box, deb):
     assert_nothing_lost(box, ["machine-1-2", "restarted", "killed"])
     drop(box, f"/srv/smd/{DATASET}", "after-upgrade.txt.gz")
     wait_model(box, "after-upgrade", 1)
+
+
+# ---- issue 11: what an operator expects around the daemon, the first hour tried from the docs ----
+# (written for issue 11; run by `make e2e`, which boots the container)
+
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+READ_PROM = r"""
+import sys
+from prometheus_client.parser import text_string_to_metric_families
+for family in text_string_to_metric_families(open(sys.argv[1]).read()):
+    for s in family.samples:
+        print(s.name, ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())), s.value)
+"""
+READ_PNG = r"""
+import sys
+from PIL import Image
+with Image.open(sys.argv[1]) as im:
+    im.verify()
+with Image.open(sys.argv[1]) as im:
+    im.load()
+    print(im.format, im.size[0], im.size[1])
+"""
+
+
+def test_metrics_catalog_text_and_report_png_after_a_job(box):
+    # node_exporter's textfile directory, writable by the daemon's user (docs/INSTALL.md); the unit's
+    # ReadWritePaths=-... binds it only when it exists at start, so restart after creating it
+    box.run(["install", "-d", "-o", "ds-ops", "-g", "ds-ops", "-m", "0755", TEXTFILE_DIR])
+    box.run(["systemctl", "restart", UNIT], timeout=300)
+    drop(box, f"/srv/smd/{DATASET}", "metrics.txt.gz")
+    wait_model(box, "metrics", 1)
+    box.wait_for(f"grep -qF 'ds_ops_model_threshold{{model=\"metrics\"}}' {TEXTFILE_DIR}/ds_ops.prom", 60,
+                 "the job in ds_ops.prom")
+    out = box.run(["/opt/ds-ops/bin/python", "-c", READ_PROM, f"{TEXTFILE_DIR}/ds_ops.prom"], user=USER).stdout
+    got = {" ".join(line.split()[:-1]): float(line.split()[-1]) for line in out.splitlines()}
+    assert got["ds_ops_jobs_finished_total result=done"] >= 1, out
+    assert got["ds_ops_model_threshold model=metrics"] > 0 and got["ds_ops_job_running"] == 0, out
+    assert box.run(["stat", "-c", "%a", f"{TEXTFILE_DIR}/ds_ops.prom"]).stdout.strip() == "644"
+    # journalctl -x: the job-saved catalog text
+    subject = next(line for line in catalog_entry("job-saved") if line.startswith("Subject: "))
+    box.wait_for(f"journalctl -x -u {UNIT} --no-pager | grep -q -F {shlex.quote(subject)}", 30,
+                 "the job-saved catalog text in journalctl -x")
+    png = box.run(["/opt/ds-ops/bin/python", "-c", READ_PNG, f"{MODELS}/metrics/current/report.png"], user=USER)
+    fmt, width, height = png.stdout.split()
+    assert fmt == "PNG" and int(width) > 800 and int(height) > 300, png.stdout
+
+
+def test_first_hour_requeue_status_reload_models_rm_and_retention(box):
+    conf = "/etc/ds-ops/trainer.yaml"
+    # requeue a fixed dataset: a group member may not, root may; a later success clears "latest failed"
+    box.run(f"zcat /srv/smd/{DATASET} | head -n 3000 > {SPOOL}/failed/garbage.csv")
+    r = box.run(["ds-ops", "requeue", "garbage.csv"], user=USER, check=False)
+    assert r.returncode == 1 and "sudo ds-ops requeue NAME" in r.stderr, r.stderr
+    box.run(["ds-ops", "requeue", "garbage.csv"])
+    wait_model(box, "garbage", 1)
+    box.wait_for(f"test -f {SPOOL}/done/garbage.csv.result.json", 30, "the requeued dataset in done/")
+    status = json.loads(box.run(["ds-ops", "status", "--json"], user=USER).stdout)
+    assert [f for f in status["recent_failed"] if f["dataset"] == "garbage.csv"] == [], status["recent_failed"]
+    # a reload with a broken conffile fails, the daemon keeps running, status still works
+    box.run(f"cp {conf} /root/trainer.yaml.good && sed -i 's/^  epochs: 5/  epochs: twenty/' {conf}")
+    pid = show(box, "MainPID")
+    r = box.run(["systemctl", "reload", UNIT], check=False)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    assert show(box, "MainPID") == pid
+    r = box.run(["ds-ops", "status"], user=USER, check=False)
+    assert r.returncode == 0 and "key 'train.epochs' must be an integer" in r.stderr, r.stderr
+    box.run(f"cp /root/trainer.yaml.good {conf}")
+    # status shows the running job alive, with its epoch (liveness by pid and its start time); 40
+    # epochs so the job outlasts a few `ds-ops status` runs
+    box.run(f"sed -i 's/^  epochs: 5/  epochs: 40/' {conf}")
+    box.run(["systemctl", "reload", UNIT])
+    drop(box, BIG, "alive.txt.gz")
+    wait_training(box, "alive.txt.gz")
+    r = box.wait_for("ds-ops status | grep -E 'alive.txt.gz  job .*: training epoch [0-9]+/40 .*daemon pid'", 120,
+                     "status to show the running job's epoch", interval_s=0.5)
+    assert "daemon not running it now" not in r.stdout
+    wait_model(box, "alive", 1)
+    box.run(f"cp /root/trainer.yaml.good {conf}")
+    box.run(["systemctl", "reload", UNIT])
+    # retention: done/ keeps what is younger than a second, after the next job
+    box.run(f"cp /root/trainer.yaml.good {conf} && sed -i 's/^  done_max_age_days: .*/  done_max_age_days: 0.00001/' "
+            f"{conf}")
+    box.run(["systemctl", "reload", UNIT])
+    box.wait_for(f"journalctl -u {UNIT} --no-pager | grep -q -F 'spool.done_max_age_days 30.0 -> 1e-05'", 30,
+                 "the reload to say what changed")
+    drop(box, f"/srv/smd/{DATASET}", "retention.txt.gz")
+    wait_model(box, "retention", 1)
+    box.wait_for(f"test ! -e {SPOOL}/done/garbage.csv", 60, "done/ pruned by age")
+    assert "retention.txt.gz" in box.run(["ls", f"{SPOOL}/done"]).stdout.split()
+    box.run(f"cp /root/trainer.yaml.good {conf}")
+    box.run(["systemctl", "reload", UNIT])
+    # models rm: a whole model goes; a group member may not remove one
+    r = box.run(["ds-ops", "models", "rm", "garbage"], user=USER, check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    box.run(["ds-ops", "models", "rm", "garbage"])
+    box.run(["test", "!", "-e", f"{MODELS}/garbage"])
+    models = json.loads(box.run(["ds-ops", "models", "--json"], user=USER).stdout)["models"]
+    assert "garbage" not in {m["name"] for m in models} and "alive" in {m["name"] for m in models}
 
 
 def test_purge_leaves_no_unit_user_conffile_or_spool(box):

@@ -1,0 +1,126 @@
+"""``ds-ops models``: list, show, promote, roll back, pin, unpin and remove model versions.
+
+Who may run what: reading (list, show) needs read access to models_dir (anyone, by default);
+changing (promote, rollback, pin, unpin, rm) needs write access to the model's directory: root
+or the service user ds-ops (``sudo ds-ops models promote ...``). Every change records who
+(the user, and ``SUDO_USER``) and why (``--why``) in the version's metadata.json
+(``operator_log``). See :mod:`opt_ds_ops.store` for how each change stays atomic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..config import DEFAULT_CONFIG_PATH
+from ..store import (
+    METADATA_FILE, StoreError, current_version, list_models, pin, promote, read_metadata, remove, resolve,
+    rollback, version_summary,
+)
+from . import load_cfg
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("models", help="list model versions; promote, roll back, pin or remove them")
+    s.add_argument("--config", help=f"configuration file naming models_dir (default: {DEFAULT_CONFIG_PATH} if present)")
+    s.add_argument("--models-dir", help="model store (default: models_dir from the config)")
+    s.add_argument("--json", action="store_true", help="print one JSON document")
+    s.set_defaults(func=run, action="list")
+    acts = s.add_subparsers(dest="action", metavar="ACTION")
+    acts.add_parser("list", help="every model, its versions, current, dataset, losses, threshold, age")
+    a = acts.add_parser("show", help="one version's metadata.json (NAME: its current version)")
+    a.add_argument("spec", metavar="NAME[/VERSION]")
+    a = acts.add_parser("promote", help="make VERSION the current one of NAME")
+    a.add_argument("name", metavar="NAME")
+    a.add_argument("version", metavar="VERSION")
+    a.add_argument("--why", help="reason, recorded in the version's metadata")
+    a = acts.add_parser("rollback", help="make the version before the current one current")
+    a.add_argument("name", metavar="NAME")
+    a.add_argument("--why", help="reason, recorded in the version's metadata")
+    for verb, text in (("pin", "never prune this version (NAME: its current version)"), ("unpin", "undo pin")):
+        a = acts.add_parser(verb, help=text)
+        a.add_argument("spec", metavar="NAME[/VERSION]")
+        a.add_argument("--why", help="reason, recorded in the version's metadata")
+    a = acts.add_parser("rm", help="remove one version (current moves to the newest other one) or a whole model")
+    a.add_argument("spec", metavar="NAME[/VERSION]")
+    a.add_argument("--why", help="reason, recorded when current moves")
+    for p in acts.choices.values():  # the options also after the action: `ds-ops models list --json`
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
+        p.add_argument("--models-dir", default=argparse.SUPPRESS, help="model store (default: models_dir from the config)")
+        p.add_argument("--config", default=argparse.SUPPRESS, help="configuration file naming models_dir")
+
+
+def _age(seconds) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _num(v, fmt: str = ".6g") -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else "n/a"
+
+
+def _print_list(models: list[dict], models_dir: str) -> None:
+    if not models:
+        print(f"no models under {models_dir}")
+        return
+    for m in models:
+        print(f"{m['name']}  current {m['current'] or '(none)'}  {len(m['versions'])} version(s)")
+        for v in reversed(m["versions"]):
+            mark = ("*" if v["current"] else " ") + ("P" if v["pinned"] else " ")
+            print(f"  {mark} {v['version']}  {v['dataset'] or '?'}  loss {_num(v['final_train_loss'])}  "
+                  f"val {_num(v['final_val_loss'])}  threshold {_num(v['threshold'], '.4f')}  age {_age(v['age_s'])}")
+    print("(* current, P pinned)")
+
+
+def run(args) -> int:
+    """``ds-ops models [ACTION]``: exit 0; 1 for an unknown name or version, a pinned version to
+    remove, or a store that cannot be written (one ``ds-ops: error:`` line)."""
+    models_dir = args.models_dir or load_cfg(args, {}).models_dir
+    action = args.action or "list"
+    why = getattr(args, "why", None)
+    if action == "list":
+        models = list_models(models_dir)
+        if args.json:
+            print(json.dumps({"models_dir": models_dir, "models": models}, sort_keys=True))
+        else:
+            _print_list(models, models_dir)
+        return 0
+    if action == "show":
+        name_dir, version = resolve(models_dir, args.spec)
+        version = version or current_version(name_dir)
+        if version is None:
+            raise StoreError(f"model {args.spec!r} has no current version; name one: NAME/VERSION")
+        md = read_metadata(os.path.join(name_dir, version))
+        summary = version_summary(name_dir, version, current_version(name_dir))
+        if args.json:
+            print(json.dumps(dict(summary, metadata=md), sort_keys=True))
+        else:
+            for key in ("name", "version", "path", "current", "pinned", "dataset", "final_train_loss",
+                        "final_val_loss", "threshold", "trained_at"):
+                print(f"{key}: {summary[key]}")
+            print(f"age: {_age(summary['age_s'])}")
+            for e in md.get("operator_log", []):
+                print(f"{e.get('at')} {e.get('action')} by {e.get('by')}: {e.get('why') or '-'}")
+            print(f"(everything: {os.path.join(name_dir, version, METADATA_FILE)}, or --json)")
+        return 0
+    if action in ("promote", "rollback"):
+        entry = (promote(models_dir, args.name, args.version, why) if action == "promote"
+                 else rollback(models_dir, args.name, why))
+        name_dir = os.path.join(models_dir, os.path.basename(args.name))
+        doc = dict(entry, name=args.name, current=current_version(name_dir))
+        text = f"{args.name}: current {doc['previous']} -> {doc['current']} ({action} by {doc['by']})"
+    elif action in ("pin", "unpin"):
+        entry = pin(models_dir, args.spec, action == "pin", why)
+        doc = dict(entry, spec=args.spec)
+        text = f"{args.spec}: {action}ned by {entry['by']}"
+    else:  # rm
+        doc = remove(models_dir, args.spec, why)
+        moved = f"; current is now {doc['current']}" if doc["current"] else ""
+        text = f"removed {args.spec} ({len(doc['removed'])} version(s)){moved}"
+    print(json.dumps(doc, sort_keys=True) if args.json else text)
+    return 0

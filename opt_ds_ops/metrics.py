@@ -1,0 +1,207 @@
+"""Prometheus metrics of the daemon, the node_exporter textfile way: ``ds_ops.prom`` in a directory
+that node_exporter's textfile collector reads (Debian's prometheus-node-exporter:
+``/var/lib/prometheus/node-exporter``, the conffile's ``metrics.textfile_dir``).
+
+The text comes from prometheus_client (a fresh ``CollectorRegistry`` per write, rendered by
+``generate_latest``), never built by hand. It is written atomically: a hidden temporary file in the
+same directory (node_exporter reads only ``*.prom``), fsync'ed, chmod 0644 (the unit's
+``UMask=0027`` would leave it unreadable to node_exporter's user), renamed over ``ds_ops.prom``.
+``prometheus_client.write_to_textfile`` does the same rename but neither the fsync nor the mode,
+so :func:`opt_ds_ops.fsutil.write_atomic` is used instead.
+
+Names follow Prometheus's rules (base units, ``_seconds``, ``_total`` for counters,
+``_timestamp_seconds`` for Unix times, ``_info`` for build information; see ``METRIC_NAMES``).
+Counters count since the daemon started (``ds_ops_daemon_start_time_seconds``); Prometheus's
+``rate()``/``increase()`` handle the reset at a restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from . import __version__
+from .fsutil import write_atomic
+
+TEXTFILE = "ds_ops.prom"
+
+# Every metric family written, with its help text (the README lists these names).
+METRIC_NAMES = {
+    "ds_ops_build_info": "ds-ops build: version, torch and CUDA versions (value 1)",
+    "ds_ops_daemon_start_time_seconds": "Unix time the daemon started",
+    "ds_ops_jobs_finished_total": "jobs finished since the daemon started, by result (done, failed)",
+    "ds_ops_queued_datasets": "datasets waiting: in incoming/ and claimed jobs not yet running",
+    "ds_ops_intake_paused": "1 while intake is paused after a file system error, else 0",
+    "ds_ops_job_running": "1 while a job runs, else 0",
+    "ds_ops_job_epoch": "the running job's last finished epoch (0 before the first)",
+    "ds_ops_job_epochs": "epochs the running job trains",
+    "ds_ops_job_progress_ratio": "the running job's finished epochs / epochs (0..1)",
+    "ds_ops_last_success_timestamp_seconds": "Unix time of the last job saved to the model store",
+    "ds_ops_last_failure_timestamp_seconds": "Unix time of the last job moved to failed/",
+    "ds_ops_last_job_duration_seconds": "wall time of the last saved job, from its claim to done/",
+    "ds_ops_last_training_duration_seconds": "training time of the last saved job",
+    "ds_ops_last_training_samples_per_second": "training throughput of the last saved job (rows/s)",
+    "ds_ops_model_train_loss": "final training loss (MSE, standardised units) of each model's current version",
+    "ds_ops_model_val_loss": "final validation loss of each model's current version",
+    "ds_ops_model_threshold": "anomaly-score threshold of each model's current version",
+    "ds_ops_model_trained_timestamp_seconds": "Unix time each model's current version finished training",
+    "ds_ops_model_age_seconds": "seconds since each model's current version finished training",
+    "ds_ops_model_versions": "versions kept of each model",
+    "ds_ops_gpu_health": "last health verdict per GPU (1 for the verdict it has, 0 for the others)",
+}
+VERDICTS = ("ok", "warn", "fail")
+
+
+def _utc_seconds(stamp) -> float | None:
+    from datetime import datetime, timezone
+
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def _current_models(models_dir: str) -> list[tuple[str, dict, int]]:
+    """Return (name, current version's metadata, number of versions) of each model; unreadable
+    ones are skipped (a metric is never worth a failed write)."""
+    from .store import CURRENT, METADATA_FILE, list_versions
+
+    out = []
+    try:
+        names = sorted(e for e in os.listdir(models_dir) if not e.startswith("."))
+    except OSError:
+        return out
+    for name in names:
+        name_dir = os.path.join(models_dir, name)
+        try:
+            with open(os.path.join(name_dir, CURRENT, METADATA_FILE), encoding="utf-8") as f:
+                md = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(md, dict):
+            out.append((name, md, len(list_versions(name_dir))))
+    return out
+
+
+class MetricsWriter:
+    """The daemon's metrics: what it knows (counters, the running job, the last results, GPU
+    verdicts) plus the model store's current versions, written to ``textfile_dir/ds_ops.prom``.
+
+    ``textfile_dir`` empty or absent: off (:attr:`enabled` False, :attr:`why_off` says why). A
+    write that fails (EACCES, ENOSPC, ...) is returned as a message by :meth:`write` (the daemon
+    logs it once per distinct reason) and never raises.
+    """
+
+    def __init__(self, textfile_dir: str, models_dir: str, *, torch_version: str = "", cuda_version: str = ""):
+        self.dir, self.models_dir = textfile_dir, models_dir
+        self.path = os.path.join(textfile_dir, TEXTFILE) if textfile_dir else ""
+        self.enabled = bool(textfile_dir) and os.path.isdir(textfile_dir)
+        self.why_off = ("metrics.textfile_dir is empty" if not textfile_dir else
+                        f"{textfile_dir} does not exist (install prometheus-node-exporter, or set "
+                        "metrics.textfile_dir)" if not self.enabled else "")
+        self.build = {"version": __version__, "torch": torch_version, "cuda": cuda_version or "none"}
+        self.started = time.time()
+        self.finished = {"done": 0, "failed": 0}
+        self.queued = 0
+        self.paused = False
+        self.job: dict | None = None  # {"epoch": n, "epochs": n} while a job runs
+        self.last_success = self.last_failure = None
+        self.last_job_s = self.last_training_s = self.last_samples_per_s = None
+        self.gpus: dict[tuple[str, str], str] = {}  # (index, uuid) -> verdict
+        self._last_error = ""
+
+    # ---- what the daemon tells it ---------------------------------------------------------------
+    def job_done(self, doc: dict) -> None:
+        """A job was saved: ``doc`` is its NAME.result.json content (durations in seconds)."""
+        self.finished["done"] += 1
+        self.last_success = time.time()
+        self.last_job_s = doc.get("duration_s")
+        self.last_training_s = doc.get("training_duration_s")
+        self.last_samples_per_s = doc.get("samples_per_s")
+        self.job = None
+
+    def job_failed(self) -> None:
+        """A job was moved to failed/."""
+        self.finished["failed"] += 1
+        self.last_failure = time.time()
+        self.job = None
+
+    def health(self, report: dict | None) -> None:
+        """Keep the verdict of each GPU of a health report (:func:`opt_ds_ops.health.health_report`)."""
+        for g in (report or {}).get("gpus") or []:
+            self.gpus[(str(g.get("index", "?")), str(g.get("uuid", "")))] = str(g.get("verdict", "?"))
+
+    # ---- rendering ------------------------------------------------------------------------------
+    def registry(self) -> CollectorRegistry:
+        """Return a registry holding every metric's current value (a new one each call)."""
+        reg = CollectorRegistry()
+
+        def gauge(name, value, labels=None):
+            g = Gauge(name, METRIC_NAMES[name], labelnames=list(labels or {}), registry=reg)
+            if value is not None:
+                (g.labels(**labels) if labels else g).set(value)
+            return g
+
+        gauge("ds_ops_build_info", 1, self.build)
+        gauge("ds_ops_daemon_start_time_seconds", self.started)
+        c = Counter("ds_ops_jobs_finished", METRIC_NAMES["ds_ops_jobs_finished_total"], ["result"], registry=reg)
+        for result, n in self.finished.items():
+            c.labels(result=result).inc(n)
+        gauge("ds_ops_queued_datasets", self.queued)
+        gauge("ds_ops_intake_paused", int(self.paused))
+        job = self.job or {}
+        gauge("ds_ops_job_running", int(self.job is not None))
+        gauge("ds_ops_job_epoch", job.get("epoch", 0))
+        gauge("ds_ops_job_epochs", job.get("epochs", 0))
+        epochs = job.get("epochs") or 0
+        gauge("ds_ops_job_progress_ratio", min(1.0, job.get("epoch", 0) / epochs) if epochs else 0.0)
+        for name, value in (("ds_ops_last_success_timestamp_seconds", self.last_success),
+                            ("ds_ops_last_failure_timestamp_seconds", self.last_failure),
+                            ("ds_ops_last_job_duration_seconds", self.last_job_s),
+                            ("ds_ops_last_training_duration_seconds", self.last_training_s),
+                            ("ds_ops_last_training_samples_per_second", self.last_samples_per_s)):
+            g = Gauge(name, METRIC_NAMES[name], registry=reg)
+            if isinstance(value, (int, float)):
+                g.set(value)
+            else:  # never happened yet: no sample rather than a misleading 0
+                reg.unregister(g)
+        per_model = {n: Gauge(n, METRIC_NAMES[n], ["model"], registry=reg) for n in (
+            "ds_ops_model_train_loss", "ds_ops_model_val_loss", "ds_ops_model_threshold",
+            "ds_ops_model_trained_timestamp_seconds", "ds_ops_model_age_seconds", "ds_ops_model_versions")}
+        now = time.time()
+        for name, md, n_versions in _current_models(self.models_dir):
+            trained = _utc_seconds(md.get("ended_at"))
+            for metric, value in (("ds_ops_model_train_loss", md.get("final_train_loss")),
+                                  ("ds_ops_model_val_loss", md.get("final_val_loss")),
+                                  ("ds_ops_model_threshold", md.get("threshold")),
+                                  ("ds_ops_model_trained_timestamp_seconds", trained),
+                                  ("ds_ops_model_age_seconds", now - trained if trained else None),
+                                  ("ds_ops_model_versions", n_versions)):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    per_model[metric].labels(model=name).set(value)
+        health = Gauge("ds_ops_gpu_health", METRIC_NAMES["ds_ops_gpu_health"], ["gpu", "uuid", "verdict"], registry=reg)
+        for (index, uuid), verdict in sorted(self.gpus.items()):
+            for v in VERDICTS:
+                health.labels(gpu=index, uuid=uuid, verdict=v).set(int(v == verdict))
+        return reg
+
+    def write(self) -> str | None:
+        """Write ``ds_ops.prom`` atomically if enabled. Return None on success or when off, else a
+        one-line reason the first time a given error happens (to log once), "" for a repeat."""
+        if not self.enabled:
+            return None
+        try:
+            write_atomic(self.path, generate_latest(self.registry()))
+        except OSError as e:
+            hint = (" (the daemon's user ds-ops needs write access: setfacl -m u:ds-ops:rwx "
+                    f"{self.dir}, then systemctl restart ds-trainer)" if e.errno in (errno.EACCES, errno.EROFS) else "")
+            message = f"cannot write {self.path}: {e.strerror or e}{hint}"
+            first = message != self._last_error
+            self._last_error = message
+            return message if first else ""
+        self._last_error = ""
+        return None

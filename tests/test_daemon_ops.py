@@ -1,0 +1,231 @@
+"""What an operator runs around the daemon (issue 11), against real daemon processes and real
+files: Prometheus textfile metrics, keep_versions pruning after jobs, retention of done/, requeue
+of a fixed dataset, a later success clearing "latest failed", the liveness and epoch shown by
+``ds-ops status``, a reload that says what changed, ``check-config``, ``status`` with a broken
+conffile."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import SMD_TRAIN, run_cli
+from daemon_kit import Daemon, copy_smd, done_names, failed_names, spool_dir, versions, write_config
+from opt_ds_ops.metrics import METRIC_NAMES
+
+NAME_RULE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")  # Prometheus's metric name rule
+
+
+def started(d: Daemon) -> None:
+    d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+
+
+def samples(prom_path) -> dict[tuple, float]:
+    """Parse ds_ops.prom with prometheus_client's parser: {(name, sorted labels): value}."""
+    out = {}
+    for family in text_string_to_metric_families(prom_path.read_text()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
+    prom = tmp_path / "node-exporter"
+    prom.mkdir()
+    smd_bytes = SMD_TRAIN.stat().st_size
+    conf = write_config(tmp_path, extra=[
+        f"  done_max_bytes: {smd_bytes + 20000}",  # done/ holds one SMD file with its JSON, not two
+        "store:", "  keep_versions: 2", "metrics:", f"  textfile_dir: {prom}"])
+    d = Daemon(conf)
+    try:
+        started(d)
+        for n in range(1, 4):  # the same model three times
+            copy_smd(spool_dir(tmp_path, "incoming") / "m.txt.gz")
+            d.wait_until(lambda: f"{n} versions" if len(versions(tmp_path, "m")) == min(n, 2) and
+                         (prom / "ds_ops.prom").exists() and
+                         samples(prom / "ds_ops.prom").get(("ds_ops_jobs_finished_total", (("result", "done"),))) == n
+                         else None, f"job {n} and its metrics")
+        (spool_dir(tmp_path, "incoming") / "bad.csv").write_text("1,2\n")
+        d.wait_until(lambda: failed_names(tmp_path) == {"bad.csv"}, "the bad file")
+        d.wait_until(lambda: samples(prom / "ds_ops.prom").get(("ds_ops_jobs_finished_total", (("result", "failed"),)))
+                     == 1, "the failure in the metrics")
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    log = d.log()
+    assert f"Prometheus metrics: {prom / 'ds_ops.prom'}" in log
+    assert log.count("removed: the model keeps its newest 2 versions") == 1
+    assert len(versions(tmp_path, "m")) == 2
+    for v in versions(tmp_path, "m"):  # report.png beside each version the job saved
+        assert (tmp_path / "models" / "m" / v / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert done_names(tmp_path) == {"m.txt.gz"}, "done/ keeps only what fits done_max_bytes"
+    last = json.loads((spool_dir(tmp_path, "done") / "m.txt.gz.result.json").read_text())
+    assert last["version"] == versions(tmp_path, "m")[-1], "the newest one stays"
+    assert log.count("past the retention of done/") == 2
+    got = samples(prom / "ds_ops.prom")
+    names = {name for name, _ in got}
+    families = {f.name for f in text_string_to_metric_families((prom / "ds_ops.prom").read_text())}
+    assert all(NAME_RULE.match(n) for n in names)
+    assert {f for f in families} | {"ds_ops_jobs_finished_total"} >= set(METRIC_NAMES) - {
+        "ds_ops_jobs_finished_total"} - {"ds_ops_gpu_health"}  # no GPU here: no health samples
+    assert got[("ds_ops_model_versions", (("model", "m"),))] == 2
+    assert got[("ds_ops_model_threshold", (("model", "m"),))] > 0
+    assert 0 < got[("ds_ops_model_age_seconds", (("model", "m"),))] < 3600
+    assert got[("ds_ops_job_running", ())] == 0 and got[("ds_ops_queued_datasets", ())] == 0
+    assert got[("ds_ops_last_training_samples_per_second", ())] > 0
+    assert got[("ds_ops_last_failure_timestamp_seconds", ())] >= got[("ds_ops_last_success_timestamp_seconds", ())]
+    assert [k for k in got if k[0] == "ds_ops_build_info"][0][1][2] == ("version", "0.1.0")
+    assert oct((prom / "ds_ops.prom").stat().st_mode & 0o777) == "0o644"
+    assert sorted(os.listdir(prom)) == ["ds_ops.prom"], "no temporary file is left beside it"
+
+
+def test_metrics_are_off_with_one_line_when_the_directory_is_absent(tmp_path):
+    conf = write_config(tmp_path, extra=["metrics:", f"  textfile_dir: {tmp_path / 'absent'}"])
+    d = Daemon(conf)
+    try:
+        started(d)
+        copy_smd(spool_dir(tmp_path, "incoming") / "m.txt.gz")
+        d.wait_until(lambda: done_names(tmp_path) == {"m.txt.gz"}, "the job")
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    assert d.log().count("Prometheus metrics off:") == 1
+    assert f"{tmp_path / 'absent'} does not exist" in d.log()
+    assert not (tmp_path / "absent").exists()
+
+
+def test_requeue_after_a_fix_trains_it_and_a_later_success_clears_latest_failed(tmp_path, smd_rows):
+    conf = write_config(tmp_path)
+    incoming = spool_dir(tmp_path, "incoming")
+    d = Daemon(conf)
+    try:
+        started(d)
+        (incoming / "fixme.yaml").write_text("name: fixed-model\n")
+        (incoming / "fixme.csv").write_text("1,2\n")
+        (incoming / "again.csv").write_text("3\n")
+        d.wait_until(lambda: failed_names(tmp_path) == {"fixme.csv", "fixme.csv.sidecar.yaml", "again.csv"},
+                     "both failures (one with its sidecar)", timeout_s=60)
+        st = json.loads(run_cli("status", "--config", str(conf), "--json").stdout)
+        assert {f["dataset"] for f in st["recent_failed"]} == {"fixme.csv", "again.csv"}
+        np.savetxt(spool_dir(tmp_path, "failed") / "fixme.csv", smd_rows[:3000], delimiter=",", fmt="%.6f")
+        r = run_cli("requeue", "fixme.csv", "--config", str(conf))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == ("failed/fixme.csv -> incoming/fixme.csv with its sidecar fixme.yaml; "
+                                    "the daemon takes it next")
+        d.wait_until(lambda: done_names(tmp_path) == {"fixme.csv", "fixme.csv.sidecar.yaml"}, "the requeued dataset",
+                     timeout_s=60)
+        np.savetxt(incoming / "again.csv", smd_rows[:3000], delimiter=",", fmt="%.6f")  # dropped again, fixed
+        d.wait_until(lambda: "again.csv" in done_names(tmp_path), "the fixed drop", timeout_s=60)
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    assert versions(tmp_path, "fixed-model"), "the sidecar came back with it"
+    assert failed_names(tmp_path) == {"again.csv"}
+    r = run_cli("status", "--config", str(conf), "--json")
+    st = json.loads(r.stdout)
+    assert st["recent_failed"] == [] and st["failed_count"] == 1
+    r = run_cli("status", "--config", str(conf))
+    assert "latest failed" not in r.stdout
+    r = run_cli("requeue", "nope.csv", "--config", str(conf))
+    assert r.returncode == 1
+    assert r.stderr.strip() == "ds-ops: error: failed/nope.csv does not exist (ds-ops status lists the latest failures)"
+
+
+def test_status_shows_the_running_job_alive_with_its_epoch_and_time_left(tmp_path):
+    conf = write_config(tmp_path, epochs=400, batch_size=64)
+    d = Daemon(conf)
+    try:
+        started(d)
+        copy_smd(spool_dir(tmp_path, "incoming") / "long.txt.gz")
+
+        def at_epoch_2():
+            r = run_cli("status", "--config", str(conf), "--json")
+            jobs = json.loads(r.stdout)["processing"] if r.returncode == 0 else []
+            return jobs and jobs[0].get("epoch", 0) >= 2 and jobs[0]
+        job = d.wait_until(at_epoch_2, "epoch 2 of the long job", poll_s=1)
+        assert job["daemon_alive"] is True and job["pid_start"] and job["time_left_s"] > 0
+        r = run_cli("status", "--config", str(conf))
+        assert re.search(r"long\.txt\.gz  job \S+: training epoch \d+/400 loss [0-9.e-]+, about \d+ s left on cpu, "
+                         rf"daemon pid {d.proc.pid}", r.stdout), r.stdout
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(30)
+        r = run_cli("status", "--config", str(conf))
+        assert "daemon not running it now" in r.stdout
+    finally:
+        d.kill()
+
+
+def test_a_reload_says_what_changed_and_check_config_refuses_a_broken_conffile(tmp_path):
+    conf = write_config(tmp_path, epochs=1)
+    d = Daemon(conf)
+    try:
+        started(d)
+        write_config(tmp_path, epochs=3, extra=["metrics:", f"  textfile_dir: {tmp_path}"])
+        r = run_cli("check-config", "--config", str(conf))
+        assert (r.returncode, r.stdout.strip()) == (0, f"{conf}: ok")
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_until(lambda: "configuration reloaded" in d.log(), "the reload")
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    assert (f"configuration reloaded from {conf} (metrics.textfile_dir stays '/var/lib/prometheus/node-exporter' "
+            "until a restart): train.epochs 1 -> 3\n") in d.log()
+    conf.write_text(conf.read_text().replace("epochs: 3", "epochs: twenty"))
+    r = run_cli("check-config", "--config", str(conf))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"ds-ops: error: {conf}: key 'train.epochs' must be an integer >= 1 (int), "
+                                "got 'twenty'")
+
+
+def test_status_works_with_a_broken_conffile(tmp_path):
+    conf = write_config(tmp_path, extra=["bogus_key: 1"])
+    spool_dir(tmp_path, "incoming").mkdir(parents=True)
+    (spool_dir(tmp_path, "incoming") / "waiting.csv").write_text("1,2\n3,4\n")
+    r = run_cli("status", "--config", str(conf))
+    assert r.returncode == 0, r.stderr
+    assert "queued  waiting.csv" in r.stdout and f"spool {tmp_path / 'spool'}:" in r.stdout
+    assert r.stderr.startswith(f"ds-ops: warning: {conf}: unknown key 'bogus_key'")
+
+
+def test_status_follow_prints_again_until_interrupted(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from daemon_kit import base_env
+
+    spool_dir(tmp_path, "incoming").mkdir(parents=True)
+    p = subprocess.Popen([sys.executable, "-m", "opt_ds_ops.cli", "status", "--spool-dir", str(tmp_path / "spool"),
+                          "--json", "--follow", "--interval", "0.2"], cwd=REPO, env=base_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(p.stdout.readline())
+        (spool_dir(tmp_path, "incoming") / "new.csv").write_text("1,2\n3,4\n")
+        while "new.csv" not in (doc := json.loads(p.stdout.readline()))["queue"]:
+            pass
+    finally:
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(30)
+    assert first["queue"] == [] and doc["queue"] == ["new.csv"]
+    assert rc == 130 and p.stderr.read().strip() == "ds-ops: interrupted"
+
+
+def test_a_metrics_write_that_fails_is_reported_once_per_reason(tmp_path):
+    from opt_ds_ops.metrics import MetricsWriter
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    m = MetricsWriter(str(prom), str(tmp_path / "models"))
+    assert m.enabled and m.write() is None and (prom / "ds_ops.prom").exists()
+    (prom / "ds_ops.prom").unlink()
+    prom.rmdir()  # node-exporter removed while the daemon runs
+    first = m.write()
+    assert first.startswith(f"cannot write {prom / 'ds_ops.prom'}: ") and "No such file or directory" in first
+    assert m.write() == ""  # the same reason again: nothing new to log
+    prom.mkdir()
+    assert m.write() is None and (prom / "ds_ops.prom").exists()
