@@ -147,6 +147,7 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
             "format": ds.format,
             "time": ds.time.summary() if ds.time is not None else None,
             "left_out": ds.left_out,
+            "feature_columns": [c + 1 for c in ds.feature_columns] if ds.feature_columns is not None else None,
             "notes": ds.notes,
             "options": dataclasses.asdict(options or cfg.dataset),
         },

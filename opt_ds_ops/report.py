@@ -128,7 +128,10 @@ def write_report(version_dir: str, out: str | None = None) -> str:
     scale = _error_scale(version_dir)
     if scale is not None and scale.size:
         header = (md.get("dataset") or {}).get("header")
-        names = list(header) if header and len(header) == scale.size else [f"col {i + 1}" for i in range(scale.size)]
+        columns = (md.get("dataset") or {}).get("feature_columns")  # 1-based, as the file numbers them
+        if not columns or len(columns) != scale.size:
+            columns = range(1, scale.size + 1)
+        names = list(header) if header and len(header) == scale.size else [f"column {c}" for c in columns]
         order = np.argsort(-scale)[:TOP_FEATURES][::-1]
         ax.barh([str(names[i])[:28] for i in order], scale[order], color="tab:orange")
         ax.set(title=f"error scale per metric (worst {len(order)} of {scale.size})",
