@@ -52,7 +52,9 @@ def test_as_another_user_it_names_what_is_missing_and_the_command(tmp_path):
 
 
 def test_make_deb_runs_the_build_dependency_step_before_its_recipe():
-    r = subprocess.run(["make", "-n", "deb"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    # --no-print-directory: under `make test` this make is a sub-make, which would print "Entering directory"
+    r = subprocess.run(["make", "--no-print-directory", "-n", "deb"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
     lines = r.stdout.splitlines()
     assert lines[0] == "scripts/install-build-deps.sh --deb", r.stdout
     assert any("dpkg-buildpackage" in line for line in lines[1:])
