@@ -54,6 +54,7 @@ from .store import StoreError, find_job_version, prune, publish, safe_model_name
 from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
 
+METRICS_REFRESH_S = 60.0  # ds_ops.prom is rewritten at least this often (seconds), besides every state change
 TICK_S = 0.5  # idle loop period (seconds): the latency of SIGTERM, SIGHUP and new files when idle
 STEP_BUDGET_S = 120.0  # watchdog budget for one loop tick (seconds); the loop never waits on a job
 STOP_EXTEND_S = 30.0  # EXTEND_TIMEOUT_USEC asked for while a job writes its checkpoint on SIGTERM
@@ -154,6 +155,7 @@ class Daemon:
 
         self.metrics = MetricsWriter(cfg.metrics.textfile_dir, cfg.models_dir, torch_version=torch.__version__,
                                      cuda_version=torch.version.cuda or "")
+        self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
 
     # ---- signals -------------------------------------------------------------------------------
     def _on_stop(self, signum, frame) -> None:
@@ -234,6 +236,7 @@ class Daemon:
             m.job = {"epoch": record.get("epoch") or 0, "epochs": self.cfg.train.epochs}
         else:
             m.job = None
+        self.metrics_written_at = time.monotonic()
         problem = m.write()
         if problem:
             self.log.event("metrics", f"Prometheus metrics not written: {problem}", priority=LOG_WARNING)
@@ -295,6 +298,8 @@ class Daemon:
         if self.stop_requested:
             self._stopping()  # STOPPING=1 first, then EXTEND_TIMEOUT_USEC while a checkpoint is written
         self.watcher.tick()
+        if self.metrics.enabled and time.monotonic() - self.metrics_written_at > METRICS_REFRESH_S:
+            self._write_metrics()  # ages stay current and `ds-ops models` changes show, even when idle
         if self.job is not None:
             self._watch_job()
             return True

@@ -229,6 +229,34 @@ def lock_spool(spool: Spool) -> int:
     return fd
 
 
+def daemon_pid(spool: Spool) -> int | None:
+    """Return the pid of the daemon serving the spool, or None if no process holds its lock.
+
+    Read from ``/proc/locks`` (the kernel's table of held locks: a FLOCK on the inode of
+    ``.daemon.lock``), never by taking the lock, so a status never stands in a daemon's way; where
+    /proc/locks cannot be read, the pid written in the lock file, if that process runs.
+    """
+    path = os.path.join(spool.root, DAEMON_LOCK)
+    try:
+        ino = os.stat(path).st_ino
+    except OSError:
+        return None
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(ino):
+                    return int(fields[4]) if fields[4].isdigit() else None
+        return None
+    except OSError:
+        pass
+    try:
+        pid = int(read_small(path, 64).decode("ascii").strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
 def kind_of(mode: int) -> str:
     """Return what a non-regular file is, in words ("a FIFO (named pipe)", "a directory", ...)."""
     if stat.S_ISFIFO(mode):
@@ -790,16 +818,21 @@ def spool_status(spool: Spool, last: int = 5) -> dict:
     ignored = ignored_entries(spool)
     skip = {d["name"] for d in ignored}
     jobs = []
+    daemon = daemon_pid(spool)
     for job_id in job_ids(spool):
         record = read_record(spool, job_id) or {"job_id": job_id}
-        jobs.append(dict(record, daemon_alive=process_alive(record.get("pid"), record.get("boot_id"),
-                                                            record.get("pid_start")),
+        if record.get("pid"):
+            alive = process_alive(record.get("pid"), record.get("boot_id"), record.get("pid_start"))
+        else:  # claiming (being copied in) or claimed (waiting its turn): the spool's daemon has it
+            alive = daemon is not None and record.get("state") in ("claiming", "claimed")
+        jobs.append(dict(record, daemon_alive=alive,
                          checkpoint=os.path.exists(spool.job_path(job_id, CHECKPOINT_FILE))))
     n_done, done = _recent_docs(spool.dir(DONE), RESULT_SUFFIX, last)
     n_failed, failed = _recent_docs(spool.dir(FAILED), ERROR_SUFFIX, last)
     failed = _not_superseded(spool, failed)
     return {
         "spool": spool.root,
+        "daemon_pid": daemon,
         "queue": [n for n in queue if n not in skip],
         "ignored": ignored,
         "processing": jobs,

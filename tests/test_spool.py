@@ -320,3 +320,19 @@ def test_temporary_json_files_a_sigkill_left_are_removed_at_start_up(spool):
     removed = sp.remove_stale_temps(spool)
     assert sorted(os.path.basename(p) for p in removed) == [".tmp-a3oihku_", ".tmp-zz"]
     assert os.listdir(spool.dir(DONE)) == ["m.csv"] and os.listdir(spool.dir(FAILED)) == []
+
+
+def test_a_job_being_claimed_by_a_live_daemon_is_alive_in_status(spool):
+    """A record in state claiming has no job pid yet: the spool's daemon (the pid in .daemon.lock) has it."""
+    job_id = sp.new_job_id()
+    os.mkdir(spool.job_dir(job_id))
+    sp.write_json(spool.job_path(job_id, sp.JOB_FILE), {"job_id": job_id, "dataset": "big.csv", "state": "claiming"})
+    st = sp.spool_status(spool)
+    assert st["daemon_pid"] is None and st["processing"][0]["daemon_alive"] is False
+    fd = sp.lock_spool(spool)  # this process stands in for the daemon
+    try:
+        st = sp.spool_status(spool)
+        assert st["daemon_pid"] == os.getpid() and st["processing"][0]["daemon_alive"] is True
+    finally:
+        os.close(fd)
+    assert sp.spool_status(spool)["daemon_pid"] is None  # the lock file stays, with this live pid in it

@@ -82,6 +82,10 @@ def _job_line(job: dict) -> str:
         else:
             epoch = f" ({job.get('stage') or 'loading'})"
         what = f"training{epoch} on {job.get('device', '?')}, daemon pid {job.get('pid')}"
+    elif job.get("daemon_alive") and state == "claiming":
+        what = "being copied into processing/ by the daemon"
+    elif job.get("daemon_alive") and state == "claimed":
+        what = "claimed, waiting for its turn"
     elif state == "deferred":
         what = "deferred by the health gate"
     else:
@@ -93,6 +97,8 @@ def _job_line(job: dict) -> str:
 def _print(st: dict) -> None:
     print(f"spool {st['spool']}: {len(st['queue'])} queued, {len(st['processing'])} in processing, "
           f"{st['done_count']} done, {st['failed_count']} failed")
+    daemon = st.get("daemon_pid")
+    print(f"daemon: running, pid {daemon}" if daemon else "daemon: not running (no ds-trainer holds the spool)")
     for name in st["queue"]:
         print(f"  queued  {safe_text(name)}")
     for entry in st.get("ignored", []):
