@@ -11,12 +11,13 @@ A report that cannot be drawn is a warning for the job, never a failure (:func:`
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
 import numpy as np
 
-from .fsutil import fsync_dir
+from .fsutil import write_atomic
 
 # matplotlib is imported with this module, not at the first drawing: the daemon's forkserver
 # preloads opt_ds_ops.job and so this module, and each job process forked from it then draws
@@ -140,23 +141,18 @@ def write_report(version_dir: str, out: str | None = None) -> str:
     else:
         ax.text(0.5, 0.5, "model.pt unreadable", ha="center", va="center", transform=ax.transAxes)
     fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13, top=0.86, wspace=0.28)  # not tight_layout: 0.35 s
-    directory = os.path.dirname(out) or "."
-    tmp = os.path.join(directory, f".tmp-report-{os.getpid()}.png")
     try:
-        with open(tmp, "wb") as f:
-            fig.savefig(f, dpi=90, format="png")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-        fsync_dir(directory)
+        write_atomic(out, _png(fig))
     except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise ReportError(f"cannot write {out}: {e.strerror or e}") from None
     return out
+
+
+def _png(fig) -> bytes:
+    """Render a matplotlib Figure as PNG bytes (90 dpi), for :func:`opt_ds_ops.fsutil.write_atomic`."""
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=90, format="png")
+    return buf.getvalue()
 
 
 def try_write_report(version_dir: str) -> str | None:
@@ -196,14 +192,8 @@ def write_score_plot(scores: np.ndarray, threshold: float, path: str, *, labels:
     ax.set(title=title, xlabel="row", ylabel="anomaly score", xlim=(0, max(s.size, 1)))
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-plot-{os.getpid()}.png")
     try:
-        fig.savefig(tmp, dpi=90, format="png")
-        os.replace(tmp, path)
+        write_atomic(path, _png(fig))
     except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise ReportError(f"{path}: cannot write plot: {e.strerror or e}") from None
     return path

@@ -18,6 +18,7 @@ the memory is spent. Precision and memory: :mod:`.core`.
 from __future__ import annotations
 
 import os
+import zlib
 
 from ..config import DatasetConfig, JobConfig
 from .core import (
@@ -99,12 +100,8 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
             plan = None
     except DatasetError:
         raise
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise DatasetError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
-    except Exception as e:  # gzip.BadGzipFile, zlib.error, ... from inside a stream Arrow reads
-        if type(e).__name__ in ("BadGzipFile", "error") or "gzip" in str(e).lower():
-            raise DatasetError(f"{path}: cannot read: {e}") from None
-        raise
     if plan is not None:
         header, left_out, feature_columns = plan.feature_names(), plan.left_out, list(plan.features)
     if data.shape[0] < 2:

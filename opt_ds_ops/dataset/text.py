@@ -248,10 +248,10 @@ def _is_header(first: list[str], below: list[list[str]]) -> bool:
 class _Dialect:
     """What the first lines say: delimiter, decimal point, header, field count, data start."""
 
-    def __init__(self, delim, decimal, header, fields, trailing, skip_lines, first_data_line):
+    def __init__(self, delim, decimal, header, fields, trailing, skip_lines):
         self.delim, self.decimal, self.header = delim, decimal, header
         self.fields, self.trailing = fields, trailing
-        self.skip_lines, self.first_data_line = skip_lines, first_data_line
+        self.skip_lines = skip_lines
 
 
 def _column_infos(path: str, header: list[str] | None, rows: list[tuple[int, list[str]]], n: int) -> list[ColumnInfo]:
@@ -278,7 +278,7 @@ def _column_infos(path: str, header: list[str] | None, rows: list[tuple[int, lis
 
 def _sniff(path: str, f, limits: DatasetLimits):
     """Read the first lines of f; return (dialect, column infos, the data bytes already read)."""
-    lineno, blank = 0, 0
+    lineno = 0
     while True:
         raw = _read_line(f, path, lineno + 1, limits)
         if raw is None:
@@ -288,7 +288,6 @@ def _sniff(path: str, f, limits: DatasetLimits):
             raw = raw[3:]
         if raw.strip():
             break
-        blank += 1
     first_no = lineno
     lines, raws, linenos = [_decode(path, lineno, raw)], [], []
     while len(linenos) < SAMPLE_LINES:
@@ -334,12 +333,12 @@ def _sniff(path: str, f, limits: DatasetLimits):
         _refuse_decimal_comma(path, data_rows, n)
     infos = _column_infos(path, header, data_rows, n)
     skip = first_no if header is not None else first_no - 1
-    prefix = b"".join(raws) if header is not None else raw_first(path, first_no, lines[0], raws)
-    dialect = _Dialect(delim, decimal, header, fields, trailing, skip, data_rows[0][0])
-    return dialect, infos, prefix, blank
+    prefix = b"".join(raws) if header is not None else raw_first(lines[0], raws)
+    dialect = _Dialect(delim, decimal, header, fields, trailing, skip)
+    return dialect, infos, prefix
 
 
-def raw_first(path: str, first_no: int, first_line: str, raws: list[bytes]) -> bytes:
+def raw_first(first_line: str, raws: list[bytes]) -> bytes:
     """The bytes Arrow must parse when the first line is data: that line (BOM dropped) and the rest."""
     return first_line.encode("utf-8") + b"\n" + b"".join(raws)
 
@@ -370,7 +369,7 @@ def load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: in
     import pyarrow.csv as pacsv
 
     with _open(path, limits, stop_at) as f:
-        dialect, infos, prefix, _blank = _sniff(path, f, limits)
+        dialect, infos, prefix = _sniff(path, f, limits)
         plan = plan_columns(path, infos, opts)
         names = [f"c{i}" for i in range(dialect.fields)]
         types = {names[i]: pa.float64() for i in plan.features}
