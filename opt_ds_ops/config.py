@@ -65,6 +65,8 @@ class TrainConfig:
     spot_risk: float = _field(1e-4, lambda v: 0 < v < 0.5, "a number in (0, 0.5)")
     spot_level: float = _field(0.98, lambda v: 0.5 <= v < 1, "a number in [0.5, 1)")
     seed: int = _field(0, _non_negative, "an integer >= 0")
+    # issue 12: record the training step in a CUDA graph on a GPU (opt_ds_ops.step); false: eager steps
+    cuda_graphs: bool = _field(True, None, "true or false")
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
         "amp_dtype": result.plan.amp_name,
         "data_placement": result.data_placement,
         "data_placement_note": result.placement_note,
+        "step_mode": result.step_mode,
         "tf32": result.plan.tf32 if result.plan.device.type == "cuda" else None,
         "float32_matmul_precision": result.plan.matmul_precision if result.plan.device.type == "cuda" else None,
         "skipped_steps": result.skipped_steps,

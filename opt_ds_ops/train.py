@@ -18,7 +18,6 @@ over blocks.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +30,7 @@ from .config import TrainConfig
 from .device import DevicePlan
 from .fsutil import utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
+from .step import TrainStep
 from .threshold import pick_threshold
 
 # Keep this much GPU memory free beyond the dataset tensors (bytes): activations, optimizer, CUDA context.
@@ -104,6 +104,7 @@ class TrainResult:
     duration_s: float
     data_placement: str = ""
     placement_note: str = ""
+    step_mode: str = "eager"
     extra: dict = field(default_factory=dict)
     score_smoothing: str = "ema"
     input_clip: float = 0.0
@@ -256,11 +257,18 @@ def out_of_memory_reason(device: torch.device, placement: str, need_bytes: int, 
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """Return AdamW(lr, weight_decay), fused where this torch supports it on the device, else foreach."""
+    """Return AdamW(lr, weight_decay), fused where this torch supports it on the device, else foreach.
+
+    On CUDA it is ``capturable`` (step counter and bias corrections on the GPU, no host sync), so
+    :class:`opt_ds_ops.step.TrainStep` can record its update in a CUDA graph; eager and captured
+    runs then use the same kernels."""
+    capturable = device.type == "cuda"
     try:
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True,
+                                 capturable=capturable)
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True,
+                                 capturable=capturable)
 
 
 def train(
@@ -324,10 +332,6 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     model = TelemetryAutoencoder(data.shape[1], cfg.hidden, cfg.latent).to(device)
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=plan.use_grad_scaler)
-    autocast = (
-        torch.autocast(device.type, dtype=plan.amp_dtype) if plan.amp_dtype is not None else contextlib.nullcontext()
-    )
-    loss_fn = nn.MSELoss()
     bounds = batch_bounds(n, cfg.batch_size)
     history: list[EpochStats] = []
     start_epoch, start_batch = 0, 0
@@ -348,6 +352,7 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     batch_loss = torch.zeros(len(bounds), device=device)  # each batch's mean loss, read once an epoch
     step_skipped = torch.zeros(len(bounds), dtype=torch.bool, device=device)
     skipped_total = sum(h.skipped_steps for h in history)
+    step = TrainStep(model, optimizer, scaler, plan.amp_dtype, device, cfg.batch_size, capture=cfg.cuda_graphs)
 
     for epoch in range(start_epoch, cfg.epochs):
         model.train()
@@ -359,20 +364,10 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         step_skipped.zero_()
         for b in range(start_batch, len(bounds)):
             s, e = bounds[b]
-            xb = buf[s:e].to(device, non_blocking=True)
-            with autocast:
-                recon = model(xb)
-            loss = loss_fn(recon.float(), xb)
-            optimizer.zero_grad(set_to_none=True)
-            scaled = scaler.scale(loss)
-            if scaler.is_enabled():
-                scale_before = scaler._scale.clone()  # GradScaler lowers its scale exactly when it skips a step
-            scaled.backward()
-            scaler.step(optimizer)
-            scaler.update()
-            if scaler.is_enabled():
-                step_skipped[b] = scaler._scale < scale_before
-            batch_loss[b] = loss.detach()
+            loss, skipped = step(buf[s:e].to(device, non_blocking=True))
+            if skipped is not None:
+                step_skipped[b] = skipped
+            batch_loss[b] = loss
             if should_stop is not None and b + 1 < len(bounds) and should_stop():
                 partial = _sums(batch_loss, step_skipped, sizes, start_batch, b + 1, carried,
                                 carried["seconds"] + time.perf_counter() - t0)
@@ -422,6 +417,7 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         duration_s=time.perf_counter() - t_start,
         data_placement=placement,
         placement_note=placement_note,
+        step_mode=step.mode,
         score_smoothing=cfg.score_smoothing,
         input_clip=cfg.input_clip,
         error_floor=cfg.error_floor,

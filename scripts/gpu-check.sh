@@ -16,7 +16,9 @@
 # 2. the CUDA smoke test alone with bf16 and with fp16+GradScaler (python -m opt_ds_ops.smoke);
 # 3. ds-ops train --device cuda with bf16 and with fp16+GradScaler on the bundled SMD machine and on
 # a 1,000,000 x 32 synthetic file (GPU readings per epoch from metadata.json);
-# 4. scripts/bench_train.py --device cuda (seed loop against ds-ops's trainer);
+# 3b. tests/test_step.py: the training step replayed from a CUDA graph against eager steps, per AMP dtype;
+# 4. scripts/bench_train.py --device cuda (the seed script's loop as written against ds-ops's trainer,
+# eager and CUDA-graph steps, bf16 and fp16);
 # 5. one job through the installed ds-trainer unit (its sandbox, its user) when systemd is PID 1
 # and the unit is installed: the SMD file dropped into its spool, waited for in done/ (else the
 # step says it was skipped); then one table of every figure.
@@ -118,6 +120,17 @@ for amp in bf16 fp16; do
     done
 done
 
+# --- 3b. the training step captured in a CUDA graph against eager steps (tests/test_step.py) --------
+say "pytest tests/test_step.py (CUDA graph step = eager step; its CUDA cases skip without a GPU)"
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_step.py 2>&1 | tee "$OUT/step-tests.txt"
+rc=${PIPESTATUS[0]}
+summary_line="$(grep -E '(passed|failed|error)' "$OUT/step-tests.txt" | tail -n1)"
+if ((rc)); then
+    step "step tests" FAILED "pytest exit status $rc (124: timed out after 120 s): $summary_line"
+else
+    step "step tests" ok "$summary_line"
+fi
+
 # --- 4. benchmark: seed loop against ds-ops's trainer ----------------------------------------------
 say "scripts/bench_train.py --device $DEVICE --rows $BENCH_ROWS"
 bench_args=(--device "$DEVICE" --skip-parse --rows "$BENCH_ROWS")
@@ -134,18 +147,18 @@ cat "$OUT/bench.txt"
 say "a job through the installed ds-trainer unit"
 pid1="$(cat /proc/1/comm 2>/dev/null || echo '?')"
 if [[ "$pid1" != systemd ]]; then
-    step unit skipped "systemd is not PID 1 here (PID 1 is $pid1): no unit to run a job through"
+    step "unit job" skipped "systemd is not PID 1 here (PID 1 is $pid1): no unit to run a job through"
 elif ! systemctl cat ds-trainer.service >/dev/null 2>&1; then
-    step unit skipped "the ds-trainer unit is not installed (install ds-ops.deb to check it)"
+    step "unit job" skipped "the ds-trainer unit is not installed (install ds-ops.deb to check it)"
 elif ! systemctl is-active --quiet ds-trainer.service; then
-    step unit FAILED "ds-trainer is installed but not active: systemctl status ds-trainer"
+    step "unit job" FAILED "ds-trainer is installed but not active: systemctl status ds-trainer"
 else
     spool="$("$PY" -c 'from opt_ds_ops.config import load_config
 print(load_config("/etc/ds-ops/trainer.yaml", missing_ok=True).spool.dir)')"
     drop="gpu-check-$$-$(date +%s).txt.gz"
     if ! cp data/smd/train/machine-1-2.txt.gz "$spool/incoming/$drop.part" 2>"$OUT/unit.err" \
         || ! mv "$spool/incoming/$drop.part" "$spool/incoming/$drop" 2>>"$OUT/unit.err"; then
-        step unit FAILED "cannot drop into $spool/incoming (run as root or a member of the spool's group): $(head -n1 "$OUT/unit.err")"
+        step "unit job" FAILED "cannot drop into $spool/incoming (run as root or a member of the spool's group): $(head -n1 "$OUT/unit.err")"
     else
         for _ in $(seq 120); do
             [[ -e "$spool/done/$drop.result.json" || -e "$spool/failed/$drop.error.json" ]] && break
@@ -155,9 +168,9 @@ print(load_config("/etc/ds-ops/trainer.yaml", missing_ok=True).spool.dir)')"
             cp "$spool/done/$drop.result.json" "$OUT/unit.json"
         elif [[ -e "$spool/failed/$drop.error.json" ]]; then
             cp "$spool/failed/$drop.error.json" "$OUT/unit-error.json"
-            step unit FAILED "the job failed: see $OUT/unit-error.json and journalctl -u ds-trainer"
+            step "unit job" FAILED "the job failed: see $OUT/unit-error.json and journalctl -u ds-trainer"
         else
-            step unit FAILED "no result in $spool/done/ within 120 s: journalctl -u ds-trainer"
+            step "unit job" FAILED "no result in $spool/done/ within 120 s: journalctl -u ds-trainer"
         fi
     fi
 fi
@@ -230,10 +243,19 @@ for path in sorted(glob.glob(f"{out}/train-*.json")):
                  + ("" if ok else f", NOT ON {device.upper()}")))
 b = load(f"{out}/bench.txt", last_line=True)
 if b:
-    rows.append(("bench seed loop", "ok", b["device"], b["amp_dtype"], f"{b['rows']:,}", f"{b['seed_samples_per_s']:,}",
-                 f"{b['seed_final_loss']:.5f}", "-", "-", "DataLoader + loss.item() per batch"))
-    rows.append(("bench ds-ops", "ok", b["device"], b["amp_dtype"], f"{b['rows']:,}", f"{b['ds_ops_samples_per_s']:,}",
-                 f"{b['ds_ops_final_loss']:.5f}", "-", "-", f"ratio {b['ratio']}x, loss diff {b['loss_rel_diff']:.1%}"))
+    rows.append(("bench seed loop", "ok", b["device"], "off", f"{b['rows']:,}", f"{b['seed_samples_per_s']:,}",
+                 f"{b['seed_final_loss']:.5f}", "-", "-", "the seed's loop as written: DataLoader, fp32, loss.item() per batch"))
+    eager = {r["amp_dtype"]: r for r in b["runs"] if not r["cuda_graphs"]}
+    for r in b["runs"]:
+        captured = r["cuda_graphs"] and device != "cpu"
+        ok = r["step_mode"].startswith("cuda-graph") if captured else True
+        note = f"ratio {r['ratio']}x the seed loop, {r['step_mode']}"
+        if captured and r["amp_dtype"] in eager:
+            e = eager[r["amp_dtype"]]
+            note += (f", {r['samples_per_s'] / e['samples_per_s']:.2f}x eager, final loss "
+                     f"{abs(r['final_loss'] - e['final_loss']) / e['final_loss']:.1e} from eager's")
+        rows.append((f"bench ds-ops {'graph' if captured else 'eager'}", "ok" if ok else "FAILED", b["device"],
+                     r["amp_dtype"], f"{b['rows']:,}", f"{r['samples_per_s']:,}", f"{r['final_loss']:.5f}", "-", "-", note))
 else:
     rows.append(("bench", "FAILED", "?", "?", "-", "-", "-", "-", "-", "see bench.err"))
 u = load(f"{out}/unit.json")
@@ -244,7 +266,7 @@ if u:
                  gpu_figures(u.get("history")), "through ds-trainer.service" + ("" if ok else f", NOT ON {device.upper()}")))
 for path in sorted(glob.glob(f"{out}/steps/*.tsv")):
     name, status, note = open(path).read().rstrip("\n").split("\t", 2)
-    rows.append((f"{name} job", status, "-", "-", "-", "-", "-", "-", "-", note))
+    rows.append((name, status, "-", "-", "-", "-", "-", "-", "-", note))
 head = ("check", "status", "device", "amp", "rows", "samples/s", "final loss", "seconds", "GPU max °C, W, MiB; mean util", "note")
 widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
 for r in [head] + rows:
