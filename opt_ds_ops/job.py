@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import resource
 from dataclasses import dataclass
 from typing import Callable
 
@@ -228,7 +229,8 @@ def run_job(
         raise JobError("dataset", f"{source_name or path}: {e}", e) from e
     _check_store_writable(cfg.models_dir)  # issue 11: before spending the training, not after
     try:
-        ds = load_dataset(path, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), options)
+        ds = load_dataset(path, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes, stream_large_npy=True),
+                          options)
         sha = sha256 or file_sha256(path)
     except DatasetError as e:
         raise JobError("dataset", str(e), e) from e
@@ -248,6 +250,8 @@ def run_job(
             sampler.close()
     metadata = build_metadata(ds, sha, result, cfg, health, options)
     metadata["job_id"] = job_id
+    # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
+    metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     metadata["name_explicit"] = explicit_name
     if source_name:
         metadata["dataset"]["file"] = source_name

@@ -58,10 +58,16 @@ def validation_summary(result, data: np.ndarray, offset, val_fraction: float) ->
     from .score import in_memory_model, score_rows
     from .train import split_rows
 
-    train_idx, val_idx = split_rows(data.shape[0], val_fraction)
-    if len(val_idx) == 0:
-        return None
-    scores = score_rows(in_memory_model(result), data[len(train_idx):], offset=offset).astype(np.float64)
+    if not isinstance(data, np.ndarray):  # a streamed dataset (opt_ds_ops.stream): its trainer kept the scores
+        scores = result.extra.get("validation_scores")
+        if scores is None or not result.rows_val:
+            return None
+        scores = np.asarray(scores, dtype=np.float64)
+    else:
+        train_idx, val_idx = split_rows(data.shape[0], val_fraction)
+        if len(val_idx) == 0:
+            return None
+        scores = score_rows(in_memory_model(result), data[len(train_idx):], offset=offset).astype(np.float64)
     top = max(float(scores.max()), 1.2 * float(result.threshold), 1e-12)
     counts, edges = np.histogram(scores, bins=HIST_BINS, range=(0.0, top))
     return {"rows": int(len(scores)), "edges": [float(e) for e in edges], "counts": [int(c) for c in counts],

@@ -284,6 +284,9 @@ def train(
 ) -> TrainResult:
     """Train a TelemetryAutoencoder on data (rows, D), any real dtype; return a :class:`TrainResult`.
 
+    ``data`` may also be an :class:`opt_ds_ops.stream.NpyRows` (a dataset larger than the job's
+    memory): it is trained on by :func:`opt_ds_ops.stream.train_streaming`, chunk by chunk.
+
     ``offset``: (D,) float64 to add to data's values (``Dataset.offset``: data is the file's values
     centred by it); it moves only the stored scaler mean. None: data holds the values as they are.
 
@@ -303,6 +306,11 @@ def train(
     memory that the pinned-host placement did not cure (naming free and needed MiB); ValueError
     if offset is not of shape (D,).
     """
+    if hasattr(data, "read") and not isinstance(data, np.ndarray):  # opt_ds_ops.stream.NpyRows
+        from .stream import train_streaming
+
+        return train_streaming(data, cfg, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
+                               read_gpu=read_gpu)
     placed = {"placement": "", "need_bytes": 0}
     try:
         return _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, placed)

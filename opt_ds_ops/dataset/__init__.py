@@ -67,6 +67,8 @@ def _select_array_columns(path: str, data, offset, opts: DatasetConfig):
                 for i in range(n) if i not in keep]
     import numpy as np
 
+    if hasattr(data, "select"):  # opt_ds_ops.stream.NpyRows: the columns are picked as rows are read
+        return data.select(keep), None, left_out, keep
     data = np.ascontiguousarray(np.asarray(data)[:, keep])
     return data, (offset[keep] if offset is not None else None), left_out, keep
 

@@ -9,6 +9,7 @@ where that is in memory (a ``.pt`` tensor; a Fortran-ordered ``.npz`` member, re
 
 from __future__ import annotations
 
+import os
 import zipfile
 import zlib
 
@@ -59,6 +60,9 @@ def _load_npy(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
     with open(path, "rb") as f:
         shape, fortran, dtype = _npy_header(f, path, ".npy array")
     _check_dtype(path, "array", dtype, ".npy array")
+    if (limits.stream_large_npy and len(shape) == 2 and not fortran
+            and int(shape[0]) * int(shape[1]) * 4 > limits.max_matrix_bytes and int(shape[1]) <= limits.max_columns):
+        return _streamed_npy(path, shape, dtype), None
     check_shape(path, "array", shape, limits)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -68,6 +72,25 @@ def _load_npy(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
         check_finite(path, arr, rows_where)
         return arr, None
     return _centred(path, shape, lambda s, e: np.asarray(arr[s:e], dtype=np.float64))
+
+
+def _streamed_npy(path: str, shape: tuple, dtype: np.dtype):
+    """Return an :class:`opt_ds_ops.stream.NpyRows` for a .npy too large for the job's memory,
+    after one pass that checks the file's length and that every cell is finite."""
+    from ..stream import NpyRows
+
+    with open(path, "rb") as f:
+        _npy_header(f, path, ".npy array")
+        offset = f.tell()
+        size = os.fstat(f.fileno()).st_size
+    need = offset + int(shape[0]) * int(shape[1]) * dtype.itemsize
+    if size < need:
+        raise DatasetError(f"{path}: array data is truncated ({size} bytes for shape {tuple(shape)}, {dtype})")
+    rows = NpyRows(path, shape, dtype, offset)
+    bad = rows.first_non_finite()
+    if bad is not None:
+        raise DatasetError(f"{path}: {rows_where(bad[0])}, column {bad[1] + 1}: value {bad[2]} is not finite")
+    return rows
 
 
 def _read_exact(f, out: np.ndarray, path: str) -> None:

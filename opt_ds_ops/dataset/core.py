@@ -53,9 +53,13 @@ class DatasetLimits:
     max_decompressed_bytes: int
     max_columns: int
     max_matrix_bytes: int
+    # issue 12: a C-ordered .npy whose matrix exceeds max_matrix_bytes is opened for streaming
+    # (opt_ds_ops.stream.NpyRows) instead of refused; jobs set it, scoring does not
+    stream_large_npy: bool = False
 
     @classmethod
-    def from_config(cls, job_cfg: JobConfig, max_dataset_bytes: int | None = None) -> DatasetLimits:
+    def from_config(cls, job_cfg: JobConfig, max_dataset_bytes: int | None = None, *,
+                    stream_large_npy: bool = False) -> DatasetLimits:
         """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes()``).
 
         ``max_dataset_bytes`` (``spool.max_dataset_bytes``) also bounds the decompressed bytes: a
@@ -66,6 +70,7 @@ class DatasetLimits:
             max_decompressed_bytes=min(inflated, max_dataset_bytes) if max_dataset_bytes else inflated,
             max_columns=job_cfg.max_columns,
             max_matrix_bytes=job_cfg.matrix_budget_bytes(),
+            stream_large_npy=stream_large_npy,
         )
 
     @property
