@@ -95,7 +95,8 @@ def window_rows(x: torch.Tensor, window: int, context: torch.Tensor | None = Non
         k = context.shape[0]
         x = torch.cat([context.to(x.dtype), x])
     n, d = x.shape
-    idx = (torch.arange(n, device=x.device)[:, None] + torch.arange(1 - window, 1, device=x.device)[None, :]).clamp_min_(0)
+    idx = torch.arange(n, device=x.device)[:, None] + torch.arange(1 - window, 1, device=x.device)[None, :]
+    idx.clamp_min_(0)
     return x[idx[k:]].reshape(n - k, d * window)
 
 
