@@ -58,6 +58,8 @@ class TrainConfig:
     score_smoothing: str = _field("ema", lambda v: v in ("ema", "mean"), "one of ema, mean")
     input_clip: float = _field(20.0, _non_negative, "a number >= 0 (standard deviations; 0 = no clipping)")
     error_floor: float = _field(0.01, _positive, "a number > 0")
+    input_window: int = _field(1, lambda v: 1 <= v <= 256, "an integer in 1..256 (rows; 1 = one row per input)")
+    window_error: str = _field("last", lambda v: v in ("last", "window"), "one of last, window")
     threshold_method: str = _field("quantile", lambda v: v in ("quantile", "alarm_rate", "spot"),
                                    "one of quantile, alarm_rate, spot")
     alarms_per_day: float = _field(1.0, _non_negative, "a number >= 0 (alarms per day)")

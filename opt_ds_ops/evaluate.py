@@ -9,8 +9,8 @@ interpretation_label), three scores of the test rows:
 * ``z-ema``: model-free; the row's mean squared z-score against the training file's column
   mean/std, then a causal EMA with alpha = 2/11 (issue 10's baseline).
 * ``seed-mse``: the seed lab script's score, the per-row reconstruction MSE of the same model
-  (standardised and clipped inputs as the model was trained; no per-feature normalisation, no
-  smoothing).
+  (standardised, clipped and windowed inputs as the model was trained, the MSE over the whole
+  window's cells; no per-feature normalisation, no smoothing).
 
 Metrics, point-wise (each row counts once): ROC-AUC, PR-AUC (average precision), best F1 over all
 thresholds (an upper bound: it looks at the labels), F1 at the threshold set from the validation
@@ -37,7 +37,7 @@ from .config import Config
 from .dataset import ARRAY_SUFFIXES, TEXT_SUFFIXES, DatasetLimits, dataset_stem, load_dataset
 from .device import DevicePlan
 from .job import run_job
-from .model import feature_errors, smooth
+from .model import feature_errors, smooth, window_rows
 from .score import (
     EMA_BASELINE_WINDOW,
     ScoreError,
@@ -162,7 +162,7 @@ def evaluate_machine(files: MachineFiles, cfg: Config, plan: DevicePlan | None =
         x = standardise_rows(stored, values)
         if stored.input_clip > 0:
             x.clamp_(-stored.input_clip, stored.input_clip)
-        return feature_errors(stored.model, x).mean(dim=1).double().numpy()
+        return feature_errors(stored.model, window_rows(x, stored.input_window)).mean(dim=1).double().numpy()
 
     seed_test, seed_val = seed_mse(test.values()), seed_mse(ref)
     thresholds = {

@@ -164,6 +164,8 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
         "score_window": result.score_window,
         "score_smoothing": result.score_smoothing,
         "input_clip": result.input_clip,
+        "input_window": result.input_window,
+        "window_error": result.window_error,
         "error_floor": result.error_floor,
         "threshold_method": result.threshold_method,
         "device": str(result.plan.device),

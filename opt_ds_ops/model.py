@@ -10,6 +10,9 @@ from torch import nn
 class TelemetryAutoencoder(nn.Module):
     """Dense autoencoder D -> hidden -> latent -> hidden -> D (seed: 32 -> 24 -> 8 -> 24 -> 32).
 
+    With windowed inputs (``input_window`` w > 1, :func:`window_rows`) ``n_features`` is D * w:
+    the same network, reconstructing the window of w rows.
+
     Encoder: Linear(D, hidden), BatchNorm1d(hidden), LeakyReLU(0.2), Linear(hidden, latent),
     LeakyReLU(0.2). Decoder: Linear(latent, hidden), BatchNorm1d(hidden), LeakyReLU(0.2),
     Linear(hidden, D). Trained with MSELoss on standardised rows.
@@ -49,12 +52,18 @@ def feature_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 65536) -
     """Return the squared reconstruction error per cell, (rows, D) float32 on x's device.
 
     x: standardised rows, (rows, D) float32. The model is put in eval mode (BatchNorm uses its
-    running statistics) and run in fp32 so a threshold does not depend on the AMP dtype.
+    running statistics) and run in fp32 so a threshold does not depend on the AMP dtype. A batch
+    of one row runs as two copies of it: a one-row product takes another BLAS path (gemv) whose
+    last bit can differ (measured with a 152-wide windowed input), and a row's error must not
+    depend on how many rows are scored with it (appending rows never changes earlier scores).
     """
     model.eval()
     out = torch.empty_like(x, dtype=torch.float32)
     for start in range(0, x.shape[0], batch_rows):
         xb = x[start : start + batch_rows].float()
+        if xb.shape[0] == 1:
+            out[start : start + 1] = (model(xb.expand(2, -1)).float()[:1] - xb).pow_(2)
+            continue
         out[start : start + batch_rows] = (model(xb).float() - xb).pow_(2)
     return out
 
@@ -64,13 +73,57 @@ def row_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 65536) -> to
     return feature_errors(model, x, batch_rows).mean(dim=1)
 
 
-def anomaly_scores(cell_errors: torch.Tensor, error_scale: torch.Tensor) -> torch.Tensor:
-    """Return per-row anomaly scores (rows,) from squared cell errors (rows, D) and (D,) scale.
+WINDOW_ERRORS = ("last", "window")
 
-    Each feature's squared error is divided by its mean squared error on the validation split, so a
-    metric the model always reconstructs poorly does not drown the others; the row score is the mean.
+
+def window_rows(x: torch.Tensor, window: int, context: torch.Tensor | None = None) -> torch.Tensor:
+    """Return causal windows of rows: (rows, D) -> (rows, D * window), same dtype and device.
+
+    Row t of the result is rows t-window+1 .. t of x concatenated, oldest first, so its last D
+    columns are row t itself. Before the first row there is no history: a window reaching back
+    past row 0 repeats row 0 (rows -3, -2, -1 are row 0), so every row, the first included, is
+    scored and the first window-1 rows see a flat past. ``context``: (k, D), the rows just before
+    x (the end of the previous batch of the same stream, k <= window - 1 used); with it, a stream
+    windowed in batches equals the whole stream windowed at once. ``window`` 1 returns x itself.
+    Causal: row t depends on rows <= t only.
     """
-    return (cell_errors / error_scale).mean(dim=1)
+    if window <= 1:
+        return x
+    k = 0
+    if context is not None and context.shape[0]:
+        context = context[-(window - 1):]
+        k = context.shape[0]
+        x = torch.cat([context.to(x.dtype), x])
+    n, d = x.shape
+    idx = torch.arange(n, device=x.device)[:, None] + torch.arange(1 - window, 1, device=x.device)[None, :]
+    idx.clamp_min_(0)
+    return x[idx[k:]].reshape(n - k, d * window)
+
+
+def fold_window(cells: torch.Tensor, window: int, how: str) -> torch.Tensor:
+    """Return per-row, per-feature terms (rows, D) from a window's terms (rows, D * window).
+
+    ``how``: ``"last"``: the window's last row (row t's own cells); ``"window"``: the mean over the
+    window's rows of each feature's term. Window 1 returns cells. Raises ValueError for another how.
+    """
+    if how not in WINDOW_ERRORS:
+        raise ValueError(f"unknown window error {how!r} (one of {', '.join(WINDOW_ERRORS)})")
+    if window <= 1:
+        return cells
+    folded = cells.reshape(cells.shape[0], window, cells.shape[1] // window)
+    return folded[:, -1] if how == "last" else folded.mean(dim=1)
+
+
+def anomaly_scores(cell_errors: torch.Tensor, error_scale: torch.Tensor, window: int = 1,
+                   how: str = "last") -> torch.Tensor:
+    """Return per-row anomaly scores (rows,) from squared cell errors (rows, D * window) and
+    their (D * window,) scale.
+
+    Each cell's squared error is divided by its mean squared error on the validation split, so a
+    metric the model always reconstructs poorly does not drown the others; the windowed terms are
+    folded to (rows, D) by :func:`fold_window` (``window``, ``how``); the row score is the mean.
+    """
+    return fold_window(cell_errors / error_scale, window, how).mean(dim=1)
 
 
 def smooth_scores(scores: torch.Tensor, window: int) -> torch.Tensor:

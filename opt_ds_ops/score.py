@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .model import feature_errors, smooth
+from .model import feature_errors, fold_window, smooth, window_rows
 from .store import StoredModel
 from .threshold import SECONDS_PER_DAY, segments
 
@@ -50,6 +50,7 @@ def in_memory_model(result) -> StoredModel:
         error_scale=torch.from_numpy(np.asarray(result.error_scale, dtype=np.float32)),
         threshold=float(result.threshold), score_window=int(result.score_window), metadata={},
         score_smoothing=result.score_smoothing, input_clip=float(result.input_clip),
+        input_window=int(result.input_window), window_error=result.window_error,
     )
 
 
@@ -70,7 +71,7 @@ def standardise_rows(stored: StoredModel, rows: np.ndarray, offset: np.ndarray |
 
 
 def _check_shape(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None) -> None:
-    want = stored.model.n_features
+    want = stored.n_features
     if data.ndim != 2 or data.shape[1] != want:
         raise ScoreError(f"data has {data.shape[1] if data.ndim == 2 else '?'} features, model expects {want}")
     if offset is not None and np.shape(offset) != (want,):
@@ -78,13 +79,20 @@ def _check_shape(stored: StoredModel, data: np.ndarray, offset: np.ndarray | Non
 
 
 def _cell_batches(stored: StoredModel, data: np.ndarray, batch_rows: int, offset: np.ndarray | None):
-    """Yield (start row, (n, D) float32 normalised errors) for batches of batch_rows rows."""
+    """Yield (start row, (n, D) float32 normalised errors) for batches of batch_rows rows.
+
+    With windowed inputs each batch is read with the input_window - 1 rows before it as context,
+    so batches give the same windows as the whole file at once (:func:`window_rows`)."""
     _check_shape(stored, data, offset)
+    w = stored.input_window
     for start in range(0, data.shape[0], batch_rows):
-        x = standardise_rows(stored, data[start : start + batch_rows], offset)
+        k = min(start, w - 1)  # context rows read again from the previous batch
+        x = standardise_rows(stored, data[start - k : start + batch_rows], offset)
         if stored.input_clip > 0:
             x.clamp_(-stored.input_clip, stored.input_clip)
-        yield start, (feature_errors(stored.model, x, batch_rows) / stored.error_scale).numpy()
+        x = window_rows(x[k:], w, context=x[:k])
+        cells = feature_errors(stored.model, x, batch_rows) / stored.error_scale
+        yield start, fold_window(cells, w, stored.window_error).numpy()
 
 
 def normalised_errors(
@@ -94,9 +102,12 @@ def normalised_errors(
     (rows, D) float32, before smoothing; its row mean is the unsmoothed anomaly score.
 
     Rows are standardised with the model's stored scaler (:func:`standardise_rows`; ``offset`` is
-    the dataset's ``Dataset.offset`` when data is centred, else None) and clipped to
-    +-``stored.input_clip``, ``batch_rows`` at a time. Raises ScoreError if D differs from the
-    model's feature count or offset is not of shape (D,).
+    the dataset's ``Dataset.offset`` when data is centred, else None), clipped to
+    +-``stored.input_clip`` and, for a model with ``input_window`` w > 1, windowed (row t's input
+    is rows t-w+1..t, rows before row 0 repeat row 0: :func:`opt_ds_ops.model.window_rows`; its
+    cells are the window's last row's, or the mean over the window's rows, by
+    ``stored.window_error``), ``batch_rows`` at a time. Causal: row t's cells depend on rows <= t.
+    Raises ScoreError if D differs from the model's feature count or offset is not of shape (D,).
     """
     out = np.empty(data.shape, dtype=np.float32)
     for start, cells in _cell_batches(stored, data, batch_rows, offset):

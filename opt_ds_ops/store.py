@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .fsutil import fsync_dir, pid_alive, utc_now, write_atomic
-from .model import TelemetryAutoencoder
+from .model import WINDOW_ERRORS, TelemetryAutoencoder
 
 MODEL_FILE = "model.pt"
 METADATA_FILE = "metadata.json"
@@ -52,6 +52,10 @@ class StoredModel:
     for scores smoothed over ``score_window`` rows by ``score_smoothing`` (``ema`` or ``mean``) of
     inputs clipped to +-``input_clip`` standard deviations (0: none). Models saved before issue 10
     lack the last two and load with their score then: a trailing mean, no clipping.
+    ``input_window``: rows per model input (the model's n_features is D * input_window and
+    ``error_scale`` is (D * input_window,)); ``window_error``: ``last`` or ``window``, which of
+    the window's rows make the score (:func:`opt_ds_ops.model.fold_window`). Models saved
+    before windowed inputs load as 1 and ``last``: one row per input, as they were trained.
     """
 
     path: str
@@ -64,6 +68,13 @@ class StoredModel:
     metadata: dict
     score_smoothing: str = "mean"
     input_clip: float = 0.0
+    input_window: int = 1
+    window_error: str = "last"
+
+    @property
+    def n_features(self) -> int:
+        """D: the columns of one data row (the model's input width over ``input_window``)."""
+        return self.model.n_features // self.input_window
 
 
 def safe_model_name(name: str) -> str:
@@ -123,6 +134,8 @@ def model_payload(result) -> dict:
         "score_smoothing": str(result.score_smoothing),
         "input_clip": float(result.input_clip),
         "threshold_method": str(result.threshold_method),
+        "input_window": int(result.input_window),
+        "window_error": str(result.window_error),
     }
 
 
@@ -258,6 +271,10 @@ def load_model(path: str) -> StoredModel:
     smoothing = payload.get("score_smoothing", "mean")  # "mean": the score of models saved before issue 10
     if smoothing not in ("ema", "mean"):
         raise StoreError(f"{model_file}: unknown score_smoothing {smoothing!r} (this ds-ops knows ema, mean)")
+    window, window_error = int(payload.get("input_window", 1)), payload.get("window_error", "last")
+    if window_error not in WINDOW_ERRORS or window < 1 or payload["model_args"]["n_features"] % window:
+        raise StoreError(f"{model_file}: unknown window_error {window_error!r} or input_window {window} "
+                         f"(this ds-ops knows {', '.join(WINDOW_ERRORS)}; the model's input width must be a multiple)")
     model = TelemetryAutoencoder(**payload["model_args"])
     model.load_state_dict(payload["state_dict"])
     model.eval()
@@ -272,6 +289,8 @@ def load_model(path: str) -> StoredModel:
         metadata=metadata,
         score_smoothing=smoothing,
         input_clip=float(payload.get("input_clip", 0.0)),
+        input_window=window,
+        window_error=window_error,
     )
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from .config import TrainConfig
 from .device import DevicePlan
 from .fsutil import utc_now
-from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
+from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth, window_rows
 from .step import TrainStep
 from .threshold import pick_threshold
 
@@ -85,6 +85,9 @@ class TrainResult:
     ``threshold``: set by ``threshold_method`` (:func:`opt_ds_ops.threshold.pick_threshold`) from
     the validation rows' anomaly scores, computed exactly as scoring does: inputs clipped to
     +-``input_clip`` (0: not clipped), smoothed over ``score_window`` rows by ``score_smoothing``.
+    ``input_window``: rows per model input (:func:`opt_ds_ops.model.window_rows`; the model's
+    n_features is D * input_window, ``error_scale`` (D * input_window,)); ``window_error``: which
+    rows of the window make a row's score (:func:`opt_ds_ops.model.fold_window`).
     """
 
     model: TelemetryAutoencoder
@@ -110,6 +113,8 @@ class TrainResult:
     input_clip: float = 0.0
     error_floor: float = 1e-6
     threshold_method: str = "quantile"
+    input_window: int = 1
+    window_error: str = "last"
 
     @property
     def samples_per_s(self) -> float:
@@ -309,6 +314,10 @@ def train(
     if hasattr(data, "read") and not isinstance(data, np.ndarray):  # opt_ds_ops.stream.NpyRows
         from .stream import train_streaming
 
+        if cfg.input_window > 1:
+            raise TrainingError(f"train.input_window is {cfg.input_window}: windowed inputs need the dataset in memory, "
+                                f"and this one ({data.nbytes:,} bytes as float32) is over the job's budget and streams; "
+                                "use input_window: 1 or a larger job.max_matrix_bytes")
         return train_streaming(data, cfg, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
                                read_gpu=read_gpu)
     placed = {"placement": "", "need_bytes": 0}
@@ -330,14 +339,16 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     train_idx, val_idx = split_rows(data.shape[0], cfg.val_fraction)
     train_rows, val_rows = data[: len(train_idx)], data[len(train_idx) :]  # contiguous: views, no copies
     mean, std = fit_scaler(train_rows)
-    x_train, placement, placement_note = _place(clip_inputs(standardise(train_rows, mean, std), cfg.input_clip), device)
-    val_bytes = len(val_idx) * data.shape[1] * 4
+    w = cfg.input_window  # windowed inputs (issue 10): each split windowed from its own row 0
+    x_train, placement, placement_note = _place(
+        window_rows(clip_inputs(standardise(train_rows, mean, std), cfg.input_clip), w), device)
+    val_bytes = len(val_idx) * data.shape[1] * w * 4
     placed.update(placement=placement, need_bytes=GPU_HEADROOM_BYTES + val_bytes + 2 * min(cfg.batch_size, len(train_idx))
-                  * data.shape[1] * 4 + (2 * x_train.nbytes if placement == "gpu" else 0))
-    x_val = clip_inputs(standardise(val_rows, mean, std), cfg.input_clip).to(device) if len(val_idx) else None
+                  * data.shape[1] * w * 4 + (2 * x_train.nbytes if placement == "gpu" else 0))
+    x_val = window_rows(clip_inputs(standardise(val_rows, mean, std), cfg.input_clip), w).to(device) if len(val_idx) else None
     n = x_train.shape[0]
 
-    model = TelemetryAutoencoder(data.shape[1], cfg.hidden, cfg.latent).to(device)
+    model = TelemetryAutoencoder(data.shape[1] * w, cfg.hidden, cfg.latent).to(device)
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=plan.use_grad_scaler)
     bounds = batch_bounds(n, cfg.batch_size)
@@ -404,7 +415,8 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     ref = x_val if x_val is not None else x_train
     cell = feature_errors(model, ref)
     error_scale = cell.mean(dim=0).clamp_min(cfg.error_floor)
-    scores = smooth(anomaly_scores(cell, error_scale).cpu().numpy(), cfg.score_window, cfg.score_smoothing)
+    scores = smooth(anomaly_scores(cell, error_scale, w, cfg.window_error).cpu().numpy(), cfg.score_window,
+                    cfg.score_smoothing)
     threshold = pick_threshold(scores.astype(np.float32), cfg)
     model = model.cpu().eval()
     return TrainResult(
@@ -430,6 +442,8 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         input_clip=cfg.input_clip,
         error_floor=cfg.error_floor,
         threshold_method=cfg.threshold_method,
+        input_window=w,
+        window_error=cfg.window_error,
     )
 
 

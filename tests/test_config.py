@@ -53,6 +53,8 @@ def test_empty_and_missing_files(tmp_path):
         ("- a\n- b\n", "'top level' must be a mapping"),
         ("train: [1\n", "invalid YAML"),
         ("health:\n  on_fail: ignore\n", "key 'health.on_fail' must be one of cpu, defer, refuse"),
+        ("train:\n  input_window: 0\n", "key 'train.input_window' must be an integer in 1..256 (rows; 1 = one row per input), got 0"),
+        ("train:\n  window_error: max\n", "key 'train.window_error' must be one of last, window, got 'max'"),
     ],
 )
 def test_invalid_files_name_file_key_and_rule(tmp_path, text, message):

@@ -82,9 +82,11 @@ def test_ds_ops_score_reproduces_evaluate_for_the_same_model(machine, tmp_path):
     np.testing.assert_allclose(written, machine["_scores"]["ds-ops"], rtol=1e-5)  # %.6g in the file
 
 
-@pytest.mark.parametrize("smoothing", ["ema", "mean"])
-def test_appending_rows_never_changes_earlier_scores(smd_rows, smoothing):
-    r = train(smd_rows[:3000], TrainConfig(epochs=1, score_smoothing=smoothing), CPU)
+@pytest.mark.parametrize("smoothing, window, how", [("ema", 1, "last"), ("mean", 1, "last"), ("ema", 4, "last"),
+                                                    ("ema", 4, "window")])
+def test_appending_rows_never_changes_earlier_scores(smd_rows, smoothing, window, how):
+    r = train(smd_rows[:3000], TrainConfig(epochs=1, score_smoothing=smoothing, input_window=window,
+                                           window_error=how), CPU)
     stored = in_memory_model(r)
     full = score_rows(stored, smd_rows[3000:9000])
     for n in (1, 29, 1000, 5999):
@@ -95,28 +97,47 @@ def test_appending_rows_never_changes_earlier_scores(smd_rows, smoothing):
     assert not np.array_equal(score_rows(stored, changed)[1000:], full[1000:])
 
 
-def test_score_rows_and_score_with_cells_agree_to_the_bit(smd_rows):
-    stored = in_memory_model(train(smd_rows[:3000], TrainConfig(epochs=1), CPU))
+@pytest.mark.parametrize("window", [1, 4])
+def test_score_rows_and_score_with_cells_agree_to_the_bit(smd_rows, window):
+    stored = in_memory_model(train(smd_rows[:3000], TrainConfig(epochs=1, input_window=window), CPU))
     data = smd_rows[3000:6000]
     scores, cells = score_with_cells(stored, data, batch_rows=700)
     assert np.array_equal(score_rows(stored, data, batch_rows=700), scores)
     assert np.array_equal(score_rows(stored, data), scores) and cells.shape == (3000, 38)
+    if window > 1:  # batches of 700 rows get the rows before them as context: the same windows
+        np.testing.assert_allclose(score_rows(stored, data, batch_rows=2), scores, rtol=1e-6)
     np.testing.assert_allclose(contributions(stored, cells).mean(axis=1), scores, rtol=1e-5)  # shares add up
 
 
 def test_a_model_saved_before_issue_10_scores_with_its_old_trailing_mean(smd_rows, tmp_path):
     r = train(smd_rows[:3000], TrainConfig(epochs=1, score_smoothing="mean", score_window=15, input_clip=0.0), CPU)
     payload = model_payload(r)
-    for key in ("score_smoothing", "input_clip", "threshold_method"):
+    for key in ("score_smoothing", "input_clip", "threshold_method", "input_window", "window_error"):
         del payload[key]
     save_model(str(tmp_path), "old", payload, {})
     old = load_model(str(tmp_path / "old"))
-    assert (old.score_smoothing, old.input_clip) == ("mean", 0.0)
+    assert (old.score_smoothing, old.input_clip, old.input_window, old.window_error) == ("mean", 0.0, 1, "last")
     np.testing.assert_array_equal(score_rows(old, smd_rows[3000:4000]), score_rows(in_memory_model(r), smd_rows[3000:4000]))
     payload["score_smoothing"] = "median"
     save_model(str(tmp_path), "future", payload, {})
     with pytest.raises(StoreError, match="unknown score_smoothing 'median'"):
         load_model(str(tmp_path / "future"))
+    payload.update(score_smoothing="ema", input_window=5)  # 38 inputs are not windows of 5 rows
+    save_model(str(tmp_path), "odd", payload, {})
+    with pytest.raises(StoreError, match="input_window 5"):
+        load_model(str(tmp_path / "odd"))
+
+
+def test_ds_ops_score_reproduces_evaluate_for_a_windowed_model(tmp_path):
+    cfg = Config(train=TrainConfig(epochs=1, input_window=4))
+    files = smd_machines(str(SMD), ["machine-1-2"])[0]
+    r = evaluate_machine(files, cfg, CPU, models_dir=str(tmp_path / "models"), keep_scores=True)
+    p = run_cli("score", r["model_dir"], str(SMD_TEST), "--labels", str(SMD_LABELS), "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    ev, ours = out["evaluation"], r["ds-ops"]
+    assert (out["input_window"], out["window_error"]) == (4, "last")
+    assert (ev["roc_auc"], ev["pr_auc"], ev["f1"], ev["threshold"]) == (ours["roc_auc"], ours["pr_auc"], ours["f1"], ours["threshold"])
 
 
 def test_best_f1_is_the_maximum_over_scikit_learns_precision_recall_curve():

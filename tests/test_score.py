@@ -10,6 +10,7 @@ import torch
 
 from opt_ds_ops.config import TrainConfig
 from opt_ds_ops.device import plan_device
+from opt_ds_ops.model import TelemetryAutoencoder, anomaly_scores, fold_window, window_rows
 from opt_ds_ops.score import (
     ScoreError,
     average_precision,
@@ -23,6 +24,8 @@ from opt_ds_ops.score import (
 from opt_ds_ops.dataset import load_dataset
 from opt_ds_ops.store import StoredModel, load_model, model_payload, save_model
 from opt_ds_ops.train import train
+
+CPU = plan_device("cpu", "off")
 
 
 def brute_roc_auc(scores, labels):
@@ -160,3 +163,46 @@ def test_a_stored_model_keeps_the_scaler_mean_of_a_column_at_1e9_plus_17(tmp_pat
     assert stored.mean.dtype == torch.float64 and float(stored.mean[0]) == result.mean[0]
     np.testing.assert_allclose(score_rows(stored, ds.data, offset=ds.offset),
                                score_rows(in_memory(result), ds.data, offset=ds.offset), rtol=1e-5)
+
+
+def test_a_window_is_the_rows_up_to_t_oldest_first_and_row_0_repeats_before_the_start():
+    x = torch.arange(12.0).reshape(6, 2)  # row t is [2t, 2t + 1]
+    w = window_rows(x, 3)
+    assert w.shape == (6, 6)
+    assert w[0].tolist() == [0, 1, 0, 1, 0, 1] and w[1].tolist() == [0, 1, 0, 1, 2, 3]
+    assert w[5].tolist() == [6, 7, 8, 9, 10, 11]
+    assert window_rows(x, 1) is x
+    for k in range(1, 6):  # a stream windowed in two parts, with the rows before as context
+        assert torch.equal(torch.cat([window_rows(x[:k], 3), window_rows(x[k:], 3, context=x[:k])]), w), k
+
+
+def test_fold_window_keeps_the_last_rows_cells_or_averages_the_window():
+    cells = torch.arange(12.0).reshape(2, 6)  # window 3 of D = 2
+    assert fold_window(cells, 3, "last").tolist() == [[4, 5], [10, 11]]
+    assert fold_window(cells, 3, "window").tolist() == [[2, 3], [8, 9]]
+    assert torch.equal(fold_window(cells, 1, "last"), cells)
+    scale = torch.ones(6)
+    assert anomaly_scores(cells, scale, 3, "window").tolist() == cells.mean(1).tolist()
+    with pytest.raises(ValueError, match="unknown window error 'max'"):
+        fold_window(cells, 3, "max")
+
+
+def test_a_windowed_model_reads_d_times_w_inputs_and_keeps_the_seed_layers():
+    assert [(m.in_features, m.out_features) for m in TelemetryAutoencoder(32 * 4, 24, 8).modules()
+            if isinstance(m, torch.nn.Linear)] == [(128, 24), (24, 8), (8, 24), (24, 128)]
+
+
+@pytest.mark.parametrize("how", ["last", "window"])
+def test_a_windowed_model_is_stored_and_scores_like_the_threshold_was_set(smd_rows, tmp_path, how):
+    cfg = TrainConfig(epochs=1, input_window=4, window_error=how, score_window=1, threshold_quantile=0.9)
+    r = train(smd_rows[:3000], cfg, CPU)
+    assert r.model.n_features == 38 * 4 and r.error_scale.shape == (38 * 4,)
+    save_model(str(tmp_path), "w4", model_payload(r), {})
+    stored = load_model(str(tmp_path / "w4"))
+    assert (stored.input_window, stored.window_error, stored.n_features) == (4, how, 38)
+    val = smd_rows[2700:3000]  # the validation split, scored from its own row 0 as training did
+    scores = score_rows(stored, val)
+    np.testing.assert_array_equal(scores, score_rows(in_memory_model(r), val))
+    assert r.threshold == pytest.approx(float(np.quantile(scores.astype(np.float64), 0.9)), rel=1e-5)
+    with pytest.raises(ScoreError, match="data has 37 features, model expects 38"):
+        score_rows(stored, val[:, :37])

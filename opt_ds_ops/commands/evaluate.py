@@ -56,7 +56,8 @@ def run(args) -> int:
     if not args.json:
         t = cfg.train
         print(f"evaluating {len(machines)} machine(s) on {plan.device} amp={plan.amp_name}: {t.epochs} epochs, "
-              f"score {t.score_smoothing} over {t.score_window} rows, input clip {t.input_clip:g}, "
+              f"input window {t.input_window} ({t.window_error}), score {t.score_smoothing} over {t.score_window} rows, "
+              f"input clip {t.input_clip:g}, "
               f"error floor {t.error_floor:g}, threshold {t.threshold_method}", flush=True)
     bar = None
     if not args.json and sys.stderr.isatty():  # issue 11: a progress bar on a terminal only, never in a pipe

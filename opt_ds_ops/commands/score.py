@@ -92,6 +92,8 @@ def run(args) -> int:
         "threshold": stored.threshold,
         "score_window": stored.score_window,
         "score_smoothing": stored.score_smoothing,
+        "input_window": stored.input_window,
+        "window_error": stored.window_error,
         "threshold_method": stored.metadata.get("threshold_method", "quantile"),
         "flagged": int(flags.sum()),
         "output": args.output,
