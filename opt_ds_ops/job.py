@@ -18,7 +18,6 @@ from . import __version__
 from .config import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, DatasetConfig, config_to_dict, parse_sidecar
 from .dataset import Dataset, DatasetError, DatasetLimits, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
-from .distributed import train_distributed
 from .fsutil import read_small
 from .gpustats import sampler_for
 from .report import try_write_report, validation_summary
@@ -243,6 +242,8 @@ def run_job(
     sampler = sampler_for(health)  # per-epoch NVML readings of the GPU the gate chose; None off CUDA
     try:
         if nproc > 1:
+            from .distributed import train_distributed  # torch.distributed only where it is used
+
             result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch)
         else:
             result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,

@@ -41,10 +41,11 @@ def test_train_nproc_2_stores_the_model_one_process_stores(tmp_path, odd_smd_csv
     np.testing.assert_allclose(b["scaler_mean"].numpy(), a["scaler_mean"].numpy(), rtol=1e-12, atol=1e-9)
     np.testing.assert_allclose(b["scaler_std"].numpy(), a["scaler_std"].numpy(), rtol=1e-6)
     assert abs(b["threshold"] - a["threshold"]) <= 0.01 * a["threshold"]
-    # per feature within 1 % of the error scale's mean: a feature near the floor (0.01) moves by a
-    # few % between two single-process runs that only differ in torch's thread count (README)
+    # every feature within 1 %, plus a tenth of the error floor (0.01) for scales near the floor;
+    # README, "One dataset on several GPUs": two single-process runs that differ only in torch's
+    # thread count differ by up to 2.9 % on a feature, so 1 % alone is below float reproducibility
     ea, eb = a["error_scale"].numpy().astype(np.float64), b["error_scale"].numpy().astype(np.float64)
-    assert np.all(np.abs(eb - ea) <= 0.01 * ea.mean()), np.abs(eb - ea) / ea.mean()
+    assert np.all(np.abs(eb - ea) <= 0.01 * ea + 1e-3), (np.abs(eb - ea) / ea).max()
     assert np.linalg.norm(eb - ea) <= 0.01 * np.linalg.norm(ea)
     md1 = json.loads((one / "machine-odd" / "current" / "metadata.json").read_text())
     md2 = json.loads((two / "machine-odd" / "current" / "metadata.json").read_text())
@@ -96,6 +97,18 @@ def test_a_failing_rank_is_named_and_no_rank_outlives_the_launch(tmp_path, monke
         run_ranks(2, ["--dir", str(out)], str(out), None, module="ddp_rank_fails")
     assert str(e.value) == "distributed training failed on rank 1 of 2: ValueError: the disk of rank 1 is on fire"
     assert _processes_mentioning(str(out)) == []
+
+
+def test_gloo_batchnorm_of_two_ranks_equals_one_batchnorm_over_both_parts(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests"))
+    out = tmp_path / "run"
+    out.mkdir()
+    run_ranks(2, ["--dir", str(out)], str(out), None, module="ddp_sync_bn")
+    diffs = json.loads((out / "diffs.json").read_text())
+    assert diffs["output"] < 1e-5 and diffs["input_grad"] < 1e-5, diffs
+    assert diffs["weight_grad"] < 1e-5 and diffs["bias_grad"] < 1e-5, diffs  # relative
+    assert diffs["running_mean"] < 1e-6 and diffs["running_var"] < 1e-5, diffs
+    assert diffs["ranks_agree"] == 0.0
 
 
 def test_shards_cover_the_rows_in_order_with_sizes_within_one():
