@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import glob
 import json
@@ -385,13 +386,15 @@ def run_ranks(nproc: int, module_args: list[str], out_dir: str, on_epoch: Callab
     (``EPOCH_MARK``) to on_epoch, wait. The ranks report errors with :func:`run_rank` into out_dir,
     where torchrun's own output goes too (``torchrun.log``). Raises TrainingError naming the first
     rank that failed, if torchrun fails. The ranks import the same
-    opt_ds_ops as this process (PYTHONPATH); each gets ``OMP_NUM_THREADS`` = CPUs / nproc unless set.
+    opt_ds_ops as this process (PYTHONPATH); each gets ``OMP_NUM_THREADS`` = CPUs / nproc unless set,
+    and ``TMPDIR`` = out_dir.
     Interrupted (KeyboardInterrupt, any error here), torchrun's process group is stopped."""
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env["TMPDIR"] = out_dir  # torchrun's log directories and torch's caches go where the launcher removes them
     log_path = os.path.join(out_dir, "torchrun.log")
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log, _sigterm_raises():
         proc = subprocess.Popen(torchrun_command(nproc, module_args, module), stdout=subprocess.PIPE, stderr=log,
                                 env=env, start_new_session=True, text=True)
         try:
@@ -404,6 +407,26 @@ def run_ranks(nproc: int, module_args: list[str], out_dir: str, on_epoch: Callab
             raise
     if rc != 0:
         raise TrainingError(_failure(out_dir, log_path, rc))
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While the ranks run, SIGTERM raises TrainingError in the main thread (so the ranks are
+    stopped and the temporary directory removed); elsewhere, or outside, SIGTERM is as it was."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise TrainingError("stopped by SIGTERM")
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -457,9 +480,18 @@ def write_error(out_dir: str, group: ProcessGroupInfo, e: BaseException) -> None
     os.replace(path + ".tmp", path)
 
 
+def _die_with_torchrun() -> None:
+    """PR_SET_PDEATHSIG(SIGKILL): a rank dies with torchrun, also when torchrun is SIGKILLed (its
+    workers run in sessions of their own, out of reach of a signal to its process group)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
 def run_rank(out_dir: str, backend: str, body: Callable[[ProcessGroupInfo], None]) -> int:
     """Join the process group torchrun describes (``backend``), run ``body(group)``, leave; return
-    the exit code. An exception in body is written with :func:`write_error` and gives 1."""
+    the exit code. An exception in body is written with :func:`write_error` and gives 1. The rank
+    dies with its torchrun (PR_SET_PDEATHSIG)."""
+    _die_with_torchrun()
     group = ProcessGroupInfo.from_env(backend)
     try:
         if backend == "nccl":

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -97,6 +100,28 @@ def test_a_failing_rank_is_named_and_no_rank_outlives_the_launch(tmp_path, monke
         run_ranks(2, ["--dir", str(out)], str(out), None, module="ddp_rank_fails")
     assert str(e.value) == "distributed training failed on rank 1 of 2: ValueError: the disk of rank 1 is on fire"
     assert _processes_mentioning(str(out)) == []
+
+
+@pytest.mark.parametrize("sig, code, last_words", [(signal.SIGINT, 130, "ds-ops: interrupted"),
+                                                    (signal.SIGTERM, 1, "stopped by SIGTERM")])
+def test_a_stopped_train_nproc_leaves_no_rank_and_no_temporary_files(tmp_path, smd_rows, sig, code, last_words):
+    data = tmp_path / "long.npy"
+    np.save(data, smd_rows)
+    scratch = tmp_path / "scratch"  # TMPDIR: the launcher's private directory is made in it
+    scratch.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=str(scratch))
+    env.pop("DS_OPS_CONFIG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "opt_ds_ops.cli", "train", str(data), "--models-dir",
+                             str(tmp_path / "models"), "--device", "cpu", "--epochs", "1000", "--nproc", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    for line in proc.stdout:
+        if line.startswith("epoch 1/1000"):
+            break
+    proc.send_signal(sig)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code and err.strip().endswith(last_words), err
+    assert _processes_mentioning(str(scratch)) == [] and os.listdir(scratch) == []
+    assert not (tmp_path / "models" / "long").exists()
 
 
 def test_gloo_batchnorm_of_two_ranks_equals_one_batchnorm_over_both_parts(tmp_path, monkeypatch):
