@@ -97,10 +97,14 @@ def shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
 def ddp_batch_bounds(n: int, batch_size: int, world_size: int) -> list[tuple[int, int]]:
     """Return the global batches' [start, end) over n rows, as :func:`opt_ds_ops.train.batch_bounds`,
     with a last batch too small to give every rank 2 rows (BatchNorm1d's minimum) joined to the one
-    before. Equals batch_bounds for world_size 1. Raises TrainingError if n < 2 * world_size."""
+    before. Equals batch_bounds for world_size 1. Raises TrainingError if n or batch_size is
+    below 2 * world_size."""
     if n < 2 * world_size:
         raise TrainingError(f"{n} training rows cannot give each of {world_size} processes 2 rows "
                             f"(BatchNorm1d's minimum); use a smaller --nproc")
+    if batch_size < 2 * world_size:
+        raise TrainingError(f"batch_size {batch_size} cannot give each of {world_size} processes 2 rows "
+                            f"(BatchNorm1d's minimum); use a smaller --nproc or a larger --batch-size")
     bounds = batch_bounds(n, batch_size)
     if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < 2 * world_size:
         bounds[-2] = (bounds[-2][0], n)

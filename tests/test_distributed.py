@@ -153,3 +153,5 @@ def test_ddp_batches_give_every_rank_two_rows_and_equal_batch_bounds_on_one_proc
     assert ddp_batch_bounds(4100, 2048, 2) == [(0, 2048), (2048, 4096), (4096, 4100)]
     with pytest.raises(TrainingError, match="3 training rows cannot give each of 2 processes 2 rows"):
         ddp_batch_bounds(3, 2048, 2)
+    with pytest.raises(TrainingError, match="batch_size 3 cannot give each of 2 processes 2 rows"):
+        ddp_batch_bounds(5, 3, 2)
