@@ -203,6 +203,7 @@ def run_job(
     on_stage: Callable[[str], None] | None = None,
     options: DatasetConfig | None = None,
     explicit_name: bool = False,
+    nproc: int = 1,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -215,7 +216,9 @@ def run_job(
     stage (dataset, training, store) begins. ``options`` say which columns are features (default:
     the conffile's ``dataset:``; a sidecar's, see :func:`read_sidecar`); ``explicit_name``: ``name``
     was set by a person (sidecar or ``--name``), not made from the file name, so it may take over
-    another file's model (:func:`check_model_name`). When ``health`` names the GPU the gate chose,
+    another file's model (:func:`check_model_name`). ``nproc`` > 1 trains with that many processes
+    under torchrun (:func:`opt_ds_ops.distributed.train_distributed`; no ``should_stop``/``resume``
+    there; metadata.json's ``distributed`` says world size and backend). When ``health`` names the GPU the gate chose,
     each epoch carries its NVML reading (:mod:`opt_ds_ops.gpustats`; a failing NVML never fails the
     job). Raises JobError naming the failed stage;
     nothing is written to the store unless training succeeded.
@@ -243,8 +246,13 @@ def run_job(
     stage("training")
     sampler = sampler_for(health)  # per-epoch NVML readings of the GPU the gate chose; None off CUDA
     try:
-        result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume, offset=ds.offset,
-                       read_gpu=sampler.read if sampler is not None else None)
+        if nproc > 1:
+            from .distributed import train_distributed  # torch.distributed only where it is used
+
+            result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch)
+        else:
+            result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
+                           offset=ds.offset, read_gpu=sampler.read if sampler is not None else None)
     except TrainingError as e:
         raise JobError("training", f"{path}: {e}", e) from e
     finally:
@@ -255,6 +263,7 @@ def run_job(
     # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
     metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     metadata["name_explicit"] = explicit_name
+    metadata["distributed"] = result.extra if nproc > 1 else None
     if source_name:
         metadata["dataset"]["file"] = source_name
     # issue 11: the validation scores' histogram for report.png (warning-only, like the report)

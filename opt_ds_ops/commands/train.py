@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -32,8 +33,22 @@ def add_parser(sub) -> None:
     t.add_argument("--seed", type=int)
     t.add_argument("--device", help="auto, cpu, mps, cuda or cuda:N")
     t.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"])
+    t.add_argument("--nproc", type=_nproc, default=1, metavar="N",
+                   help="train with N processes under torchrun (DistributedDataParallel; gloo on the CPU, "
+                        "nccl with one GPU each); default 1")
     t.add_argument("--json", action="store_true", help="print one JSON summary instead of text")
     t.set_defaults(func=run)
+
+
+def _nproc(text: str) -> int:
+    """``--nproc N``: an integer >= 1 (argparse says so otherwise, exit code 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -95,11 +110,12 @@ def run(args) -> int:
 
     if not args.json:
         health = "" if gate.report["verdict"] == "ok" else f"; {summary_line(gate)}"
-        print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {cfg.train.epochs} epochs"
+        procs = f", {args.nproc} processes" if args.nproc > 1 else ""
+        print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {cfg.train.epochs} epochs{procs}"
               f"{health}){f'; options from {sidecar}' if sidecar else ''}", flush=True)
     try:
         job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report, on_epoch=on_epoch,
-                      options=options, explicit_name=name is not None)
+                      options=options, explicit_name=name is not None, nproc=args.nproc)
     finally:
         if bar is not None:
             bar.close()
