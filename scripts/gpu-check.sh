@@ -120,6 +120,15 @@ for amp in bf16 fp16; do
     done
 done
 
+# a dataset over the job's memory budget: the same file streamed from disk (opt_ds_ops.stream)
+say "ds-ops train $OUT/synthetic.npy streamed (job.max_matrix_bytes below its size) --amp bf16"
+printf 'job:\n  max_matrix_bytes: %d\n' $((ROWS * 32 * 4 / 3)) >"$OUT/stream.yaml"
+timeout 120 "${DSOPS[@]}" train "$OUT/synthetic.npy" --config "$OUT/stream.yaml" --device "$DEVICE" --amp bf16 \
+    --epochs "$EPOCHS" --json --name synthetic-streamed-bf16 --models-dir "$OUT/models" \
+    >"$OUT/train-synthetic-streamed-bf16.json" 2>"$OUT/train-synthetic-streamed-bf16.err" \
+    || { echo "ds-ops train (streamed) failed (124: timed out after 120 s)" >>"$OUT/train-synthetic-streamed-bf16.err";
+         cat "$OUT/train-synthetic-streamed-bf16.err" >&2; }
+
 # --- 3b. the training step captured in a CUDA graph against eager steps (tests/test_step.py) --------
 say "pytest tests/test_step.py (CUDA graph step = eager step; its CUDA cases skip without a GPU)"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_step.py 2>&1 | tee "$OUT/step-tests.txt"
@@ -236,10 +245,13 @@ for path in sorted(glob.glob(f"{out}/train-*.json")):
         continue
     md = load(os.path.join(t["model_dir"], "metadata.json")) or {}
     ok = t["device"].startswith(device) and t["amp_dtype"] in name
+    if "streamed" in name:
+        ok = ok and md.get("data_placement") == "streamed"
     rows.append((f"train {name}", "ok" if ok else "FAILED", t["device"], t["amp_dtype"], f"{t['rows']:,}",
                  f"{t['samples_per_s']:,.0f}", f"{t['final_train_loss']:.5f}", f"{t['duration_s']:.1f}",
                  gpu_figures(md.get("history")),
-                 f"skipped_steps {t['skipped_steps']}, health {t.get('health', '?')}, placement {md.get('data_placement', '?')}"
+                 f"skipped_steps {t['skipped_steps']}, health {t.get('health', '?')}, placement {md.get('data_placement', '?')}, "
+                 f"{md.get('step_mode', '?')}, peak RSS {(md.get('peak_rss_bytes') or 0) / 2**20:,.0f} MiB"
                  + ("" if ok else f", NOT ON {device.upper()}")))
 b = load(f"{out}/bench.txt", last_line=True)
 if b:
