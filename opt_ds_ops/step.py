@@ -77,7 +77,7 @@ class TrainStep:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
             return self._static_loss.detach().clone(), self._skipped(scale_before)
-        if self.capture and self._graph is None and xb.shape[0] == self.batch_rows:
+        if self.capture and self._graph is None and xb.shape[0] == self.batch_rows and xb.is_cuda:
             if self._warm >= WARMUP_STEPS:
                 if self._try_capture(xb):
                     return self(xb)
