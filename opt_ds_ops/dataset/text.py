@@ -111,6 +111,30 @@ def _open(path: str, limits: DatasetLimits, stop_at: int | None = None) -> io.Bu
     return io.BufferedReader(_BoundedReader(raw, path, limits, stop_at), buffer_size=_READ_BYTES)
 
 
+_CHUNK_BYTES = 16 * 1024**2  # text parsed by Arrow at a time (bytes of whole lines)
+
+
+def _line_chunks(stream, size: int):
+    """Yield the bytes of stream in chunks of about ``size`` that end at a line break (``\\n``, else
+    ``\\r``), the last one with whatever follows the last break; chunks of blank lines only are skipped."""
+    carry = b""
+    while True:
+        data = stream.read(size)
+        if not data:
+            if carry.strip():
+                yield carry
+            return
+        data = carry + data
+        cut = data.rfind(b"\n") + 1 or data.rfind(b"\r") + 1
+        if not cut and len(data) < 4 * size:  # a line longer than a chunk: read on (the line limit is checked by the sniffer)
+            carry = data
+            continue
+        cut = cut or len(data)
+        chunk, carry = data[:cut], data[cut:]
+        if chunk.strip():
+            yield chunk
+
+
 class _Prefixed(io.RawIOBase):
     """``prefix`` bytes, then the rest of ``stream``; with ``whitespace``, runs of spaces and tabs
     become one comma and are dropped at the ends of lines (line breaks are kept, so line numbers
@@ -395,28 +419,21 @@ def load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: in
         build = Float32Builder(path, len(plan.features), lambda r: f"line {line_of(r)}", max_rows=max_rows + 1,
                                column=plan.feature_label, nan_is_missing=True)
         times = TimeCollector(path, plan, lambda r: f"line {line_of(r)}") if plan.time is not None else None
-        reader = None
         try:
-            reader = pacsv.open_csv(stream, **reader_args)
-            while True:
-                try:
-                    batch = reader.read_next_batch()
-                except StopIteration:
-                    break
-                _add_batch(path, batch, plan, names, build, times, line_of)
+            for chunk in _line_chunks(stream, max(_CHUNK_BYTES, 2 * limits.max_line_bytes)):
+                # Arrow parses each chunk of whole lines from memory on its CPU threads. It is never
+                # handed the Python stream: its streaming reader read ahead from it on Arrow's I/O
+                # threads, and one still waiting for the GIL at the interpreter's exit aborted the
+                # process ("terminate called without an active exception", SIGABRT) in about 1 of
+                # 10 short commands that stopped reading early.
+                for batch in pacsv.read_csv(pa.BufferReader(chunk), **reader_args).to_batches():
+                    _add_batch(path, batch, plan, names, build, times, line_of)
                 if build.n > max_rows:
                     raise too_many_rows(path, max_rows, len(plan.features), limits)
         except pa.ArrowInvalid as e:
             error = str(e)
         else:
             error = None
-        finally:
-            # Arrow reads ahead on its own threads: stop them now, while the stream is open. A reader
-            # left to the interpreter's exit aborted the process ("terminate called without an
-            # active exception", SIGABRT) in 1 of about 3 runs of a short command.
-            if reader is not None:
-                reader.close()
-            del reader
         if error is not None:
             cut = _arrow_error(path, limits, dialect, plan, error, max_rows, stop_at is None)
             return load_text(path, limits, opts, stop_at=cut)
