@@ -1,0 +1,161 @@
+"""Parallel jobs (issue 12, ``daemon.max_jobs``): the real daemon in this process, its jobs in spawned
+processes that really train (on the CPU, behind a fake CUDA runtime), on a host of two fake GPUs.
+
+Fakes only at the library boundary (tests/fakes/scripted_gate.py: ``two_gpus`` for NVML,
+``slot_gate`` for torch's CUDA device map and runtime in each job process, then the real health
+gate). Concurrency is shown by state, never by timing: ``slot_gate``'s barrier lets a job pass its
+health stage only when the other job is in its health stage too, and the daemon is seen holding
+both jobs, each with its own GPU, with both records on disk saying ``running``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+import time
+
+import numpy as np
+
+from daemon_kit import done_names, job_record, read_json, spool_dir, write_config
+from fakes import scripted_gate
+from fakes.fake_pynvml import FakeNvml, install
+from fakes.scripted_gate import GPU_UUIDS
+
+DEADLINE_S = 300  # a generous end for one test's jobs on a shared 2-core machine (not a measurement)
+JOB_EVENTS = ("job-health", "job-epoch", "job-saved", "job-resumed", "job-interrupted")
+
+
+def start(tmp_path, monkeypatch, nvml: FakeNvml, *, max_jobs: str | None = None, epochs: int = 2,
+          extra: list[str] | None = None, barrier: int = 0, env: dict | None = None):
+    """Return (daemon, journal events sent) for a daemon on tmp_path with ``device: auto`` and
+    ``amp: off``, NVML answered by ``nvml`` in this process and its jobs' gate ``slot_gate``."""
+    from opt_ds_ops import daemon as daemon_mod
+    from opt_ds_ops.config import load_config
+    from opt_ds_ops.journal import EventLog
+    from opt_ds_ops.notify import Notifier
+    from opt_ds_ops.spool import open_spool
+
+    install(monkeypatch, nvml)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    if barrier:
+        (tmp_path / "barrier").mkdir()
+        monkeypatch.setenv("DS_OPS_TEST_BARRIER", f"{tmp_path / 'barrier'}:{barrier}")
+    lines = ["job:", "  health_timeout_s: 200"] + (["daemon:", f"  max_jobs: {max_jobs}"] if max_jobs else [])
+    conf = write_config(tmp_path, settle_s=0, epochs=epochs, quiet_s=0, extra=lines + (extra or []))
+    conf.write_text(conf.read_text().replace("device: cpu", "device: auto\namp: 'off'"))
+    cfg = load_config(str(conf))
+    sent: list[dict] = []
+    log = EventLog(journal=False, stream=io.StringIO())
+    log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
+    d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(conf),
+                          mp_context=multiprocessing.get_context("spawn"), gate=scripted_gate.slot_gate)
+    return d, sent
+
+
+def drop(tmp_path, *names: str, rows: int = 400) -> None:
+    for i, name in enumerate(names):
+        np.savetxt(spool_dir(tmp_path, "incoming") / name, np.random.default_rng(i).normal(size=(rows, 4)),
+                   delimiter=",")
+
+
+def run(d, tmp_path, until, sent) -> list[dict]:
+    """Tick the daemon until ``until()``; return what was seen after each tick: the GPU UUIDs (None
+    for a CPU job) of the jobs it held, and the datasets whose records on disk said running."""
+    d.watcher.scan()
+    seen = []
+    deadline = time.monotonic() + DEADLINE_S
+    while not until():
+        assert time.monotonic() < deadline, [e["MESSAGE"] for e in sent]
+        d._tick()
+        running = {n for n in ("a.csv", "b.csv") if (job_record(tmp_path, n) or {}).get("state") == "running"}
+        seen.append({"gpus": sorted((j.gpu or {}).get("uuid", "") for j in d.jobs.values()), "running": running})
+    return seen
+
+
+def result(tmp_path, name: str) -> dict:
+    return read_json(spool_dir(tmp_path, "done") / f"{name}.result.json")
+
+
+def metadata(doc: dict) -> dict:
+    with open(f"{doc['model_dir']}/metadata.json") as f:
+        return json.load(f)
+
+
+def events_of(sent: list[dict], dataset_file: str) -> list[dict]:
+    from opt_ds_ops.journal import MESSAGE_IDS
+
+    ids = {MESSAGE_IDS[e] for e in JOB_EVENTS}
+    return [e for e in sent if e.get("MESSAGE_ID") in ids and e.get("DS_DATASET_FILE") == dataset_file]
+
+
+def both_done(tmp_path):
+    return lambda: done_names(tmp_path) == {"a.csv", "b.csv"}
+
+
+def test_two_datasets_train_at_the_same_time_one_per_gpu(tmp_path, monkeypatch):
+    d, sent = start(tmp_path, monkeypatch, scripted_gate.two_gpus(), barrier=2)
+    drop(tmp_path, "a.csv", "b.csv")
+    seen = run(d, tmp_path, both_done(tmp_path), sent)
+    together = [s for s in seen if s["gpus"] == sorted(GPU_UUIDS) and s["running"] == {"a.csv", "b.csv"}]
+    assert together, seen
+    a, b = result(tmp_path, "a.csv"), result(tmp_path, "b.csv")
+    assert {a["gpu_uuid"], b["gpu_uuid"]} == set(GPU_UUIDS)
+    for doc in (a, b):
+        assert doc["gpu_index"] == GPU_UUIDS.index(doc["gpu_uuid"])
+        assert doc["device"] == "cuda:0"  # the job sees only its GPU, as cuda:0
+        decision = metadata(doc)["health"]["decision"]  # what the job's own health gate chose
+        assert decision["gpu"] == {"index": doc["gpu_index"], "uuid": doc["gpu_uuid"]}
+        assert metadata(doc)["health"]["torch"]["visible_devices"] == doc["gpu_uuid"]
+        assert not any("torch sees" in f["message"] for f in metadata(doc)["health"]["findings"])
+        events = events_of(sent, doc["dataset"])
+        assert {e["MESSAGE_ID"] for e in events} >= {e for e in map(_id, ("job-health", "job-epoch", "job-saved"))}
+        assert all(e["DS_GPU_UUID"] == doc["gpu_uuid"] and e["DS_GPU_INDEX"] == str(doc["gpu_index"])
+                   for e in events), events
+    assert len(d.metrics.jobs) == 0 and not d.jobs
+
+
+def _id(event: str) -> str:
+    from opt_ds_ops.journal import MESSAGE_IDS
+
+    return MESSAGE_IDS[event]
+
+
+def test_a_gpu_failing_its_health_check_takes_no_job_and_the_other_trains_both(tmp_path, monkeypatch):
+    d, sent = start(tmp_path, monkeypatch, scripted_gate.two_gpus(failing=1), env={"DS_OPS_TEST_FAILING_GPU": "1"})
+    drop(tmp_path, "a.csv", "b.csv")
+    seen = run(d, tmp_path, both_done(tmp_path), sent)
+    assert max(len(s["gpus"]) for s in seen) == 1 and {g for s in seen for g in s["gpus"]} == {GPU_UUIDS[0]}
+    for name in ("a.csv", "b.csv"):
+        doc = result(tmp_path, name)
+        assert (doc["gpu_uuid"], doc["gpu_index"], doc["device"]) == (GPU_UUIDS[0], 0, "cuda:0")
+        events = events_of(sent, name)
+        assert events and all(e["DS_GPU_UUID"] == GPU_UUIDS[0] for e in events)
+    down = [e for e in sent if e.get("DS_GPU_UUID") == GPU_UUIDS[1]]
+    assert len(down) == 1 and "GPU 1 (" + GPU_UUIDS[1] + ") fails its health check: ecc:" in down[0]["MESSAGE"]
+    assert "it takes no jobs for 300 s (health.retry_s), the other GPUs go on" in down[0]["MESSAGE"]
+
+
+def test_max_jobs_1_runs_one_job_at_a_time_on_the_first_healthy_gpu(tmp_path, monkeypatch):
+    d, sent = start(tmp_path, monkeypatch, scripted_gate.two_gpus(), max_jobs="1")
+    drop(tmp_path, "a.csv", "b.csv")
+    seen = run(d, tmp_path, both_done(tmp_path), sent)
+    assert max(len(s["gpus"]) for s in seen) == 1 and max(len(s["running"]) for s in seen) == 1
+    assert {result(tmp_path, n)["gpu_uuid"] for n in ("a.csv", "b.csv")} == {GPU_UUIDS[0]}
+
+
+def test_a_cpu_host_with_auto_runs_one_job_at_a_time_without_gpu_fields(tmp_path, monkeypatch):
+    import pynvml
+
+    d, sent = start(tmp_path, monkeypatch, FakeNvml(gpus=[], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
+                    env={"DS_OPS_TEST_NO_GPU": "1"})
+    drop(tmp_path, "a.csv", "b.csv")
+    seen = run(d, tmp_path, both_done(tmp_path), sent)
+    assert max(len(s["gpus"]) for s in seen) == 1 and {g for s in seen for g in s["gpus"]} == {""}
+    for name in ("a.csv", "b.csv"):
+        doc = result(tmp_path, name)
+        assert doc["gpu_uuid"] is None and doc["gpu_index"] is None and doc["device"] == "cpu"
+        events = events_of(sent, name)
+        assert events and all("DS_GPU_UUID" not in e and "DS_GPU_INDEX" not in e for e in events)
