@@ -10,9 +10,11 @@ both jobs, each with its own GPU, with both records on disk saying ``running``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import multiprocessing
+import os
 import time
 
 import numpy as np
@@ -27,7 +29,7 @@ JOB_EVENTS = ("job-health", "job-epoch", "job-saved", "job-resumed", "job-interr
 
 
 def start(tmp_path, monkeypatch, nvml: FakeNvml, *, max_jobs: str | None = None, epochs: int = 2,
-          extra: list[str] | None = None, barrier: int = 0, env: dict | None = None):
+          batch_size: int = 2048, extra: list[str] | None = None, barrier: int = 0, env: dict | None = None):
     """Return (daemon, journal events sent) for a daemon on tmp_path with ``device: auto`` and
     ``amp: off``, NVML answered by ``nvml`` in this process and its jobs' gate ``slot_gate``."""
     from opt_ds_ops import daemon as daemon_mod
@@ -44,7 +46,7 @@ def start(tmp_path, monkeypatch, nvml: FakeNvml, *, max_jobs: str | None = None,
         (tmp_path / "barrier").mkdir()
         monkeypatch.setenv("DS_OPS_TEST_BARRIER", f"{tmp_path / 'barrier'}:{barrier}")
     lines = ["job:", "  health_timeout_s: 200"] + (["daemon:", f"  max_jobs: {max_jobs}"] if max_jobs else [])
-    conf = write_config(tmp_path, settle_s=0, epochs=epochs, quiet_s=0, extra=lines + (extra or []))
+    conf = write_config(tmp_path, settle_s=0, epochs=epochs, batch_size=batch_size, quiet_s=0, extra=lines + (extra or []))
     conf.write_text(conf.read_text().replace("device: cpu", "device: auto\namp: 'off'"))
     cfg = load_config(str(conf))
     sent: list[dict] = []
@@ -62,8 +64,12 @@ def drop(tmp_path, *names: str, rows: int = 400) -> None:
 
 
 def run(d, tmp_path, until, sent) -> list[dict]:
-    """Tick the daemon until ``until()``; return what was seen after each tick: the GPU UUIDs (None
-    for a CPU job) of the jobs it held, and the datasets whose records on disk said running."""
+    """Tick the daemon until ``until()``; return what was seen after each tick: the GPU UUIDs (""
+    for a CPU job) of the jobs it held, the datasets whose records on disk said running, and, the
+    first time two ran, what ``ds-ops status`` printed (``status``) and its JSON's jobs (``json``)."""
+    from opt_ds_ops.commands.status import _print
+    from opt_ds_ops.spool import spool_status
+
     d.watcher.scan()
     seen = []
     deadline = time.monotonic() + DEADLINE_S
@@ -72,6 +78,12 @@ def run(d, tmp_path, until, sent) -> list[dict]:
         d._tick()
         running = {n for n in ("a.csv", "b.csv") if (job_record(tmp_path, n) or {}).get("state") == "running"}
         seen.append({"gpus": sorted((j.gpu or {}).get("uuid", "") for j in d.jobs.values()), "running": running})
+        if len(running) == 2 and not any("status" in s for s in seen):
+            st = spool_status(d.spool)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                _print(st)
+            seen[-1].update(status=out.getvalue(), json=st["processing"])
     return seen
 
 
@@ -96,11 +108,24 @@ def both_done(tmp_path):
 
 
 def test_two_datasets_train_at_the_same_time_one_per_gpu(tmp_path, monkeypatch):
+    from opt_ds_ops.spool import lock_spool
+
     d, sent = start(tmp_path, monkeypatch, scripted_gate.two_gpus(), barrier=2)
+    lock = lock_spool(d.spool)  # as start_daemon takes it: status names this process as the daemon
     drop(tmp_path, "a.csv", "b.csv")
-    seen = run(d, tmp_path, both_done(tmp_path), sent)
+    try:
+        seen = run(d, tmp_path, both_done(tmp_path), sent)
+    finally:
+        os.close(lock)
     together = [s for s in seen if s["gpus"] == sorted(GPU_UUIDS) and s["running"] == {"a.csv", "b.csv"}]
     assert together, seen
+    status = next(s for s in seen if "status" in s)
+    assert f"daemon: running, pid {os.getpid()}, 2 jobs running" in status["status"], status["status"]
+    lines = [line for line in status["status"].splitlines() if "job " in line and "daemon pid" in line]
+    assert len(lines) == 2 and all("training" in line for line in lines), status["status"]
+    assert all(sum(f"(GPU {i} {u})" in line for line in lines) == 1 for i, u in enumerate(GPU_UUIDS)), lines
+    assert sorted((j["gpu_index"], j["gpu_uuid"], j["daemon_alive"]) for j in status["json"]) == [
+        (0, GPU_UUIDS[0], True), (1, GPU_UUIDS[1], True)]
     a, b = result(tmp_path, "a.csv"), result(tmp_path, "b.csv")
     assert {a["gpu_uuid"], b["gpu_uuid"]} == set(GPU_UUIDS)
     for doc in (a, b):
@@ -159,3 +184,58 @@ def test_a_cpu_host_with_auto_runs_one_job_at_a_time_without_gpu_fields(tmp_path
         assert doc["gpu_uuid"] is None and doc["gpu_index"] is None and doc["device"] == "cpu"
         events = events_of(sent, name)
         assert events and all("DS_GPU_UUID" not in e and "DS_GPU_INDEX" not in e for e in events)
+
+
+def test_sigterm_checkpoints_every_running_job_and_the_restart_resumes_each_on_a_gpu(tmp_path, monkeypatch):
+    """A stop while two jobs train: both write their checkpoint (state interrupted); a new daemon
+    on the same spool resumes both from their checkpoints, again one per GPU."""
+    from opt_ds_ops import daemon as daemon_mod
+    from opt_ds_ops.journal import EventLog
+    from opt_ds_ops.notify import Notifier
+
+    d, sent = start(tmp_path, monkeypatch, scripted_gate.two_gpus(), epochs=200, batch_size=64, barrier=2)
+    drop(tmp_path, "a.csv", "b.csv", rows=1000)
+
+    def both_training():
+        recs = [job_record(tmp_path, n) or {} for n in ("a.csv", "b.csv")]
+        return all(r.get("state") == "running" and (r.get("epoch") or 0) >= 1 for r in recs)
+
+    run(d, tmp_path, both_training, sent)
+    d.stop_requested = True
+    deadline = time.monotonic() + DEADLINE_S
+    while d.jobs:
+        assert time.monotonic() < deadline
+        d._tick()
+    stopped = {n: job_record(tmp_path, n) for n in ("a.csv", "b.csv")}
+    assert all(r["state"] == "interrupted" for r in stopped.values()), stopped
+    assert done_names(tmp_path) == set()
+    d.watcher.stop()
+
+    again = daemon_mod.Daemon(d.cfg, d.spool, d.log, Notifier({}), d.config_path,
+                              mp_context=multiprocessing.get_context("spawn"), gate=scripted_gate.slot_gate)
+    again._recover()
+    assert sorted(again.pending) == sorted(r["job_id"] for r in stopped.values())
+    (tmp_path / "barrier").rename(tmp_path / "barrier-1")
+    (tmp_path / "barrier").mkdir()  # the resumed jobs meet at the barrier too: both run at once again
+    seen = run(again, tmp_path, both_done(tmp_path), sent)
+    assert any(s["gpus"] == sorted(GPU_UUIDS) for s in seen)
+    for name, record in stopped.items():
+        doc = result(tmp_path, name)
+        assert doc["resumed_from_epoch"] == record["epoch"] + 1 and doc["epochs"] == 200
+        assert doc["gpu_uuid"] in GPU_UUIDS
+    assert {result(tmp_path, n)["gpu_uuid"] for n in ("a.csv", "b.csv")} == set(GPU_UUIDS)
+
+
+def test_a_job_whose_gpu_fails_its_own_gate_is_deferred_to_the_other_gpu(tmp_path, monkeypatch):
+    """The daemon's NVML check passes both GPUs, but GPU 1's CUDA smoke test fails in its job's
+    process (an illegal memory access): under health.on_fail defer the job goes back to the queue
+    at once, GPU 1 takes no jobs for health.retry_s, and both datasets train on GPU 0."""
+    d, sent = start(tmp_path, monkeypatch, scripted_gate.two_gpus(), extra=["health:", "  on_fail: defer"],
+                    env={"DS_OPS_TEST_SMOKE_FAIL_UUID": GPU_UUIDS[1]})
+    drop(tmp_path, "a.csv", "b.csv")
+    run(d, tmp_path, both_done(tmp_path), sent)
+    assert {result(tmp_path, n)["gpu_uuid"] for n in ("a.csv", "b.csv")} == {GPU_UUIDS[0]}
+    messages = [e["MESSAGE"] for e in sent]
+    assert any(f"GPU 1 ({GPU_UUIDS[1]}) fails its health check: its job's health gate: cuda: CUDA smoke test "
+               "failed" in m for m in messages), messages
+    assert any("its GPU 1 failed, back in the queue for another GPU" in m for m in messages), messages

@@ -81,8 +81,9 @@ def _job_line(job: dict) -> str:
             epoch = f" epoch {job['epoch']}/{job.get('epochs', '?')} loss {job['loss']:.6g}{eta}"
         else:
             epoch = f" ({job.get('stage') or 'loading'})"
+        device = f" on {job['device']}" if job.get("device") else ""
         gpu = f" (GPU {job['gpu_index']} {job.get('gpu_uuid', '')})" if job.get("gpu_index") is not None else ""
-        what = f"training{epoch} on {job.get('device') or '?'}{gpu}, daemon pid {job.get('pid')}"
+        what = f"training{epoch}{device}{gpu}, daemon pid {job.get('pid')}"
     elif job.get("daemon_alive") and state == "claiming":
         what = "being copied into processing/ by the daemon"
     elif job.get("daemon_alive") and state == "claimed":
