@@ -14,8 +14,9 @@ allows N jobs, each on the healthy GPU with the fewest jobs. A GPU that fails th
 job's own gate finds it failing) takes no new job for ``health.retry_s`` seconds, then is read
 again; the other GPUs go on. With no usable GPU (a CPU host, no NVML, every GPU failing) jobs get
 no GPU and their own gate decides as before (``health.on_fail``): one at a time, or N on a host
-without GPUs. ``device: cpu``, ``mps`` or ``cuda:N`` pins jobs, 1 at a time under ``auto``. A job: health gate -> dataset -> training -> model store,
-in a process of its own (:mod:`opt_ds_ops.worker`), then done/ or failed/ with a JSON beside the
+without GPUs. ``device: cpu``, ``mps`` or ``cuda:N`` pins jobs, 1 at a time under ``auto``.
+
+A job: health gate -> dataset -> training -> model store, in a process of its own (:mod:`opt_ds_ops.worker`), then done/ or failed/ with a JSON beside the
 dataset.
 
 **Blame where it belongs.** What a user dropped can fail only its own job: it is refused to
@@ -51,7 +52,7 @@ from . import EARLY_STOP, gpustats, nvml, worker
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
 from .fsutil import utc_now
-from .health import gate_job, judge_gpu, summary_line, verdict_of
+from .health import gate_job, judge_gpu, summary_line
 from .job import JobError, columns_note, read_sidecar
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
@@ -440,17 +441,30 @@ class Daemon:
             self._gpu_thread = t
             self.log.event("health", f"the GPU check for job slots did not answer within {timeout_s:.0f} s (a hung "
                            "NVML call?); jobs start without a GPU of their own, one at a time", priority=LOG_WARNING)
-        elif "host" in box and box["host"].status == "ok" and box["host"].gpus:
-            gpus = []
-            for g in box["host"].gpus:
-                if not isinstance(g.uuid, str) or not g.uuid.startswith(("GPU-", "MIG-")):
-                    continue
-                found = judge_gpu(g, self.cfg.health, GPU_HEADROOM_BYTES)
-                gpus.append({"index": g.index, "uuid": g.uuid, "name": str(g.name), "verdict": verdict_of(found),
-                             "why": "; ".join(f.line() for f in found if f.level == "fail")})
-            gpus = gpus or None
+        elif "host" in box:
+            host = box["host"]
+            gpus = self._slot_gpus({"host": {"status": host.status}, "gpus": [
+                dict(g.as_dict(), findings=[dataclasses.asdict(f) for f in judge_gpu(g, self.cfg.health, GPU_HEADROOM_BYTES)])
+                for g in host.gpus]})
         self._gpu_reading = (time.monotonic(), gpus)
         return gpus
+
+    @staticmethod
+    def _slot_gpus(report: dict) -> list[dict] | None:
+        """Given a health report's ``host.status`` and ``gpus`` (each with its ``findings``), return
+        the GPUs jobs may be given, ``[{"index", "uuid", "name", "verdict", "why"}]`` (those without
+        a UUID left out), or None when NVML reads no GPU (no driver, a broken one, none there)."""
+        if (report.get("host") or {}).get("status") != "ok":
+            return None
+        gpus = []
+        for g in report.get("gpus") or []:
+            if not isinstance(g.get("uuid"), str) or not g["uuid"].startswith(("GPU-", "MIG-")):
+                continue
+            found = g.get("findings") or []
+            gpus.append({"index": g["index"], "uuid": g["uuid"], "name": str(g.get("name")),
+                         "verdict": max((f["level"] for f in found), key=("ok", "warn", "fail").index, default="ok"),
+                         "why": "; ".join(f"{f['check']}: {f['message']}" for f in found if f["level"] == "fail")})
+        return gpus or None
 
     def _gpu_failed(self, index, uuid: str, why: str) -> None:
         """Take GPU ``uuid`` out of the slots for health.retry_s seconds (logged once per outage)."""
@@ -493,6 +507,7 @@ class Daemon:
         t.start()
         t.join(min(HEALTH_LOG_TIMEOUT_S, self.cfg.job.health_timeout_s))
         if t.is_alive():
+            self._gpu_thread = t  # no NVML read for job slots starts while this one hangs
             self.log.event("health", f"health check did not answer within {self.cfg.job.health_timeout_s:.0f} s "
                            "(a hung NVML call?); jobs run it again in their own process", priority=LOG_WARNING)
             return
@@ -501,6 +516,7 @@ class Daemon:
             self.log.event("health", f"health check could not run: {type(e).__name__}: {e}", priority=LOG_WARNING)
             return
         decision = box["decision"]
+        self._gpu_reading = (time.monotonic(), self._slot_gpus(decision.report))  # the first job's slot uses it
         verdict = decision.report.get("verdict", "?")
         self.metrics.health(decision.report)
         plan = decision.plan
