@@ -747,6 +747,8 @@ class Daemon:
             self.notifier.status(self._busy_status())
         elif kind == "health":
             where = f" on {f['describe']}" if f.get("describe") else ""
+            if record.get("gpu_uuid"):  # the job sees only this GPU (as cuda:0)
+                where += f" (GPU {record.get('gpu_index')} {record['gpu_uuid']})"
             why = f": {f['reason']}" if f.get("reason") and f.get("reason") != f.get("plan_reason") else ""
             self.log.event("job-health", f"{name}: health gate says {f['action']}{where}{why}", device=f.get("device"),
                            amp_dtype=f.get("amp_dtype"), verdict=(f.get("report") or {}).get("verdict"), **fields)
@@ -926,6 +928,8 @@ class Daemon:
             if c.outcome == "refused":
                 self._fail(record, "spool", c.reason, "SpoolRefused")
                 continue
+            for stale in ("gpu_index", "gpu_uuid"):  # the GPU of the last run; the next start chooses again
+                record.pop(stale, None)
             if record.get("state") in ("running", "claimed", "interrupted", "deferred"):
                 if record.get("state") == "running":
                     record["restarts"] = record.get("restarts", 0) + 1

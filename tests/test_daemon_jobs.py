@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from daemon_kit import done_names, job_record, read_json, spool_dir, write_config
+from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, write_config
 from fakes import scripted_gate
 from fakes.fake_pynvml import FakeNvml, install
 from fakes.scripted_gate import GPU_UUIDS
@@ -76,6 +76,7 @@ def run(d, tmp_path, until, sent) -> list[dict]:
     while not until():
         assert time.monotonic() < deadline, [e["MESSAGE"] for e in sent]
         d._tick()
+        assert not failed_names(tmp_path), [e["MESSAGE"] for e in sent]
         running = {n for n in ("a.csv", "b.csv") if (job_record(tmp_path, n) or {}).get("state") == "running"}
         seen.append({"gpus": sorted((j.gpu or {}).get("uuid", "") for j in d.jobs.values()), "running": running})
         if len(running) == 2 and not any("status" in s for s in seen):
@@ -190,7 +191,6 @@ def test_sigterm_checkpoints_every_running_job_and_the_restart_resumes_each_on_a
     """A stop while two jobs train: both write their checkpoint (state interrupted); a new daemon
     on the same spool resumes both from their checkpoints, again one per GPU."""
     from opt_ds_ops import daemon as daemon_mod
-    from opt_ds_ops.journal import EventLog
     from opt_ds_ops.notify import Notifier
 
     d, sent = start(tmp_path, monkeypatch, scripted_gate.two_gpus(), epochs=200, batch_size=64, barrier=2)
