@@ -11,6 +11,7 @@ both jobs, each with its own GPU, with both records on disk saying ``running``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import multiprocessing
@@ -239,3 +240,33 @@ def test_a_job_whose_gpu_fails_its_own_gate_is_deferred_to_the_other_gpu(tmp_pat
     assert any(f"GPU 1 ({GPU_UUIDS[1]}) fails its health check: its job's health gate: cuda: CUDA smoke test "
                "failed" in m for m in messages), messages
     assert any("its GPU 1 failed, back in the queue for another GPU" in m for m in messages), messages
+
+
+def test_a_job_forked_from_the_forkserver_sees_only_its_gpu_before_cuda_initialises(tmp_path, spool):
+    """The daemon's real job path (the forkserver that preloads torch and ds-ops): the job process
+    has CUDA_VISIBLE_DEVICES set to its GPU's UUID when its health gate runs, and CUDA is not
+    initialised there (the server imported torch, nothing more); a job without a GPU gets none."""
+    from opt_ds_ops import worker
+    from opt_ds_ops.config import Config
+    from opt_ds_ops.spool import INCOMING, claim
+
+    answers = {}
+    try:
+        for name, gpu in (("a.csv", {"index": 1, "uuid": GPU_UUIDS[1]}), ("b.csv", None)):
+            (tmp_path / "spool" / INCOMING / name).write_text("1,2\n3,4\n5,6\n")
+            c = claim(spool, name, 1 << 20)
+            job = worker.JobProcess(spool.root, c.job_id, c.record, Config(), gate=scripted_gate.visible_gate, gpu=gpu)
+            deadline = time.monotonic() + DEADLINE_S
+            while job.final is None and job.exitcode() is None:
+                assert time.monotonic() < deadline
+                job.receive(0.5)
+            job.receive(0)
+            job.close()
+            answers[name] = job.final
+            del job  # its Event's semaphore is unlinked now, while the resource tracker still runs
+            gc.collect()
+    finally:
+        worker.shut_down()
+    assert answers["a.csv"][0] == "failed" and answers["a.csv"][1]["reason"] == (
+        f"CUDA_VISIBLE_DEVICES={GPU_UUIDS[1]}; cuda initialised: False"), answers
+    assert answers["b.csv"][1]["reason"] == "CUDA_VISIBLE_DEVICES=None; cuda initialised: False", answers

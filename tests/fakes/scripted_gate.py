@@ -149,3 +149,15 @@ def slot_gate(cfg, need_bytes):
                 raise RuntimeError(f"barrier: only {len(os.listdir(where))} of {n} jobs ran at once")
             time.sleep(0.05)
     return gate_job(cfg, need_bytes)
+
+
+def visible_gate(cfg, need_bytes):
+    """A gate that trains nothing: it refuses the job with what the job process saw when its gate
+    ran, ``CUDA_VISIBLE_DEVICES=...; cuda initialised: False`` (for the test of the forkserver
+    path: the variable is set in the job process and CUDA is not initialised there)."""
+    import torch
+
+    from opt_ds_ops.health import GateDecision
+
+    seen = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}; cuda initialised: {torch.cuda.is_initialized()}"
+    return GateDecision("refuse", None, seen, {"verdict": "ok", "gpus": []})
