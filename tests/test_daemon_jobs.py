@@ -19,6 +19,7 @@ import os
 import time
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, write_config
 from fakes import scripted_gate
@@ -46,7 +47,9 @@ def start(tmp_path, monkeypatch, nvml: FakeNvml, *, max_jobs: str | None = None,
     if barrier:
         (tmp_path / "barrier").mkdir()
         monkeypatch.setenv("DS_OPS_TEST_BARRIER", f"{tmp_path / 'barrier'}:{barrier}")
-    lines = ["job:", "  health_timeout_s: 200"] + (["daemon:", f"  max_jobs: {max_jobs}"] if max_jobs else [])
+    (tmp_path / "prom").mkdir()
+    lines = ["job:", "  health_timeout_s: 200", "metrics:", f"  textfile_dir: {tmp_path / 'prom'}"]
+    lines += ["daemon:", f"  max_jobs: {max_jobs}"] if max_jobs else []
     conf = write_config(tmp_path, settle_s=0, epochs=epochs, batch_size=batch_size, quiet_s=0, extra=lines + (extra or []))
     conf.write_text(conf.read_text().replace("device: cpu", "device: auto\namp: 'off'"))
     cfg = load_config(str(conf))
@@ -67,7 +70,8 @@ def drop(tmp_path, *names: str, rows: int = 400) -> None:
 def run(d, tmp_path, until, sent) -> list[dict]:
     """Tick the daemon until ``until()``; return what was seen after each tick: the GPU UUIDs (""
     for a CPU job) of the jobs it held, the datasets whose records on disk said running, and, the
-    first time two ran, what ``ds-ops status`` printed (``status``) and its JSON's jobs (``json``)."""
+    first time two ran, what ``ds-ops status`` printed (``status``), its JSON's jobs (``json``) and
+    the daemon's ds_ops.prom (``prom``)."""
     from opt_ds_ops.commands.status import _print
     from opt_ds_ops.spool import spool_status
 
@@ -85,7 +89,8 @@ def run(d, tmp_path, until, sent) -> list[dict]:
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 _print(st)
-            seen[-1].update(status=out.getvalue(), json=st["processing"])
+            seen[-1].update(status=out.getvalue(), json=st["processing"],
+                            prom=(tmp_path / "prom" / "ds_ops.prom").read_text())
     return seen
 
 
@@ -128,6 +133,11 @@ def test_two_datasets_train_at_the_same_time_one_per_gpu(tmp_path, monkeypatch):
     assert all(sum(f"(GPU {i} {u})" in line for line in lines) == 1 for i, u in enumerate(GPU_UUIDS)), lines
     assert sorted((j["gpu_index"], j["gpu_uuid"], j["daemon_alive"]) for j in status["json"]) == [
         (0, GPU_UUIDS[0], True), (1, GPU_UUIDS[1], True)]
+    prom = {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(status["prom"]) for s in f.samples}
+    assert prom[("ds_ops_jobs_running", ())] == 2 and prom[("ds_ops_job_running", ())] == 1
+    assert {k[1] for k in prom if k[0] == "ds_ops_slot_job_running"} == {
+        (("gpu", str(i)), ("slot", str(i)), ("uuid", u)) for i, u in enumerate(GPU_UUIDS)}
     a, b = result(tmp_path, "a.csv"), result(tmp_path, "b.csv")
     assert {a["gpu_uuid"], b["gpu_uuid"]} == set(GPU_UUIDS)
     for doc in (a, b):
