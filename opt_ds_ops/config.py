@@ -109,6 +109,29 @@ class MetricsConfig:
                                "an absolute path, or empty for off")
 
 
+def _max_jobs_ok(v: str) -> bool:
+    return v == "auto" or (v.isdigit() and int(v) >= 1)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """How many jobs the daemon runs at once (issue 12).
+
+    ``max_jobs``: ``auto`` (one job per GPU that passes the daemon's NVML health check, each job
+    seeing only its GPU through ``CUDA_VISIBLE_DEVICES``; 1 on a host without a usable GPU and
+    under ``device: cpu``, ``mps`` or ``cuda:N``) or an integer N >= 1: at most N jobs, spread over
+    the healthy GPUs (the GPU with the fewest jobs first); on a CPU host N jobs share the cores.
+    Kept as text (an integer in the file is read as its digits); :meth:`max_jobs_limit` gives the
+    number.
+    """
+
+    max_jobs: str = _field("auto", _max_jobs_ok, "auto or an integer >= 1")
+
+    def max_jobs_limit(self) -> int | None:
+        """Return max_jobs as an integer, or None for ``auto``."""
+        return None if self.max_jobs == "auto" else int(self.max_jobs)
+
+
 def _size_ok(v: str) -> bool:
     try:
         parse_size(v, 1 << 40)
@@ -243,11 +266,13 @@ class Config:
     tf32: bool = _field(False, None, "true or false")
     store: StoreConfig = field(default_factory=StoreConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
     source: str = field(default="<defaults>", compare=False)
 
 
 _SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig, "job": JobConfig,
-             "dataset": DatasetConfig, "store": StoreConfig, "metrics": MetricsConfig}
+             "dataset": DatasetConfig, "store": StoreConfig, "metrics": MetricsConfig,
+             "daemon": DaemonConfig}
 
 
 def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:

@@ -1,11 +1,22 @@
-"""The ``ds-trainer`` daemon: the spool's jobs, one at a time, each in its own process, for months.
+"""The ``ds-trainer`` daemon: the spool's jobs, each in its own process, for months.
 
 The main loop (one thread) never parses or trains and never blocks on anything a user controls.
 In order, each tick: reload the conffile after SIGHUP; rescan incoming/ when due; look after the
-running job (its messages, its exit, a stall, a stop); else start a queued job or claim the
-oldest ready file in incoming/ (:func:`opt_ds_ops.spool.claim`: the bytes are copied into the
-job's own directory); else sleep a tick. A job: health gate -> dataset -> training -> model store,
-in a process of its own (:mod:`opt_ds_ops.worker`), then done/ or failed/ with a JSON beside the
+running jobs (their messages, their exits, a stall, a stop); then, while a job slot is free, start
+a queued job or claim the oldest ready file in incoming/ (:func:`opt_ds_ops.spool.claim`: the
+bytes are copied into the job's own directory); else sleep a tick.
+
+**Job slots** (issue 12, ``daemon.max_jobs``). Under ``auto`` each GPU that passes the daemon's
+NVML health check (:func:`opt_ds_ops.health.judge_gpu`, read before each assignment, at most every
+:data:`GPU_CHECK_S` seconds, in a thread given up on after the health timeout) runs one job, which
+sees only that GPU (``CUDA_VISIBLE_DEVICES=<UUID>``, see :mod:`opt_ds_ops.worker`); an integer N
+allows N jobs, each on the healthy GPU with the fewest jobs. A GPU that fails the check (or whose
+job's own gate finds it failing) takes no new job for ``health.retry_s`` seconds, then is read
+again; the other GPUs go on. With no usable GPU (a CPU host, no NVML, every GPU failing) jobs get
+no GPU and their own gate decides as before (``health.on_fail``): one at a time, or N on a host
+without GPUs. ``device: cpu``, ``mps`` or ``cuda:N`` pins jobs, 1 at a time under ``auto``.
+
+A job: health gate -> dataset -> training -> model store, in a process of its own (:mod:`opt_ds_ops.worker`), then done/ or failed/ with a JSON beside the
 dataset.
 
 **Blame where it belongs.** What a user dropped can fail only its own job: it is refused to
@@ -22,25 +33,26 @@ job (re)starts, the store is asked for a version with its job id
 (:func:`opt_ds_ops.store.find_job_version`): if there is one, publishing ``current`` is replayed
 and the job finishes in done/ without training again, whatever the clocks say.
 
-SIGTERM: a job in its health or dataset stage is killed at once (it restarts from scratch on the
-next start); a training job writes its checkpoint and stops at the next batch; then the daemon
-exits 0.
+SIGTERM: each job in its health or dataset stage is killed at once (it restarts from scratch on the
+next start); each training job writes its checkpoint and stops at the next batch; once all have
+stopped the daemon exits 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing.connection
 import os
 import signal
 import threading
 import time
 from datetime import datetime, timezone
 
-from . import EARLY_STOP, gpustats, worker
+from . import EARLY_STOP, gpustats, nvml, worker
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
 from .fsutil import utc_now
-from .health import gate_job, summary_line
+from .health import gate_job, judge_gpu, summary_line
 from .job import JobError, columns_note, read_sidecar
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
@@ -61,6 +73,7 @@ STOP_EXTEND_S = 30.0  # EXTEND_TIMEOUT_USEC asked for while a job writes its che
 START_EXTEND_S = 300.0  # EXTEND_TIMEOUT_USEC while the forkserver imports torch at start-up
 BACKOFF_S = (5.0, 300.0)  # first and longest pause of intake after a file system error (seconds)
 HEALTH_LOG_TIMEOUT_S = 30.0  # the start-up health report gives up waiting on NVML after this (seconds)
+GPU_CHECK_S = 2.0  # the daemon's NVML reading for job slots is reused for this long (seconds)
 
 
 def _parse_utc(stamp) -> float | None:
@@ -118,13 +131,15 @@ def result_doc(record: dict, metadata: dict) -> dict:
         "finished_at": utc_now(),
         "duration_s": round(time.time() - since, 3) if since else None,
         "resumed_from_epoch": record.get("resumed_from_epoch"),
+        "gpu_index": record.get("gpu_index"),
+        "gpu_uuid": record.get("gpu_uuid"),
         "crashes": record.get("crashes", 0),
         "restarts": record.get("restarts", 0),
     }
 
 
 class Daemon:
-    """The running daemon: configuration, spool, watcher, sd_notify, the queue and the running job.
+    """The running daemon: configuration, spool, watcher, sd_notify, the queue and the running jobs.
 
     ``config_path`` is re-read on SIGHUP (``missing_ok``: a missing file means defaults). Create
     with :func:`start_daemon`, which checks the directories first. ``mp_context`` is the
@@ -143,7 +158,10 @@ class Daemon:
         self.retry_at: dict[str, float] = {}  # job id -> monotonic time before which it is not retried
         self.defer_reason: dict[str, str] = {}
         self.records: dict[str, dict] = {}  # job id -> its record (job.json), the daemon's copy
-        self.job: worker.JobProcess | None = None
+        self.jobs: dict[str, worker.JobProcess] = {}  # job id -> its running process, oldest start first
+        self.gpu_down: dict[str, tuple[float, str]] = {}  # GPU UUID -> (monotonic time it is read again, why)
+        self._gpu_reading: tuple[float, list[dict] | None] | None = None  # (monotonic time, GPUs) of the last read
+        self._gpu_thread: threading.Thread | None = None  # an NVML read that did not answer (hung)
         self.paused_until = 0.0
         self.pause_reason = ""
         self._backoff = BACKOFF_S[0]
@@ -156,6 +174,11 @@ class Daemon:
         self.metrics = MetricsWriter(cfg.metrics.textfile_dir, cfg.models_dir, torch_version=torch.__version__,
                                      cuda_version=torch.version.cuda or "")
         self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
+
+    @property
+    def job(self) -> worker.JobProcess | None:
+        """The oldest running job, or None when none runs (the one job under ``max_jobs: 1``)."""
+        return next(iter(self.jobs.values()), None)
 
     # ---- signals -------------------------------------------------------------------------------
     def _on_stop(self, signum, frame) -> None:
@@ -189,12 +212,12 @@ class Daemon:
             self.log.event(
                 "daemon-started",
                 f"ds-trainer ready: spool {self.spool.root}, models {self.cfg.models_dir}, device "
-                f"{self.cfg.device} amp {self.cfg.amp}, {self.watcher.queued()} in incoming/, "
+                f"{self.cfg.device} amp {self.cfg.amp}, {self._slots_line()}, {self.watcher.queued()} in incoming/, "
                 f"{len(self.pending)} to resume",
                 spool=self.spool.root, model_dir=self.cfg.models_dir,
             )
             self._start_metrics()
-            while not (self.stop_requested and self.job is None):
+            while not (self.stop_requested and not self.jobs):
                 self.notifier.keepalive(STEP_BUDGET_S)
                 if self.reload_requested:
                     self._reload()
@@ -203,8 +226,8 @@ class Daemon:
                     self.notifier.status(self._idle_status())
                     self.watcher.idle(TICK_S)  # ends early when a file event arrives
         finally:
-            if self.job is not None:
-                self.job.kill("the daemon is stopping", crash=False)
+            for job in self.jobs.values():
+                job.kill("the daemon is stopping", crash=False)
             self._stopping()
             self.watcher.stop()
             if self.mp_context is None:
@@ -222,20 +245,18 @@ class Daemon:
         self._guarded(self._retention)
         self._write_metrics()
 
-    def _write_metrics(self, ended: bool = False) -> None:
-        """Write ds_ops.prom with the queue, the running job and the last results (``ended``: the
-        running job has just finished, its process not yet reaped); a failure is a warning logged
-        once per reason, never a stop."""
+    def _write_metrics(self) -> None:
+        """Write ds_ops.prom with the queue, the running jobs (those whose process has not ended:
+        a job just finished is not counted before it is reaped) and the last results; a failure is
+        a warning logged once per reason, never a stop."""
         m = self.metrics
         if not m.enabled:
             return
         m.queued = self.watcher.queued() + len(self.pending)
         m.paused = time.monotonic() < self.paused_until
-        if self.job is not None and not ended:
-            record = self.records.get(self.job.job_id, {})
-            m.job = {"epoch": record.get("epoch") or 0, "epochs": self.cfg.train.epochs}
-        else:
-            m.job = None
+        m.jobs = [{"epoch": self.records.get(j.job_id, {}).get("epoch") or 0, "epochs": self.cfg.train.epochs,
+                   "slot": j.slot, "gpu": str(j.gpu["index"]) if j.gpu else "", "uuid": j.gpu["uuid"] if j.gpu else ""}
+                  for j in self.jobs.values() if j.exitcode() is None]
         self.metrics_written_at = time.monotonic()
         problem = m.write()
         if problem:
@@ -300,23 +321,159 @@ class Daemon:
         self.watcher.tick()
         if self.metrics.enabled and time.monotonic() - self.metrics_written_at > METRICS_REFRESH_S:
             self._write_metrics()  # ages stay current and `ds-ops models` changes show, even when idle
-        if self.job is not None:
-            self._watch_job()
-            return True
+        if self.jobs and self._watch_jobs():  # waits up to a tick for a message from any of them
+            return True  # a job ended: its slot is given again on the next tick
         if self.stop_requested or time.monotonic() < self.paused_until:
-            return False
+            return bool(self.jobs)
+        return self._start_next() or bool(self.jobs)
+
+    def _start_next(self) -> bool:
+        """Start the first due job of the queue, else claim the oldest ready file, if a job slot
+        is free; return True if something was done."""
         now = time.monotonic()
-        for job_id in list(self.pending):
-            if now >= self.retry_at.get(job_id, 0.0):
-                self.pending.remove(job_id)
-                self._start(job_id)
-                return True
-        if self.pending:  # a deferred job keeps its place: first come, first served
+        due = [job_id for job_id in self.pending if now >= self.retry_at.get(job_id, 0.0)]
+        if not due and self.pending:  # a deferred job keeps its place: first come, first served
             return False
-        for name in self.watcher.ready():
-            if self._take(name):
+        names = [] if due else self.watcher.ready()
+        if not due and not names:
+            return False
+        free, gpu = self._free_slot()
+        if not free:
+            return False
+        if due:
+            self.pending.remove(due[0])
+            self._start(due[0], gpu)
+            return True
+        for name in names:
+            if self._take(name, gpu):
                 return True
         return False
+
+    # ---- job slots (issue 12) --------------------------------------------------------------------
+    def _pinned(self) -> bool:
+        """True when the conffile pins the device (cpu, mps, cuda:N): jobs get no GPU of their own."""
+        return self.cfg.device in ("cpu", "mps") or self.cfg.device.startswith("cuda:")
+
+    def _free_slot(self) -> tuple[bool, dict | None]:
+        """Return (a job may start now, the GPU it gets: ``{"index", "uuid", "name"}`` or None).
+
+        See the module docstring: one job per healthy GPU under ``max_jobs: auto``, N jobs spread
+        over them under an integer N; no GPU (the job's own gate decides) on a pinned device, a
+        host without a usable GPU reading (``auto``: 1 job, N: N jobs) or when every GPU fails (1 job).
+        """
+        limit = self.cfg.daemon.max_jobs_limit()
+        n = len(self.jobs)
+        if self._pinned():
+            return n < (limit or 1), None
+        if limit is not None and n >= limit:
+            return False, None  # full: no NVML read
+        gpus = self._check_gpus()
+        if gpus is None:  # no GPU here, or no answer from NVML
+            return n < (limit or 1), None
+        now = time.monotonic()
+        healthy = []
+        for g in gpus:
+            down = self.gpu_down.get(g["uuid"])
+            if down is not None and now < down[0]:
+                continue
+            if g["verdict"] == "fail":
+                self._gpu_failed(g["index"], g["uuid"], g["why"])
+                continue
+            if down is not None:
+                del self.gpu_down[g["uuid"]]
+                self.log.event("health", f"GPU {g['index']} ({g['uuid']}) passes its health check again; it takes "
+                               "jobs", gpu_index=g["index"], gpu_uuid=g["uuid"], verdict=g["verdict"])
+            healthy.append(g)
+        if not healthy:  # every GPU fails: one job at a time, its gate applies health.on_fail
+            return not any(j.gpu is None for j in self.jobs.values()), None
+        counts = {g["uuid"]: 0 for g in healthy}
+        for j in self.jobs.values():
+            if j.gpu is not None and j.gpu["uuid"] in counts:
+                counts[j.gpu["uuid"]] += 1
+        candidates = [g for g in healthy if limit is not None or counts[g["uuid"]] == 0]
+        if not candidates:
+            return False, None
+        g = min(candidates, key=lambda g: (counts[g["uuid"]], g["index"]))
+        return True, {"index": g["index"], "uuid": g["uuid"], "name": g["name"]}
+
+    def _slots_line(self) -> str:
+        """Say how many jobs may run at once now (for the start-up line): ``max_jobs auto: 2 jobs,
+        one per healthy GPU (GPU 0, GPU 1)``; reads NVML (see :meth:`_check_gpus`)."""
+        limit = self.cfg.daemon.max_jobs_limit()
+        head = f"max_jobs {self.cfg.daemon.max_jobs}"
+        if self._pinned():
+            return f"{head}: {limit or 1} job(s) at once on device {self.cfg.device}"
+        gpus = self._check_gpus()
+        if gpus is None:
+            return f"{head}: {limit or 1} job(s) at once, no GPU to give"
+        ok = [g for g in gpus if g["verdict"] != "fail"]
+        if not ok:
+            return f"{head}: 1 job at a time, no GPU passes the health check (health.on_fail decides)"
+        names = ", ".join(f"GPU {g['index']}" for g in ok) or "none"
+        n = len(ok) if limit is None else limit
+        return f"{head}: {n} job(s) at once on the GPUs that pass the health check ({names})"
+
+    def _check_gpus(self) -> list[dict] | None:
+        """Read NVML and judge each GPU (the health gate's GPU checks, with the bytes a job needs);
+        return ``[{"index", "uuid", "name", "verdict", "why"}]`` (GPUs without a UUID left out), or
+        None when there is no GPU to give: no NVML library or driver, a broken driver, no GPU, or a
+        read that did not answer within the health timeout (the thread is left behind; no new
+        read starts while it hangs). A reading is reused for :data:`GPU_CHECK_S` seconds."""
+        now = time.monotonic()
+        if self._gpu_reading is not None and now - self._gpu_reading[0] < GPU_CHECK_S:
+            return self._gpu_reading[1]
+        if self._gpu_thread is not None and self._gpu_thread.is_alive():
+            return None
+        box: dict = {}
+
+        def read() -> None:
+            try:
+                box["host"] = nvml.read_host()
+            except Exception as e:  # noqa: BLE001 - a broken NVML means no GPU to give; jobs report it
+                box["error"] = e
+
+        t = threading.Thread(target=read, name="gpu-check", daemon=True)
+        t.start()
+        timeout_s = min(HEALTH_LOG_TIMEOUT_S, self.cfg.job.health_timeout_s)
+        t.join(timeout_s)
+        gpus = None
+        if t.is_alive():
+            self._gpu_thread = t
+            self.log.event("health", f"the GPU check for job slots did not answer within {timeout_s:.0f} s (a hung "
+                           "NVML call?); jobs start without a GPU of their own, one at a time", priority=LOG_WARNING)
+        elif "host" in box:
+            host = box["host"]
+            gpus = self._slot_gpus({"host": {"status": host.status}, "gpus": [
+                dict(g.as_dict(), findings=[dataclasses.asdict(f) for f in judge_gpu(g, self.cfg.health, GPU_HEADROOM_BYTES)])
+                for g in host.gpus]})
+        self._gpu_reading = (time.monotonic(), gpus)
+        return gpus
+
+    @staticmethod
+    def _slot_gpus(report: dict) -> list[dict] | None:
+        """Given a health report's ``host.status`` and ``gpus`` (each with its ``findings``), return
+        the GPUs jobs may be given, ``[{"index", "uuid", "name", "verdict", "why"}]`` (those without
+        a UUID left out), or None when NVML reads no GPU (no driver, a broken one, none there)."""
+        if (report.get("host") or {}).get("status") != "ok":
+            return None
+        gpus = []
+        for g in report.get("gpus") or []:
+            if not isinstance(g.get("uuid"), str) or not g["uuid"].startswith(("GPU-", "MIG-")):
+                continue
+            found = g.get("findings") or []
+            gpus.append({"index": g["index"], "uuid": g["uuid"], "name": str(g.get("name")),
+                         "verdict": max((f["level"] for f in found), key=("ok", "warn", "fail").index, default="ok"),
+                         "why": "; ".join(f"{f['check']}: {f['message']}" for f in found if f["level"] == "fail")})
+        return gpus or None
+
+    def _gpu_failed(self, index, uuid: str, why: str) -> None:
+        """Take GPU ``uuid`` out of the slots for health.retry_s seconds (logged once per outage)."""
+        if uuid in self.gpu_down and time.monotonic() < self.gpu_down[uuid][0]:
+            return
+        self.gpu_down[uuid] = (time.monotonic() + self.cfg.health.retry_s, why)
+        self.log.event("health", f"GPU {index} ({uuid}) fails its health check: {why}; it takes no jobs for "
+                       f"{self.cfg.health.retry_s:.0f} s (health.retry_s), the other GPUs go on", priority=LOG_WARNING,
+                       gpu_index=index, gpu_uuid=uuid, verdict="fail")
 
     def _idle_status(self) -> str:
         queued = self.watcher.queued()
@@ -350,6 +507,7 @@ class Daemon:
         t.start()
         t.join(min(HEALTH_LOG_TIMEOUT_S, self.cfg.job.health_timeout_s))
         if t.is_alive():
+            self._gpu_thread = t  # no NVML read for job slots starts while this one hangs
             self.log.event("health", f"health check did not answer within {self.cfg.job.health_timeout_s:.0f} s "
                            "(a hung NVML call?); jobs run it again in their own process", priority=LOG_WARNING)
             return
@@ -358,6 +516,7 @@ class Daemon:
             self.log.event("health", f"health check could not run: {type(e).__name__}: {e}", priority=LOG_WARNING)
             return
         decision = box["decision"]
+        self._gpu_reading = (time.monotonic(), self._slot_gpus(decision.report))  # the first job's slot uses it
         verdict = decision.report.get("verdict", "?")
         self.metrics.health(decision.report)
         plan = decision.plan
@@ -401,12 +560,15 @@ class Daemon:
     # ---- claiming ------------------------------------------------------------------------------
     @staticmethod
     def _fields(record: dict) -> dict:
+        """The journal fields of a job's events: DS_JOB_ID, DS_DATASET, DS_DATASET_FILE, and
+        DS_GPU_INDEX, DS_GPU_UUID while the job holds a GPU (issue 12; absent on the CPU)."""
         name = record.get("dataset") or ""
-        return {"job_id": record.get("job_id"), "dataset": dataset_stem(name), "dataset_file": name}
+        return {"job_id": record.get("job_id"), "dataset": dataset_stem(name), "dataset_file": name,
+                "gpu_index": record.get("gpu_index"), "gpu_uuid": record.get("gpu_uuid")}
 
-    def _take(self, name: str) -> bool:
-        """Claim incoming/NAME and start its job, refuse it to failed/, or report it and leave it;
-        return True if something was done."""
+    def _take(self, name: str, gpu: dict | None = None) -> bool:
+        """Claim incoming/NAME and start its job (on ``gpu``, see :meth:`_free_slot`), refuse it
+        to failed/, or report it and leave it; return True if something was done."""
         c = claim(self.spool, name, self.cfg.spool.max_dataset_bytes)
         if c.outcome == "gone":
             self.watcher.forget(name)
@@ -435,16 +597,19 @@ class Daemon:
             return True
         self.log.event("job-claimed", f"{safe_text(name)}: claimed as job {record['job_id']} "
                        f"({record['size_bytes']} bytes, sha256 {record['sha256'][:12]})", **self._fields(record))
-        self._start(c.job_id)
+        self._start(c.job_id, gpu)
         return True
 
     # ---- one job -------------------------------------------------------------------------------
-    def _start(self, job_id: str) -> None:
-        """Start the job's process, or finish it at once if its model is already in the store."""
+    def _start(self, job_id: str, gpu: dict | None = None) -> None:
+        """Start the job's process (limited to ``gpu`` if given), or finish it at once if its model
+        is already in the store."""
         record = self.records.get(job_id) or read_record(self.spool, job_id)
         if record is None:
             return
         self.records[job_id] = record
+        for stale in ("gpu_index", "gpu_uuid"):  # from an earlier attempt (before a restart or a defer)
+            record.pop(stale, None)
         if "model_name" not in record:
             try:
                 name = self._sidecar_name(record)
@@ -475,14 +640,32 @@ class Daemon:
             return
         for stale in ("epoch", "loss", "val_loss", "samples_per_s", "updated_at"):
             record.pop(stale, None)
-        self.job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context, self.gate)
+        slot = min(set(range(len(self.jobs) + 1)) - {j.slot for j in self.jobs.values()})
+        job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context, self.gate,
+                                gpu=gpu, slot=slot)
+        self.jobs[job_id] = job
+        if gpu is not None:
+            record.update(gpu_index=gpu["index"], gpu_uuid=gpu["uuid"])
         record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()),  # issue 11
-                      job_pid=self.job.proc.pid, boot_id=boot_id(),
+                      job_pid=job.proc.pid, boot_id=boot_id(),
                       started_at=utc_now(), epochs=self.cfg.train.epochs, stage="health")
         save_record(self.spool, record)
-        self.notifier.status(f"training {safe_text(record['dataset'])} ({job_id}): health check; "
-                             f"{self.watcher.queued()} queued")
+        self.notifier.status(self._busy_status())
         self._write_metrics()
+
+    def _busy_status(self) -> str:
+        """The STATUS= line while jobs run: how many, and per job its dataset, stage or epoch and GPU."""
+        parts = []
+        for job in self.jobs.values():
+            r = self.records.get(job.job_id, {})
+            if r.get("epoch"):
+                what = f"epoch {r['epoch']}/{self.cfg.train.epochs} loss {r.get('loss', float('nan')):.4g}"
+            else:
+                what = "health check" if job.stage == "health" else job.stage
+            where = f" on GPU {job.gpu['index']}" if job.gpu else ""
+            parts.append(f"training {safe_text(r.get('dataset', ''))} ({job.job_id}): {what}{where}")
+        n = len(self.jobs)
+        return f"{n} job{'' if n == 1 else 's'} running: {'; '.join(parts)}; {self.watcher.queued()} queued"
 
     def _sidecar_name(self, record: dict) -> str | None:
         """Return the model name the job's sidecar sets, or None; raise JobError for a sidecar that
@@ -495,11 +678,22 @@ class Daemon:
         _, name = read_sidecar(path, self.cfg.dataset, record["sidecar"])
         return name
 
-    def _watch_job(self) -> None:
-        """Handle the running job's messages, its end, a stall, a hung health check or a stop."""
-        job = self.job
+    def _watch_jobs(self) -> bool:
+        """Wait up to a tick for a message from any running job, then look after each of them;
+        return True if one of them ended."""
+        try:
+            multiprocessing.connection.wait([j.conn for j in self.jobs.values()], TICK_S)
+        except OSError:
+            pass
+        before = len(self.jobs)
+        for job in list(self.jobs.values()):
+            self._watch_job(job)
+        return len(self.jobs) < before
+
+    def _watch_job(self, job) -> None:
+        """Handle one running job's messages, its end, a stall, a hung health check or a stop."""
         record = self.records[job.job_id]
-        for kind, fields in job.receive(TICK_S):
+        for kind, fields in job.receive(0):
             self._on_message(record, kind, fields)
         now = time.monotonic()
         code = job.exitcode()
@@ -515,7 +709,8 @@ class Daemon:
                                    "stage; it runs again on the next start", **self._fields(record))
                 else:
                     self.notifier.extend_timeout(STOP_EXTEND_S)
-                    self.notifier.status(f"stopping: {safe_text(record['dataset'])} writes its checkpoint")
+                    self.notifier.status(f"stopping: {safe_text(record['dataset'])} writes its checkpoint; "
+                                         f"{len(self.jobs)} job{'' if len(self.jobs) == 1 else 's'} running")
                     job.stop_event.set()
                     return
             elif job.stage == "health" and now - job.stage_since > self.cfg.job.health_timeout_s:
@@ -533,7 +728,7 @@ class Daemon:
         elif job.crashed:
             self._on_crash(record, job)
         job.close()
-        self.job = None
+        self.jobs.pop(job.job_id, None)
 
     def _stall_budget(self, record: dict, job) -> float:
         """Seconds the job may stay silent: job.stall_timeout_s, more while parsing a large file
@@ -549,14 +744,17 @@ class Daemon:
         if kind == "stage":
             record["stage"] = f["stage"]
             save_record(self.spool, record)
-            self.notifier.status(f"training {name} ({record['job_id']}): {f['stage']}; {self.watcher.queued()} queued")
+            self.notifier.status(self._busy_status())
         elif kind == "health":
             where = f" on {f['describe']}" if f.get("describe") else ""
+            if record.get("gpu_uuid"):  # the job sees only this GPU (as cuda:0)
+                where += f" (GPU {record.get('gpu_index')} {record['gpu_uuid']})"
             why = f": {f['reason']}" if f.get("reason") and f.get("reason") != f.get("plan_reason") else ""
             self.log.event("job-health", f"{name}: health gate says {f['action']}{where}{why}", device=f.get("device"),
                            amp_dtype=f.get("amp_dtype"), verdict=(f.get("report") or {}).get("verdict"), **fields)
             record.update(device=f.get("device"), amp_dtype=f.get("amp_dtype"))
             self.metrics.health(f.get("report"))
+            self._judge_job_gpu(record, f)
         elif kind == "resumed":
             if f.get("why"):
                 self.log.event("job-resumed", f"{name}: {f['why']}; starting at epoch 1", priority=LOG_WARNING, **fields)
@@ -579,15 +777,23 @@ class Daemon:
             if g.get("throttle_started"):  # a thermal/power slowdown that began during this job
                 self.log.event("job-gpu-throttle", f"{name}: GPU {g.get('index')} started throttling in epoch "
                                f"{s.epoch}: {gpustats.throttle_words(g['throttle_started'])}", priority=LOG_WARNING,
-                               epoch=s.epoch, gpu_index=g.get("index"), gpu_throttle_started=",".join(g["throttle_started"]),
+                               epoch=s.epoch, gpu_throttle_started=",".join(g["throttle_started"]),
                                gpu_temp_c=gpustats.field(g, "temperature_c"), gpu_power_w=gpustats.field(g, "power_draw_w"),
-                               **fields)
+                               **dict(fields, gpu_index=g.get("index")))
             record.update(epoch=s.epoch, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
                           updated_at=utc_now())
             save_record(self.spool, record)
-            self.notifier.status(f"training {name} ({record['job_id']}): epoch {s.epoch}/{total} "
-                                 f"loss {s.train_loss:.4g}; {self.watcher.queued()} queued")
+            self.notifier.status(self._busy_status())
             self._write_metrics()
+
+    def _judge_job_gpu(self, record: dict, f: dict) -> None:
+        """A job's own health gate found the GPU it was given failing (a failed CUDA smoke test, a
+        reading that changed since the daemon's): that GPU takes no jobs for health.retry_s."""
+        uuid = record.get("gpu_uuid")
+        g = next((g for g in (f.get("report") or {}).get("gpus") or [] if uuid and g.get("uuid") == uuid), None)
+        if g is not None and g.get("verdict") == "fail":
+            why = "; ".join(f"{x['check']}: {x['message']}" for x in g.get("findings") or [] if x.get("level") == "fail")
+            self._gpu_failed(g.get("index"), uuid, f"its job's health gate: {why}")
 
     def _on_final(self, record: dict, kind: str, f: dict) -> None:
         name = safe_text(record["dataset"])
@@ -637,14 +843,20 @@ class Daemon:
         self.pending.insert(0, record["job_id"])
 
     def _defer(self, record: dict, reason: str) -> None:
+        """Put the job back at the head of the queue for health.retry_s seconds; at once when it
+        was deferred because the GPU it was given has failed (another GPU may take it)."""
         job_id = record["job_id"]
         record["state"] = "deferred"
         save_record(self.spool, record)
         self.pending.insert(0, job_id)
-        self.retry_at[job_id] = time.monotonic() + self.cfg.health.retry_s
+        down = self.gpu_down.get(record.get("gpu_uuid") or "")
+        wait_s = 0.0 if down is not None and time.monotonic() < down[0] else self.cfg.health.retry_s
+        self.retry_at[job_id] = time.monotonic() + wait_s
         self.defer_reason[job_id] = reason
-        self.log.event("job-deferred", f"{safe_text(record['dataset'])}: deferred for {self.cfg.health.retry_s:.0f} s: "
-                       f"{reason}", priority=LOG_WARNING, **self._fields(record))
+        when = (f"deferred for {wait_s:.0f} s" if wait_s else
+                f"its GPU {record.get('gpu_index')} failed, back in the queue for another GPU")
+        self.log.event("job-deferred", f"{safe_text(record['dataset'])}: {when}: {reason}", priority=LOG_WARNING,
+                       **self._fields(record))
         self._write_metrics()
 
     def _finish_done(self, record: dict, metadata: dict) -> None:
@@ -668,7 +880,7 @@ class Daemon:
         self._prune_versions(metadata)
         self.metrics.job_done(doc)
         self._guarded(self._retention)  # a file system error here pauses intake; the job is done
-        self._write_metrics(ended=True)
+        self._write_metrics()
 
     def _fail(self, record: dict, stage: str, reason: str, exception_type: str, *, report: dict | None = None) -> None:
         doc = {"job_id": record.get("job_id"), "dataset": record.get("dataset"), "stage": stage, "reason": reason,
@@ -684,7 +896,7 @@ class Daemon:
                            f"{self.cfg.spool.max_failed} (spool.max_failed)", dataset_file=old)
         self.metrics.job_failed()
         self._guarded(self._retention)
-        self._write_metrics(ended=True)
+        self._write_metrics()
 
     def _forget(self, job_id: str) -> None:
         self.records.pop(job_id, None)
@@ -716,6 +928,8 @@ class Daemon:
             if c.outcome == "refused":
                 self._fail(record, "spool", c.reason, "SpoolRefused")
                 continue
+            for stale in ("gpu_index", "gpu_uuid"):  # the GPU of the last run; the next start chooses again
+                record.pop(stale, None)
             if record.get("state") in ("running", "claimed", "interrupted", "deferred"):
                 if record.get("state") == "running":
                     record["restarts"] = record.get("restarts", 0) + 1

@@ -34,7 +34,8 @@ Host findings: no NVML library / driver not loaded -> "no NVIDIA driver" (warn u
 mismatch -> fail, "reboot required" (warn under ``device: cpu``); torch's CUDA major version above
 the driver's -> fail, its minor version above -> warn (CUDA minor-version compatibility); torch a
 CPU build or unable to initialise CUDA while NVML sees GPUs -> warn; torch's GPU count differing
-from NVML's -> warn.
+from NVML's -> warn, unless ``CUDA_VISIBLE_DEVICES`` names exactly the GPUs torch sees (how the
+daemon gives a job its GPU).
 
 CUDA smoke test (:mod:`opt_ds_ops.smoke`), after the decision, only when the job would run on a
 CUDA GPU: a CUDA error, a timeout (``health.smoke_timeout_s``) or a non-finite result is a ``fail``
@@ -216,10 +217,17 @@ def judge_host(host: HostReading, tv: TorchView, device_spec: str) -> list[Findi
                                                 f"CUDA {host.cuda_driver_version} (minor-version compatibility only)"))
     if not tv.available:
         out.append(Finding(no_gpu_level, "torch", f"torch {tv.version} (CUDA {tv.cuda_version}) cannot initialise CUDA"))
-    elif tv.device_count != n:
+    elif tv.device_count != n and not _limited_as_named(tv):
         why = f" (CUDA_VISIBLE_DEVICES={tv.visible_devices})" if tv.visible_devices is not None else ""
         out.append(Finding("warn", "torch", f"torch sees {tv.device_count} GPU(s), NVML sees {n}{why}"))
     return out
+
+
+def _limited_as_named(tv: TorchView) -> bool:
+    """True when CUDA_VISIBLE_DEVICES names exactly the GPUs torch sees (the daemon gives each job
+    one GPU this way, issue 12): torch seeing fewer GPUs than NVML is then what was asked for."""
+    names = [v for v in (tv.visible_devices or "").split(",") if v.strip()]
+    return bool(names) and len(names) == tv.device_count
 
 
 def _torch_index(g: GpuReading, i: int, host: HostReading, tv: TorchView) -> int | None:

@@ -37,9 +37,14 @@ METRIC_NAMES = {
     "ds_ops_queued_datasets": "datasets waiting: in incoming/ and claimed jobs not yet running",
     "ds_ops_intake_paused": "1 while intake is paused after a file system error, else 0",
     "ds_ops_job_running": "1 while a job runs, else 0",
-    "ds_ops_job_epoch": "the running job's last finished epoch (0 before the first)",
+    "ds_ops_job_epoch": "the running job's last finished epoch (0 before the first; the oldest one's when several run)",
     "ds_ops_job_epochs": "epochs the running job trains",
     "ds_ops_job_progress_ratio": "the running job's finished epochs / epochs (0..1)",
+    # issue 12 (daemon.max_jobs): every running job, labelled with its slot and GPU (empty on the CPU)
+    "ds_ops_jobs_running": "number of jobs running",
+    "ds_ops_slot_job_running": "1 for each running job, by job slot, GPU index and UUID",
+    "ds_ops_slot_job_epoch": "each running job's last finished epoch, by job slot, GPU index and UUID",
+    "ds_ops_slot_job_progress_ratio": "each running job's finished epochs / epochs, by job slot, GPU index and UUID",
     "ds_ops_last_success_timestamp_seconds": "Unix time of the last job saved to the model store",
     "ds_ops_last_failure_timestamp_seconds": "Unix time of the last job moved to failed/",
     "ds_ops_last_job_duration_seconds": "wall time of the last saved job, from its claim to done/",
@@ -108,7 +113,8 @@ class MetricsWriter:
         self.finished = {"done": 0, "failed": 0}
         self.queued = 0
         self.paused = False
-        self.job: dict | None = None  # {"epoch": n, "epochs": n} while a job runs
+        # the running jobs, oldest first: {"epoch": n, "epochs": n, "slot": n, "gpu": "0" or "", "uuid": "GPU-..." or ""}
+        self.jobs: list[dict] = []
         self.last_success = self.last_failure = None
         self.last_job_s = self.last_training_s = self.last_samples_per_s = None
         self.gpus: dict[tuple[str, str], str] = {}  # (index, uuid) -> verdict
@@ -122,13 +128,11 @@ class MetricsWriter:
         self.last_job_s = doc.get("duration_s")
         self.last_training_s = doc.get("training_duration_s")
         self.last_samples_per_s = doc.get("samples_per_s")
-        self.job = None
 
     def job_failed(self) -> None:
         """A job was moved to failed/."""
         self.finished["failed"] += 1
         self.last_failure = time.time()
-        self.job = None
 
     def health(self, report: dict | None) -> None:
         """Keep the verdict of each GPU of a health report (:func:`opt_ds_ops.health.health_report`)."""
@@ -153,12 +157,23 @@ class MetricsWriter:
             c.labels(result=result).inc(n)
         gauge("ds_ops_queued_datasets", self.queued)
         gauge("ds_ops_intake_paused", int(self.paused))
-        job = self.job or {}
-        gauge("ds_ops_job_running", int(self.job is not None))
+        job = self.jobs[0] if self.jobs else {}
+
+        def ratio(j: dict) -> float:
+            return min(1.0, j.get("epoch", 0) / j["epochs"]) if j.get("epochs") else 0.0
+
+        gauge("ds_ops_job_running", int(bool(self.jobs)))
         gauge("ds_ops_job_epoch", job.get("epoch", 0))
         gauge("ds_ops_job_epochs", job.get("epochs", 0))
-        epochs = job.get("epochs") or 0
-        gauge("ds_ops_job_progress_ratio", min(1.0, job.get("epoch", 0) / epochs) if epochs else 0.0)
+        gauge("ds_ops_job_progress_ratio", ratio(job))
+        gauge("ds_ops_jobs_running", len(self.jobs))
+        per_job = {n: Gauge(n, METRIC_NAMES[n], ["slot", "gpu", "uuid"], registry=reg) for n in (
+            "ds_ops_slot_job_running", "ds_ops_slot_job_epoch", "ds_ops_slot_job_progress_ratio")}
+        for j in self.jobs:
+            labels = {"slot": str(j.get("slot", 0)), "gpu": j.get("gpu", ""), "uuid": j.get("uuid", "")}
+            per_job["ds_ops_slot_job_running"].labels(**labels).set(1)
+            per_job["ds_ops_slot_job_epoch"].labels(**labels).set(j.get("epoch", 0))
+            per_job["ds_ops_slot_job_progress_ratio"].labels(**labels).set(ratio(j))
         for name, value in (("ds_ops_last_success_timestamp_seconds", self.last_success),
                             ("ds_ops_last_failure_timestamp_seconds", self.last_failure),
                             ("ds_ops_last_job_duration_seconds", self.last_job_s),

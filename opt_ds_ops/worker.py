@@ -12,7 +12,13 @@ ends. In the child (:func:`job_main`):
   error of its own stage instead of growing until the kernel's OOM killer picks a process;
   ``oom_score_adj`` +500 makes the job, never the daemon, the OOM killer's choice;
 * ``flock`` on ``processing/JOB/lock`` for its lifetime, so a new daemon never starts a second
-  copy of a job whose process still runs.
+  copy of a job whose process still runs;
+* ``CUDA_VISIBLE_DEVICES=<UUID>`` when the daemon gave the job a GPU (issue 12, ``daemon.max_jobs``),
+  set before anything in the process touches CUDA, so torch sees that GPU alone as ``cuda:0`` and the
+  job's health gate judges and smoke-tests it (NVML still lists every GPU; the others have no torch
+  index and are never chosen). The forkserver only imports torch and never initialises CUDA, so a
+  forked child starts with CUDA uninitialised; a child that finds it initialised refuses to run
+  rather than train on a GPU it was not given.
 
 The child reports over a one-way pipe with ``(kind, fields)`` tuples: ``stage`` (health, dataset,
 training, store), ``health``, ``resumed``, ``epoch``, ``beat`` (at most every
@@ -80,13 +86,16 @@ class JobProcess:
     its last message; ``final`` the final message once it came.
     """
 
-    def __init__(self, spool_root: str, job_id: str, record: dict, cfg, ctx=None, gate=None):
+    def __init__(self, spool_root: str, job_id: str, record: dict, cfg, ctx=None, gate=None,
+                 gpu: dict | None = None, slot: int = 0):
         ctx = ctx or context()
         self.job_id = job_id
+        self.gpu = gpu  # {"index": NVML index, "uuid": "GPU-..."} the job may use, or None (its gate chooses)
+        self.slot = slot  # the daemon's number for this running job (0..max_jobs-1), for the metrics
         self._conn, child_conn = ctx.Pipe(duplex=False)
         self.stop_event = ctx.Event()
         self.proc = ctx.Process(target=job_main, name=f"ds-ops job {job_id}",
-                                args=(child_conn, self.stop_event, spool_root, job_id, record, cfg, gate))
+                                args=(child_conn, self.stop_event, spool_root, job_id, record, cfg, gate, gpu))
         self.proc.start()
         child_conn.close()
         now = time.monotonic()
@@ -96,6 +105,11 @@ class JobProcess:
         self.stop_sent = False
         self.killed_for = ""  # why the daemon killed it ("" if it did not)
         self.crashed = True  # an end without a final message counts as the job's crash unless kill() said not
+
+    @property
+    def conn(self):
+        """The daemon's end of the job's pipe (for :func:`multiprocessing.connection.wait`)."""
+        return self._conn
 
     def receive(self, timeout_s: float) -> list[tuple[str, dict]]:
         """Return the messages that arrived within timeout_s seconds (waits only for the first)."""
@@ -169,12 +183,16 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
 
 
-def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, gate=None) -> None:
+def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, gate=None,
+             gpu: dict | None = None) -> None:
     """The job process: gate, load, train, store; report to the daemon over conn (see the module docstring).
 
     ``gate(cfg, need_bytes) -> GateDecision`` replaces :func:`opt_ds_ops.health.gate_job` (tests
-    only; a module-level function, pickled by name).
+    only; a module-level function, pickled by name). ``gpu`` (``{"index", "uuid"}``) is the GPU
+    the daemon gave the job: ``CUDA_VISIBLE_DEVICES`` is set to its UUID before CUDA initialises.
     """
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu["uuid"]
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C goes to the daemon, which decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -211,6 +229,13 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
         return
     try:
         on_stage("health")
+        import torch
+
+        if gpu is not None and torch.cuda.is_initialized():  # CUDA_VISIBLE_DEVICES would be ignored
+            send("failed", stage="health", reason=f"CUDA was initialised before the job could be limited to GPU "
+                 f"{gpu['index']} ({gpu['uuid']}); not training on a GPU it was not given", type="JobGpuUnbound",
+                 transient=True)
+            return
         decision = (gate or gate_job)(cfg, GPU_HEADROOM_BYTES)
         plan = decision.plan
         send("health", action=decision.action, reason=decision.reason, report=decision.report,

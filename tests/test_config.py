@@ -79,3 +79,18 @@ def test_overrides_replace_validate_and_ignore_none():
     with pytest.raises(ConfigError, match="^command line: key 'train.epochs' must be an integer >= 1, got -3"):
         with_overrides(Config(), {"train.epochs": -3})
     assert config_to_dict(cfg)["train"]["epochs"] == 2
+
+
+@pytest.mark.parametrize("value, limit", [("auto", None), ("1", 1), ("4", 4)])
+def test_daemon_max_jobs_takes_auto_or_a_positive_integer(tmp_path, value, limit):
+    path = tmp_path / "trainer.yaml"
+    path.write_text(f"daemon:\n  max_jobs: {value}\n")  # a YAML integer and the word auto
+    assert load_config(str(path)).daemon.max_jobs_limit() == limit
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many", "1.5", "true"])
+def test_daemon_max_jobs_refuses_anything_else_with_the_key_and_the_rule(tmp_path, value):
+    path = tmp_path / "trainer.yaml"
+    path.write_text(f"daemon:\n  max_jobs: {value}\n")
+    with pytest.raises(ConfigError, match="key 'daemon.max_jobs' must be auto or an integer >= 1"):
+        load_config(str(path))

@@ -1,4 +1,4 @@
-"""``ds-ops status``: the spool's queue, the running job and its epoch, the latest results.
+"""``ds-ops status``: the spool's queue, every running job with its GPU, stage and epoch, the latest results.
 
 Read from the spool directory alone, so it works whether or not the daemon runs (and as any user
 who can read the spool), and with a broken conffile (it says so and reads ``spool.dir`` from the
@@ -81,7 +81,9 @@ def _job_line(job: dict) -> str:
             epoch = f" epoch {job['epoch']}/{job.get('epochs', '?')} loss {job['loss']:.6g}{eta}"
         else:
             epoch = f" ({job.get('stage') or 'loading'})"
-        what = f"training{epoch} on {job.get('device', '?')}, daemon pid {job.get('pid')}"
+        device = f" on {job['device']}" if job.get("device") else ""
+        gpu = f" (GPU {job['gpu_index']} {job.get('gpu_uuid', '')})" if job.get("gpu_index") is not None else ""
+        what = f"training{epoch}{device}{gpu}, daemon pid {job.get('pid')}"
     elif job.get("daemon_alive") and state == "claiming":
         what = "being copied into processing/ by the daemon"
     elif job.get("daemon_alive") and state == "claimed":
@@ -98,7 +100,9 @@ def _print(st: dict) -> None:
     print(f"spool {st['spool']}: {len(st['queue'])} queued, {len(st['processing'])} in processing, "
           f"{st['done_count']} done, {st['failed_count']} failed")
     daemon = st.get("daemon_pid")
-    print(f"daemon: running, pid {daemon}" if daemon else "daemon: not running (no ds-trainer holds the spool)")
+    running = sum(1 for job in st["processing"] if job.get("daemon_alive") and job.get("state") == "running")
+    print(f"daemon: running, pid {daemon}, {running} job{'' if running == 1 else 's'} running" if daemon
+          else "daemon: not running (no ds-trainer holds the spool)")
     for name in st["queue"]:
         print(f"  queued  {safe_text(name)}")
     for entry in st.get("ignored", []):
