@@ -184,6 +184,29 @@ print(load_config("/etc/ds-ops/trainer.yaml", missing_ok=True).spool.dir)')"
     fi
 fi
 
+# --- 5b. one job through a daemon run here (no systemd needed): forkserver, job process, its GPU ----
+say "a job through ds-ops daemon on a temporary spool ($OUT/spool)"
+mkdir -p "$OUT/spool" "$OUT/daemon-models"
+printf '%s\n' "models_dir: $OUT/daemon-models" "device: $([[ "$DEVICE" == cpu ]] && echo cpu || echo auto)" \
+    "train:" "  epochs: $EPOCHS" "spool:" "  dir: $OUT/spool" "  settle_s: 0.5" "  quiet_s: 1.0" >"$OUT/daemon.yaml"
+"${DSOPS[@]}" daemon --config "$OUT/daemon.yaml" >"$OUT/daemon.log" 2>&1 &
+dpid=$!
+for _ in $(seq 60); do [[ -d "$OUT/spool/incoming" ]] && grep -q "ready" "$OUT/daemon.log" && break; sleep 1; done
+cp data/smd/train/machine-1-2.txt.gz "$OUT/spool/incoming/.daemon-check.part" \
+    && mv "$OUT/spool/incoming/.daemon-check.part" "$OUT/spool/incoming/daemon-check.txt.gz"
+for _ in $(seq 120); do
+    [[ -e "$OUT/spool/done/daemon-check.txt.gz.result.json" || -e "$OUT/spool/failed/daemon-check.txt.gz.error.json" ]] && break
+    kill -0 "$dpid" 2>/dev/null || break
+    sleep 1
+done
+kill -TERM "$dpid" 2>/dev/null; wait "$dpid"
+if [[ -e "$OUT/spool/done/daemon-check.txt.gz.result.json" ]]; then
+    cp "$OUT/spool/done/daemon-check.txt.gz.result.json" "$OUT/daemon-job.json"
+else
+    step "daemon job" FAILED "no result in $OUT/spool/done/ within 120 s: see $OUT/daemon.log and $OUT/spool/failed/"
+    tail -n 20 "$OUT/daemon.log" >&2
+fi
+
 # --- 6. one table ---------------------------------------------------------------------------------
 say "summary ($OUT)"
 "$PY" - "$OUT" "$DEVICE" <<'EOF'
@@ -276,6 +299,13 @@ if u:
     rows.append(("unit job", "ok" if ok else "FAILED", u["device"], u["amp_dtype"], f"{u['rows']:,}",
                  f"{u['samples_per_s']:,.0f}", f"{u['final_train_loss']:.5f}", f"{u['duration_s']:.1f}",
                  gpu_figures(u.get("history")), "through ds-trainer.service" + ("" if ok else f", NOT ON {device.upper()}")))
+d = load(f"{out}/daemon-job.json")
+if d:
+    ok = str(d["device"]).startswith(device) and (device == "cpu" or bool(d.get("gpu_uuid")))
+    gpu = f"GPU {d.get('gpu_index')} {d.get('gpu_uuid')}" if d.get("gpu_uuid") else "no GPU slot"
+    rows.append(("daemon job", "ok" if ok else "FAILED", d["device"], d["amp_dtype"], f"{d['rows']:,}",
+                 f"{d['samples_per_s']:,.0f}", f"{d['final_train_loss']:.5f}", f"{d['duration_s']:.1f}",
+                 gpu_figures(d.get("history")), f"ds-ops daemon, its job process on {gpu}"))
 for path in sorted(glob.glob(f"{out}/steps/*.tsv")):
     name, status, note = open(path).read().rstrip("\n").split("\t", 2)
     rows.append((name, status, "-", "-", "-", "-", "-", "-", "-", note))
