@@ -14,7 +14,7 @@ train`` does with the configured defaults otherwise (clip 20, floor 0.01, 5 epoc
 each scored with the window's last row's error or the window's mean error
 (:func:`opt_ds_ops.model.fold_window`) and an EMA of the spans in WINDOW_SWEEP; the z-score +
 EMA baseline of ``ds-ops evaluate`` computed beside it. The rule, fixed before this round ran
-(notes-selection.md): the highest min(mean ROC-AUC - z-ema's, mean PR-AUC - z-ema's).
+(docs/detection-selection.md): the highest min(mean ROC-AUC - z-ema's, mean PR-AUC - z-ema's).
 
 Usage: scripts/select_score_smd.py [--sweep clip|window] [--smd DIR] [--machines NAME ...] [--top N]
 """
