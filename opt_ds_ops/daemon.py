@@ -779,7 +779,7 @@ class Daemon:
                                f"{s.epoch}: {gpustats.throttle_words(g['throttle_started'])}", priority=LOG_WARNING,
                                epoch=s.epoch, gpu_throttle_started=",".join(g["throttle_started"]),
                                gpu_temp_c=gpustats.field(g, "temperature_c"), gpu_power_w=gpustats.field(g, "power_draw_w"),
-                               **dict(fields, gpu_index=g.get("index")))
+                               **fields)
             record.update(epoch=s.epoch, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
                           updated_at=utc_now())
             save_record(self.spool, record)
