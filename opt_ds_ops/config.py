@@ -169,6 +169,11 @@ def mem_total_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# What a job process holds before any dataset (bytes of RLIMIT_DATA, i.e. VmData): torch, numpy,
+# pyarrow and ds-ops imported and one small training run, measured 365 MiB with torch 2.13 CPU.
+JOB_BASE_BYTES = 400 * 1024**2
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """Limits of one training job, which runs in its own process under the daemon.
@@ -177,9 +182,10 @@ class JobConfig:
     or a percentage of RAM). ``max_decompressed_bytes``: bytes a compressed dataset (``.gz``,
     ``.npz`` member) may inflate to. ``max_columns``: metrics per row (the model's weights grow
     with it). ``max_matrix_bytes``: the float32 matrix (rows x columns x 4 bytes); 0 = a quarter
-    of ``memory_max``: text parses in 16 MiB float64 chunks into a float32 matrix (peak 1.35x the
-    matrix, measured) and training adds about 2.4x (the standardised training split and the
-    epoch's shuffled copy), so a quarter leaves room for both. ``stall_timeout_s``: a job that
+    of what ``memory_max`` leaves beside :data:`JOB_BASE_BYTES`: text parses into a float32 matrix
+    (peak up to 2x the matrix, measured) and training adds about 2.4x (the standardised training
+    split and the epoch's shuffled copy), so a quarter leaves room for both. A larger ``.npy`` is
+    streamed instead (:mod:`opt_ds_ops.stream`), which needs about 300 MiB beside the base. ``stall_timeout_s``: a job that
     reports nothing for this long (no epoch, no batch) is killed. ``health_timeout_s``: the
     health gate (NVML) may take this long before the job is deferred as hung.
     """
@@ -187,7 +193,7 @@ class JobConfig:
     memory_max: str = _field("50%", _size_ok, "bytes, a size like 8G, or a percentage of RAM like 50%")
     max_decompressed_bytes: int = _field(16 * 1024**3, _positive, "bytes > 0")
     max_columns: int = _field(4096, _positive, "an integer >= 1")
-    max_matrix_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: a quarter of memory_max)")
+    max_matrix_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: a quarter of memory_max beyond 400 MiB)")
     stall_timeout_s: float = _field(600.0, _positive, "seconds > 0")
     health_timeout_s: float = _field(30.0, _positive, "seconds > 0")
 
@@ -196,8 +202,9 @@ class JobConfig:
         return parse_size(self.memory_max, mem_total_bytes())
 
     def matrix_budget_bytes(self) -> int:
-        """Return the largest float32 matrix (bytes) a job may load: ``max_matrix_bytes`` or memory_max / 4."""
-        return self.max_matrix_bytes or self.memory_max_bytes() // 4
+        """Return the largest float32 matrix (bytes) a job may load: ``max_matrix_bytes``, or a quarter
+        of ``memory_max`` beyond :data:`JOB_BASE_BYTES` (at least 1 MiB)."""
+        return self.max_matrix_bytes or max(self.memory_max_bytes() - JOB_BASE_BYTES, 4 * 1024**2) // 4
 
 
 @dataclass(frozen=True)

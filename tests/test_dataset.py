@@ -187,7 +187,7 @@ def traced_peak(fn):
 
 def test_limits_come_from_the_job_section_of_the_config():
     job = JobConfig(memory_max="8G", max_decompressed_bytes=1000, max_columns=7)
-    assert DatasetLimits.from_config(job) == DatasetLimits(1000, 7, 2 * 1024**3)
+    assert DatasetLimits.from_config(job) == DatasetLimits(1000, 7, (8 * 1024**3 - 400 * 1024**2) // 4)
     assert DatasetLimits.from_config(JobConfig(max_matrix_bytes=12345)).max_matrix_bytes == 12345
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import dataclasses
@@ -62,7 +63,15 @@ def dataset_options(args, cfg) -> tuple:
     options, name = cfg.dataset, None
     sidecar = args.sidecar or find_sidecar(args.dataset)
     if sidecar:
-        options, name = read_sidecar(sidecar, cfg.dataset)
+        try:
+            options, name = read_sidecar(sidecar, cfg.dataset)
+        except JobError as e:
+            if args.sidecar:
+                raise
+            same = args.config and os.path.realpath(args.config) == os.path.realpath(sidecar)
+            raise JobError("dataset", f"{e} ({'your --config file ' if same else ''}{sidecar} was read as the sidecar "
+                           f"of {os.path.basename(args.dataset)} because it sits beside it under the dataset's name; "
+                           "rename it, or give the sidecar with --sidecar FILE)", e) from None
     flags = {"time_column": args.time_column, "columns": args.columns, "exclude_columns": args.exclude_columns}
     options = dataclasses.replace(options, **{k: v for k, v in flags.items() if v is not None})
     return options, args.name or name, sidecar
@@ -139,6 +148,9 @@ def run(args) -> int:
         "time": md["dataset"]["time"],
         "left_out": md["dataset"]["left_out"],
         "notes": md["dataset"]["notes"],
+        "data_placement": md.get("data_placement"),
+        "step_mode": md.get("step_mode"),
+        "peak_rss_bytes": md.get("peak_rss_bytes"),
     }
     if job.report_warning:  # issue 11: the picture failed, the model is saved
         print(f"ds-ops: warning: {job.report_warning}", file=sys.stderr)
@@ -150,6 +162,8 @@ def run(args) -> int:
             f"device {md['device']} amp {md['amp_dtype']}, {r.samples_per_s:,.0f} samples/s, "
             f"threshold {r.threshold:.4f} ({_threshold_how(r)})"
         )
+        if md.get("data_placement") == "streamed":
+            print(f"note: {r.placement_note}; peak RSS {md['peak_rss_bytes'] / 2**20:,.0f} MiB")
         note = columns_note(md["dataset"])
         if note:
             print("columns: " + note[2:].replace("; ", "\n  "))

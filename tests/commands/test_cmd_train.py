@@ -114,3 +114,28 @@ def test_a_closed_stdout_pipe_ends_quietly(tmp_path, small_smd_csv):
            f"--epochs 3 --device cpu 2>{tmp_path / 'err'} | head -c 10 >/dev/null")
     subprocess.run(["bash", "-c", cmd], env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, timeout=300)
     assert "Traceback" not in (tmp_path / "err").read_text()
+
+
+def test_a_config_named_like_the_dataset_is_read_as_its_sidecar_and_the_error_says_so(tmp_path, small_smd_csv):
+    data = tmp_path / "fleet.csv"
+    data.write_bytes(small_smd_csv.read_bytes())
+    conf = tmp_path / "fleet.yaml"
+    conf.write_text("job:\n  memory_max: 2G\n")
+    p = run_cli("train", str(data), "--config", str(conf), "--models-dir", str(tmp_path / "models"))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "unknown key 'job'" in p.stderr
+    assert f"your --config file {conf} was read as the sidecar of fleet.csv" in p.stderr
+    assert "--sidecar FILE" in p.stderr
+
+
+def test_a_streamed_training_says_so_in_its_output_and_json(tmp_path):
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "big.npy", rng.standard_normal((20_000, 8)).astype(np.float32))
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text("job:\n  max_matrix_bytes: 100000\ntrain:\n  epochs: 1\n")
+    p = run_cli("train", str(tmp_path / "big.npy"), "--config", str(conf), "--models-dir", str(tmp_path / "m"))
+    assert p.returncode == 0, p.stderr
+    assert "note: the float32 matrix (640,000 bytes) exceeds the job's budget: streamed from disk" in p.stdout
+    p = run_cli("train", str(tmp_path / "big.npy"), "--config", str(conf), "--models-dir", str(tmp_path / "m"), "--json")
+    out = json.loads(p.stdout)
+    assert out["data_placement"] == "streamed" and out["peak_rss_bytes"] > 0 and out["step_mode"] == "eager"
