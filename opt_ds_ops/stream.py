@@ -84,7 +84,7 @@ class NpyRows:
                 got += n
         if self.columns is not None:
             raw = raw[:, self.columns]
-        return raw.astype(np.float32, copy=self.columns is None and self.dtype == np.float32)
+        return raw if raw.dtype == np.float32 and raw.flags.c_contiguous else np.ascontiguousarray(raw, dtype=np.float32)
 
     def chunk_rows(self) -> int:
         """Rows in one chunk of :data:`CHUNK_BYTES` (float32), at least 2."""
