@@ -559,12 +559,14 @@ class Daemon:
 
     # ---- claiming ------------------------------------------------------------------------------
     @staticmethod
-    def _fields(record: dict) -> dict:
+    def _fields(record: dict, gpu_index: int | None = None) -> dict:
         """The journal fields of a job's events: DS_JOB_ID, DS_DATASET, DS_DATASET_FILE, and
-        DS_GPU_INDEX, DS_GPU_UUID while the job holds a GPU (issue 12; absent on the CPU)."""
+        DS_GPU_INDEX, DS_GPU_UUID while the job holds a GPU (issue 12; absent on the CPU).
+        ``gpu_index``: the NVML index of a reading from the job's GPU, for a job without a GPU slot."""
         name = record.get("dataset") or ""
         return {"job_id": record.get("job_id"), "dataset": dataset_stem(name), "dataset_file": name,
-                "gpu_index": record.get("gpu_index"), "gpu_uuid": record.get("gpu_uuid")}
+                "gpu_index": record.get("gpu_index") if gpu_index is None else gpu_index,
+                "gpu_uuid": record.get("gpu_uuid")}
 
     def _take(self, name: str, gpu: dict | None = None) -> bool:
         """Claim incoming/NAME and start its job (on ``gpu``, see :meth:`_free_slot`), refuse it
@@ -779,7 +781,7 @@ class Daemon:
                                f"{s.epoch}: {gpustats.throttle_words(g['throttle_started'])}", priority=LOG_WARNING,
                                epoch=s.epoch, gpu_throttle_started=",".join(g["throttle_started"]),
                                gpu_temp_c=gpustats.field(g, "temperature_c"), gpu_power_w=gpustats.field(g, "power_draw_w"),
-                               **fields)
+                               **self._fields(record, gpu_index=g.get("index")))
             record.update(epoch=s.epoch, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
                           updated_at=utc_now())
             save_record(self.spool, record)
