@@ -60,8 +60,8 @@ from .device import AMP_DTYPES, DevicePlan
 from .fsutil import utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
 from .threshold import pick_threshold
-from .train import (EpochStats, TrainingError, TrainResult, _blocks, batch_bounds, clip_inputs, make_optimizer,
-                    split_rows, standardise)
+from .train import (EpochStats, TrainingError, TrainResult, _blocks, batch_bounds, begin_run, clip_inputs, make_optimizer,
+                    split_sizes, standardise)
 
 EPOCH_MARK = "ds-ops-epoch "  # rank 0's stdout line per epoch: the mark, then EpochStats as JSON
 RESULT_FILE = "result.pt"
@@ -242,13 +242,9 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
     checkpoint or resume: a distributed run is one command. Raises TrainingError on a non-finite
     loss or weights, an fp16 loss-scale collapse, or too few rows for the ranks.
     """
-    started, t_start = utc_now(), time.perf_counter()
+    started, t_start = begin_run(cfg, plan)
     device = plan.device
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision(plan.matmul_precision)
-    torch.manual_seed(cfg.seed)
-    train_idx, val_idx = split_rows(data.shape[0], cfg.val_fraction)
-    n, n_val = len(train_idx), len(val_idx)
+    n, n_val = split_sizes(data.shape[0], cfg.val_fraction)
     bounds = ddp_batch_bounds(n, cfg.batch_size, group.world_size)
     train_rows, val_rows = data[:n], data[n:]
     mean, std = fit_scaler_sharded(train_rows, group, device)
@@ -370,7 +366,7 @@ def train_distributed(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, npro
     if cfg.input_window > 1:
         raise TrainingError(f"--nproc {nproc}: train.input_window is {cfg.input_window}; a distributed run trains "
                             "on single rows (input_window: 1)")
-    ddp_batch_bounds(len(split_rows(data.shape[0], cfg.val_fraction)[0]), cfg.batch_size, nproc)
+    ddp_batch_bounds(split_sizes(data.shape[0], cfg.val_fraction)[0], cfg.batch_size, nproc)
     tmp = tempfile.mkdtemp(prefix="ds-ops-ddp-")
     try:
         np.save(os.path.join(tmp, "data.npy"), np.ascontiguousarray(data, dtype=np.float32))

@@ -86,21 +86,17 @@ class NpyRows:
             raw = raw[:, self.columns]
         return raw if raw.dtype == np.float32 and raw.flags.c_contiguous else np.ascontiguousarray(raw, dtype=np.float32)
 
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        """``source[start:stop]``: :meth:`read` of those rows (a step is not supported), so block
+        loops written for arrays (:func:`opt_ds_ops.dataset.core.check_finite`) read the file."""
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("NpyRows reads contiguous rows only")
+        return self.read(start, max(start, stop))
+
     def chunk_rows(self) -> int:
         """Rows in one chunk of :data:`CHUNK_BYTES` (float32), at least 2."""
         return max(2, CHUNK_BYTES // (4 * max(self.shape[1], 1)))
-
-    def first_non_finite(self) -> tuple[int, int, float] | None:
-        """Return (row, column, value) of the first NaN or Inf cell (0-based), else None; one pass
-        over the file in chunks (the file's pages are read, never mapped)."""
-        step = self.chunk_rows()
-        for start in range(0, self.shape[0], step):
-            block = self.read(start, min(start + step, self.shape[0]))
-            bad = ~np.isfinite(block)
-            if bad.any():
-                r, c = np.argwhere(bad)[0]
-                return start + int(r), int(c), float(block[r, c])
-        return None
 
 
 def streaming_scaler(source: NpyRows, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -129,39 +125,32 @@ def streaming_scaler(source: NpyRows, n_rows: int) -> tuple[np.ndarray, np.ndarr
 
 
 def _standardised(source: NpyRows, start: int, stop: int, mean, std, clip: float) -> torch.Tensor:
-    """Rows [start, stop) standardised (float64 arithmetic, float32 result) and clipped, as a CPU tensor."""
-    block = source.read(start, stop).astype(np.float64)
-    block -= mean
-    block /= std
-    x = torch.from_numpy(block.astype(np.float32))
-    return x.clamp_(-clip, clip) if clip > 0 else x
+    """Rows [start, stop) as :func:`opt_ds_ops.train.standardise` and ``clip_inputs`` make them in memory."""
+    from .train import clip_inputs, standardise
+
+    return clip_inputs(standardise(source.read(start, stop), mean, std), clip)
 
 
-def _validation_passes(model, source, lo: int, hi: int, mean, std, cfg: TrainConfig, device) -> tuple:
-    """Return (error_scale (D,) float32 tensor, row scores (hi - lo,) float32 numpy) of rows [lo, hi)."""
+def _error_sums(model, source, lo: int, hi: int, mean, std, cfg: TrainConfig, device) -> torch.Tensor:
+    """Return each feature's summed squared reconstruction error over rows [lo, hi), (D,) float64
+    on ``device``: one inference pass of chunks (the epoch's validation loss and the error scale)."""
     step = source.chunk_rows()
     total = torch.zeros(source.shape[1], dtype=torch.float64, device=device)
     for s in range(lo, hi, step):
         x = _standardised(source, s, min(s + step, hi), mean, std, cfg.input_clip).to(device)
         total += feature_errors(model, x).sum(dim=0, dtype=torch.float64)
-    error_scale = (total / max(hi - lo, 1)).float().clamp_min(cfg.error_floor)
+    return total
+
+
+def _scores(model, source, lo: int, hi: int, mean, std, cfg: TrainConfig, device, error_scale) -> np.ndarray:
+    """Return the anomaly scores of rows [lo, hi), (hi - lo,) float32, before smoothing."""
+    step = source.chunk_rows()
     scores = np.empty(hi - lo, dtype=np.float32)
     for s in range(lo, hi, step):
         e = min(s + step, hi)
         x = _standardised(source, s, e, mean, std, cfg.input_clip).to(device)
         scores[s - lo : e - lo] = anomaly_scores(feature_errors(model, x), error_scale).cpu().numpy()
-    return error_scale, scores
-
-
-def _val_loss(model, source, lo: int, hi: int, mean, std, cfg: TrainConfig, device) -> float | None:
-    if hi <= lo:
-        return None
-    step = source.chunk_rows()
-    total = 0.0
-    for s in range(lo, hi, step):
-        x = _standardised(source, s, min(s + step, hi), mean, std, cfg.input_clip).to(device)
-        total += float(feature_errors(model, x).sum(dtype=torch.float64))
-    return total / ((hi - lo) * source.shape[1])
+    return scores
 
 
 def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_epoch=None, should_stop=None,
@@ -173,18 +162,13 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
     ``result.extra["validation_scores"]`` holds the validation rows' scores, (rows_val,) float32.
     Raises TrainingError as train() does; OSError if the file shrinks while it is read.
     """
-    from .train import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, batch_bounds, make_optimizer,
-                        split_rows)
+    from .train import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, _checkpoint, batch_bounds,
+                        begin_run, make_optimizer, split_sizes)
 
-    started, t_start = utc_now(), time.perf_counter()
+    started, t_start = begin_run(cfg, plan)
     device = plan.device
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision(plan.matmul_precision)
-    torch.manual_seed(cfg.seed)
     n_all, d = source.shape
-    train_idx, val_idx = split_rows(n_all, cfg.val_fraction)
-    n, n_val = len(train_idx), len(val_idx)
-    del train_idx, val_idx
+    n, n_val = split_sizes(n_all, cfg.val_fraction)
     mean, std = streaming_scaler(source, n)
 
     model = TelemetryAutoencoder(d, cfg.hidden, cfg.latent).to(device)
@@ -208,6 +192,7 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
     shuffled = torch.empty((window_rows, d), dtype=torch.float32, pin_memory=pinned)
     step = TrainStep(model, optimizer, scaler, plan.amp_dtype, device, cfg.batch_size, capture=cfg.cuda_graphs)
     skipped_total = sum(h.skipped_steps for h in history)
+    val_sums = None
 
     for epoch in range(start_epoch, cfg.epochs):
         model.train()
@@ -242,12 +227,8 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
             sums["batches"] += len(bounds)
             if should_stop is not None and w + 1 < len(windows) and should_stop():
                 partial = dict(sums, seconds=sums["seconds"] + time.perf_counter() - t0)
-                raise TrainingInterrupted({
-                    "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-                    "optimizer": optimizer.state_dict(), "grad_scaler": scaler.state_dict(),
-                    "model_args": model.model_args(), "rows_train": n, "epoch": epoch, "batch": w + 1,
-                    "history": [h.as_dict() for h in history], "partial": partial, "streamed": True,
-                })
+                raise TrainingInterrupted(dict(_checkpoint(model, optimizer, scaler, n, epoch, w + 1, history, partial),
+                                               streamed=True))
         seconds = sums["seconds"] + time.perf_counter() - t0
         start_window, carried = 0, {k: 0.0 if k in ("loss_sum", "seconds") else 0 for k in carried}
         if sums["nonfinite"] and not scaler.is_enabled():
@@ -256,7 +237,8 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
             raise TrainingError(f"fp16 loss-scale collapse in epoch {epoch + 1}: all {sums['batches']} steps skipped by GradScaler")
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise TrainingError(f"non-finite weights after epoch {epoch + 1}")
-        val_loss = _val_loss(model, source, n, n_all, mean, std, cfg, device)
+        val_sums = _error_sums(model, source, n, n_all, mean, std, cfg, device) if n_val else None
+        val_loss = float(val_sums.sum()) / (n_val * d) if n_val else None
         stats = EpochStats(epoch + 1, sums["loss_sum"] / max(sums["rows"], 1), val_loss, n / seconds, seconds,
                            sums["skipped"], gpu=read_gpu() if read_gpu is not None else None)
         skipped_total += sums["skipped"]
@@ -264,8 +246,12 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
         if on_epoch is not None:
             on_epoch(stats)
 
+    # the error scale: the last epoch's validation sums (the model has not changed since), or one
+    # pass over the training rows without a validation split
     lo, hi = (n, n_all) if n_val else (0, n)
-    error_scale, raw = _validation_passes(model, source, lo, hi, mean, std, cfg, device)
+    sums = val_sums if val_sums is not None else _error_sums(model, source, lo, hi, mean, std, cfg, device)
+    error_scale = (sums / max(hi - lo, 1)).float().clamp_min(cfg.error_floor)
+    raw = _scores(model, source, lo, hi, mean, std, cfg, device, error_scale)
     scores = smooth(raw, cfg.score_window, cfg.score_smoothing)
     threshold = pick_threshold(scores.astype(np.float32), cfg)
     return TrainResult(

@@ -123,6 +123,15 @@ class TrainResult:
         return self.rows_train * len(self.history) / secs if secs else 0.0
 
 
+def split_sizes(n: int, val_fraction: float) -> tuple[int, int]:
+    """Return (training rows, validation rows) of n rows: :func:`split_rows`'s sizes, without its
+    index arrays (a streamed dataset of 16 M rows would spend 128 MiB on them)."""
+    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
+    if n - n_val < 2:
+        n_val = 0
+    return n - n_val, n_val
+
+
 def split_rows(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """Return (train_idx, val_idx) int64 arrays: the last round(n * val_fraction) rows validate.
 
@@ -132,10 +141,8 @@ def split_rows(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     1 row validates when val_fraction > 0, none if that would leave fewer than 2 training rows
     (BatchNorm1d needs 2).
     """
-    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
-    if n - n_val < 2:
-        n_val = 0
-    return np.arange(n - n_val, dtype=np.int64), np.arange(n - n_val, n, dtype=np.int64)
+    n_train, _n_val = split_sizes(n, val_fraction)
+    return np.arange(n_train, dtype=np.int64), np.arange(n_train, n, dtype=np.int64)
 
 
 _BLOCK_BYTES = 8 * 1024**2  # float64 temporaries of fit_scaler and standardise (bytes)
@@ -261,6 +268,15 @@ def out_of_memory_reason(device: torch.device, placement: str, need_bytes: int, 
             f"({_first_line(e)}); another process may hold the GPU's memory (nvidia-smi lists them)")
 
 
+def begin_run(cfg: TrainConfig, plan: DevicePlan) -> tuple[str, float]:
+    """Start a training run: fp32 matmul precision on CUDA (``plan.tf32``), the seed for the
+    weights; return (UTC start stamp, ``time.perf_counter()`` at the start, seconds)."""
+    if plan.device.type == "cuda":
+        torch.set_float32_matmul_precision(plan.matmul_precision)
+    torch.manual_seed(cfg.seed)
+    return utc_now(), time.perf_counter()
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """Return AdamW(lr, weight_decay), fused where this torch supports it on the device, else foreach.
 
@@ -331,11 +347,8 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     """:func:`train`'s body; ``placed`` receives the placement and the GPU bytes it needs (for the OOM reason)."""
     if offset is not None and np.shape(offset) != (data.shape[1],):
         raise ValueError(f"offset has shape {np.shape(offset)}, data has {data.shape[1]} columns")
-    started, t_start = utc_now(), time.perf_counter()
+    started, t_start = begin_run(cfg, plan)
     device = plan.device
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision(plan.matmul_precision)
-    torch.manual_seed(cfg.seed)
     train_idx, val_idx = split_rows(data.shape[0], cfg.val_fraction)
     train_rows, val_rows = data[: len(train_idx)], data[len(train_idx) :]  # contiguous: views, no copies
     mean, std = fit_scaler(train_rows)

@@ -87,9 +87,7 @@ def _streamed_npy(path: str, shape: tuple, dtype: np.dtype):
     if size < need:
         raise DatasetError(f"{path}: array data is truncated ({size} bytes for shape {tuple(shape)}, {dtype})")
     rows = NpyRows(path, shape, dtype, offset)
-    bad = rows.first_non_finite()
-    if bad is not None:
-        raise DatasetError(f"{path}: {rows_where(bad[0])}, column {bad[1] + 1}: value {bad[2]} is not finite")
+    check_finite(path, rows, rows_where)  # reads the file in blocks, as for a memmap
     return rows
 
 
