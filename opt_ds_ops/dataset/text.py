@@ -1,6 +1,7 @@
 """Delimited text datasets (``.csv .txt .tsv``, optionally ``.gz``) as monitoring tools export them.
 
-The rows are parsed by Apache Arrow's CSV reader (``pyarrow.csv.open_csv``, streaming, C++):
+The rows are parsed by Apache Arrow's CSV reader (``pyarrow.csv.read_csv`` on 16 MiB chunks of
+whole lines, C++ on Arrow's CPU threads):
 RFC 4180 quoting (``"cpu","load"``, ``"{cpu=""0""}"``, quoted numbers), CRLF, a UTF-8 BOM and
 blank lines. What Arrow does not decide is decided here, from the first lines:
 
@@ -133,6 +134,22 @@ def _line_chunks(stream, size: int):
         chunk, carry = data[:cut], data[cut:]
         if chunk.strip():
             yield chunk
+
+
+def _arrow_owned(pa, data: bytes):
+    """``data`` copied into a buffer Arrow allocated (one memcpy, 16 MiB at most).
+
+    A ``bytes`` object handed to Arrow is released by whichever Arrow thread drops it last, and
+    releasing a Python object takes the GIL. A CPU-pool thread doing that while the interpreter
+    finalises is ended by CPython with ``pthread_exit``, which unwinds through Arrow's ``noexcept``
+    worker loop: ``std::terminate`` and SIGABRT, "terminate called without an active exception"
+    (apache/arrow#34314, python/cpython#87135). It aborted 28 of 100 short ``ds-ops score`` runs
+    on a loaded 2-core machine. A buffer Arrow owns is freed without Python, so no Arrow thread
+    ever waits for the GIL.
+    """
+    buf = pa.allocate_buffer(len(data))
+    np.frombuffer(buf, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+    return buf
 
 
 class _Prefixed(io.RawIOBase):
@@ -421,12 +438,11 @@ def load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: in
         times = TimeCollector(path, plan, lambda r: f"line {line_of(r)}") if plan.time is not None else None
         try:
             for chunk in _line_chunks(stream, max(_CHUNK_BYTES, 2 * limits.max_line_bytes)):
-                # Arrow parses each chunk of whole lines from memory on its CPU threads. It is never
-                # handed the Python stream: its streaming reader read ahead from it on Arrow's I/O
-                # threads, and one still waiting for the GIL at the interpreter's exit aborted the
-                # process ("terminate called without an active exception", SIGABRT) in about 1 of
-                # 10 short commands that stopped reading early.
-                for batch in pacsv.read_csv(pa.BufferReader(chunk), **reader_args).to_batches():
+                # Arrow parses each chunk of whole lines from memory on its CPU threads, from a
+                # buffer it owns (see _arrow_owned): no Arrow thread ever takes the GIL, so none can
+                # be caught by the interpreter's exit (SIGABRT). It is never handed the Python
+                # stream, which its streaming reader would read on its I/O threads, with the GIL.
+                for batch in pacsv.read_csv(pa.BufferReader(_arrow_owned(pa, chunk)), **reader_args).to_batches():
                     _add_batch(path, batch, plan, names, build, times, line_of)
                 if build.n > max_rows:
                     raise too_many_rows(path, max_rows, len(plan.features), limits)
