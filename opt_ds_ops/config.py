@@ -184,8 +184,9 @@ class JobConfig:
     with it). ``max_matrix_bytes``: the float32 matrix (rows x columns x 4 bytes); 0 = a quarter
     of what ``memory_max`` leaves beside :data:`JOB_BASE_BYTES`: text parses into a float32 matrix
     (peak up to 2x the matrix, measured) and training adds about 2.4x (the standardised training
-    split and the epoch's shuffled copy), so a quarter leaves room for both. A larger ``.npy`` is
-    streamed instead (:mod:`opt_ds_ops.stream`), which needs about 300 MiB beside the base. ``stall_timeout_s``: a job that
+    split and the epoch's shuffled copy), so a quarter leaves room for both. A larger dataset is
+    streamed instead (:mod:`opt_ds_ops.stream`; text, Parquet and Arrow after one conversion to a
+    ``.npy``, :mod:`opt_ds_ops.dataset.core`), which needs about 300 MiB beside the base. ``stall_timeout_s``: a job that
     reports nothing for this long (no epoch, no batch) is killed. ``health_timeout_s``: the
     health gate (NVML) may take this long before the job is deferred as hung.
     """

@@ -6,10 +6,12 @@ is named in :class:`JobError` so a person knows where to look.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
 import resource
+import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,9 +19,9 @@ import torch
 
 from . import __version__
 from .config import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, DatasetConfig, config_to_dict, parse_sidecar
-from .dataset import Dataset, DatasetError, DatasetLimits, dataset_stem, file_sha256, load_dataset
+from .dataset import Dataset, DatasetError, DatasetLimits, SpillError, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
-from .fsutil import read_small
+from .fsutil import pid_alive, read_small
 from .gpustats import sampler_for
 from .report import try_write_report, validation_summary
 from .store import StoreError, dataset_file_of, model_payload, safe_model_name, save_model
@@ -187,6 +189,39 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
     }
 
 
+SCRATCH_PREFIX = ".convert-"  # models_dir/.convert-PID: where `ds-ops train` converts a dataset over its budget
+
+
+def scratch_dir_for(models_dir: str) -> str:
+    """Return ``models_dir/.convert-PID`` for this process (not created: a dataset over the matrix
+    budget creates it when its rows spill; :func:`run_job` removes it), after removing those of
+    processes that no longer run (a ``ds-ops train`` that was killed while converting). The store
+    skips names that start with a dot."""
+    try:
+        names = os.listdir(models_dir)
+    except OSError:
+        names = []
+    for entry in names:
+        pid = entry[len(SCRATCH_PREFIX):]
+        if entry.startswith(SCRATCH_PREFIX) and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(models_dir, entry), ignore_errors=True)
+    return os.path.join(models_dir, f"{SCRATCH_PREFIX}{os.getpid()}")
+
+
+@contextlib.contextmanager
+def _scratch(models_dir: str, given: str | None):
+    """Yield the directory a dataset over its budget is converted in: ``given``, or this process's
+    :func:`scratch_dir_for`, removed on the way out."""
+    if given is not None:
+        yield given
+        return
+    own = scratch_dir_for(models_dir)
+    try:
+        yield own
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
+
+
 def run_job(
     path: str,
     cfg: Config,
@@ -204,6 +239,7 @@ def run_job(
     options: DatasetConfig | None = None,
     explicit_name: bool = False,
     nproc: int = 1,
+    scratch_dir: str | None = None,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -218,7 +254,12 @@ def run_job(
     was set by a person (sidecar or ``--name``), not made from the file name, so it may take over
     another file's model (:func:`check_model_name`). ``nproc`` > 1 trains with that many processes
     under torchrun (:func:`opt_ds_ops.distributed.train_distributed`; no ``should_stop``/``resume``
-    there; metadata.json's ``distributed`` says world size and backend). When ``health`` names the GPU the gate chose,
+    there; metadata.json's ``distributed`` says world size and backend). A text, Parquet or Arrow
+    dataset whose matrix is over the job's budget is converted into a float32 ``.npy`` in
+    ``scratch_dir`` (the daemon: the job's own directory; default :func:`scratch_dir_for`, removed
+    here at the end) and streamed (:mod:`opt_ds_ops.dataset.core`); a failure to write it is a
+    JobError of stage dataset carrying its errno (ENOSPC: the daemon pauses, the dataset stays).
+    When ``health`` names the GPU the gate chose,
     each epoch carries its NVML reading (:mod:`opt_ds_ops.gpustats`; a failing NVML never fails the
     job). Raises JobError naming the failed stage;
     nothing is written to the store unless training succeeded.
@@ -233,58 +274,60 @@ def run_job(
     except StoreError as e:
         raise JobError("dataset", f"{source_name or path}: {e}", e) from e
     _check_store_writable(cfg.models_dir)  # issue 11: before spending the training, not after
-    try:
-        ds = load_dataset(path, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes, stream_large_npy=True),
-                          options)
-        sha = sha256 or file_sha256(path)
-    except DatasetError as e:
-        raise JobError("dataset", str(e), e) from e
-    try:
-        plan = plan or plan_device(cfg.device, cfg.amp, tf32=cfg.tf32)
-    except DeviceError as e:
-        raise JobError("health", str(e), e) from e
-    stage("training")
-    sampler = sampler_for(health)  # per-epoch NVML readings of the GPU the gate chose; None off CUDA
-    try:
-        if nproc > 1:
-            from .distributed import train_distributed  # torch.distributed only where it is used
+    with _scratch(cfg.models_dir, scratch_dir) as scratch_dir:
+        try:
+            limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes, stream_large_npy=True,
+                                               spill_dir=scratch_dir)
+            ds = load_dataset(path, limits, options)
+            sha = sha256 or file_sha256(path)
+        except (DatasetError, SpillError) as e:
+            raise JobError("dataset", str(e), e) from e
+        try:
+            plan = plan or plan_device(cfg.device, cfg.amp, tf32=cfg.tf32)
+        except DeviceError as e:
+            raise JobError("health", str(e), e) from e
+        stage("training")
+        sampler = sampler_for(health)  # per-epoch NVML readings of the GPU the gate chose; None off CUDA
+        try:
+            if nproc > 1:
+                from .distributed import train_distributed  # torch.distributed only where it is used
 
-            result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch)
-        else:
-            result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
-                           offset=ds.offset, read_gpu=sampler.read if sampler is not None else None)
-    except TrainingError as e:
-        raise JobError("training", f"{path}: {e}", e) from e
-    finally:
-        if sampler is not None:
-            sampler.close()
-    metadata = build_metadata(ds, sha, result, cfg, health, options)
-    metadata["job_id"] = job_id
-    # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
-    metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    metadata["name_explicit"] = explicit_name
-    metadata["distributed"] = result.extra if nproc > 1 else None
-    if source_name:
-        metadata["dataset"]["file"] = source_name
-    # issue 11: the validation scores' histogram for report.png (warning-only, like the report)
-    try:
-        metadata["validation_scores"] = validation_summary(result, ds.data, ds.offset, cfg.train.val_fraction)
-    except Exception as e:  # noqa: BLE001 - a picture's data never fails a trained job
-        metadata["validation_scores"] = None
-        metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
-    stage("store")
-    # issue 11: report.png is drawn into the version's hidden temporary directory, so it is
-    # published with the version by the same rename (a kill leaves no partial picture behind); a
-    # failure is a warning, never the job's
-    report_warnings: list[str | None] = []
-    try:
-        model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata,
-                                         before_publish=lambda tmp: report_warnings.append(try_write_report(tmp)))
-    except StoreError as e:
-        err = JobError("store", str(e), e)
-        err.errno = e.errno
-        raise err from e
-    report_warning = report_warnings[0] if report_warnings else None
-    metadata = dict(metadata, report_warning=report_warning)  # the caller's copy only, not metadata.json
-    return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata,
-                     report_warning=report_warning)
+                result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch)
+            else:
+                result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
+                               offset=ds.offset, read_gpu=sampler.read if sampler is not None else None)
+        except TrainingError as e:
+            raise JobError("training", f"{path}: {e}", e) from e
+        finally:
+            if sampler is not None:
+                sampler.close()
+        metadata = build_metadata(ds, sha, result, cfg, health, options)
+        metadata["job_id"] = job_id
+        # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
+        metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        metadata["name_explicit"] = explicit_name
+        metadata["distributed"] = result.extra if nproc > 1 else None
+        if source_name:
+            metadata["dataset"]["file"] = source_name
+        # issue 11: the validation scores' histogram for report.png (warning-only, like the report)
+        try:
+            metadata["validation_scores"] = validation_summary(result, ds.data, ds.offset, cfg.train.val_fraction)
+        except Exception as e:  # noqa: BLE001 - a picture's data never fails a trained job
+            metadata["validation_scores"] = None
+            metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
+        stage("store")
+        # issue 11: report.png is drawn into the version's hidden temporary directory, so it is
+        # published with the version by the same rename (a kill leaves no partial picture behind); a
+        # failure is a warning, never the job's
+        report_warnings: list[str | None] = []
+        try:
+            model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata,
+                                             before_publish=lambda tmp: report_warnings.append(try_write_report(tmp)))
+        except StoreError as e:
+            err = JobError("store", str(e), e)
+            err.errno = e.errno
+            raise err from e
+        report_warning = report_warnings[0] if report_warnings else None
+        metadata = dict(metadata, report_warning=report_warning)  # the caller's copy only, not metadata.json
+        return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata,
+                         report_warning=report_warning)

@@ -154,11 +154,12 @@ def _scores(model, source, lo: int, hi: int, mean, std, cfg: TrainConfig, device
 
 
 def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_epoch=None, should_stop=None,
-                    resume: dict | None = None, read_gpu=None):
+                    resume: dict | None = None, read_gpu=None, offset: np.ndarray | None = None):
     """Train on ``source`` (rows, D) without holding it in memory; return a TrainResult.
 
     The same contract as :func:`opt_ds_ops.train.train` (``on_epoch``, ``should_stop``/``resume``
-    at window granularity, ``read_gpu``); ``result.data_placement`` is ``"streamed"`` and
+    at window granularity, ``read_gpu``, ``offset``: (D,) float64 the rows were centred by, a
+    converted text or Parquet file's; it moves only the stored scaler mean); ``result.data_placement`` is ``"streamed"`` and
     ``result.extra["validation_scores"]`` holds the validation rows' scores, (rows_val,) float32.
     Raises TrainingError as train() does; OSError if the file shrinks while it is read.
     """
@@ -255,7 +256,7 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
     scores = smooth(raw, cfg.score_window, cfg.score_smoothing)
     threshold = pick_threshold(scores.astype(np.float32), cfg)
     return TrainResult(
-        model=model.cpu().eval(), mean=mean, std=std, error_scale=error_scale.cpu().numpy(), threshold=threshold,
+        model=model.cpu().eval(), mean=mean if offset is None else mean + offset, std=std, error_scale=error_scale.cpu().numpy(), threshold=threshold,
         threshold_quantile=cfg.threshold_quantile, score_window=cfg.score_window, history=history, plan=plan,
         rows_train=n, rows_val=n_val, skipped_steps=skipped_total, started_at=started, ended_at=utc_now(),
         duration_s=time.perf_counter() - t_start, data_placement="streamed",

@@ -327,6 +327,8 @@ def train(
     memory that the pinned-host placement did not cure (naming free and needed MiB); ValueError
     if offset is not of shape (D,).
     """
+    if offset is not None and np.shape(offset) != (data.shape[1],):
+        raise ValueError(f"offset has shape {np.shape(offset)}, data has {data.shape[1]} columns")
     if hasattr(data, "read") and not isinstance(data, np.ndarray):  # opt_ds_ops.stream.NpyRows
         from .stream import train_streaming
 
@@ -335,7 +337,7 @@ def train(
                                 f"and this one ({data.nbytes:,} bytes as float32) is over the job's budget and streams; "
                                 "use input_window: 1 or a larger job.max_matrix_bytes")
         return train_streaming(data, cfg, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
-                               read_gpu=read_gpu)
+                               read_gpu=read_gpu, offset=offset)
     placed = {"placement": "", "need_bytes": 0}
     try:
         return _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, placed)
@@ -345,8 +347,6 @@ def train(
 
 def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, placed: dict) -> TrainResult:
     """:func:`train`'s body; ``placed`` receives the placement and the GPU bytes it needs (for the OOM reason)."""
-    if offset is not None and np.shape(offset) != (data.shape[1],):
-        raise ValueError(f"offset has shape {np.shape(offset)}, data has {data.shape[1]} columns")
     started, t_start = begin_run(cfg, plan)
     device = plan.device
     train_idx, val_idx = split_rows(data.shape[0], cfg.val_fraction)

@@ -278,7 +278,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
             job = run_job(path, cfg, name=record["model_name"], plan=plan, health=decision.report,
                           on_epoch=lambda s: send("epoch", **s.as_dict()), should_stop=should_stop,
                           resume=resume, job_id=job_id, source_name=name, sha256=record.get("sha256"),
-                          on_stage=on_stage, options=options, explicit_name=bool(record.get("name_explicit")))
+                          on_stage=on_stage, options=options, explicit_name=bool(record.get("name_explicit")),
+                          scratch_dir=spool.job_dir(job_id))
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             save_checkpoint(spool, job_id, {"job_id": job_id, "train_config": train_cfg, "amp_dtype": plan.amp_name,

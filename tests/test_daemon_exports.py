@@ -57,3 +57,34 @@ def test_every_export_shape_through_the_spool(tmp_path):
     assert "more than 1000000 bytes of text after decompression" in bomb["reason"]
     clash = read_json(failed / "gpu_nüde_1.csv.error.json")
     assert clash["stage"] == "dataset" and "already the model of another dataset, 'gpu nöde 1.csv'" in clash["reason"]
+
+
+def test_a_csv_and_a_parquet_over_the_job_budget_train_streamed_from_the_jobs_own_npy(tmp_path):
+    """Issue 12: under a 100 kB matrix budget a 20,000-row CSV and a Parquet of 4 row groups are
+    converted into a .npy in their job's directory while read, trained from it, and leave nothing
+    behind: no job directory, no conversion in the store."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(20_000, 4)) * [1, 10, 100, 1] + [0, 1e6, 50, 0]
+    text = "time,a,b,c,d\n" + "".join(f"{1.7e9 + 10 * i:.0f}," + ",".join(f"{v:.6f}" for v in r) + "\n"
+                                      for i, r in enumerate(x))
+    pq.write_table(pa.table({f"m{i}": x[:, i] for i in range(4)}), tmp_path / "fleet.parquet", row_group_size=5000)
+    with service(tmp_path, extra=["job:", "  max_matrix_bytes: 100000"]) as d:
+        incoming = spool_dir(tmp_path, "incoming")
+        drop(incoming, "fleet.csv", text.encode())
+        drop(incoming, "fleet2.parquet", (tmp_path / "fleet.parquet").read_bytes())
+        d.wait_until(lambda: done_names(tmp_path) | failed_names(tmp_path) >= {"fleet.csv", "fleet2.parquet"},
+                     "both to finish", timeout_s=300)
+    assert failed_names(tmp_path) == set(), d.log()
+    for name in ("fleet.csv", "fleet2.parquet"):
+        result = read_json(spool_dir(tmp_path, "done") / f"{name}.result.json")
+        md = json.loads(open(os.path.join(result["model_dir"], "metadata.json")).read())
+        assert md["data_placement"] == "streamed" and md["dataset"]["rows"] == 20_000, md["data_placement"]
+        assert md["dataset"]["columns"] == 4
+        note = next(n for n in md["dataset"]["notes"] if "over job.max_matrix_bytes (100,000)" in n)
+        assert f" into {spool_dir(tmp_path, 'processing')}/" in note and note.endswith("/converted.npy and streamed from there")
+    assert os.listdir(spool_dir(tmp_path, "processing")) == []
+    assert not [n for n in os.listdir(tmp_path / "models") if n.startswith(".")]

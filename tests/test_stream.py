@@ -150,6 +150,101 @@ def test_a_job_streams_an_npy_over_its_budget_and_stores_a_model_that_scores(tmp
     assert (scores > model.threshold).mean() == pytest.approx(0.01, abs=0.01)
 
 
+def _telemetry_exports(tmp_path, rows: int = 20_000):
+    """The same real-looking telemetry as a CSV with a header, a quoted epoch time column and a
+    column near 1e6 (centring matters), and as Parquet of 4 row groups with a timestamp column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(7)
+    t = 1.7e9 + 10.0 * np.arange(rows)
+    x = rng.normal(size=(rows, 5)) * [1, 10, 100, 1, 0.5] + [0, 1e6, 50, 0, 3]
+    csv = tmp_path / "fleet.csv"
+    with open(csv, "w") as f:
+        f.write('"timestamp","cpu","mem_kb","net","disk","load"\n')
+        for tr, xr in zip(t, x):
+            f.write(f'"{tr:.0f}",' + ",".join(f"{v:.6f}" for v in xr) + "\n")
+    parquet = tmp_path / "fleet.parquet"
+    table = pa.table({"time": pa.array((t * 1e6).astype("int64")).cast(pa.timestamp("us", tz="UTC")),
+                      **{f"m{i}": x[:, i] for i in range(5)}})
+    pq.write_table(table, parquet, row_group_size=rows // 4)
+    return csv, parquet, x
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_table_over_the_budget_is_converted_once_to_a_npy_that_holds_the_in_memory_matrix(tmp_path, fmt):
+    """Text and Parquet over max_matrix_bytes, read by a job (spill_dir set), go into spill_dir's
+    float32 .npy while they are read: the same bits, offset, time index and column names as the
+    matrix read in memory under a large budget; without a spill_dir (scoring) they are refused."""
+    from opt_ds_ops.dataset.core import SPILL_FILE
+
+    csv, parquet, x = _telemetry_exports(tmp_path)
+    path = str(csv if fmt == "csv" else parquet)
+    spill = tmp_path / "job"
+    spill.mkdir()
+    big = load_dataset(path, _limits(1 << 30))
+    small = load_dataset(path, dataclasses.replace(_limits(100_000), spill_dir=str(spill)))
+    assert isinstance(big.data, np.ndarray) and isinstance(small.data, NpyRows)
+    assert small.data.path == str(spill / SPILL_FILE) and small.rows == 20_000 and small.features == 5
+    np.testing.assert_array_equal(small.data.read(0, 20_000), big.data)
+    np.testing.assert_array_equal(np.load(spill / SPILL_FILE), big.data)  # a plain .npy numpy reads
+    np.testing.assert_array_equal(small.offset, big.offset)
+    np.testing.assert_allclose(small.data.read(0, 20_000) + small.offset, x, rtol=0, atol=1e-6 * 1e6)
+    assert small.header == big.header and small.time.summary() == big.time.summary()
+    with pytest.raises(DatasetError, match="max_matrix_bytes"):
+        load_dataset(path, _limits(100_000))
+
+
+def test_rows_out_of_time_order_in_a_table_over_the_budget_are_refused_not_sorted_on_disk(tmp_path):
+    rows = np.column_stack([1.7e9 + 10.0 * np.arange(6000), np.random.default_rng(0).normal(size=(6000, 3))])
+    rows[[4000, 4001]] = rows[[4001, 4000]]
+    path = tmp_path / "late.csv"
+    np.savetxt(path, rows, delimiter=",", header="time,a,b,c", comments="", fmt="%.6f")
+    (tmp_path / "job").mkdir()
+    limits = dataclasses.replace(_limits(20_000), spill_dir=str(tmp_path / "job"))
+    with pytest.raises(DatasetError, match=r"line 4003: time .* is earlier than the row before .* over "
+                                           r"job.max_matrix_bytes and stream from disk, where they are not sorted"):
+        load_dataset(str(path), limits)
+    assert load_dataset(str(path), _limits(1 << 30)).notes[0].startswith("rows out of time order")
+
+
+def test_a_spill_file_that_cannot_be_written_is_a_storage_error_not_the_datasets(tmp_path):
+    from opt_ds_ops.dataset import SpillError
+    from opt_ds_ops.job import JobError
+
+    csv, _parquet, _x = _telemetry_exports(tmp_path, rows=6000)
+    (tmp_path / "not-a-dir").write_text("")
+    with pytest.raises(SpillError) as e:
+        load_dataset(str(csv), dataclasses.replace(_limits(20_000), spill_dir=str(tmp_path / "not-a-dir")))
+    assert "cannot write" in str(e.value) and e.value.errno is not None
+    cfg = Config(models_dir=str(tmp_path / "models"), device="cpu", amp="off", train=TrainConfig(epochs=1),
+                 job=JobConfig(max_matrix_bytes=20_000))
+    with pytest.raises(JobError) as je:
+        run_job(str(csv), cfg, scratch_dir=str(tmp_path / "not-a-dir"))
+    assert je.value.stage == "dataset" and je.value.errno == e.value.errno
+
+
+def test_ds_ops_train_streams_a_csv_over_its_budget_and_leaves_no_conversion_behind(tmp_path):
+    """The command a user runs: a 20,000-row CSV under a 100 kB matrix budget trains from its
+    converted .npy (data_placement streamed), the stored scaler holds the file's column means (the
+    offset added back), and models_dir keeps no .convert-PID directory, nor one a killed run left."""
+    from conftest import run_cli
+
+    csv, _parquet, x = _telemetry_exports(tmp_path)
+    models = tmp_path / "models"
+    (models / ".convert-999999999").mkdir(parents=True)  # a killed run's: no such process
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text(yaml.safe_dump({"job": {"max_matrix_bytes": 100_000}}))
+    p = run_cli("train", str(csv), "--models-dir", str(models), "--config", str(conf), "--epochs", "1",
+                "--device", "cpu", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["data_placement"] == "streamed" and out["rows"] == 20_000 and out["features"] == 5
+    model = load_model(out["model_dir"])
+    np.testing.assert_allclose(model.mean, x[:18_000].mean(axis=0), rtol=1e-9, atol=1e-6)
+    assert sorted(os.listdir(models)) == ["fleet"]
+
+
 @pytest.mark.slow
 def test_a_2_gib_npy_trains_under_a_1_gib_memory_max_with_peak_rss_under_it(tmp_path):
     """Acceptance: a .npy of 2 GiB (16.8 M x 32 float32) with job.memory_max 1G trains to a model;

@@ -12,7 +12,8 @@ columns are features is decided by :mod:`.columns` under the conffile's ``datase
 index is kept out of the features and its rows put in time order (:mod:`.timeindex`). Every
 file that is not a usable numeric table raises :class:`DatasetError` naming the file, the line
 (text) or row (arrays) and the column; the budgets of :class:`DatasetLimits` are checked before
-the memory is spent. Precision and memory: :mod:`.core`.
+the memory is spent. Precision and memory, and what a training job does with a dataset larger
+than its budget (streamed from a ``.npy``): :mod:`.core`.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import zlib
 
 from ..config import DatasetConfig, JobConfig
 from .core import (
-    ACCEPTED, ARRAY_SUFFIXES, COLUMNAR_SUFFIXES, TEXT_SUFFIXES, Dataset, DatasetError, DatasetLimits, TimeIndex,
-    dataset_stem, file_sha256,
+    ACCEPTED, ARRAY_SUFFIXES, COLUMNAR_SUFFIXES, TEXT_SUFFIXES, Dataset, DatasetError, DatasetLimits, SpillError,
+    TimeIndex, dataset_stem, file_sha256,
 )
 
-__all__ = ["ACCEPTED", "Dataset", "DatasetError", "DatasetLimits", "TimeIndex", "dataset_stem", "file_sha256",
-           "format_of", "load_dataset"]
+__all__ = ["ACCEPTED", "Dataset", "DatasetError", "DatasetLimits", "SpillError", "TimeIndex", "dataset_stem",
+           "file_sha256", "format_of", "load_dataset"]
 
 
 def format_of(path: str) -> str:
@@ -81,7 +82,8 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
     unknown format, unreadable or empty file, fewer than 2 rows, a non-numeric feature cell,
     ragged rows, a missing value, NaN or Inf, a value beyond float32's range, a time column that
     cannot be read or (``time_order: refuse``) is out of order, a wrong array rank or dtype, a
-    pickled object, and each breach of ``limits``.
+    pickled object, and each breach of ``limits``; SpillError (an OSError) when the ``.npy`` that a
+    dataset over the matrix budget is converted to (``limits.spill_dir``) cannot be written.
     """
     from . import arrays, columnar, text
     from .timeindex import apply_time_order
@@ -100,7 +102,7 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
             data, offset = arrays.load_array(path, fmt, limits)
             data, offset, left_out, feature_columns = _select_array_columns(path, data, offset, options)
             plan = None
-    except DatasetError:
+    except (DatasetError, SpillError):
         raise
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise DatasetError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
@@ -112,5 +114,9 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
         raise DatasetError(f"{path}: no columns")
     if time is not None:
         data, notes = apply_time_order(path, data, time, options, where)
+    if fmt != "npy" and hasattr(data, "select"):  # an opt_ds_ops.stream.NpyRows: spilled (see .core); say where
+        notes = notes + [f"{data.shape[0]:,} rows x {data.shape[1]} features ({data.nbytes:,} bytes as float32) are "
+                         f"over job.max_matrix_bytes ({limits.max_matrix_bytes:,}): converted while read into "
+                         f"{data.path} and streamed from there"]
     return Dataset(path=path, format=fmt, data=data, header=header, size_bytes=size, offset=offset, time=time,
                    left_out=left_out, notes=notes, feature_columns=feature_columns)

@@ -7,9 +7,11 @@ lists, ...) are refused naming them, unless the ``dataset:`` options leave them 
 index columns (``__index_level_0__``, from its metadata) are dropped, unless it is a time index.
 
 **Budgets** before reading: rows x features x 4 bytes against ``job.max_matrix_bytes`` (Parquet
-knows its rows) and the columns read, decoded (8 bytes a value), against the decompressed-bytes
-limit; record batches are counted against it again while they are read.
-Rows are converted to float64 in batches of about 16 MiB.
+knows its rows; not for a training job, whose rows beyond the budget are converted into a ``.npy``
+in its directory while the row groups are read, and streamed: :mod:`opt_ds_ops.dataset.core`) and
+the columns read, decoded (8 bytes a value), against the decompressed-bytes limit; record batches
+are counted against it again while they are read. Rows are converted to float64 in batches of
+about 16 MiB.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
         dup = sorted({n for n in read if names.count(n) > 1})
         if dup:
             raise DatasetError(f"{path}: column name {dup[0]!r} appears {names.count(dup[0])} times; rename the columns")
-        if rows is not None:
+        if rows is not None and limits.spill_dir is None:  # with a spill_dir the rows go to a .npy
             need = rows * len(plan.features) * 4
             if need > limits.max_matrix_bytes:
                 raise DatasetError(f"{path}: {rows} rows of {len(plan.features)} features need {need} bytes as float32; "
@@ -144,8 +146,9 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
 
 def _read(pa, path, limits, plan: ColumnPlan, names, rows, batches, read):
     max_rows = limits.max_rows(len(plan.features))
-    build = Float32Builder(path, len(plan.features), rows_where, rows=rows, max_rows=max_rows + 1,
-                           column=plan.feature_label, nan_is_missing=True)
+    build = Float32Builder(path, len(plan.features), rows_where, rows=rows,
+                           max_rows=max_rows if limits.spill_dir else max_rows + 1, column=plan.feature_label,
+                           nan_is_missing=True, spill_dir=limits.spill_dir)
     times = TimeCollector(path, plan, rows_where) if plan.time is not None else None
     seen = 0
     for batch in batches(read, block_rows(len(plan.features))):
@@ -159,7 +162,7 @@ def _read(pa, path, limits, plan: ColumnPlan, names, rows, batches, read):
         for j in range(len(plan.features)):
             block[:, j] = batch.column(j).cast(pa.float64()).to_numpy(zero_copy_only=False)
         build.add(block)
-        if build.n > max_rows:
+        if build.n > max_rows and not build.spilled:
             raise too_many_rows(path, max_rows, len(plan.features), limits)
     data, offset = build.finish()
     time: TimeIndex | None = times.finish(data.shape[0]) if times is not None else None

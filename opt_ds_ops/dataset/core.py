@@ -10,6 +10,13 @@ refused naming its row and column, before any training.
 **Memory.** The float32 matrix grows in place (``ndarray.resize``, a realloc: no second copy) by
 1.125x steps, never past ``job.max_matrix_bytes``, and readers hand it float64 blocks of about
 ``CHUNK_BYTES`` (16 MiB). Measured with tracemalloc for text: 1.35x the float32 matrix at the peak.
+
+**Larger than the budget** (issue 12). Given ``DatasetLimits.spill_dir`` (a training job's own
+directory), a text, Parquet or Arrow dataset whose matrix outgrows ``job.max_matrix_bytes`` is not
+refused: the rows read so far and every later block go, centred as above, into one float32
+``.npy`` there (:data:`SPILL_FILE`, written once while the file is read), and the dataset's
+``data`` is an :class:`opt_ds_ops.stream.NpyRows` over it, which the trainer streams. The memory
+it costs stays at the budget; the disk, rows x columns x 4 bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ FIELD_BYTES = 256  # average bytes a field may take: a line may hold max_columns
 CHUNK_BYTES = 16 * 1024**2  # float64 rows converted at a time (bytes)
 _GROWTH = 1.125  # the matrix grows by this factor (a realloc, no copy): the most it overshoots
 F32_MAX = float(np.finfo(np.float32).max)
+SPILL_FILE = "converted.npy"  # the float32 .npy a dataset over the matrix budget is written to, in spill_dir
+_SPILL_HEADER_BYTES = 128  # a fixed .npy header (format 1.0, 64-byte aligned) holds any final shape
 LIMIT_KEYS = "job.max_decompressed_bytes (or spool.max_dataset_bytes, if smaller)"  # the decompressed-bytes limit, in messages
 
 
@@ -56,10 +65,13 @@ class DatasetLimits:
     # issue 12: a C-ordered .npy whose matrix exceeds max_matrix_bytes is opened for streaming
     # (opt_ds_ops.stream.NpyRows) instead of refused; jobs set it, scoring does not
     stream_large_npy: bool = False
+    # issue 12: where a text/Parquet/Arrow dataset over max_matrix_bytes is converted to a float32
+    # .npy (SPILL_FILE) and streamed instead of refused; None: refused (scoring, and where unset)
+    spill_dir: str | None = None
 
     @classmethod
     def from_config(cls, job_cfg: JobConfig, max_dataset_bytes: int | None = None, *,
-                    stream_large_npy: bool = False) -> DatasetLimits:
+                    stream_large_npy: bool = False, spill_dir: str | None = None) -> DatasetLimits:
         """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes()``).
 
         ``max_dataset_bytes`` (``spool.max_dataset_bytes``) also bounds the decompressed bytes: a
@@ -71,6 +83,7 @@ class DatasetLimits:
             max_columns=job_cfg.max_columns,
             max_matrix_bytes=job_cfg.matrix_budget_bytes(),
             stream_large_npy=stream_large_npy,
+            spill_dir=spill_dir,
         )
 
     @property
@@ -258,21 +271,39 @@ class Float32Builder:
     ``max_rows``. ``where(row)`` names a 0-based row in messages ("line 7", "row 7");
     ``column(c)`` names a 0-based feature column (default "column 3"). ``nan_is_missing``: a
     NaN is reported as a missing value (tabular readers turn empty and NA cells into NaN).
+
+    ``spill_dir``: when the rows would pass ``max_rows``, they go on into ``spill_dir/SPILL_FILE``
+    instead (see the module docstring): :attr:`spilled` turns true, memory is freed, and
+    :meth:`finish` returns an :class:`opt_ds_ops.stream.NpyRows`. Writing it raises
+    :class:`SpillError` (an OSError keeping its errno: ENOSPC, EDQUOT, ...).
     """
 
     def __init__(self, path: str, columns: int, where: Callable[[int], str], rows: int | None = None,
                  max_rows: int | None = None, column: Callable[[int], str] = number_column,
-                 nan_is_missing: bool = False):
+                 nan_is_missing: bool = False, spill_dir: str | None = None):
         self.path, self.where, self.max_rows, self.column = path, where, max_rows, column
         self.nan_is_missing = nan_is_missing
+        if rows is not None and max_rows is not None:
+            rows = min(rows, max_rows)  # a spilling builder never holds more than max_rows in memory
         self.out = np.empty((rows or 0, columns), dtype=np.float32)
         self.n = 0
         self.offset: np.ndarray | None = None
+        self.spill_dir = spill_dir if max_rows else None
+        self._spill = None  # the open SPILL_FILE once spilling
+
+    @property
+    def spilled(self) -> bool:
+        """True once the rows go to ``spill_dir`` (the matrix outgrew ``max_rows``)."""
+        return self._spill is not None
 
     def add(self, block: np.ndarray) -> None:
-        """Append block, (k, D) float64; raise DatasetError at a NaN/Inf or a value beyond float32."""
-        if self.max_rows and self.n + len(block) > self.max_rows:
-            block = block[: self.max_rows - self.n]  # the rows past max_rows are never kept: the caller refuses
+        """Append block, (k, D) float64; raise DatasetError at a NaN/Inf or a value beyond float32,
+        SpillError if the spill file cannot be written."""
+        if self.max_rows and self.n + len(block) > self.max_rows and not self.spilled:
+            if self.spill_dir is not None:
+                self._start_spill()
+            else:
+                block = block[: self.max_rows - self.n]  # the rows past max_rows are never kept: the caller refuses
         if len(block) == 0:
             return
         # NaN propagates through max and min: two passes without a temporary find NaN, Inf and overflow
@@ -287,10 +318,13 @@ class Float32Builder:
         if self.offset is None:
             self.offset = block.mean(axis=0)
         need = self.n + len(block)
-        if need > self.out.shape[0]:
-            cap = max(need, int(self.out.shape[0] * _GROWTH))
-            self.out.resize((min(cap, self.max_rows) if self.max_rows else cap, self.out.shape[1]), refcheck=False)
-        dest = self.out[self.n : need]
+        if self.spilled:
+            dest = np.empty((len(block), self.out.shape[1]), dtype=np.float32)
+        else:
+            if need > self.out.shape[0]:
+                cap = max(need, int(self.out.shape[0] * _GROWTH))
+                self.out.resize((min(cap, self.max_rows) if self.max_rows else cap, self.out.shape[1]), refcheck=False)
+            dest = self.out[self.n : need]
         with np.errstate(over="ignore"):
             np.subtract(block, self.offset, out=dest, casting="same_kind")
         if (magnitude + np.abs(self.offset) > F32_MAX).any() and not np.isfinite(dest).all():
@@ -299,10 +333,61 @@ class Float32Builder:
                 f"{self.path}: {self.where(self.n + r)}, {self.column(c)}: value {block[r, c]:.17g} lies "
                 f"{block[r, c] - self.offset[c]:.6g} from the column's offset {self.offset[c]:.6g}, beyond float32's range"
             )
+        if self.spilled:
+            self._write(dest)
         self.n = need
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """Return (the float32 matrix, exactly the rows added; the (D,) float64 offset or None if empty)."""
+    def _start_spill(self) -> None:
+        """Open SPILL_FILE (a header with room for any shape, then the rows held so far); free them."""
+        target = os.path.join(self.spill_dir, SPILL_FILE)
+        try:
+            os.makedirs(self.spill_dir, mode=0o700, exist_ok=True)
+            self._spill = open(target, "wb")
+            self._spill.write(_npy_header(0, self.out.shape[1]))
+        except OSError as e:
+            raise SpillError(e.errno, f"cannot write {target}: {e.strerror or e}") from None
+        self._write(self.out[: self.n])
+        self.out = np.empty((0, self.out.shape[1]), dtype=np.float32)
+
+    def _write(self, rows: np.ndarray) -> None:
+        if not len(rows):
+            return
+        try:
+            self._spill.write(memoryview(np.ascontiguousarray(rows)).cast("B"))
+        except OSError as e:
+            raise SpillError(e.errno, f"cannot write {self._spill.name}: {e.strerror or e}") from None
+
+    def finish(self):
+        """Return (the float32 matrix, exactly the rows added; the (D,) float64 offset or None if
+        empty). Spilled: the matrix is an :class:`opt_ds_ops.stream.NpyRows` over the completed,
+        fsynced SPILL_FILE."""
+        if self.spilled:
+            from ..stream import NpyRows  # torch's import only where a dataset streams
+
+            f, self._spill = self._spill, None
+            try:
+                with f:
+                    f.seek(0)
+                    f.write(_npy_header(self.n, self.out.shape[1]))
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                raise SpillError(e.errno, f"cannot write {f.name}: {e.strerror or e}") from None
+            return NpyRows(f.name, (self.n, self.out.shape[1]), np.dtype(np.float32), _SPILL_HEADER_BYTES), self.offset
         if self.out.shape[0] != self.n:
             self.out.resize((self.n, self.out.shape[1]), refcheck=False)
         return self.out, self.offset
+
+
+class SpillError(OSError):
+    """The ``.npy`` that a dataset over the matrix budget is converted to could not be written
+    (errno kept: ENOSPC, EDQUOT, EROFS, EIO): a storage problem, not the dataset's."""
+
+
+def _npy_header(rows: int, columns: int) -> bytes:
+    """A .npy format 1.0 header of exactly _SPILL_HEADER_BYTES for a C-ordered little-endian
+    float32 (rows, columns) array (numpy's layout: magic, version, header length, a dict padded
+    with spaces to a 64-byte boundary, newline; numpy.lib.format)."""
+    text = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d, %d), }" % (rows, columns)
+    body = text.encode("latin1").ljust(_SPILL_HEADER_BYTES - 10 - 1) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body

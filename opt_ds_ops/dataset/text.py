@@ -433,8 +433,10 @@ def load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: in
             return _line_of_row(path, limits, dialect, row)
 
         max_rows = limits.max_rows(len(plan.features))
-        build = Float32Builder(path, len(plan.features), lambda r: f"line {line_of(r)}", max_rows=max_rows + 1,
-                               column=plan.feature_label, nan_is_missing=True)
+        # one row past the budget shows it is exceeded, unless the rows spill to a .npy (core's docstring)
+        build = Float32Builder(path, len(plan.features), lambda r: f"line {line_of(r)}",
+                               max_rows=max_rows if limits.spill_dir else max_rows + 1, column=plan.feature_label,
+                               nan_is_missing=True, spill_dir=limits.spill_dir)
         times = TimeCollector(path, plan, lambda r: f"line {line_of(r)}") if plan.time is not None else None
         try:
             for chunk in _line_chunks(stream, max(_CHUNK_BYTES, 2 * limits.max_line_bytes)):
@@ -444,14 +446,15 @@ def load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: in
                 # stream, which its streaming reader would read on its I/O threads, with the GIL.
                 for batch in pacsv.read_csv(pa.BufferReader(_arrow_owned(pa, chunk)), **reader_args).to_batches():
                     _add_batch(path, batch, plan, names, build, times, line_of)
-                if build.n > max_rows:
+                if build.n > max_rows and not build.spilled:
                     raise too_many_rows(path, max_rows, len(plan.features), limits)
         except pa.ArrowInvalid as e:
             error = str(e)
         else:
             error = None
         if error is not None:
-            cut = _arrow_error(path, limits, dialect, plan, error, max_rows, stop_at is None)
+            cut = _arrow_error(path, limits, dialect, plan, error, None if limits.spill_dir else max_rows,
+                               stop_at is None)
             return load_text(path, limits, opts, stop_at=cut)
     data, offset = build.finish()
     if data.shape[0] == 0:
@@ -513,16 +516,16 @@ def _line_of_row(path: str, limits: DatasetLimits, dialect: _Dialect, row: int) 
     return last + 1
 
 
-def _arrow_error(path: str, limits: DatasetLimits, dialect: _Dialect, plan: ColumnPlan, msg: str, max_rows: int,
-                 tail_ok: bool) -> int:
+def _arrow_error(path: str, limits: DatasetLimits, dialect: _Dialect, plan: ColumnPlan, msg: str,
+                 max_rows: int | None, tail_ok: bool) -> int:
     """Turn Arrow's error into a DatasetError naming the line (or the row limit, if the bad line
-    lies past ``max_rows`` rows); or, if the file only has lines of whitespace from there on and
-    ``tail_ok``, return the byte offset to cut it at."""
+    lies past ``max_rows`` rows; None: no limit, the rows spill); or, if the file only has lines of
+    whitespace from there on and ``tail_ok``, return the byte offset to cut it at."""
     expected = _EXPECTED.search(msg)
     conv = _CONVERSION.search(msg)
     want = dialect.fields
     for row, (lineno, fields) in enumerate(_scan(path, limits, dialect)):
-        if row >= max_rows and any(x.strip() for x in fields):
+        if max_rows is not None and row >= max_rows and any(x.strip() for x in fields):
             raise too_many_rows(path, max_rows, len(plan.features), limits)
         if conv:
             c, value = int(conv.group(1)), conv.group(2)

@@ -100,7 +100,8 @@ class TimeCollector:
 def apply_time_order(path: str, data: np.ndarray, time: TimeIndex, opts: DatasetConfig,
                      where: Callable[[int], str]) -> tuple[np.ndarray, list[str]]:
     """Return (data, notes) with rows in time order: sorted (stable; a copy of data) when
-    ``opts.time_order`` is ``sort``, else DatasetError naming the first row out of order."""
+    ``opts.time_order`` is ``sort``, else DatasetError naming the first row out of order. Rows
+    streamed from disk (an :class:`opt_ds_ops.stream.NpyRows`) out of order are always refused."""
     t = time.seconds
     notes = []
     time.shared_times = int((np.diff(t) == 0).sum())
@@ -114,6 +115,12 @@ def apply_time_order(path: str, data: np.ndarray, time: TimeIndex, opts: Dataset
     if not len(back):
         return data, notes
     r = int(back[0]) + 1
+    if not isinstance(data, np.ndarray):  # rows streamed from a .npy (over the matrix budget): not sorted here
+        raise DatasetError(
+            f"{path}: {where(r)}: time {iso_utc(t[r])} is earlier than the row before ({iso_utc(t[r - 1])}); "
+            f"the {data.shape[0]:,} rows are over job.max_matrix_bytes and stream from disk, where they are "
+            "not sorted: sort the file by time, or raise job.memory_max / job.max_matrix_bytes"
+        )
     if opts.time_order == "refuse":
         raise DatasetError(
             f"{path}: {where(r)}: time {iso_utc(t[r])} is earlier than the row before ({iso_utc(t[r - 1])}); "
