@@ -113,6 +113,10 @@ def _max_jobs_ok(v: str) -> bool:
     return v == "auto" or (v.isdigit() and int(v) >= 1)
 
 
+def _nproc_ok(v: str) -> bool:
+    return v == "auto" or (v.isdigit() and int(v) >= 2)
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """How many jobs the daemon runs at once (issue 12).
@@ -123,13 +127,29 @@ class DaemonConfig:
     the healthy GPUs (the GPU with the fewest jobs first); on a CPU host N jobs share the cores.
     Kept as text (an integer in the file is read as its digits); :meth:`max_jobs_limit` gives the
     number.
+
+    ``distributed_min_bytes``: a dataset file of at least this many bytes trains as one job on
+    several processes, DistributedDataParallel under torchrun (:mod:`opt_ds_ops.distributed`),
+    once no other job runs and with no other job beside it; 0 (the default): never.
+    ``distributed_nproc``: its processes: ``auto``, one per GPU that passes the daemon's NVML check
+    (all of them visible to the job, nccl), and none on a host without GPUs, where such a dataset
+    trains in one process (gloo ranks on two cores measured 5x slower than one process, README); or
+    an integer N >= 2: N ranks, on the first N healthy GPUs, or on the CPU (gloo) without GPUs.
+    Fewer than 2 healthy GPUs, a dataset that streams (over the job's matrix budget) or
+    ``train.input_window`` > 1: one process, and metadata.json's notes say why.
     """
 
     max_jobs: str = _field("auto", _max_jobs_ok, "auto or an integer >= 1")
+    distributed_min_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: never)")
+    distributed_nproc: str = _field("auto", _nproc_ok, "auto or an integer >= 2")
 
     def max_jobs_limit(self) -> int | None:
         """Return max_jobs as an integer, or None for ``auto``."""
         return None if self.max_jobs == "auto" else int(self.max_jobs)
+
+    def distributed_ranks(self) -> int | None:
+        """Return distributed_nproc as an integer, or None for ``auto``."""
+        return None if self.distributed_nproc == "auto" else int(self.distributed_nproc)
 
 
 def _size_ok(v: str) -> bool:

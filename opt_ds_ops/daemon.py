@@ -337,6 +337,8 @@ class Daemon:
         names = [] if due else self.watcher.ready()
         if not due and not names:
             return False
+        if due and self.jobs and self._distributed(self.records.get(due[0]) or read_record(self.spool, due[0])):
+            return False  # it runs alone, once the running jobs have ended (first come, first served)
         free, gpu = self._free_slot()
         if not free:
             return False
@@ -363,13 +365,34 @@ class Daemon:
         """
         limit = self.cfg.daemon.max_jobs_limit()
         n = len(self.jobs)
+        if any(j.nproc > 1 for j in self.jobs.values()):
+            return False, None  # a distributed job has every GPU (or the CPUs) to itself
         if self._pinned():
             return n < (limit or 1), None
         if limit is not None and n >= limit:
             return False, None  # full: no NVML read
-        gpus = self._check_gpus()
-        if gpus is None:  # no GPU here, or no answer from NVML
+        healthy = self._healthy_gpus()
+        if healthy is None:  # no GPU here, or no answer from NVML
             return n < (limit or 1), None
+        if not healthy:  # every GPU fails: one job at a time, its gate applies health.on_fail
+            return not any(j.gpu is None for j in self.jobs.values()), None
+        counts = {g["uuid"]: 0 for g in healthy}
+        for j in self.jobs.values():
+            if j.gpu is not None and j.gpu["uuid"] in counts:
+                counts[j.gpu["uuid"]] += 1
+        candidates = [g for g in healthy if limit is not None or counts[g["uuid"]] == 0]
+        if not candidates:
+            return False, None
+        g = min(candidates, key=lambda g: (counts[g["uuid"]], g["index"]))
+        return True, {"index": g["index"], "uuid": g["uuid"], "name": g["name"]}
+
+    def _healthy_gpus(self) -> list[dict] | None:
+        """Return the GPUs that pass the daemon's NVML check and are not resting after a failure
+        (``{"index", "uuid", "name", ...}``, by index; empty when every GPU fails), or None when
+        there is no GPU here or NVML does not answer. Logs a GPU that fails, or passes again."""
+        gpus = self._check_gpus()
+        if gpus is None:
+            return None
         now = time.monotonic()
         healthy = []
         for g in gpus:
@@ -384,17 +407,28 @@ class Daemon:
                 self.log.event("health", f"GPU {g['index']} ({g['uuid']}) passes its health check again; it takes "
                                "jobs", gpu_index=g["index"], gpu_uuid=g["uuid"], verdict=g["verdict"])
             healthy.append(g)
-        if not healthy:  # every GPU fails: one job at a time, its gate applies health.on_fail
-            return not any(j.gpu is None for j in self.jobs.values()), None
-        counts = {g["uuid"]: 0 for g in healthy}
-        for j in self.jobs.values():
-            if j.gpu is not None and j.gpu["uuid"] in counts:
-                counts[j.gpu["uuid"]] += 1
-        candidates = [g for g in healthy if limit is not None or counts[g["uuid"]] == 0]
-        if not candidates:
-            return False, None
-        g = min(candidates, key=lambda g: (counts[g["uuid"]], g["index"]))
-        return True, {"index": g["index"], "uuid": g["uuid"], "name": g["name"]}
+        return healthy
+
+    def _distributed(self, record: dict | None) -> bool:
+        """True when the job's dataset is at least ``daemon.distributed_min_bytes`` large (not 0)."""
+        least = self.cfg.daemon.distributed_min_bytes
+        return bool(least) and record is not None and record.get("size_bytes", 0) >= least
+
+    def _ranks(self) -> tuple[int, list[dict] | None]:
+        """Return (processes, their GPUs or None) for a distributed job starting now (no other job
+        runs): ``daemon.distributed_nproc`` ranks, ``auto`` one per healthy GPU; on the CPU (a host
+        without GPUs, or ``device: cpu``) N gloo ranks, none for ``auto``. (1, None) where that is
+        fewer than 2, or the device is pinned to one GPU or MPS: the job trains in one process."""
+        want = self.cfg.daemon.distributed_ranks()
+        if self.cfg.device == "cpu":
+            return (want, None) if want else (1, None)
+        if self._pinned():
+            return 1, None
+        healthy = self._healthy_gpus()
+        if healthy is None:  # a host without GPUs
+            return (want, None) if want else (1, None)
+        n = len(healthy) if want is None else min(want, len(healthy))
+        return (n, healthy[:n]) if n >= 2 else (1, None)
 
     def _slots_line(self) -> str:
         """Say how many jobs may run at once now (for the start-up line): ``max_jobs auto: 2 jobs,
@@ -640,14 +674,32 @@ class Daemon:
                            **self._fields(record))
             self._finish_done(record, metadata)
             return
-        for stale in ("epoch", "loss", "val_loss", "samples_per_s", "updated_at"):
+        for stale in ("epoch", "loss", "val_loss", "samples_per_s", "updated_at", "nproc"):
             record.pop(stale, None)
+        nproc, gpus = 1, None
+        if self._distributed(record):
+            if self.jobs:  # it runs alone: back to the head of the queue until the others have ended
+                self.pending.insert(0, job_id)
+                return
+            nproc, gpus = self._ranks()
+            if nproc > 1:
+                gpu = None
+                on = (f"GPUs {', '.join(str(g['index']) for g in gpus)} (nccl)" if gpus
+                      else f"{nproc} CPU processes (gloo)")
+                self.log.event("job-claimed", f"{safe_text(record['dataset'])}: {record.get('size_bytes', 0):,} bytes "
+                               f">= daemon.distributed_min_bytes: trains alone with {nproc} processes under "
+                               f"torchrun, on {on}", **self._fields(record))
         slot = min(set(range(len(self.jobs) + 1)) - {j.slot for j in self.jobs.values()})
         job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context, self.gate,
-                                gpu=gpu, slot=slot)
+                                gpu=gpu, slot=slot, nproc=nproc, gpus=gpus)
         self.jobs[job_id] = job
         if gpu is not None:
             record.update(gpu_index=gpu["index"], gpu_uuid=gpu["uuid"])
+        if nproc > 1:
+            record["nproc"] = nproc
+            if gpus:
+                record.update(gpu_index=",".join(str(g["index"]) for g in gpus),
+                              gpu_uuid=",".join(g["uuid"] for g in gpus))
         record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()),  # issue 11
                       job_pid=job.proc.pid, boot_id=boot_id(),
                       started_at=utc_now(), epochs=self.cfg.train.epochs, stage="health")
@@ -664,7 +716,9 @@ class Daemon:
                 what = f"epoch {r['epoch']}/{self.cfg.train.epochs} loss {r.get('loss', float('nan')):.4g}"
             else:
                 what = "health check" if job.stage == "health" else job.stage
-            where = f" on GPU {job.gpu['index']}" if job.gpu else ""
+            where = (f" on GPU {job.gpu['index']}" if job.gpu else
+                     f" on {job.nproc} processes" + (f" (GPUs {r.get('gpu_index')})" if job.gpus else "")
+                     if job.nproc > 1 else "")
             parts.append(f"training {safe_text(r.get('dataset', ''))} ({job.job_id}): {what}{where}")
         n = len(self.jobs)
         return f"{n} job{'' if n == 1 else 's'} running: {'; '.join(parts)}; {self.watcher.queued()} queued"
@@ -808,6 +862,11 @@ class Daemon:
             self._backoff = BACKOFF_S[0]
         elif kind == "deferred":
             self._defer(record, f["reason"])
+        elif kind == "interrupted" and f.get("checkpoint") is False:
+            record.update(state="interrupted", epoch=0)
+            save_record(self.spool, record)
+            self.log.event("job-interrupted", f"{name}: stopped; a distributed run keeps no checkpoint, so it "
+                           "trains again from epoch 1 on the next start", **fields)
         elif kind == "interrupted":
             record.update(state="interrupted", epoch=f["epoch"] - 1, checkpoint_at=utc_now())
             save_record(self.spool, record)

@@ -45,7 +45,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import queue
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -60,11 +62,12 @@ from .device import AMP_DTYPES, DevicePlan
 from .fsutil import utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
 from .threshold import pick_threshold
-from .train import (EpochStats, TrainingError, TrainResult, _blocks, batch_bounds, begin_run, clip_inputs, make_optimizer,
-                    split_sizes, standardise)
+from .train import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, _blocks, batch_bounds, begin_run,
+                    clip_inputs, make_optimizer, split_sizes, standardise)
 
 EPOCH_MARK = "ds-ops-epoch "  # rank 0's stdout line per epoch: the mark, then EpochStats as JSON
 RESULT_FILE = "result.pt"
+STOP_POLL_S = 0.5  # how often run_ranks asks should_stop() while the ranks run (seconds)
 
 
 @dataclass(frozen=True)
@@ -339,13 +342,16 @@ def _plain_batchnorm(model: nn.Module) -> TelemetryAutoencoder:
 
 def train_distributed(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, nproc: int, *,
                       offset: np.ndarray | None = None,
-                      on_epoch: Callable[[EpochStats], None] | None = None) -> TrainResult:
+                      on_epoch: Callable[[EpochStats], None] | None = None,
+                      should_stop: Callable[[], bool] | None = None) -> TrainResult:
     """Train on data (rows, D) with ``nproc`` processes under torchrun on this machine; return rank
     0's :class:`TrainResult` (``mean`` with ``offset`` added, as :func:`opt_ds_ops.train.train`).
 
     ``plan``: its device type (cpu: gloo; cuda: nccl, rank r on ``cuda:r`` of the visible GPUs) and
     AMP dtype apply to every rank. ``on_epoch`` gets rank 0's epochs as they end. The matrix goes
     to a private temporary directory (removed afterwards) that the ranks memory-map.
+    ``should_stop`` is polled about every 0.5 s while the ranks run; once it returns True the ranks
+    are stopped and TrainingInterrupted is raised with no checkpoint (a distributed run keeps none).
 
     Raises TrainingError naming the first rank that failed and its message (torchrun stops the
     others), or, before any process starts, for an ``nproc`` this machine or dataset cannot take:
@@ -373,7 +379,7 @@ def train_distributed(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, npro
         with open(os.path.join(tmp, "train.json"), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(cfg), f)
         run_ranks(nproc, ["--dir", tmp, "--device", plan.device.type, "--amp", plan.amp_name,
-                           "--tf32", "1" if plan.tf32 else "0"], tmp, on_epoch)
+                           "--tf32", "1" if plan.tf32 else "0"], tmp, on_epoch, should_stop=should_stop)
         return _read_result(os.path.join(tmp, RESULT_FILE), plan, offset)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -387,14 +393,16 @@ def torchrun_command(nproc: int, module_args: list[str], module: str = "opt_ds_o
 
 
 def run_ranks(nproc: int, module_args: list[str], out_dir: str, on_epoch: Callable[[EpochStats], None] | None,
-              module: str = "opt_ds_ops.distributed") -> None:
+              module: str = "opt_ds_ops.distributed", should_stop: Callable[[], bool] | None = None) -> None:
     """Run ``python -m module module_args`` in nproc ranks under torchrun, pass rank 0's epoch lines
     (``EPOCH_MARK``) to on_epoch, wait. The ranks report errors with :func:`run_rank` into out_dir,
     where torchrun's own output goes too (``torchrun.log``). Raises TrainingError naming the first
     rank that failed, if torchrun fails. The ranks import the same
     opt_ds_ops as this process (PYTHONPATH); each gets ``OMP_NUM_THREADS`` = CPUs / nproc unless set,
     and ``TMPDIR`` = out_dir.
-    Interrupted (KeyboardInterrupt, any error here), torchrun's process group is stopped."""
+    Interrupted (KeyboardInterrupt, any error here), torchrun's process group is stopped; so it is
+    once ``should_stop()`` (polled every :data:`STOP_POLL_S`, on the calling thread, as on_epoch
+    is) turns true, and then TrainingInterrupted(None) is raised."""
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -403,14 +411,32 @@ def run_ranks(nproc: int, module_args: list[str], out_dir: str, on_epoch: Callab
     with open(log_path, "wb") as log, _sigterm_raises():
         proc = subprocess.Popen(torchrun_command(nproc, module_args, module), stdout=subprocess.PIPE, stderr=log,
                                 env=env, start_new_session=True, text=True)
+        # torchrun's stdout is read on a thread; on_epoch and should_stop run here, on this thread only
+        # (the daemon's job sends both over one pipe, which takes one writer at a time)
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout] + [lines.put(None)],
+                                  name="ds-ops torchrun stdout", daemon=True)
+        reader.start()
+        stopped = False
         try:
-            for line in proc.stdout:
+            while True:
+                try:
+                    line = lines.get(timeout=STOP_POLL_S)
+                except queue.Empty:
+                    line = ""
+                if line is None:
+                    break
                 if line.startswith(EPOCH_MARK) and on_epoch is not None:
                     on_epoch(EpochStats(**json.loads(line[len(EPOCH_MARK):])))
+                if should_stop is not None and not stopped and should_stop():
+                    stopped = True
+                    _stop(proc)
             rc = proc.wait()
         except BaseException:
             _stop(proc)
             raise
+    if stopped:
+        raise TrainingInterrupted(None)
     if rc != 0:
         raise TrainingError(_failure(out_dir, log_path, rc))
 

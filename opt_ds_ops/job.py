@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import __version__
@@ -240,6 +241,7 @@ def run_job(
     explicit_name: bool = False,
     nproc: int = 1,
     scratch_dir: str | None = None,
+    distributed_optional: bool = False,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -253,8 +255,12 @@ def run_job(
     the conffile's ``dataset:``; a sidecar's, see :func:`read_sidecar`); ``explicit_name``: ``name``
     was set by a person (sidecar or ``--name``), not made from the file name, so it may take over
     another file's model (:func:`check_model_name`). ``nproc`` > 1 trains with that many processes
-    under torchrun (:func:`opt_ds_ops.distributed.train_distributed`; no ``should_stop``/``resume``
-    there; metadata.json's ``distributed`` says world size and backend). A text, Parquet or Arrow
+    under torchrun (:func:`opt_ds_ops.distributed.train_distributed`; ``should_stop`` ends the
+    ranks and raises TrainingInterrupted without a checkpoint, ``resume`` is not used;
+    metadata.json's ``distributed`` says world size and backend). ``distributed_optional`` (the
+    daemon's ``daemon.distributed_min_bytes``): where a distributed run cannot take the dataset (it
+    streams, or ``train.input_window`` > 1) it trains in one process and the dataset's notes say
+    why, instead of failing. A text, Parquet or Arrow
     dataset whose matrix is over the job's budget is converted into a float32 ``.npy`` in
     ``scratch_dir`` (the daemon: the job's own directory; default :func:`scratch_dir_for`, removed
     here at the end) and streamed (:mod:`opt_ds_ops.dataset.core`); a failure to write it is a
@@ -286,13 +292,19 @@ def run_job(
             plan = plan or plan_device(cfg.device, cfg.amp, tf32=cfg.tf32)
         except DeviceError as e:
             raise JobError("health", str(e), e) from e
+        if nproc > 1 and distributed_optional and (not isinstance(ds.data, np.ndarray) or cfg.train.input_window > 1):
+            why = ("it streams from disk (over the job's matrix budget)" if not isinstance(ds.data, np.ndarray)
+                   else f"train.input_window is {cfg.train.input_window}")
+            ds.notes.append(f"trained in one process, not {nproc} (daemon.distributed_min_bytes): {why}")
+            nproc = 1
         stage("training")
         sampler = sampler_for(health)  # per-epoch NVML readings of the GPU the gate chose; None off CUDA
         try:
             if nproc > 1:
                 from .distributed import train_distributed  # torch.distributed only where it is used
 
-                result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch)
+                result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch,
+                                           should_stop=should_stop)
             else:
                 result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
                                offset=ds.offset, read_gpu=sampler.read if sampler is not None else None)

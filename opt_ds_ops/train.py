@@ -42,10 +42,13 @@ class TrainingError(RuntimeError):
 
 
 class TrainingInterrupted(Exception):
-    """Raised when ``should_stop()`` turned true; ``checkpoint`` resumes the job exactly (see :func:`train`)."""
+    """Raised when ``should_stop()`` turned true; ``checkpoint`` resumes the job exactly (see
+    :func:`train`), or is None (a distributed run, :func:`opt_ds_ops.distributed.train_distributed`,
+    keeps none)."""
 
-    def __init__(self, checkpoint: dict):
-        super().__init__(f"training interrupted at epoch {checkpoint['epoch'] + 1}, batch {checkpoint['batch']}")
+    def __init__(self, checkpoint: dict | None):
+        super().__init__("training interrupted" if checkpoint is None else
+                         f"training interrupted at epoch {checkpoint['epoch'] + 1}, batch {checkpoint['batch']}")
         self.checkpoint = checkpoint
 
 

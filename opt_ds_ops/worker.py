@@ -87,15 +87,18 @@ class JobProcess:
     """
 
     def __init__(self, spool_root: str, job_id: str, record: dict, cfg, ctx=None, gate=None,
-                 gpu: dict | None = None, slot: int = 0):
+                 gpu: dict | None = None, slot: int = 0, nproc: int = 1, gpus: list[dict] | None = None):
         ctx = ctx or context()
         self.job_id = job_id
         self.gpu = gpu  # {"index": NVML index, "uuid": "GPU-..."} the job may use, or None (its gate chooses)
         self.slot = slot  # the daemon's number for this running job (0..max_jobs-1), for the metrics
+        self.nproc = nproc  # > 1: one dataset on nproc processes (daemon.distributed_min_bytes), alone
+        self.gpus = gpus  # the GPUs such a job may use (one rank each), or None (CPU ranks)
         self._conn, child_conn = ctx.Pipe(duplex=False)
         self.stop_event = ctx.Event()
         self.proc = ctx.Process(target=job_main, name=f"ds-ops job {job_id}",
-                                args=(child_conn, self.stop_event, spool_root, job_id, record, cfg, gate, gpu))
+                                args=(child_conn, self.stop_event, spool_root, job_id, record, cfg, gate, gpu,
+                                      nproc, gpus))
         self.proc.start()
         child_conn.close()
         now = time.monotonic()
@@ -184,15 +187,21 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, gate=None,
-             gpu: dict | None = None) -> None:
+             gpu: dict | None = None, nproc: int = 1, gpus: list[dict] | None = None) -> None:
     """The job process: gate, load, train, store; report to the daemon over conn (see the module docstring).
 
     ``gate(cfg, need_bytes) -> GateDecision`` replaces :func:`opt_ds_ops.health.gate_job` (tests
     only; a module-level function, pickled by name). ``gpu`` (``{"index", "uuid"}``) is the GPU
     the daemon gave the job: ``CUDA_VISIBLE_DEVICES`` is set to its UUID before CUDA initialises.
+    ``nproc`` > 1: the dataset trains on that many processes under torchrun
+    (:func:`opt_ds_ops.job.run_job`'s ``nproc``, one process where the data streams), on ``gpus``
+    (``CUDA_VISIBLE_DEVICES`` = their UUIDs, rank r on the r-th) or, None, on the CPU; a stop
+    ends the ranks and keeps no checkpoint (the next start trains from epoch 1).
     """
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu["uuid"]
+    elif gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in gpus)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C goes to the daemon, which decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -279,9 +288,12 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                           on_epoch=lambda s: send("epoch", **s.as_dict()), should_stop=should_stop,
                           resume=resume, job_id=job_id, source_name=name, sha256=record.get("sha256"),
                           on_stage=on_stage, options=options, explicit_name=bool(record.get("name_explicit")),
-                          scratch_dir=spool.job_dir(job_id))
+                          scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True)
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
+            if ckpt is None:  # a distributed run keeps none: it trains again from epoch 1
+                send("interrupted", epoch=1, batch=None, checkpoint=False)
+                return
             save_checkpoint(spool, job_id, {"job_id": job_id, "train_config": train_cfg, "amp_dtype": plan.amp_name,
                                             "saved_at": utc_now(), "checkpoint": ckpt})
             send("interrupted", epoch=len(ckpt.get("history", [])) + 1, batch=ckpt.get("batch"))
