@@ -190,8 +190,24 @@ def mem_total_bytes() -> int:
 
 
 # What a job process holds before any dataset (bytes of RLIMIT_DATA, i.e. VmData): torch, numpy,
-# pyarrow and ds-ops imported and one small training run, measured 365 MiB with torch 2.13 CPU.
+# pyarrow and ds-ops imported and one small training run, measured 365 MiB with torch 2.13 CPU. The
+# least a job's base is taken to be; a job measures its own (:func:`data_segment_bytes`), which is
+# larger with a CUDA build of torch: 1.35 GB after ``import torch`` (2.11+cu130, NVIDIA H200
+# machine), 1.41 GB once CUDA is initialised.
 JOB_BASE_BYTES = 400 * 1024**2
+
+
+def data_segment_bytes() -> int:
+    """Return this process's data segment (``VmData`` of /proc/self/status, bytes): what counts
+    against ``RLIMIT_DATA``; 0 where it cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 @dataclass(frozen=True)
@@ -202,7 +218,8 @@ class JobConfig:
     or a percentage of RAM). ``max_decompressed_bytes``: bytes a compressed dataset (``.gz``,
     ``.npz`` member) may inflate to. ``max_columns``: metrics per row (the model's weights grow
     with it). ``max_matrix_bytes``: the float32 matrix (rows x columns x 4 bytes); 0 = a quarter
-    of what ``memory_max`` leaves beside :data:`JOB_BASE_BYTES`: text parses into a float32 matrix
+    of what ``memory_max`` leaves beside the job's own data segment (measured in the job, at least
+    :data:`JOB_BASE_BYTES`): text parses into a float32 matrix
     (peak up to 2x the matrix, measured) and training adds about 2.4x (the standardised training
     split and the epoch's shuffled copy), so a quarter leaves room for both. A larger dataset is
     streamed instead (:mod:`opt_ds_ops.stream`; text, Parquet and Arrow after one conversion to a
@@ -214,7 +231,7 @@ class JobConfig:
     memory_max: str = _field("50%", _size_ok, "bytes, a size like 8G, or a percentage of RAM like 50%")
     max_decompressed_bytes: int = _field(16 * 1024**3, _positive, "bytes > 0")
     max_columns: int = _field(4096, _positive, "an integer >= 1")
-    max_matrix_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: a quarter of memory_max beyond 400 MiB)")
+    max_matrix_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: a quarter of memory_max beyond the job's own memory)")
     stall_timeout_s: float = _field(600.0, _positive, "seconds > 0")
     health_timeout_s: float = _field(30.0, _positive, "seconds > 0")
 
@@ -222,10 +239,12 @@ class JobConfig:
         """Return ``memory_max`` in bytes (a percentage is of this machine's RAM)."""
         return parse_size(self.memory_max, mem_total_bytes())
 
-    def matrix_budget_bytes(self) -> int:
+    def matrix_budget_bytes(self, base_bytes: int = JOB_BASE_BYTES) -> int:
         """Return the largest float32 matrix (bytes) a job may load: ``max_matrix_bytes``, or a quarter
-        of ``memory_max`` beyond :data:`JOB_BASE_BYTES` (at least 1 MiB)."""
-        return self.max_matrix_bytes or max(self.memory_max_bytes() - JOB_BASE_BYTES, 4 * 1024**2) // 4
+        of ``memory_max`` beyond ``base_bytes`` (what the job holds already: at least
+        :data:`JOB_BASE_BYTES`; a job passes its own :func:`data_segment_bytes`), at least 1 MiB."""
+        base = max(base_bytes, JOB_BASE_BYTES)
+        return self.max_matrix_bytes or max(self.memory_max_bytes() - base, 4 * 1024**2) // 4
 
 
 @dataclass(frozen=True)

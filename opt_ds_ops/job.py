@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from . import __version__
-from .config import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, DatasetConfig, config_to_dict, parse_sidecar
+from .config import (SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, DatasetConfig, config_to_dict,
+                     data_segment_bytes, parse_sidecar)
 from .dataset import Dataset, DatasetError, DatasetLimits, SpillError, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import pid_alive, read_small
@@ -283,7 +284,7 @@ def run_job(
     with _scratch(cfg.models_dir, scratch_dir) as scratch_dir:
         try:
             limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes, stream_large_npy=True,
-                                               spill_dir=scratch_dir)
+                                               spill_dir=scratch_dir, base_bytes=data_segment_bytes())
             ds = load_dataset(path, limits, options)
             sha = sha256 or file_sha256(path)
         except (DatasetError, SpillError) as e:

@@ -71,8 +71,11 @@ class DatasetLimits:
 
     @classmethod
     def from_config(cls, job_cfg: JobConfig, max_dataset_bytes: int | None = None, *,
-                    stream_large_npy: bool = False, spill_dir: str | None = None) -> DatasetLimits:
-        """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes()``).
+                    stream_large_npy: bool = False, spill_dir: str | None = None,
+                    base_bytes: int = 0) -> DatasetLimits:
+        """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes(base_bytes)``,
+        ``base_bytes`` being what the job's process holds already, see
+        :func:`opt_ds_ops.config.data_segment_bytes`).
 
         ``max_dataset_bytes`` (``spool.max_dataset_bytes``) also bounds the decompressed bytes: a
         9.6 KB ``.csv.gz`` that inflates to 3.8 MB passes a 1 MB limit on the file's size only.
@@ -81,7 +84,7 @@ class DatasetLimits:
         return cls(
             max_decompressed_bytes=min(inflated, max_dataset_bytes) if max_dataset_bytes else inflated,
             max_columns=job_cfg.max_columns,
-            max_matrix_bytes=job_cfg.matrix_budget_bytes(),
+            max_matrix_bytes=job_cfg.matrix_budget_bytes(base_bytes),
             stream_large_npy=stream_large_npy,
             spill_dir=spill_dir,
         )

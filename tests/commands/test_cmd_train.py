@@ -74,14 +74,24 @@ def test_bad_input_exits_1_with_a_message_and_writes_nothing(tmp_path, name):
     assert not models.exists() or not any(models.rglob("*"))
 
 
-def test_a_dataset_past_the_configs_matrix_budget_exits_1_and_writes_nothing(tmp_path, small_smd_csv):
+def test_a_dataset_past_the_configs_matrix_budget_trains_from_a_converted_copy_and_says_so(tmp_path, small_smd_csv):
+    """Issue 12: 3,000 rows of 38 (456,000 bytes as float32) under a 152,000-byte budget are no
+    longer refused: they are converted into MODELS_DIR/.convert-PID while read, streamed, and the
+    copy is gone afterwards; scoring, which does not stream, still refuses the file."""
+    models = tmp_path / "models"
     conf = tmp_path / "trainer.yaml"
-    conf.write_text(f"models_dir: {tmp_path / 'models'}\njob:\n  max_matrix_bytes: 152000\n")  # 1000 rows of 38
+    conf.write_text(f"models_dir: {models}\njob:\n  max_matrix_bytes: 152000\n")  # 1000 rows of 38
     p = run_cli("train", str(small_smd_csv), "--config", str(conf))
+    assert p.returncode == 0, p.stderr
+    assert "note: the float32 matrix (456,000 bytes) exceeds the job's budget: streamed from disk" in p.stdout
+    assert (f"3,000 rows x 38 features (456,000 bytes as float32) are over job.max_matrix_bytes (152,000): "
+            f"converted while read into {models}/.convert-") in p.stdout
+    assert sorted(os.listdir(models)) == ["machine-small"]
+    model_dir = str(models / "machine-small" / "current")
+    p = run_cli("score", model_dir, str(small_smd_csv), "--config", str(conf))
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.strip() == (f"ds-ops: error: {small_smd_csv}: more than 1000 rows of 38 columns; the float32 "
                                 "matrix would pass job.max_matrix_bytes (152000 bytes, 152 bytes a row)")
-    assert not (tmp_path / "models").exists()
 
 
 def test_bad_arrays_exit_1_and_write_nothing(tmp_path):
