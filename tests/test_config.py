@@ -94,3 +94,18 @@ def test_daemon_max_jobs_refuses_anything_else_with_the_key_and_the_rule(tmp_pat
     path.write_text(f"daemon:\n  max_jobs: {value}\n")
     with pytest.raises(ConfigError, match="key 'daemon.max_jobs' must be auto or an integer >= 1"):
         load_config(str(path))
+
+
+def test_the_matrix_budget_leaves_the_jobs_own_measured_memory_aside():
+    """A quarter of memory_max beyond what the process holds: VmData (read from /proc, as a job
+    does; this test process has torch and numpy loaded, more than 100 MiB), never less than
+    JOB_BASE_BYTES; an explicit max_matrix_bytes wins."""
+    from opt_ds_ops.config import JOB_BASE_BYTES, JobConfig, data_segment_bytes
+
+    held = data_segment_bytes()
+    assert held > 100 * 1024**2
+    job = JobConfig(memory_max="8G")
+    assert job.matrix_budget_bytes() == (8 * 1024**3 - JOB_BASE_BYTES) // 4
+    assert job.matrix_budget_bytes(2 * 1024**3) == 6 * 1024**3 // 4
+    assert job.matrix_budget_bytes(1024) == job.matrix_budget_bytes()
+    assert JobConfig(memory_max="8G", max_matrix_bytes=12345).matrix_budget_bytes(held) == 12345
