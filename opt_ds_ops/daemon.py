@@ -133,6 +133,7 @@ def result_doc(record: dict, metadata: dict) -> dict:
         "resumed_from_epoch": record.get("resumed_from_epoch"),
         "gpu_index": record.get("gpu_index"),
         "gpu_uuid": record.get("gpu_uuid"),
+        "distributed": metadata.get("distributed"),  # {"world_size", "backend"} of a torchrun job, else None
         "crashes": record.get("crashes", 0),
         "restarts": record.get("restarts", 0),
     }
@@ -688,7 +689,8 @@ class Daemon:
                       else f"{nproc} CPU processes (gloo)")
                 self.log.event("job-claimed", f"{safe_text(record['dataset'])}: {record.get('size_bytes', 0):,} bytes "
                                f">= daemon.distributed_min_bytes: trains alone with {nproc} processes under "
-                               f"torchrun, on {on}", **self._fields(record))
+                               f"torchrun, on {on} (in one process if its data streams, being over "
+                               "job.max_matrix_bytes, or train.input_window > 1)", **self._fields(record))
         slot = min(set(range(len(self.jobs) + 1)) - {j.slot for j in self.jobs.values()})
         job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context, self.gate,
                                 gpu=gpu, slot=slot, nproc=nproc, gpus=gpus)
@@ -863,6 +865,8 @@ class Daemon:
         elif kind == "deferred":
             self._defer(record, f["reason"])
         elif kind == "interrupted" and f.get("checkpoint") is False:
+            for stale in ("loss", "val_loss", "samples_per_s"):  # of an epoch the next start does again
+                record.pop(stale, None)
             record.update(state="interrupted", epoch=0)
             save_record(self.spool, record)
             self.log.event("job-interrupted", f"{name}: stopped; a distributed run keeps no checkpoint, so it "

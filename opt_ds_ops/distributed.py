@@ -343,13 +343,17 @@ def _plain_batchnorm(model: nn.Module) -> TelemetryAutoencoder:
 def train_distributed(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, nproc: int, *,
                       offset: np.ndarray | None = None,
                       on_epoch: Callable[[EpochStats], None] | None = None,
-                      should_stop: Callable[[], bool] | None = None) -> TrainResult:
+                      should_stop: Callable[[], bool] | None = None,
+                      work_dir: str | None = None) -> TrainResult:
     """Train on data (rows, D) with ``nproc`` processes under torchrun on this machine; return rank
     0's :class:`TrainResult` (``mean`` with ``offset`` added, as :func:`opt_ds_ops.train.train`).
 
     ``plan``: its device type (cpu: gloo; cuda: nccl, rank r on ``cuda:r`` of the visible GPUs) and
     AMP dtype apply to every rank. ``on_epoch`` gets rank 0's epochs as they end. The matrix goes
     to a private temporary directory (removed afterwards) that the ranks memory-map.
+    ``work_dir``: the directory that private directory is made in (created if missing; default the
+    system's temporary directory): a job's own directory, so that a kill of everything (SIGKILL,
+    power loss) leaves the matrix copy where the job's cleanup removes it.
     ``should_stop`` is polled about every 0.5 s while the ranks run; once it returns True the ranks
     are stopped and TrainingInterrupted is raised with no checkpoint (a distributed run keeps none).
 
@@ -373,7 +377,9 @@ def train_distributed(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, npro
         raise TrainingError(f"--nproc {nproc}: train.input_window is {cfg.input_window}; a distributed run trains "
                             "on single rows (input_window: 1)")
     ddp_batch_bounds(split_sizes(data.shape[0], cfg.val_fraction)[0], cfg.batch_size, nproc)
-    tmp = tempfile.mkdtemp(prefix="ds-ops-ddp-")
+    if work_dir is not None:
+        os.makedirs(work_dir, mode=0o700, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="ds-ops-ddp-", dir=work_dir)
     try:
         np.save(os.path.join(tmp, "data.npy"), np.ascontiguousarray(data, dtype=np.float32))
         with open(os.path.join(tmp, "train.json"), "w", encoding="utf-8") as f:

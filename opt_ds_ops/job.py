@@ -264,7 +264,8 @@ def run_job(
     why, instead of failing. A text, Parquet or Arrow
     dataset whose matrix is over the job's budget is converted into a float32 ``.npy`` in
     ``scratch_dir`` (the daemon: the job's own directory; default :func:`scratch_dir_for`, removed
-    here at the end) and streamed (:mod:`opt_ds_ops.dataset.core`); a failure to write it is a
+    here at the end) and streamed (:mod:`opt_ds_ops.dataset.core`); a distributed run's copy of the
+    matrix for its ranks goes there too; a failure to write it is a
     JobError of stage dataset carrying its errno (ENOSPC: the daemon pauses, the dataset stays).
     When ``health`` names the GPU the gate chose,
     each epoch carries its NVML reading (:mod:`opt_ds_ops.gpustats`; a failing NVML never fails the
@@ -305,7 +306,7 @@ def run_job(
                 from .distributed import train_distributed  # torch.distributed only where it is used
 
                 result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch,
-                                           should_stop=should_stop)
+                                           should_stop=should_stop, work_dir=scratch_dir)
             else:
                 result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
                                offset=ds.offset, read_gpu=sampler.read if sampler is not None else None)

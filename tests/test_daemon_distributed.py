@@ -72,6 +72,10 @@ def test_a_dataset_over_distributed_min_bytes_trains_alone_on_two_gloo_ranks(tmp
     """Dropped in the order a, big, b (max_jobs 2): a.csv trains in one process; big.csv (>=
     40,000 bytes) waits for it, then trains alone on 2 processes under torchrun; b.csv, behind it
     in the queue, waits until it has ended (first come, first served; never beside it)."""
+    import glob
+    import tempfile
+
+    outside = set(glob.glob(f"{tempfile.gettempdir()}/ds-ops-ddp-*"))
     d, sent = start(tmp_path, monkeypatch)
     assert drop(tmp_path, "a.csv", 300, 1) < 40_000
     time.sleep(0.05)
@@ -90,6 +94,11 @@ def test_a_dataset_over_distributed_min_bytes_trains_alone_on_two_gloo_ranks(tmp
     assert big["distributed"]["world_size"] == 2 and big["distributed"]["backend"] == "gloo", big["distributed"]
     assert big["dataset"]["rows"] == 3000
     assert all(metadata(tmp_path, n)["distributed"] is None for n in ("a.csv", "b.csv"))
+    result = read_json(spool_dir(tmp_path, "done") / "big.csv.result.json")
+    assert result["distributed"] == {"world_size": 2, "backend": "gloo"}
+    # the ranks' copy of the matrix lived in the job's directory (gone with it), not in /tmp
+    assert set(glob.glob(f"{tempfile.gettempdir()}/ds-ops-ddp-*")) == outside
+    assert os.listdir(spool_dir(tmp_path, "processing")) == []
     messages = [e["MESSAGE"] for e in sent]
     assert any(m.startswith("big.csv: ") and "daemon.distributed_min_bytes: trains alone with 2 processes under "
                "torchrun, on 2 CPU processes (gloo)" in m for m in messages), messages

@@ -85,6 +85,6 @@ def test_a_csv_and_a_parquet_over_the_job_budget_train_streamed_from_the_jobs_ow
         assert md["data_placement"] == "streamed" and md["dataset"]["rows"] == 20_000, md["data_placement"]
         assert md["dataset"]["columns"] == 4
         note = next(n for n in md["dataset"]["notes"] if "over job.max_matrix_bytes (100,000)" in n)
-        assert f" into {spool_dir(tmp_path, 'processing')}/" in note and note.endswith("/converted.npy and streamed from there")
+        assert f" into {spool_dir(tmp_path, 'processing')}/" in note and note.endswith("/converted.npy and streamed from there (removed after training)")
     assert os.listdir(spool_dir(tmp_path, "processing")) == []
     assert not [n for n in os.listdir(tmp_path / "models") if n.startswith(".")]

@@ -117,6 +117,6 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
     if fmt != "npy" and hasattr(data, "select"):  # an opt_ds_ops.stream.NpyRows: spilled (see .core); say where
         notes = notes + [f"{data.shape[0]:,} rows x {data.shape[1]} features ({data.nbytes:,} bytes as float32) are "
                          f"over job.max_matrix_bytes ({limits.max_matrix_bytes:,}): converted while read into "
-                         f"{data.path} and streamed from there"]
+                         f"{data.path} and streamed from there (removed after training)"]
     return Dataset(path=path, format=fmt, data=data, header=header, size_bytes=size, offset=offset, time=time,
                    left_out=left_out, notes=notes, feature_columns=feature_columns)
