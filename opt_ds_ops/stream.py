@@ -261,7 +261,8 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
         rows_train=n, rows_val=n_val, skipped_steps=skipped_total, started_at=started, ended_at=utc_now(),
         duration_s=time.perf_counter() - t_start, data_placement="streamed",
         placement_note=(f"the float32 matrix ({source.nbytes:,} bytes) exceeds the job's budget: streamed from disk "
-                        f"in chunks of {chunk:,} rows, shuffled {WINDOW_CHUNKS} chunks at a time"),
+                        + (f"in chunks of {chunk:,} rows, shuffled {WINDOW_CHUNKS} chunks at a time" if len(chunks) > 1
+                           else f"in one chunk of {n:,} rows, shuffled whole")),
         step_mode=step.mode, extra={"validation_scores": scores}, score_smoothing=cfg.score_smoothing,
         input_clip=cfg.input_clip, error_floor=cfg.error_floor, threshold_method=cfg.threshold_method,
     )

@@ -7,6 +7,7 @@ CI can run. On GPUs the same code gives each rank a GPU (nccl); that needs GPUs 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import multiprocessing
@@ -60,6 +61,16 @@ def run(d, tmp_path, until, sent) -> list[list[tuple[str, int]]]:
         assert not failed_names(tmp_path), [e["MESSAGE"] for e in sent]
         seen.append(sorted((d.records[j.job_id]["dataset"], j.nproc) for j in d.jobs.values()))
     return seen
+
+
+def stop(d) -> None:
+    """Ask the daemon to stop (as SIGTERM does) and tick it until its jobs have ended."""
+    d.stop_requested = True
+    deadline = time.monotonic() + DEADLINE_S
+    while d.jobs:
+        assert time.monotonic() < deadline
+        d._tick()
+    d.watcher.stop()
 
 
 def metadata(tmp_path, name: str) -> dict:
@@ -141,12 +152,14 @@ def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_e
 
     run(d, tmp_path, training, sent)
     assert len(ranks()) == 2
-    d.stop_requested = True
-    deadline = time.monotonic() + DEADLINE_S
-    while d.jobs:
-        assert time.monotonic() < deadline
-        d._tick()
-    d.watcher.stop()
+    from opt_ds_ops.commands.status import _print
+    from opt_ds_ops.spool import spool_status
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _print(spool_status(d.spool))
+    assert "with 2 processes under torchrun" in out.getvalue(), out.getvalue()
+    stop(d)
     record = job_record(tmp_path, "big.csv")
     assert record["state"] == "interrupted" and record["epoch"] == 0, record
     assert not (spool_dir(tmp_path, "processing") / record["job_id"] / "checkpoint.pt").exists()
@@ -161,10 +174,5 @@ def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_e
     seen = run(again, tmp_path, training, sent)
     assert [("big.csv", 2)] in seen
     assert "resumed_from_epoch" not in job_record(tmp_path, "big.csv")
-    again.stop_requested = True
-    deadline = time.monotonic() + DEADLINE_S
-    while again.jobs:
-        assert time.monotonic() < deadline
-        again._tick()
-    again.watcher.stop()
+    stop(again)
     assert ranks() == []

@@ -82,8 +82,11 @@ def _job_line(job: dict) -> str:
         else:
             epoch = f" ({job.get('stage') or 'loading'})"
         device = f" on {job['device']}" if job.get("device") else ""
-        gpu = f" (GPU {job['gpu_index']} {job.get('gpu_uuid', '')})" if job.get("gpu_index") is not None else ""
-        what = f"training{epoch}{device}{gpu}, daemon pid {job.get('pid')}"
+        ranks = int(job.get("nproc") or 1)
+        gpu = (f" (GPU{'s' if ranks > 1 else ''} {job['gpu_index']} {job.get('gpu_uuid', '')})"
+               if job.get("gpu_index") is not None else "")
+        under = f" with {ranks} processes under torchrun" if ranks > 1 else ""
+        what = f"training{epoch}{device}{gpu}{under}, daemon pid {job.get('pid')}"
     elif job.get("daemon_alive") and state == "claiming":
         what = "being copied into processing/ by the daemon"
     elif job.get("daemon_alive") and state == "claimed":
