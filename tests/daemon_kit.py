@@ -217,3 +217,14 @@ def copy_smd(dest: Path) -> Path:
     """Copy the bundled real SMD machine-1-2 training file (gzip text) to dest."""
     dest.write_bytes(SMD_TRAIN.read_bytes())
     return dest
+
+
+def stop_in_process(d, deadline_s: float = 300) -> None:
+    """Ask an in-process Daemon to stop (as its SIGTERM handler does), tick it until its jobs have
+    ended (asserting they do within deadline_s seconds), then stop its watcher."""
+    d.stop_requested = True
+    deadline = time.monotonic() + deadline_s
+    while d.jobs:
+        assert time.monotonic() < deadline
+        d._tick()
+    d.watcher.stop()

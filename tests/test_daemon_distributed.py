@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, write_config
+from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, stop_in_process, write_config
 
 DEADLINE_S = 300  # a generous end for one test's jobs on a shared 2-core machine (not a measurement)
 
@@ -61,16 +61,6 @@ def run(d, tmp_path, until, sent) -> list[list[tuple[str, int]]]:
         assert not failed_names(tmp_path), [e["MESSAGE"] for e in sent]
         seen.append(sorted((d.records[j.job_id]["dataset"], j.nproc) for j in d.jobs.values()))
     return seen
-
-
-def stop(d) -> None:
-    """Ask the daemon to stop (as SIGTERM does) and tick it until its jobs have ended."""
-    d.stop_requested = True
-    deadline = time.monotonic() + DEADLINE_S
-    while d.jobs:
-        assert time.monotonic() < deadline
-        d._tick()
-    d.watcher.stop()
 
 
 def metadata(tmp_path, name: str) -> dict:
@@ -159,7 +149,7 @@ def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_e
     with contextlib.redirect_stdout(out):
         _print(spool_status(d.spool))
     assert "with 2 processes under torchrun" in out.getvalue(), out.getvalue()
-    stop(d)
+    stop_in_process(d, DEADLINE_S)
     record = job_record(tmp_path, "big.csv")
     assert record["state"] == "interrupted" and record["epoch"] == 0, record
     assert not (spool_dir(tmp_path, "processing") / record["job_id"] / "checkpoint.pt").exists()
@@ -174,5 +164,5 @@ def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_e
     seen = run(again, tmp_path, training, sent)
     assert [("big.csv", 2)] in seen
     assert "resumed_from_epoch" not in job_record(tmp_path, "big.csv")
-    stop(again)
+    stop_in_process(again, DEADLINE_S)
     assert ranks() == []

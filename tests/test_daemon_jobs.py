@@ -21,7 +21,7 @@ import time
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, write_config
+from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, stop_in_process, write_config
 from fakes import scripted_gate
 from fakes.fake_pynvml import FakeNvml, install
 from fakes.scripted_gate import GPU_UUIDS
@@ -220,12 +220,7 @@ def test_sigterm_checkpoints_every_running_job_and_the_restart_resumes_each_on_a
         return check
 
     def stop(daemon) -> dict:
-        daemon.stop_requested = True
-        deadline = time.monotonic() + DEADLINE_S
-        while daemon.jobs:
-            assert time.monotonic() < deadline
-            daemon._tick()
-        daemon.watcher.stop()
+        stop_in_process(daemon, DEADLINE_S)
         stopped = {n: job_record(tmp_path, n) for n in ("a.csv", "b.csv")}
         assert all((r or {}).get("state") == "interrupted" for r in stopped.values()), (
             stopped, done_names(tmp_path), failed_names(tmp_path), [e["MESSAGE"] for e in sent][-10:])
