@@ -420,8 +420,13 @@ def run_ranks(nproc: int, module_args: list[str], out_dir: str, on_epoch: Callab
         # torchrun's stdout is read on a thread; on_epoch and should_stop run here, on this thread only
         # (the daemon's job sends both over one pipe, which takes one writer at a time)
         lines: queue.Queue = queue.Queue()
-        reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout] + [lines.put(None)],
-                                  name="ds-ops torchrun stdout", daemon=True)
+
+        def pump() -> None:
+            for ln in proc.stdout:
+                lines.put(ln)
+            lines.put(None)  # torchrun closed its stdout
+
+        reader = threading.Thread(target=pump, name="ds-ops torchrun stdout", daemon=True)
         reader.start()
         stopped = False
         try:
