@@ -7,7 +7,10 @@ down). If inotify cannot be used (instance or watch limit reached) or ``spool.wa
 ``poll``, the directory is rescanned every :data:`POLL_INTERVAL_S` instead.
 
 A regular file is ready when no one has it open (opens minus closes seen by inotify, carried
-across renames, so a ``.part`` file still open when renamed stays busy) and:
+across renames, so a ``.part`` file still open when renamed stays busy), or when the only opens
+since its last close-after-write are reads and it has been unchanged for ``spool.quiet_s``:
+another member who opens a dataset and keeps it open cannot hold it up (a writer's write while
+it is open keeps it busy until the close; the claim's copy puts back a file that changes), and:
 
 * it arrived by ``rename(2)`` into incoming/: at once (the safe way to drop a file);
 * it was closed after writing: once unchanged for ``spool.settle_s``;
@@ -52,6 +55,7 @@ class _Entry:
     seq: int  # arrival order (first come, first served)
     how: str  # moved (arrived by rename), closed (closed after writing), open (being written), scan
     opens: int = 0  # opens minus closes seen by inotify
+    written: bool = False  # written while open since the last close-after-write: a writer holds it
     sig: tuple | None = None  # (size, mtime_ns, inode, link count) at the last look
     stable_since: float = 0.0  # monotonic seconds since which sig is unchanged
     ignored_ino: int | None = None  # not a regular file: reported once, left alone while this inode stays
@@ -198,9 +202,10 @@ class IncomingWatcher:
             elif what in ("closed", "closed_no_write"):
                 entry.opens = max(0, entry.opens - 1)
                 if what == "closed":
-                    entry.how = "closed"
+                    entry.how, entry.written = "closed", False
             elif what == "writing":
                 entry.how = "open"
+                entry.written = entry.opens > 0
 
     def moved(self, src: str | None, dest: str | None) -> None:
         """Record a rename: src leaves incoming/ (or None: came from elsewhere), dest arrives (or None)."""
@@ -224,6 +229,7 @@ class IncomingWatcher:
             if entry is None:
                 entry = self._entries[dest_name] = _Entry(next(self._seq), how="moved")
             entry.how, entry.opens, entry.sig = "moved", opens, None
+            entry.written = opens > 0  # renamed in while still open: its writer holds it
 
     def idle(self, timeout_s: float) -> None:
         """Wait up to timeout_s seconds for the next event (the daemon's idle sleep)."""
@@ -235,7 +241,7 @@ class IncomingWatcher:
         with self._lock:
             self._opens_hidden.clear()
             for entry in self._entries.values():
-                entry.opens, entry.how = 0, "scan"
+                entry.opens, entry.how, entry.written, entry.sig = 0, "scan", False, None  # quiet_s from now
             self._next_scan = 0.0
 
     def scan(self) -> None:
@@ -283,11 +289,15 @@ class IncomingWatcher:
                 if not stat.S_ISREG(st.st_mode):
                     out.append(name)
                     continue
-                if entry.opens > 0 or now < entry.not_before:
+                if now < entry.not_before:
                     continue
                 sig = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_nlink)
                 if sig != entry.sig:
                     entry.sig, entry.stable_since = sig, now
+                if entry.opens > 0:  # held open: by its writer (wait for the close) or by a reader
+                    if not entry.written and st.st_size and now - entry.stable_since >= self.quiet_s:
+                        out.append(name)  # only read while open, unchanged for quiet_s: a reader cannot hold it up
+                    continue
                 if entry.how == "moved":
                     out.append(name)
                 elif entry.how == "closed" and now - entry.stable_since >= self.settle_s:
