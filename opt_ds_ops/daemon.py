@@ -46,6 +46,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from datetime import datetime, timezone
 
 from . import EARLY_STOP, gpustats, nvml, worker
@@ -53,16 +54,18 @@ from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
 from .fsutil import utc_now
 from .health import gate_job, judge_gpu, summary_line
-from .job import JobError, columns_note, read_sidecar
+from .handling import QUARANTINE_AFTER, Breadcrumb
+from .job import columns_note
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
 from .notify import Notifier
+from .config import SIDECAR_MAX_BYTES
 from .spool import (
-    DONE, FAILED, INCOMING, SIDECAR_FILE, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
-    STORAGE_ERRNOS, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed, read_record,
-    process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
+    DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
+    STORAGE_ERRNOS, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
+    read_record, process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
 )
-from .store import StoreError, find_job_version, prune, publish, safe_model_name
+from .store import StoreError, prune
 from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
 
@@ -175,6 +178,7 @@ class Daemon:
         self.metrics = MetricsWriter(cfg.metrics.textfile_dir, cfg.models_dir, torch_version=torch.__version__,
                                      cuda_version=torch.version.cuda or "")
         self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
+        self.breadcrumb = Breadcrumb(spool.root)  # issue 18: the job in hand, for a death's quarantine
 
     @property
     def job(self) -> worker.JobProcess | None:
@@ -206,7 +210,9 @@ class Daemon:
         try:
             if self.mp_context is None and not self.stop_requested:
                 worker.warm_up()
-            self._guarded(self._recover)
+            quarantine = self.breadcrumb.deaths()
+            self.breadcrumb.open()
+            self._guarded(lambda: self._recover(quarantine))
             self.watcher.tick()
             self.notifier.ready(self._idle_status())
             self._log_health()
@@ -229,6 +235,7 @@ class Daemon:
         finally:
             for job in self.jobs.values():
                 job.kill("the daemon is stopping", crash=False)
+            self.breadcrumb.close()
             self._stopping()
             self.watcher.stop()
             if self.mp_context is None:
@@ -290,13 +297,63 @@ class Daemon:
 
     def _guarded(self, step) -> bool:
         """Run step(); an OSError of the spool or store pauses intake with back-off instead of
-        stopping the daemon (the watchdog stays fed). Return step's result, False after an error."""
+        stopping the daemon (the watchdog stays fed). Any other exception (a bug outside any one
+        job: those are the job's, see :meth:`_for_job`) is logged with its traceback and pauses
+        intake the same way: the daemon never exits into a restart loop. Return step's result,
+        False after an error."""
         try:
             return bool(step())
         except (OSError, SpoolError) as e:
             self._pause(f"spool {self.spool.root}: {getattr(e, 'strerror', None) or e}"
                         + (f" ({e.filename})" if getattr(e, "filename", None) else ""))
             return False
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            self.log.event("internal-error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", priority=LOG_ERR)
+            self._pause(f"internal error {type(e).__name__}: {e}")
+            return False
+
+    def _for_job(self, job_id: str | None, step, *args, name: str = ""):
+        """Run step(*args) while handling one job (a claim of incoming/NAME, a start, a message,
+        its end, its recovery): the job id is in hand (:mod:`opt_ds_ops.handling`), and any
+        exception but a storage error (which pauses intake, see :meth:`_guarded`) is that job's
+        failure: logged with its type and traceback, the job failed to failed/, the loop goes on.
+        Return step's result (True after a failure: something was done)."""
+        try:
+            with self.breadcrumb.holding(job_id):
+                return step(*args)
+        except Exception as e:  # noqa: BLE001 - one job's exception is that job's failure
+            if is_storage_error(e) or isinstance(e, SpoolError):
+                raise
+            self._job_exception(job_id, name, e)
+            return True
+
+    def _job_exception(self, job_id: str | None, name: str, e: Exception) -> None:
+        """Fail the job (or, before it has a job directory, retry incoming/NAME later) after an
+        exception while the daemon handled it (see :meth:`_for_job`)."""
+        where = f"job {job_id}" if job_id else f"incoming/{safe_text(name)}"
+        self.log.event("internal-error", f"{where}: {type(e).__name__}: {e}\n{traceback.format_exc()}",
+                       priority=LOG_ERR, job_id=job_id, dataset_file=name or None)
+        job = self.jobs.pop(job_id, None) if job_id else None
+        if job is not None:
+            job.kill(f"the daemon failed handling it ({type(e).__name__})", crash=False)
+            job.close()
+        record = (self.records.get(job_id) or read_record(self.spool, job_id)) if job_id else None
+        if record is None:
+            if job_id:
+                self._forget(job_id)
+                self.pending = [j for j in self.pending if j != job_id]
+            if name:
+                self.watcher.retry_later(name, 60.0)
+            return
+        self.pending = [j for j in self.pending if j != job_id]
+        try:
+            with self.breadcrumb.holding(job_id):
+                self._fail(record, record.get("stage") or "spool",
+                           f"the daemon failed handling this job: {type(e).__name__}: {e}", type(e).__name__)
+        except Exception as e2:  # noqa: BLE001 - it stays in processing/ for the next start; the loop goes on
+            self._forget(job_id)
+            self.log.event("internal-error", f"job {job_id}: could not be moved to failed/ either: "
+                           f"{type(e2).__name__}: {e2}; it stays in processing/", priority=LOG_ERR, job_id=job_id)
 
     def _pause(self, reason: str) -> None:
         """Pause intake for the current back-off, log it (error) and say so in STATUS=."""
@@ -345,7 +402,7 @@ class Daemon:
             return False
         if due:
             self.pending.remove(due[0])
-            self._start(due[0], gpu)
+            self._for_job(due[0], self._start, due[0], gpu)
             return True
         for name in names:
             if self._take(name, gpu):
@@ -605,8 +662,30 @@ class Daemon:
 
     def _take(self, name: str, gpu: dict | None = None) -> bool:
         """Claim incoming/NAME and start its job (on ``gpu``, see :meth:`_free_slot`), refuse it
-        to failed/, or report it and leave it; return True if something was done."""
-        c = claim(self.spool, name, self.cfg.spool.max_dataset_bytes)
+        to failed/, or report it and leave it; return True if something was done. The copy pings
+        the watchdog as it goes (a file near spool.max_dataset_bytes takes minutes); an exception
+        is that file's failure (:meth:`_job_exception`), never the daemon's."""
+        box: dict = {}
+
+        def on_job(job_id: str) -> None:
+            box["job_id"] = job_id
+            self.breadcrumb.mark(job_id)
+
+        try:
+            try:
+                c = claim(self.spool, name, self.cfg.spool.max_dataset_bytes, on_job=on_job,
+                          progress=lambda: self.notifier.keepalive(STEP_BUDGET_S))
+                return self._claimed(name, c, gpu)
+            finally:
+                self.breadcrumb.mark(None)
+        except Exception as e:  # noqa: BLE001 - one file's exception is that file's failure
+            if is_storage_error(e) or isinstance(e, SpoolError):
+                raise
+            self._job_exception(box.get("job_id"), name, e)
+            return True
+
+    def _claimed(self, name: str, c, gpu: dict | None) -> bool:
+        """What :meth:`_take` does with a claim's outcome."""
         if c.outcome == "gone":
             self.watcher.forget(name)
             return False
@@ -634,8 +713,27 @@ class Daemon:
             return True
         self.log.event("job-claimed", f"{safe_text(name)}: claimed as job {record['job_id']} "
                        f"({record['size_bytes']} bytes, sha256 {record['sha256'][:12]})", **self._fields(record))
+        if record.get("sidecar_foreign"):
+            self._refuse_foreign_sidecar(record)
         self._start(c.job_id, gpu)
         return True
+
+    def _refuse_foreign_sidecar(self, record: dict) -> None:
+        """A sidecar of the dataset's name that another user dropped (a squatted name, see
+        :func:`opt_ds_ops.spool.take_sidecar`) was not applied: say so, and move it aside to
+        failed/ as its own entry (its owner can look at it there; the uploader could not remove it)."""
+        foreign = record.pop("sidecar_foreign")
+        save_record(self.spool, record)
+        side, uid = foreign["name"], foreign["uid"]
+        why = (f"incoming/{side} belongs to uid {uid}, {foreign['kind']}; {record['dataset']} was dropped by uid "
+               f"{record.get('uploader_uid')}: a sidecar applies only to a dataset of the same uploader")
+        self.log.event("sidecar-refused", f"{safe_text(record['dataset'])}: {safe_text(why)}; it trains without it",
+                       priority=LOG_WARNING, **self._fields(record))
+        c = claim(self.spool, side, SIDECAR_MAX_BYTES)
+        if c.outcome in ("claimed", "refused"):
+            self._fail(c.record, "spool", f"{why}; not applied, moved aside", "SidecarForeign")
+        elif c.outcome == "ignored":
+            self.watcher.ignore(side)
 
     # ---- one job -------------------------------------------------------------------------------
     def _start(self, job_id: str, gpu: dict | None = None) -> None:
@@ -647,34 +745,12 @@ class Daemon:
         self.records[job_id] = record
         for stale in ("gpu_index", "gpu_uuid"):  # from an earlier attempt (before a restart or a defer)
             record.pop(stale, None)
-        if "model_name" not in record:
-            try:
-                name = self._sidecar_name(record)
-                record["name_explicit"] = name is not None
-                record["model_name"] = safe_model_name(name or dataset_stem(record["dataset"]))
-            except JobError as e:
-                self._fail(record, "dataset", str(e), "SidecarError")
-                return
-            except StoreError as e:
-                self._fail(record, "spool", f"no model name can be made from this file name: {e}", "SpoolRefused")
-                return
         lock = lock_job(self.spool, job_id)
         if lock is None:  # the job process of a killed daemon still runs (it dies with its forkserver)
             self.pending.append(job_id)
             self.retry_at[job_id] = time.monotonic() + 1.0
             return
         os.close(lock)
-        metadata = find_job_version(self.cfg.models_dir, record["model_name"], job_id)
-        if metadata is not None:
-            name_dir = os.path.dirname(metadata["model_dir"])
-            publish(name_dir, metadata["version"])  # replayed: a SIGKILL may have come before it
-            record.update(state="saved", model_dir=metadata["model_dir"])
-            save_record(self.spool, record)
-            self.log.event("job-recovered", f"{safe_text(record['dataset'])}: its model {metadata['model_dir']} was "
-                           "saved before the restart; not training again", model_dir=metadata["model_dir"],
-                           **self._fields(record))
-            self._finish_done(record, metadata)
-            return
         for stale in ("epoch", "loss", "val_loss", "samples_per_s", "updated_at", "nproc"):
             record.pop(stale, None)
         nproc, gpus = 1, None
@@ -725,17 +801,6 @@ class Daemon:
         n = len(self.jobs)
         return f"{n} job{'' if n == 1 else 's'} running: {'; '.join(parts)}; {self.watcher.queued()} queued"
 
-    def _sidecar_name(self, record: dict) -> str | None:
-        """Return the model name the job's sidecar sets, or None; raise JobError for a sidecar that
-        could not be taken or is invalid (checked here, before the job starts)."""
-        if record.get("sidecar_error"):
-            raise JobError("dataset", f"sidecar {record['sidecar_error']}")
-        path = self.spool.job_path(record["job_id"], SIDECAR_FILE)
-        if not record.get("sidecar") or not os.path.exists(path):
-            return None
-        _, name = read_sidecar(path, self.cfg.dataset, record["sidecar"])
-        return name
-
     def _watch_jobs(self) -> bool:
         """Wait up to a tick for a message from any running job, then look after each of them;
         return True if one of them ended."""
@@ -745,7 +810,7 @@ class Daemon:
             pass
         before = len(self.jobs)
         for job in list(self.jobs.values()):
-            self._watch_job(job)
+            self._for_job(job.job_id, self._watch_job, job)
         return len(self.jobs) < before
 
     def _watch_job(self, job) -> None:
@@ -803,6 +868,9 @@ class Daemon:
             record["stage"] = f["stage"]
             save_record(self.spool, record)
             self.notifier.status(self._busy_status())
+        elif kind == "named":  # the job process read its sidecar (the daemon never does)
+            record.update(model_name=f["model_name"], name_explicit=f["explicit"])
+            save_record(self.spool, record)
         elif kind == "health":
             where = f" on {f['describe']}" if f.get("describe") else ""
             if record.get("gpu_uuid"):  # the job sees only this GPU (as cuda:0)
@@ -860,6 +928,9 @@ class Daemon:
             md = f["metadata"]
             record.update(state="saved", model_dir=md["model_dir"], saved_at=utc_now())
             save_record(self.spool, record)
+            if f.get("recovered"):
+                self.log.event("job-recovered", f"{name}: its model {md['model_dir']} was saved before the restart; "
+                               "not training again", model_dir=md["model_dir"], **fields)
             self._finish_done(record, md)
             self._backoff = BACKOFF_S[0]
         elif kind == "deferred":
@@ -969,40 +1040,56 @@ class Daemon:
         self.defer_reason.pop(job_id, None)
 
     # ---- crash recovery ------------------------------------------------------------------------
-    def _recover(self) -> None:
+    def _recover(self, quarantine: tuple[str, int] = ("", 0)) -> None:
         """Queue every job found in processing/ at start-up; finish interrupted claims. A daemon's
-        death counts against no dataset (``restarts`` counts them, for the record)."""
+        death counts against no dataset (``restarts`` counts them, for the record), except that a
+        job the daemon was handling when it died, twice in a row (``quarantine``: the job id and
+        deaths in a row, from :meth:`opt_ds_ops.handling.Breadcrumb.deaths`), is quarantined to
+        failed/ instead: no dataset can hold the service in a restart loop."""
         remove_stale_temps(self.spool)
         for name in migrate_legacy(self.spool):
             self.log.event("job-claimed", f"{safe_text(name)}: left in processing/ by an older ds-ops; "
                            "back in incoming/", dataset_file=name)
         for job_id in job_ids(self.spool):
-            record = read_record(self.spool, job_id)
-            if record is None or not record.get("dataset"):
-                discard_job(self.spool, job_id)  # killed before its record was written: nothing of a user's
-                continue
-            c = recover_claim(self.spool, job_id, record, self.cfg.spool.max_dataset_bytes)
-            self.records[job_id] = record
-            if c.outcome in ("gone", "busy"):
-                self._forget(job_id)
-                continue
-            if c.outcome == "empty":
-                discard_job(self.spool, job_id)
-                self._forget(job_id)
-                continue
-            if c.outcome == "refused":
-                self._fail(record, "spool", c.reason, "SpoolRefused")
-                continue
-            for stale in ("gpu_index", "gpu_uuid"):  # the GPU of the last run; the next start chooses again
-                record.pop(stale, None)
-            if record.get("state") in ("running", "claimed", "interrupted", "deferred"):
-                if record.get("state") == "running":
-                    record["restarts"] = record.get("restarts", 0) + 1
-                record["state"] = "claimed"
-                save_record(self.spool, record)
-            self.log.event("job-claimed", f"{safe_text(record['dataset'])}: job {job_id} found in processing/ at "
-                           "start-up; running it again", **self._fields(record))
-            self.pending.append(job_id)
+            self._for_job(job_id, self._recover_job, job_id, quarantine)
+
+    def _recover_job(self, job_id: str, quarantine: tuple[str, int]) -> None:
+        """:meth:`_recover` for one job directory."""
+        record = read_record(self.spool, job_id)
+        if record is None or not record.get("dataset"):
+            discard_job(self.spool, job_id)  # killed before its record was written: nothing of a user's
+            return
+        self.records[job_id] = record
+        if quarantine[0] == job_id and quarantine[1] >= QUARANTINE_AFTER:
+            stage = record.get("stage") or ("spool" if record.get("state") == "claiming" else "daemon")
+            self._fail(record, stage, f"the daemon died {quarantine[1]} times in a row while handling this job "
+                       f"(state {record.get('state')}, stage {stage}); quarantined so that it cannot stop the service "
+                       "again. ds-ops requeue NAME runs it once more", "Quarantined")
+            return
+        c = recover_claim(self.spool, job_id, record, self.cfg.spool.max_dataset_bytes,
+                          progress=lambda: self.notifier.keepalive(STEP_BUDGET_S))
+        if c.outcome in ("gone", "busy"):
+            self._forget(job_id)
+            return
+        if c.outcome == "empty":
+            discard_job(self.spool, job_id)
+            self._forget(job_id)
+            return
+        if c.outcome == "refused":
+            self._fail(record, "spool", c.reason, "SpoolRefused")
+            return
+        if record.get("sidecar_foreign"):
+            self._refuse_foreign_sidecar(record)
+        for stale in ("gpu_index", "gpu_uuid"):  # the GPU of the last run; the next start chooses again
+            record.pop(stale, None)
+        if record.get("state") in ("running", "claimed", "interrupted", "deferred"):
+            if record.get("state") == "running":
+                record["restarts"] = record.get("restarts", 0) + 1
+            record["state"] = "claimed"
+            save_record(self.spool, record)
+        self.log.event("job-claimed", f"{safe_text(record['dataset'])}: job {job_id} found in processing/ at "
+                       "start-up; running it again", **self._fields(record))
+        self.pending.append(job_id)
 
 
 def start_daemon(cfg: Config, config_path: str, *, missing_ok: bool = False, log: EventLog | None = None) -> int:

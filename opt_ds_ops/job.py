@@ -26,7 +26,7 @@ from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import pid_alive, read_small
 from .gpustats import sampler_for
 from .report import try_write_report, validation_summary
-from .store import StoreError, dataset_file_of, model_payload, safe_model_name, save_model
+from .store import StoreError, current_metadata, dataset_file_of, model_payload, safe_model_name, save_model
 from .train import EpochStats, TrainingError, TrainResult, train
 
 
@@ -100,10 +100,26 @@ def read_sidecar(path: str, base: DatasetConfig, label: str | None = None) -> tu
         raise JobError("dataset", f"sidecar {e}", e) from None
 
 
-def check_model_name(models_dir: str, name: str, source: str, explicit: bool) -> None:
+def check_model_name(models_dir: str, name: str, source: str, explicit: bool, uploader_uid: int | None = None) -> None:
     """Raise JobError(stage ``dataset``) if a name made from the file name ``source`` (not
     ``explicit``) would take over a model trained from a different file whose name cleans up to
-    the same model name (``gpu nöde 1.csv`` and ``gpu_nüde_1.csv`` both give ``gpu_n_de_1``)."""
+    the same model name (``gpu nöde 1.csv`` and ``gpu_nüde_1.csv`` both give ``gpu_n_de_1``).
+
+    ``uploader_uid`` (a daemon job: the owner of the dropped file) must also own the model: a
+    model name belongs to the uid whose dataset first trained it (metadata.json's
+    ``uploader_uid``), so no other member of group ds-ops can publish a new ``current`` for it,
+    by file name or by a sidecar's ``name:``. Root and the service's own uid (``ds-ops
+    requeue``, an operator) may train any model."""
+    if uploader_uid is not None and uploader_uid not in (0, os.geteuid()):
+        md = current_metadata(models_dir, name) or {}
+        first = md.get("uploader_uid")
+        if isinstance(first, int) and first != uploader_uid:
+            raise JobError(
+                "dataset",
+                f"{source}: model {safe_model_name(name)!r} belongs to uid {first}, who first trained it; this "
+                f"file was dropped by uid {uploader_uid}. Choose another model name (rename the file, or a sidecar "
+                f"{dataset_stem(source)}.yaml with name: ...), or ask an operator (root) to train it",
+            )
     if explicit:
         return
     owner = dataset_file_of(models_dir, name)
@@ -243,6 +259,7 @@ def run_job(
     nproc: int = 1,
     scratch_dir: str | None = None,
     distributed_optional: bool = False,
+    uploader_uid: int | None = None,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -261,7 +278,8 @@ def run_job(
     metadata.json's ``distributed`` says world size and backend). ``distributed_optional`` (the
     daemon's ``daemon.distributed_min_bytes``): where a distributed run cannot take the dataset (it
     streams, or ``train.input_window`` > 1) it trains in one process and the dataset's notes say
-    why, instead of failing. A text, Parquet or Arrow
+    why, instead of failing. ``uploader_uid``: the owner of the file a daemon job was dropped as
+    (:func:`check_model_name`). A text, Parquet or Arrow
     dataset whose matrix is over the job's budget is converted into a float32 ``.npy`` in
     ``scratch_dir`` (the daemon: the job's own directory; default :func:`scratch_dir_for`, removed
     here at the end) and streamed (:mod:`opt_ds_ops.dataset.core`); a distributed run's copy of the
@@ -278,7 +296,7 @@ def run_job(
     model_name = name or dataset_stem(source_name or path)
     try:
         check_model_name(cfg.models_dir, safe_model_name(model_name), source_name or os.path.basename(path),
-                         explicit_name)
+                         explicit_name, uploader_uid)
     except StoreError as e:
         raise JobError("dataset", f"{source_name or path}: {e}", e) from e
     _check_store_writable(cfg.models_dir)  # issue 11: before spending the training, not after
@@ -320,6 +338,9 @@ def run_job(
         # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
         metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         metadata["name_explicit"] = explicit_name
+        # the model name's owner (check_model_name): the first uploader's uid, kept by every later version
+        first = (current_metadata(cfg.models_dir, model_name) or {}).get("uploader_uid")
+        metadata["uploader_uid"] = first if isinstance(first, int) else uploader_uid
         metadata["distributed"] = result.extra if nproc > 1 else None
         if source_name:
             metadata["dataset"]["file"] = source_name

@@ -13,7 +13,9 @@ Layout under ``spool.dir`` (default ``/var/spool/ds-ops``)::
 **Sidecars.** A sidecar (``STEM.yaml`` beside ``STEM.csv``; keys in
 :func:`opt_ds_ops.config.parse_sidecar`) is never a job of its own: it waits in incoming/ until
 its dataset is claimed, and is then taken the same way (renamed into the job directory, copied,
-64 KiB at most), so drop it first. It is parsed by the daemon and the job, never here.
+64 KiB at most), so drop it first. It applies only to a dataset of the same uploader (owner uid);
+another user's file of that name is moved aside, never read. It is parsed in the job process only,
+never here nor anywhere in the daemon.
 
 **The bytes, not the name.** incoming/ is writable by every member of group ds-ops, so nothing
 there is trusted. An entry is looked at with ``lstat``; anything but a regular file (a directory,
@@ -313,12 +315,16 @@ def _content_sig(st: os.stat_result) -> tuple:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def claim(spool: Spool, name: str, max_bytes: int) -> Claim:
+def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None) -> Claim:
     """Claim incoming/NAME: rename it into a new job directory and copy its bytes (see the module
     docstring). ``max_bytes`` is ``spool.max_dataset_bytes``: a larger file is refused.
+    ``on_job(job_id)`` is called once the job directory and its record exist (the daemon notes
+    which job it is handling); ``progress()`` after each copied chunk (the daemon's watchdog ping).
 
     Never opens anything but a regular file, never blocks, never renames a directory. Raises
     OSError only for errors of the spool itself (ENOSPC, EIO, ...), never for what a user dropped.
+    The record keeps ``uploader_uid``, the owner of the dropped inode (sidecars and model names
+    are bound to it, see :func:`take_sidecar`).
     """
     src = spool.path(INCOMING, name)
     try:
@@ -344,8 +350,11 @@ def claim(spool: Spool, name: str, max_bytes: int) -> Claim:
         jdir = spool.job_dir(job_id)
         os.mkdir(jdir, 0o750)
         record = {"job_id": job_id, "dataset": name, "state": "claiming", "claimed_at": utc_now(),
-                  "size_bytes": fst.st_size, "source": {"dev": fst.st_dev, "ino": fst.st_ino}}
+                  "size_bytes": fst.st_size, "uploader_uid": fst.st_uid,
+                  "source": {"dev": fst.st_dev, "ino": fst.st_ino}}
         write_json(os.path.join(jdir, JOB_FILE), record)
+        if on_job is not None:
+            on_job(job_id)
         source = os.path.join(jdir, SOURCE_FILE)
         try:
             os.rename(src, source)  # the claim: from here on the name is the daemon's
@@ -363,7 +372,7 @@ def claim(spool: Spool, name: str, max_bytes: int) -> Claim:
             _put_back(spool, jdir, name)
             shutil.rmtree(jdir, ignore_errors=True)
             return Claim("busy", reason="replaced while being claimed")
-        return _copy_in(spool, job_id, record, fd, max_bytes)
+        return _copy_in(spool, job_id, record, fd, max_bytes, progress)
     finally:
         if fd is not None:
             os.close(fd)
@@ -386,8 +395,9 @@ def _put_back(spool: Spool, jdir: str, name: str) -> str | None:
     return None
 
 
-def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes: int) -> Claim:
-    """Copy the claimed source into the job's dataset file, then unlink the source (see claim)."""
+def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes: int, progress=None) -> Claim:
+    """Copy the claimed source into the job's dataset file, then unlink the source (see claim);
+    ``progress()`` is called after each chunk of COPY_CHUNK bytes."""
     jdir = spool.job_dir(job_id)
     name = record["dataset"]
     source = os.path.join(jdir, SOURCE_FILE)
@@ -420,6 +430,8 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
                 view = memoryview(chunk)
                 while view:
                     view = view[os.write(out, view):]
+                if progress is not None:
+                    progress()
             os.fsync(out)
         finally:
             os.close(out)
@@ -450,15 +462,23 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
 
 def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
     """Take the dataset's sidecar from incoming/ into the job directory (``sidecar.yaml``) and note
-    it in the record (``sidecar``: its name; ``sidecar_error``: why it could not be taken).
+    it in the record (``sidecar``: its name; ``sidecar_error``: why it could not be taken;
+    ``sidecar_foreign``: a sidecar of that name another user dropped, not taken).
 
-    Taken like a dataset: only a regular file, renamed in, then copied (64 KiB at most); anything
-    else of that name (a directory, FIFO, link) is left alone and named in ``sidecar_error``, so the
-    job fails rather than silently training without the options it was meant to have.
-    Idempotent (a SIGKILL between the steps leaves ``sidecar.source`` for the next call).
+    A sidecar applies only to a dataset of the same uploader: one whose owner is not the
+    dataset's ``uploader_uid`` (a squatted name: Bob's ``alice.yaml`` before Alice drops
+    ``alice.csv``) is never taken or read; it is named in ``sidecar_foreign`` and the daemon moves
+    it aside to failed/ as its own entry. The uploader's own sidecar is taken like a dataset: only
+    a regular file, renamed in, then copied (64 KiB at most); anything else of that name of
+    theirs (a directory, FIFO, link) is left alone and named in ``sidecar_error``, so the job
+    fails rather than silently training without the options it was meant to have. Its bytes are
+    never parsed here, nor anywhere in the daemon: the job process parses ``sidecar.yaml``.
+    Idempotent: the record names the sidecar before it is renamed in, so a SIGKILL between the
+    steps leaves ``sidecar.source`` and a record that still says whose it is.
     """
     jdir = spool.job_dir(job_id)
     taken = os.path.join(jdir, SIDECAR_SOURCE)
+    owner = record.get("uploader_uid")
     if not os.path.lexists(taken):
         for cand in sidecar_names(record["dataset"]):
             src = spool.path(INCOMING, cand)
@@ -466,10 +486,15 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
                 st = os.lstat(src)
             except FileNotFoundError:
                 continue
+            if owner is not None and st.st_uid != owner:
+                record["sidecar_foreign"] = {"name": cand, "uid": st.st_uid, "kind": kind_of(st.st_mode)
+                                             if not stat.S_ISREG(st.st_mode) else "a regular file"}
+                continue
             record["sidecar"] = cand
             if not stat.S_ISREG(st.st_mode):
                 record["sidecar_error"] = f"incoming/{cand} is {kind_of(st.st_mode)}, not a regular file"
                 break
+            write_json(os.path.join(jdir, JOB_FILE), record)  # before the rename: recovery knows its name
             try:
                 os.rename(src, taken)
             except FileNotFoundError:
@@ -478,6 +503,7 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
             fsync_dir(spool.dir(INCOMING))
             break
     if os.path.lexists(taken):
+        record.setdefault("sidecar", dataset_stem(record["dataset"]) + SIDECAR_SUFFIXES[0])
         try:
             data = read_small(taken, SIDECAR_MAX_BYTES)
             write_atomic(os.path.join(jdir, SIDECAR_FILE), data)
@@ -487,7 +513,7 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
             record["sidecar_error"] = f"incoming/{record.get('sidecar')}: cannot be read: {e.strerror or e}"
         os.unlink(taken)
         fsync_dir(jdir)
-    if "sidecar" in record:
+    if "sidecar" in record or "sidecar_foreign" in record:
         write_json(os.path.join(jdir, JOB_FILE), record)
 
 
@@ -496,7 +522,7 @@ def _refuse(record: dict, reason: str) -> Claim:
     return Claim("refused", record["job_id"], record, reason)
 
 
-def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int) -> Claim:
+def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int, progress=None) -> Claim:
     """Finish a claim a SIGKILL interrupted: copy again from the source if it was renamed in,
     drop the job directory if it was not; unlink a leftover source of a completed copy."""
     jdir = spool.job_dir(job_id)
@@ -522,7 +548,7 @@ def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int) -> Cl
             return Claim("gone")
         fd = None
     try:
-        return _copy_in(spool, job_id, record, fd, max_bytes)
+        return _copy_in(spool, job_id, record, fd, max_bytes, progress)
     finally:
         if fd is not None:
             os.close(fd)
@@ -587,7 +613,8 @@ def finish(spool: Spool, job_id: str, record: dict, dest: str, doc: dict) -> str
         os.replace(sidecar, spool.path(dest, sidecar_name(final, SIDECAR_SUFFIX)))
     if os.path.lexists(data):
         rename_noreplace(data, spool.path(dest, final))
-        os.chmod(spool.path(dest, final), 0o640)
+        if record.get("data_file") not in (None, SOURCE_FILE):
+            os.chmod(spool.path(dest, final), 0o640)  # the daemon's copy; a refused user's inode keeps its mode
     fsync_dir(spool.dir(dest))
     shutil.rmtree(jdir)
     fsync_dir(spool.dir(PROCESSING))

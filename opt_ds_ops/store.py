@@ -192,14 +192,23 @@ def publish(name_dir: str, version: str) -> None:
     fsync_dir(name_dir)
 
 
+def current_metadata(models_dir: str, name: str) -> dict | None:
+    """Return the metadata.json of model name's ``current`` version, or None if there is no such
+    model or it cannot be read."""
+    try:
+        with open(os.path.join(models_dir, safe_model_name(name), CURRENT, METADATA_FILE), encoding="utf-8") as f:
+            md = json.load(f)
+    except (OSError, ValueError, StoreError):
+        return None
+    return md if isinstance(md, dict) else None
+
+
 def dataset_file_of(models_dir: str, name: str) -> str | None:
     """Return the dataset file name the ``current`` version of model name was trained on (its
     metadata's ``dataset.file``), or None if there is no such model or it cannot be read."""
     try:
-        with open(os.path.join(models_dir, safe_model_name(name), CURRENT, METADATA_FILE), encoding="utf-8") as f:
-            md = json.load(f)
-        return md["dataset"]["file"]
-    except (OSError, ValueError, KeyError, TypeError, StoreError):
+        return (current_metadata(models_dir, name) or {})["dataset"]["file"]
+    except (KeyError, TypeError):
         return None
 
 

@@ -186,6 +186,29 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
 
 
+def name_job(spool, job_id: str, record: dict, cfg):
+    """Return (model name, explicit, dataset options) of a daemon job: its sidecar (the job
+    directory's copy, ``sidecar.yaml``) parsed over the conffile's ``dataset:``, its ``name:`` or
+    else the dataset's stem. Runs in the job process only: the daemon never parses a user's bytes.
+    Raises JobError: stage ``dataset`` for a sidecar that could not be taken or is invalid, stage
+    ``spool`` for a file name no model name can be made from."""
+    from .dataset import dataset_stem
+    from .job import JobError, read_sidecar
+    from .spool import SIDECAR_FILE
+    from .store import StoreError, safe_model_name
+
+    if record.get("sidecar_error"):
+        raise JobError("dataset", f"sidecar {record['sidecar_error']}")
+    options, name = cfg.dataset, None
+    path = spool.job_path(job_id, SIDECAR_FILE)
+    if record.get("sidecar") and os.path.lexists(path):
+        options, name = read_sidecar(path, cfg.dataset, record["sidecar"])
+    try:
+        return safe_model_name(name or dataset_stem(record["dataset"])), name is not None, options
+    except StoreError as e:
+        raise JobError("spool", f"no model name can be made from this file name: {e}", e) from None
+
+
 def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, gate=None,
              gpu: dict | None = None, nproc: int = 1, gpus: list[dict] | None = None) -> None:
     """The job process: gate, load, train, store; report to the daemon over conn (see the module docstring).
@@ -211,9 +234,10 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
     from .config import config_to_dict
     from .dataset import dataset_stem
     from .health import gate_job
-    from .job import JobError, read_sidecar, run_job
+    from .job import JobError, run_job
     from .fsutil import utc_now
-    from .spool import SIDECAR_FILE, Spool, load_checkpoint, lock_job, save_checkpoint
+    from .spool import Spool, load_checkpoint, lock_job, save_checkpoint
+    from .store import find_job_version, publish
     from .train import GPU_HEADROOM_BYTES, TrainingInterrupted
 
     spool = Spool(spool_root)
@@ -237,6 +261,14 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
              transient=True)
         return
     try:
+        state["stage"] = "dataset"  # naming the job reads the user's sidecar: the dataset's stage
+        model_name, explicit, options = name_job(spool, job_id, record, cfg)
+        send("named", model_name=model_name, explicit=explicit)
+        done = find_job_version(cfg.models_dir, model_name, job_id)
+        if done is not None:  # saved before a restart: publish again (a kill may have come before it), done
+            publish(os.path.dirname(done["model_dir"]), done["version"])
+            send("saved", metadata=done, recovered=True)
+            return
         on_stage("health")
         import torch
 
@@ -281,14 +313,12 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
             return stop_event.is_set()
 
         try:
-            sidecar = spool.job_path(job_id, SIDECAR_FILE)
-            options = (read_sidecar(sidecar, cfg.dataset, record.get("sidecar"))[0]
-                       if record.get("sidecar") and os.path.exists(sidecar) else cfg.dataset)
-            job = run_job(path, cfg, name=record["model_name"], plan=plan, health=decision.report,
+            job = run_job(path, cfg, name=model_name, plan=plan, health=decision.report,
                           on_epoch=lambda s: send("epoch", **s.as_dict()), should_stop=should_stop,
                           resume=resume, job_id=job_id, source_name=name, sha256=record.get("sha256"),
-                          on_stage=on_stage, options=options, explicit_name=bool(record.get("name_explicit")),
-                          scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True)
+                          on_stage=on_stage, options=options, explicit_name=explicit,
+                          scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True,
+                          uploader_uid=record.get("uploader_uid"))
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             if ckpt is None:  # a distributed run keeps none: it trains again from epoch 1

@@ -49,13 +49,21 @@ def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_
     return path
 
 
-def drop_dac_capabilities() -> None:
+def drop_dac_capabilities(caps: tuple[int, ...] = (1, 2)) -> None:
     """preexec_fn: remove CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that a
-    root daemon gets EACCES on a mode-000 file like any service user would (PR_CAPBSET_DROP)."""
+    root daemon gets EACCES on a mode-000 file like any service user would (PR_CAPBSET_DROP).
+    ``caps``: the capability numbers to drop (see :func:`as_service_user`)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    for cap in caps:
         if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def as_service_user() -> None:
+    """preexec_fn: a root daemon with no more power over other users' files than the unit's user
+    ds-ops: without CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER (so chmod,
+    chown and utime of another uid's inode fail with EPERM, as they do for the service)."""
+    drop_dac_capabilities((0, 1, 2, 3))
 
 
 def base_env(**extra: str) -> dict:
