@@ -21,7 +21,7 @@ import numpy as np
 from ..config import DatasetConfig
 from .columns import ColumnInfo, ColumnPlan, is_iso_time, plan_columns
 from .core import (
-    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, rows_where, too_many_rows,
+    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, clip, quoted, rows_where, too_many_rows,
 )
 from .timeindex import TimeCollector
 
@@ -46,6 +46,21 @@ def _info(pa, name: str, typ, sample) -> ColumnInfo:
     return ColumnInfo(name, "text", example=f"values of type {typ}", where="")
 
 
+def _validated(pa, path: str, batch):
+    """Return ``batch`` once Arrow's full validation passed (``RecordBatch.validate(full=True)``:
+    offsets within their buffers, UTF-8, dictionary indices, ...); raise DatasetError if not.
+
+    An Arrow IPC file's buffers and offsets are the writer's word: a string offset past its buffer
+    makes the first value read leave the file (SIGBUS or SIGSEGV on the memory map, or other bytes
+    in a message). Nothing reads a value of a batch before this.
+    """
+    try:
+        batch.validate(full=True)
+    except pa.ArrowException as e:
+        raise DatasetError(f"{path}: a record batch is not valid Arrow data ({clip(str(e))})") from None
+    return batch
+
+
 def _open(pa, path: str, fmt: str):
     """Return (schema, rows or None, batches(columns) -> iterator of RecordBatch, uncompressed bytes(columns))."""
     if fmt == "parquet":
@@ -54,7 +69,7 @@ def _open(pa, path: str, fmt: str):
         try:
             pf = pq.ParquetFile(path)
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
-            raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
+            raise DatasetError(f"{path}: not a readable Parquet file ({clip(str(e))})") from None
         md = pf.metadata
 
         def uncompressed(columns: list[str]) -> int:
@@ -62,7 +77,8 @@ def _open(pa, path: str, fmt: str):
             return md.num_rows * 8 * len(columns)
 
         def batches(columns: list[str], size: int):
-            return pf.iter_batches(batch_size=size, columns=columns, use_threads=True)
+            for b in pf.iter_batches(batch_size=size, columns=columns, use_threads=True):
+                yield _validated(pa, path, b)
 
         return pf.schema_arrow, md.num_rows, batches, uncompressed
     source = pa.memory_map(path)
@@ -72,13 +88,13 @@ def _open(pa, path: str, fmt: str):
 
         def batches(columns: list[str], size: int):
             for i in range(count):
-                yield reader.get_batch(i).select(columns)
+                yield _validated(pa, path, reader.get_batch(i)).select(columns)
     except pa.ArrowInvalid:
         try:
             source.seek(0)
             stream = pa.ipc.open_stream(source)
         except pa.ArrowInvalid as e:
-            raise DatasetError(f"{path}: not an Arrow IPC file or stream (Feather v2); {e}") from None
+            raise DatasetError(f"{path}: not an Arrow IPC file or stream (Feather v2); {clip(str(e))}") from None
         reader = stream
         seen: list = []  # a stream is read once: its first batch is kept for the second pass (the sample's)
 
@@ -86,6 +102,7 @@ def _open(pa, path: str, fmt: str):
             for b in seen:
                 yield b.select(columns)
             for b in stream:
+                b = _validated(pa, path, b)
                 if not seen:
                     seen.append(b)
                 yield b.select(columns)
@@ -128,7 +145,7 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
         read = [names[i] for i in plan.features] + ([names[plan.time]] if plan.time is not None else [])
         dup = sorted({n for n in read if names.count(n) > 1})
         if dup:
-            raise DatasetError(f"{path}: column name {dup[0]!r} appears {names.count(dup[0])} times; rename the columns")
+            raise DatasetError(f"{path}: column name {quoted(dup[0])} appears {names.count(dup[0])} times; rename the columns")
         if rows is not None and limits.spill_dir is None:  # with a spill_dir the rows go to a .npy
             need = rows * len(plan.features) * 4
             if need > limits.max_matrix_bytes:
@@ -141,7 +158,7 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
     except DatasetError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise DatasetError(f"{path}: cannot read {fmt}: {e}") from None
+        raise DatasetError(f"{path}: cannot read {fmt}: {clip(str(e))}") from None
 
 
 def _read(pa, path, limits, plan: ColumnPlan, names, rows, batches, read):
