@@ -246,3 +246,55 @@ def test_a_streamed_float64_value_beyond_float32_is_refused_as_in_memory(tmp_pat
         load_dataset(str(path), LIMITS)
     with pytest.raises(DatasetError, match=want):
         load_dataset(str(path), dataclasses.replace(LIMITS, max_matrix_bytes=1 << 20, stream_large_npy=True))
+
+
+# ------------------------------------------------------------------ found by fuzzing load_dataset: each a DatasetError
+
+
+def test_an_npy_header_that_does_not_parse_is_a_dataset_error(tmp_path):
+    header = "{'descr': '<f8', 'fortran_order': False, 'shape': (40, 3, }"  # a parenthesis left open
+    body = header.encode().ljust(118) + b"\n"
+    path = tmp_path / "open-paren.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body + bytes(40 * 3 * 8))
+    with pytest.raises(DatasetError, match=r"open-paren.npy: not a plain numeric .npy array"):
+        load_dataset(str(path))  # was tokenize.TokenError (numpy's parser for headers Python 2 wrote)
+
+
+def _patched_npz(tmp_path, name: str, field: int, value: bytes) -> str:
+    """A one-array .npz with bytes ``field``.. of its central directory record replaced by ``value``."""
+    np.savez(tmp_path / "good.npz", x=np.arange(12.0).reshape(4, 3))
+    data = bytearray((tmp_path / "good.npz").read_bytes())
+    at = data.rfind(b"PK\x01\x02") + field
+    data[at : at + len(value)] = value
+    (tmp_path / name).write_bytes(bytes(data))
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("why, field, value", [
+    ("an unknown zip version needed", 6, b"\xff\xff"),  # was NotImplementedError
+    ("compression method 99", 10, b"\x63\x00"),  # was NotImplementedError
+    ("flag bit 5, patched data", 8, b"\x20\x00"),  # was NotImplementedError
+    ("a member name that starts with NUL", 46, b"\x00"),  # was IndexError in ZipInfo.is_dir
+])
+def test_a_malformed_npz_archive_is_a_dataset_error(tmp_path, why, field, value):
+    path = _patched_npz(tmp_path, "patched.npz", field, value)
+    with pytest.raises(DatasetError, match=r"patched.npz: not a plain numeric .npz archive \(.+\)"):
+        load_dataset(path)
+
+
+def test_a_time_column_with_a_number_among_its_times_is_a_dataset_error(tmp_path):
+    path = tmp_path / "split.csv"
+    lines = [f"2024-05-18T00:00:{i:02d}Z,{i}.5,{i % 3}" for i in range(30)]
+    lines[20:21] = ["2024-05-18T00:00:20Z,0", "696,-1.184"]  # a '.' turned into a line break
+    path.write_text("time,cpu,mem\n" + "\n".join(lines) + "\n")
+    with pytest.raises(DatasetError, match=r"column 1 \('time'\) is named like a time column but holds '696' \(line 23\)"):
+        load_dataset(str(path))  # was StopIteration: a column of times and numbers had no example
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["file", "stream"])
+def test_an_arrow_file_with_a_repeated_column_name_is_a_dataset_error(tmp_path, stream):
+    table = pa.Table.from_arrays([pa.array([1.0, 2.0, 3.0])] * 3, names=["cpu", "load", "load"])
+    path = tmp_path / "twice.arrow"
+    path.write_bytes(bytes(_arrow_bytes(table, stream)))
+    with pytest.raises(DatasetError, match=r"column name 'load' appears 2 times; rename the columns"):
+        load_dataset(str(path))  # was KeyError: Field "load" exists 2 times in schema

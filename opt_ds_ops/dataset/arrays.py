@@ -10,6 +10,8 @@ where that is in memory (a ``.pt`` tensor; a Fortran-ordered ``.npz`` member, re
 from __future__ import annotations
 
 import os
+import struct
+import tokenize
 import zipfile
 import zlib
 
@@ -19,6 +21,15 @@ from .core import (
     LIMIT_KEYS, DatasetError, all_constant, DatasetLimits, Float32Builder, block_rows, check_finite, check_float32, check_shape, clip,
     rows_where,
 )
+
+
+# what numpy's .npy header parser raises for a malformed header (ast.literal_eval, and tokenize for
+# the headers Python 2 wrote), besides the ValueError it raises itself
+_HEADER_ERRORS = (ValueError, SyntaxError, TypeError, RecursionError, tokenize.TokenError)
+# what zipfile raises for a malformed archive: unsupported versions, methods and flags, a name
+# field cut short, a record that does not unpack, an encrypted member
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, IndexError, KeyError, struct.error,
+               RuntimeError)
 
 
 def _check_dtype(path: str, what: str, dtype: np.dtype, kind: str) -> None:
@@ -34,7 +45,7 @@ def _npy_header(f, path: str, kind: str) -> tuple[tuple, bool, np.dtype]:
         version = np.lib.format.read_magic(f)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         return read(f)
-    except ValueError as e:
+    except _HEADER_ERRORS as e:
         raise DatasetError(f"{path}: not a plain numeric {kind} ({clip(str(e))})") from None
 
 
@@ -67,7 +78,7 @@ def _load_npy(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
     check_shape(path, "array", shape, limits)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
+    except _HEADER_ERRORS as e:
         raise DatasetError(f"{path}: not a plain numeric .npy array ({clip(str(e))})") from None
     if dtype == np.float32 and not fortran:
         check_finite(path, arr, rows_where)
@@ -153,7 +164,7 @@ def _load_npz(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
                 return _centred(path, shape, block_of)
     except DatasetError:
         raise
-    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
+    except _ZIP_ERRORS + _HEADER_ERRORS as e:
         raise DatasetError(f"{path}: not a plain numeric .npz archive ({clip(str(e))})") from None
 
 

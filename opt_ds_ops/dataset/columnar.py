@@ -61,8 +61,14 @@ def _validated(pa, path: str, batch):
     return batch
 
 
+def _selected(batch, columns: list[str] | None):
+    """Return ``batch`` with only ``columns`` (by name; None: all)."""
+    return batch if columns is None else batch.select(columns)
+
+
 def _open(pa, path: str, fmt: str):
-    """Return (schema, rows or None, batches(columns) -> iterator of RecordBatch, uncompressed bytes(columns))."""
+    """Return (schema, rows or None, batches(columns) -> iterator of RecordBatch, uncompressed bytes(columns));
+    ``batches(None, size)`` gives every column (names may repeat there: a select by name would fail)."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -76,7 +82,7 @@ def _open(pa, path: str, fmt: str):
             """Bytes the columns take decoded: 8 a value (float64/int64/timestamps; what they become here)."""
             return md.num_rows * 8 * len(columns)
 
-        def batches(columns: list[str], size: int):
+        def batches(columns: list[str] | None, size: int):
             for b in pf.iter_batches(batch_size=size, columns=columns, use_threads=True):
                 yield _validated(pa, path, b)
 
@@ -86,9 +92,9 @@ def _open(pa, path: str, fmt: str):
         reader = pa.ipc.open_file(source)
         count = reader.num_record_batches
 
-        def batches(columns: list[str], size: int):
+        def batches(columns: list[str] | None, size: int):
             for i in range(count):
-                yield _validated(pa, path, reader.get_batch(i)).select(columns)
+                yield _selected(_validated(pa, path, reader.get_batch(i)), columns)
     except pa.ArrowInvalid:
         try:
             source.seek(0)
@@ -98,14 +104,14 @@ def _open(pa, path: str, fmt: str):
         reader = stream
         seen: list = []  # a stream is read once: its first batch is kept for the second pass (the sample's)
 
-        def batches(columns: list[str], size: int):
+        def batches(columns: list[str] | None, size: int):
             for b in seen:
-                yield b.select(columns)
+                yield _selected(b, columns)
             for b in stream:
                 b = _validated(pa, path, b)
                 if not seen:
                     seen.append(b)
-                yield b.select(columns)
+                yield _selected(b, columns)
     return reader.schema, None, batches, None
 
 
@@ -126,7 +132,7 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
         names = list(schema.names)
         pandas_index = set((schema.pandas_metadata or {}).get("index_columns", []) if schema.metadata else [])
         pandas_index = {n for n in pandas_index if isinstance(n, str)}
-        sample = next(iter(batches(names, SAMPLE_ROWS)), None)
+        sample = next(iter(batches(None, SAMPLE_ROWS)), None)
         if sample is None:
             raise DatasetError(f"{path}: no rows")
         sample = sample.slice(0, SAMPLE_ROWS)

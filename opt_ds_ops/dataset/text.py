@@ -356,10 +356,12 @@ def _column_infos(path: str, header: list[str] | None, rows: list[tuple[int, lis
             infos.append(ColumnInfo(name, "number", values=vals))
             continue
         kind = "time" if all(k == "time" for k in present) else "text"
-        lineno, example = next((ln, v) for (ln, v), k in zip(cells, kinds) if k == ("text" if kind == "text" else "time"))
+        # the example: a time (a time column), else a text cell, else (times and numbers) the first odd one out
+        want = kind if kind == "time" or "text" in present else next(k for k in present if k != present[0])
+        lineno, example = next((ln, v) for (ln, v), k in zip(cells, kinds) if k == want)
         zoned = kind == "time" and bool(ZONED.search(example))
         infos.append(ColumnInfo(name, kind, example=example, where=f"line {lineno}", zoned=zoned,
-                                mixed=kind == "text" and "number" in present))
+                                mixed="text" in present and "number" in present))
     return infos
 
 
