@@ -18,8 +18,8 @@ import zlib
 import numpy as np
 
 from .core import (
-    LIMIT_KEYS, DatasetError, all_constant, DatasetLimits, Float32Builder, block_rows, check_finite, check_float32, check_shape, clip,
-    rows_where,
+    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, all_constant, block_rows, check_finite, check_float32,
+    check_shape, clip, rows_where,
 )
 
 

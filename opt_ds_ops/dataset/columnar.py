@@ -5,6 +5,7 @@ floats, decimals, booleans as 0/1) become features; a timestamp or date column i
 (and a column named like one, see :mod:`opt_ds_ops.dataset.columns`); other columns (strings,
 lists, ...) are refused naming them, unless the ``dataset:`` options leave them out. pandas'
 index columns (``__index_level_0__``, from its metadata) are dropped, unless it is a time index.
+Every record batch passes Arrow's full validation before any of its values is read.
 
 **Budgets** before reading: rows x features x 4 bytes against ``job.max_matrix_bytes`` (Parquet
 knows its rows; not for a training job, whose rows beyond the budget are converted into a ``.npy``
@@ -21,7 +22,8 @@ import numpy as np
 from ..config import DatasetConfig
 from .columns import ColumnInfo, ColumnPlan, is_iso_time, plan_columns
 from .core import (
-    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, clip, quoted, rows_where, too_many_rows,
+    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, clip, quoted, rows_where,
+    too_many_rows,
 )
 from .timeindex import TimeCollector
 

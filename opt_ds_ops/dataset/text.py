@@ -3,7 +3,7 @@
 The rows are parsed by Apache Arrow's CSV reader (``pyarrow.csv.read_csv`` on 16 MiB chunks of
 whole lines, C++ on Arrow's CPU threads):
 RFC 4180 quoting (``"cpu","load"``, ``"{cpu=""0""}"``, quoted numbers), CRLF, a UTF-8 BOM and
-blank lines. What Arrow does not decide is decided here, from the first lines:
+blank lines; CR-only line ends (classic Mac OS, some Excel exports) become LF as the file is read. What Arrow does not decide is decided here, from the first lines:
 
 - **Delimiter**: tab, ``;``, ``,`` or ``|``, the first that splits the first lines (quotes
   respected, by Python's ``csv`` module) into the same number (> 1) of fields; else runs of spaces
