@@ -303,7 +303,8 @@ def run_job(
     with _scratch(cfg.models_dir, scratch_dir) as scratch_dir:
         try:
             limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes, stream_large_npy=True,
-                                               spill_dir=scratch_dir, base_bytes=data_segment_bytes())
+                                               spill_dir=scratch_dir, base_bytes=data_segment_bytes(),
+                                               refuse_constant=True)
             ds = load_dataset(path, limits, options)
             sha = sha256 or file_sha256(path)
         except (DatasetError, SpillError) as e:

@@ -48,14 +48,17 @@ class NpyRows:
     """The rows of a C-ordered 2-D ``.npy`` file of a real dtype, read on demand, never mapped.
 
     ``shape``: (rows, columns) of the file; ``columns``: the 0-based columns that are features
-    (None: all); ``dtype``: the file's. :meth:`read` returns float32 rows. ``nbytes``: the float32
-    matrix's size (bytes), what loading it would cost.
+    (None: all); ``dtype``: the file's. ``centre``: None (float32 rows are read as they are), or
+    the (file columns,) float64 offset each value is centred by, in float64, before it becomes
+    float32, as :class:`opt_ds_ops.dataset.core.Float32Builder` does in memory: the dataset's
+    ``offset``. :meth:`read` returns float32 rows. ``nbytes``: the float32 matrix's size (bytes),
+    what loading it would cost.
     """
 
     def __init__(self, path: str, shape: tuple[int, int], dtype: np.dtype, data_offset: int,
-                 columns: list[int] | None = None):
+                 columns: list[int] | None = None, centre: np.ndarray | None = None):
         self.path, self.file_shape, self.dtype, self.data_offset = path, (int(shape[0]), int(shape[1])), np.dtype(dtype), data_offset
-        self.columns = columns
+        self.columns, self.centre = columns, centre
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,11 +70,11 @@ class NpyRows:
 
     def select(self, columns: list[int]) -> NpyRows:
         """Return the same rows with only ``columns`` (0-based file columns) as features."""
-        return NpyRows(self.path, self.file_shape, self.dtype, self.data_offset, list(columns))
+        return NpyRows(self.path, self.file_shape, self.dtype, self.data_offset, list(columns), self.centre)
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Return rows [start, stop) as a new (stop - start, D) float32 array (values converted
-        from the file's dtype). Raises OSError when the file is shorter than its header says."""
+    def raw(self, start: int, stop: int) -> np.ndarray:
+        """Return rows [start, stop) of every file column as the file holds them (its dtype).
+        Raises OSError when the file is shorter than its header says."""
         cols = self.file_shape[1]
         raw = np.empty((stop - start, cols), dtype=self.dtype)
         view = memoryview(raw.reshape(-1).view(np.uint8))
@@ -82,8 +85,21 @@ class NpyRows:
                 if not n:
                     raise OSError(f"{self.path}: the file ends {len(view) - got} bytes early (rows {start}-{stop})")
                 got += n
+        return raw
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Return rows [start, stop) as a new (stop - start, D) float32 array (values converted
+        from the file's dtype, centred by ``centre``). Raises OSError when the file is shorter
+        than its header says."""
+        raw = self.raw(start, stop)
         if self.columns is not None:
             raw = raw[:, self.columns]
+        if self.centre is not None:
+            centre = self.centre if self.columns is None else self.centre[self.columns]
+            out = np.empty(raw.shape, dtype=np.float32)
+            with np.errstate(over="ignore"):
+                np.subtract(raw.astype(np.float64, copy=False), centre, out=out, casting="same_kind")
+            return out
         return raw if raw.dtype == np.float32 and raw.flags.c_contiguous else np.ascontiguousarray(raw, dtype=np.float32)
 
     def __getitem__(self, rows: slice) -> np.ndarray:

@@ -24,7 +24,7 @@ import zlib
 from ..config import DatasetConfig, JobConfig
 from .core import (
     ACCEPTED, ARRAY_SUFFIXES, COLUMNAR_SUFFIXES, TEXT_SUFFIXES, Dataset, DatasetError, DatasetLimits, SpillError,
-    TimeIndex, dataset_stem, file_sha256,
+    TimeIndex, all_constant, clip, constant_columns, dataset_stem, file_sha256,
 )
 
 __all__ = ["ACCEPTED", "Dataset", "DatasetError", "DatasetLimits", "SpillError", "TimeIndex", "dataset_stem",
@@ -69,7 +69,7 @@ def _select_array_columns(path: str, data, offset, opts: DatasetConfig):
     import numpy as np
 
     if hasattr(data, "select"):  # opt_ds_ops.stream.NpyRows: the columns are picked as rows are read
-        return data.select(keep), None, left_out, keep
+        return data.select(keep), (offset[keep] if offset is not None else None), left_out, keep
     data = np.ascontiguousarray(np.asarray(data)[:, keep])
     return data, (offset[keep] if offset is not None else None), left_out, keep
 
@@ -82,7 +82,9 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
     unknown format, unreadable or empty file, fewer than 2 rows, a non-numeric feature cell,
     ragged rows, a missing value, NaN or Inf, a value beyond float32's range, a time column that
     cannot be read or (``time_order: refuse``) is out of order, a wrong array rank or dtype, a
-    pickled object, and each breach of ``limits``; SpillError (an OSError) when the ``.npy`` that a
+    pickled object, a record batch that fails Arrow's full validation, each breach of ``limits``
+    and, with ``limits.refuse_constant`` (training), feature columns that are all constant (some
+    constant among others are noted in ``notes``); SpillError (an OSError) when the ``.npy`` that a
     dataset over the matrix budget is converted to (``limits.spill_dir``) cannot be written.
     """
     from . import arrays, columnar, text
@@ -105,7 +107,7 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
     except (DatasetError, SpillError):
         raise
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        raise DatasetError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+        raise DatasetError(f"{path}: cannot read: {clip(str(getattr(e, 'strerror', None) or e))}") from None
     if plan is not None:
         header, left_out, feature_columns = plan.feature_names(), plan.left_out, list(plan.features)
     if data.shape[0] < 2:
@@ -118,5 +120,20 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
         notes = notes + [f"{data.shape[0]:,} rows x {data.shape[1]} features ({data.nbytes:,} bytes as float32) are "
                          f"over job.max_matrix_bytes ({limits.max_matrix_bytes:,}): converted while read into "
                          f"{data.path} and streamed from there (removed after training)"]
-    return Dataset(path=path, format=fmt, data=data, header=header, size_bytes=size, offset=offset, time=time,
-                   left_out=left_out, notes=notes, feature_columns=feature_columns)
+    ds = Dataset(path=path, format=fmt, data=data, header=header, size_bytes=size, offset=offset, time=time,
+                 left_out=left_out, notes=notes, feature_columns=feature_columns)
+    if limits.refuse_constant:
+        _note_constant_columns(ds)
+    return ds
+
+
+def _note_constant_columns(ds: Dataset) -> None:
+    """Raise DatasetError if every feature column of ``ds`` is constant; note those that are, if some."""
+    constant = constant_columns(ds.data)
+    if len(constant) == ds.features:
+        raise all_constant(ds.path, ds.features)
+    if constant:
+        labels = ds.metric_labels()
+        named = ", ".join(clip(labels[c], 40) for c in constant[:20]) + (", ..." if len(constant) > 20 else "")
+        ds.notes.append(f"{len(constant)} of {ds.features} feature columns are constant ({named}): they carry no "
+                        "signal here, and a change in them will stand out when scored")

@@ -10,14 +10,26 @@ where that is in memory (a ``.pt`` tensor; a Fortran-ordered ``.npz`` member, re
 from __future__ import annotations
 
 import os
+import struct
+import tokenize
 import zipfile
 import zlib
 
 import numpy as np
 
 from .core import (
-    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, block_rows, check_finite, check_shape, rows_where,
+    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, all_constant, block_rows, check_finite, check_float32,
+    check_shape, clip, rows_where,
 )
+
+
+# what numpy's .npy header parser raises for a malformed header (ast.literal_eval, and tokenize for
+# the headers Python 2 wrote), besides the ValueError it raises itself
+_HEADER_ERRORS = (ValueError, SyntaxError, TypeError, RecursionError, tokenize.TokenError)
+# what zipfile raises for a malformed archive: unsupported versions, methods and flags, a name
+# field cut short, a record that does not unpack, an encrypted member
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, IndexError, KeyError, struct.error,
+               RuntimeError)
 
 
 def _check_dtype(path: str, what: str, dtype: np.dtype, kind: str) -> None:
@@ -33,8 +45,8 @@ def _npy_header(f, path: str, kind: str) -> tuple[tuple, bool, np.dtype]:
         version = np.lib.format.read_magic(f)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         return read(f)
-    except ValueError as e:
-        raise DatasetError(f"{path}: not a plain numeric {kind} ({e})") from None
+    except _HEADER_ERRORS as e:
+        raise DatasetError(f"{path}: not a plain numeric {kind} ({clip(str(e))})") from None
 
 
 def _centred(path: str, shape: tuple, block_of) -> tuple[np.ndarray, np.ndarray | None]:
@@ -62,21 +74,26 @@ def _load_npy(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
     _check_dtype(path, "array", dtype, ".npy array")
     if (limits.stream_large_npy and len(shape) == 2 and not fortran
             and int(shape[0]) * int(shape[1]) * 4 > limits.max_matrix_bytes and int(shape[1]) <= limits.max_columns):
-        return _streamed_npy(path, shape, dtype), None
+        return _streamed_npy(path, shape, dtype)
     check_shape(path, "array", shape, limits)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
-        raise DatasetError(f"{path}: not a plain numeric .npy array ({e})") from None
+    except _HEADER_ERRORS as e:
+        raise DatasetError(f"{path}: not a plain numeric .npy array ({clip(str(e))})") from None
     if dtype == np.float32 and not fortran:
         check_finite(path, arr, rows_where)
         return arr, None
     return _centred(path, shape, lambda s, e: np.asarray(arr[s:e], dtype=np.float64))
 
 
-def _streamed_npy(path: str, shape: tuple, dtype: np.dtype):
-    """Return an :class:`opt_ds_ops.stream.NpyRows` for a .npy too large for the job's memory,
-    after one pass that checks the file's length and that every cell is finite."""
+def _streamed_npy(path: str, shape: tuple, dtype: np.dtype) -> tuple:
+    """Return (:class:`opt_ds_ops.stream.NpyRows`, float64 offset or None) for a .npy too large for
+    the job's memory, after one pass that checks the file's length and every cell.
+
+    A float64 or integer file is centred as in memory (:func:`_centred`): by the column means of
+    its first float64 block, the same offset, so that the same file gives the same float32 rows
+    whether it is loaded or streamed.
+    """
     from ..stream import NpyRows
 
     with open(path, "rb") as f:
@@ -87,8 +104,17 @@ def _streamed_npy(path: str, shape: tuple, dtype: np.dtype):
     if size < need:
         raise DatasetError(f"{path}: array data is truncated ({size} bytes for shape {tuple(shape)}, {dtype})")
     rows = NpyRows(path, shape, dtype, offset)
-    check_finite(path, rows, rows_where)  # reads the file in blocks, as for a memmap
-    return rows
+    if dtype == np.float32:
+        check_finite(path, rows, rows_where)  # reads the file in blocks, as for a memmap
+        return rows, None
+    step = block_rows(int(shape[1]))
+    centre = None
+    for start in range(0, int(shape[0]), step):
+        block = rows.raw(start, min(start + step, int(shape[0]))).astype(np.float64)
+        if centre is None:
+            centre = block.mean(axis=0)  # Float32Builder's offset: the first block's column means
+        check_float32(path, block, centre, start, rows_where)
+    return NpyRows(path, shape, dtype, offset, centre=centre), centre
 
 
 def _read_exact(f, out: np.ndarray, path: str) -> None:
@@ -138,8 +164,8 @@ def _load_npz(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
                 return _centred(path, shape, block_of)
     except DatasetError:
         raise
-    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
-        raise DatasetError(f"{path}: not a plain numeric .npz archive ({e})") from None
+    except _ZIP_ERRORS + _HEADER_ERRORS as e:
+        raise DatasetError(f"{path}: not a plain numeric .npz archive ({clip(str(e))})") from None
 
 
 def _load_pt(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray | None]:
@@ -157,6 +183,8 @@ def _load_pt(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray |
         raise DatasetError(f"{path}: tensor has dtype {obj.dtype}; need a real number dtype")
     # before any copy: an expanded (stride 0) tensor of a few bytes on disk may claim any shape
     check_shape(path, "tensor", tuple(obj.shape), limits)
+    if limits.refuse_constant and obj.shape[0] > 1 and obj.stride(0) == 0:
+        raise all_constant(path, int(obj.shape[1]))  # every row is the first (expanded): known without a copy
     t = obj.detach()
     if t.dtype == torch.float32 and t.is_contiguous():
         arr = t.numpy()

@@ -5,6 +5,7 @@ floats, decimals, booleans as 0/1) become features; a timestamp or date column i
 (and a column named like one, see :mod:`opt_ds_ops.dataset.columns`); other columns (strings,
 lists, ...) are refused naming them, unless the ``dataset:`` options leave them out. pandas'
 index columns (``__index_level_0__``, from its metadata) are dropped, unless it is a time index.
+Every record batch passes Arrow's full validation before any of its values is read.
 
 **Budgets** before reading: rows x features x 4 bytes against ``job.max_matrix_bytes`` (Parquet
 knows its rows; not for a training job, whose rows beyond the budget are converted into a ``.npy``
@@ -21,7 +22,8 @@ import numpy as np
 from ..config import DatasetConfig
 from .columns import ColumnInfo, ColumnPlan, is_iso_time, plan_columns
 from .core import (
-    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, rows_where, too_many_rows,
+    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, clip, quoted, rows_where,
+    too_many_rows,
 )
 from .timeindex import TimeCollector
 
@@ -46,23 +48,45 @@ def _info(pa, name: str, typ, sample) -> ColumnInfo:
     return ColumnInfo(name, "text", example=f"values of type {typ}", where="")
 
 
+def _validated(pa, path: str, batch):
+    """Return ``batch`` once Arrow's full validation passed (``RecordBatch.validate(full=True)``:
+    offsets within their buffers, UTF-8, dictionary indices, ...); raise DatasetError if not.
+
+    An Arrow IPC file's buffers and offsets are the writer's word: a string offset past its buffer
+    makes the first value read leave the file (SIGBUS or SIGSEGV on the memory map, or other bytes
+    in a message). Nothing reads a value of a batch before this.
+    """
+    try:
+        batch.validate(full=True)
+    except pa.ArrowException as e:
+        raise DatasetError(f"{path}: a record batch is not valid Arrow data ({clip(str(e))})") from None
+    return batch
+
+
+def _selected(batch, columns: list[str] | None):
+    """Return ``batch`` with only ``columns`` (by name; None: all)."""
+    return batch if columns is None else batch.select(columns)
+
+
 def _open(pa, path: str, fmt: str):
-    """Return (schema, rows or None, batches(columns) -> iterator of RecordBatch, uncompressed bytes(columns))."""
+    """Return (schema, rows or None, batches(columns) -> iterator of RecordBatch, uncompressed bytes(columns));
+    ``batches(None, size)`` gives every column (names may repeat there: a select by name would fail)."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
         try:
             pf = pq.ParquetFile(path)
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
-            raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
+            raise DatasetError(f"{path}: not a readable Parquet file ({clip(str(e))})") from None
         md = pf.metadata
 
         def uncompressed(columns: list[str]) -> int:
             """Bytes the columns take decoded: 8 a value (float64/int64/timestamps; what they become here)."""
             return md.num_rows * 8 * len(columns)
 
-        def batches(columns: list[str], size: int):
-            return pf.iter_batches(batch_size=size, columns=columns, use_threads=True)
+        def batches(columns: list[str] | None, size: int):
+            for b in pf.iter_batches(batch_size=size, columns=columns, use_threads=True):
+                yield _validated(pa, path, b)
 
         return pf.schema_arrow, md.num_rows, batches, uncompressed
     source = pa.memory_map(path)
@@ -70,25 +94,26 @@ def _open(pa, path: str, fmt: str):
         reader = pa.ipc.open_file(source)
         count = reader.num_record_batches
 
-        def batches(columns: list[str], size: int):
+        def batches(columns: list[str] | None, size: int):
             for i in range(count):
-                yield reader.get_batch(i).select(columns)
+                yield _selected(_validated(pa, path, reader.get_batch(i)), columns)
     except pa.ArrowInvalid:
         try:
             source.seek(0)
             stream = pa.ipc.open_stream(source)
         except pa.ArrowInvalid as e:
-            raise DatasetError(f"{path}: not an Arrow IPC file or stream (Feather v2); {e}") from None
+            raise DatasetError(f"{path}: not an Arrow IPC file or stream (Feather v2); {clip(str(e))}") from None
         reader = stream
         seen: list = []  # a stream is read once: its first batch is kept for the second pass (the sample's)
 
-        def batches(columns: list[str], size: int):
+        def batches(columns: list[str] | None, size: int):
             for b in seen:
-                yield b.select(columns)
+                yield _selected(b, columns)
             for b in stream:
+                b = _validated(pa, path, b)
                 if not seen:
                     seen.append(b)
-                yield b.select(columns)
+                yield _selected(b, columns)
     return reader.schema, None, batches, None
 
 
@@ -109,7 +134,7 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
         names = list(schema.names)
         pandas_index = set((schema.pandas_metadata or {}).get("index_columns", []) if schema.metadata else [])
         pandas_index = {n for n in pandas_index if isinstance(n, str)}
-        sample = next(iter(batches(names, SAMPLE_ROWS)), None)
+        sample = next(iter(batches(None, SAMPLE_ROWS)), None)
         if sample is None:
             raise DatasetError(f"{path}: no rows")
         sample = sample.slice(0, SAMPLE_ROWS)
@@ -128,7 +153,7 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
         read = [names[i] for i in plan.features] + ([names[plan.time]] if plan.time is not None else [])
         dup = sorted({n for n in read if names.count(n) > 1})
         if dup:
-            raise DatasetError(f"{path}: column name {dup[0]!r} appears {names.count(dup[0])} times; rename the columns")
+            raise DatasetError(f"{path}: column name {quoted(dup[0])} appears {names.count(dup[0])} times; rename the columns")
         if rows is not None and limits.spill_dir is None:  # with a spill_dir the rows go to a .npy
             need = rows * len(plan.features) * 4
             if need > limits.max_matrix_bytes:
@@ -141,7 +166,7 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
     except DatasetError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise DatasetError(f"{path}: cannot read {fmt}: {e}") from None
+        raise DatasetError(f"{path}: cannot read {fmt}: {clip(str(e))}") from None
 
 
 def _read(pa, path, limits, plan: ColumnPlan, names, rows, batches, read):

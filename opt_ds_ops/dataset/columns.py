@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import DatasetConfig
-from .core import DatasetError, dataset_stem
+from .core import DatasetError, dataset_stem, quoted
 
 TIME_NAMES = frozenset({
     "time", "timestamp", "date", "datetime", "date_time", "ts", "epoch", "time_stamp", "timestamp_utc",
@@ -122,7 +122,7 @@ class ColumnPlan:
 
 def column_label(i: int, name: str | None) -> str:
     """``column 3 ('cpu')`` or ``column 3``: how messages name the file's column i (0-based)."""
-    return f"column {i + 1} ({name!r})" if name else f"column {i + 1}"
+    return f"column {i + 1} ({quoted(name)})" if name else f"column {i + 1}"
 
 
 def _resolve(path: str, key: str, ref, infos: list[ColumnInfo]) -> int:
@@ -146,11 +146,11 @@ def _time_candidate(info: ColumnInfo, unnamed_ok: bool) -> str | None:
     """Return why info is a time column under ``time_column: auto``, or None."""
     named = normalised_name(info.name) in TIME_NAMES
     if named and info.kind in TIME_KINDS:
-        return f"named {info.name!r}, holding timestamps"
+        return f"named {quoted(info.name)}, holding timestamps"
     if named and info.kind == "number" and len(info.values):
         v = info.values
         if abs(v[0]) >= 1e8 or bool(np.all(np.diff(v) >= 0)):
-            return f"named {info.name!r}, holding {epoch_kind(v[0]).replace('epoch_', 'epoch ')}"
+            return f"named {quoted(info.name)}, holding {epoch_kind(v[0]).replace('epoch_', 'epoch ')}"
     if info.kind in TIME_KINDS:
         return "holding ISO 8601 timestamps" if info.kind == "time" else "typed as timestamps"
     if unnamed_ok and info.kind == "number" and len(info.values) >= 3:
@@ -207,7 +207,7 @@ def plan_columns(path: str, infos: list[ColumnInfo], opts: DatasetConfig) -> Col
         i = _resolve(path, "time_column", tc, infos)
         info = infos[i]
         if info.kind not in TIME_KINDS + ("number",):
-            raise DatasetError(f"{path}: dataset.time_column is {labels[i]}, which holds {info.example!r} "
+            raise DatasetError(f"{path}: dataset.time_column is {labels[i]}, which holds {quoted(info.example)} "
                                f"({info.where}): neither an ISO 8601 timestamp nor epoch seconds/milliseconds")
         plan.time, plan.time_detected = i, "set by dataset.time_column"
     elif tc.casefold() == "auto":
@@ -222,7 +222,7 @@ def plan_columns(path: str, infos: list[ColumnInfo], opts: DatasetConfig) -> Col
             if normalised_name(info.name) in TIME_NAMES and i not in chosen:
                 raise DatasetError(
                     f"{path}: {labels[i]} is named like a time column but holds "
-                    f"{info.example or ', '.join(f'{x:g}' for x in info.values[:3])!r} ({info.where or 'first rows'}): "
+                    f"{quoted(info.example or ', '.join(f'{x:g}' for x in info.values[:3]))} ({info.where or 'first rows'}): "
                     "neither ISO 8601 timestamps nor epoch seconds/milliseconds. Set dataset.time_column "
                     "to the time column, or to none to train on it as a feature"
                 )
@@ -253,14 +253,16 @@ def plan_columns(path: str, infos: list[ColumnInfo], opts: DatasetConfig) -> Col
     mixed = [i for i in text if infos[i].mixed]
     if mixed:
         i = mixed[0]
-        raise DatasetError(f"{path}: {infos[i].where}, {labels[i]}: {infos[i].example!r} is not a number "
+        raise DatasetError(f"{path}: {infos[i].where}, {labels[i]}: {quoted(infos[i].example)} is not a number "
                            "(the column's other values are)")
     if text:
         shown = "; ".join(
             f"{labels[i]} holds {_what_text(infos[i])} "
-            f"({infos[i].example!r}{', ' + infos[i].where if infos[i].where else ''})" for i in text[:5]
+            f"({quoted(infos[i].example)}{', ' + infos[i].where if infos[i].where else ''})" for i in text[:5]
         )
-        refs = ", ".join(infos[i].name.strip() if (infos[i].name or "").strip() else str(i + 1) for i in text)
+        # a name as the file spells it, if short, else the column's number; 20 at most (messages stay bounded)
+        refs = ", ".join(infos[i].name.strip() if 0 < len((infos[i].name or "").strip()) <= 40 else str(i + 1)
+                         for i in text[:20]) + (f", ... ({len(text)} columns)" if len(text) > 20 else "")
         raise DatasetError(
             f"{path}: {shown}{'; ...' if len(text) > 5 else ''}. Only numbers can be features: leave "
             f"{'it' if len(text) == 1 else 'them'} out with dataset.exclude_columns: [{refs}] "

@@ -43,6 +43,7 @@ _GROWTH = 1.125  # the matrix grows by this factor (a realloc, no copy): the mos
 F32_MAX = float(np.finfo(np.float32).max)
 SPILL_FILE = "converted.npy"  # the float32 .npy a dataset over the matrix budget is written to, in spill_dir
 _SPILL_HEADER_BYTES = 128  # a fixed .npy header (format 1.0, 64-byte aligned) holds any final shape
+QUOTE_CHARS = 200  # the most characters of a file's content (a cell, a name, a library's message) one error quotes
 LIMIT_KEYS = "job.max_decompressed_bytes (or spool.max_dataset_bytes, if smaller)"  # the decompressed-bytes limit, in messages
 
 
@@ -68,11 +69,14 @@ class DatasetLimits:
     # issue 12: where a text/Parquet/Arrow dataset over max_matrix_bytes is converted to a float32
     # .npy (SPILL_FILE) and streamed instead of refused; None: refused (scoring, and where unset)
     spill_dir: str | None = None
+    # issue 18: a dataset whose feature columns are all constant is refused (nothing to learn) and
+    # constant columns among others are noted; training jobs set it, scoring (flat new data) does not
+    refuse_constant: bool = False
 
     @classmethod
     def from_config(cls, job_cfg: JobConfig, max_dataset_bytes: int | None = None, *,
                     stream_large_npy: bool = False, spill_dir: str | None = None,
-                    base_bytes: int = 0) -> DatasetLimits:
+                    base_bytes: int = 0, refuse_constant: bool = False) -> DatasetLimits:
         """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes(base_bytes)``,
         ``base_bytes`` being what the job's process holds already, see
         :func:`opt_ds_ops.config.data_segment_bytes`).
@@ -87,6 +91,7 @@ class DatasetLimits:
             max_matrix_bytes=job_cfg.matrix_budget_bytes(base_bytes),
             stream_large_npy=stream_large_npy,
             spill_dir=spill_dir,
+            refuse_constant=refuse_constant,
         )
 
     @property
@@ -97,6 +102,17 @@ class DatasetLimits:
     def max_rows(self, columns: int) -> int:
         """Return the most rows of ``columns`` float32 values that fit ``max_matrix_bytes``."""
         return self.max_matrix_bytes // (4 * max(columns, 1))
+
+
+def clip(text: str, limit: int = QUOTE_CHARS) -> str:
+    """Return ``text`` cut to ``limit`` characters, saying how long it was when cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quoted(value) -> str:
+    """Return ``repr(value)`` of a file's cell or name cut to :data:`QUOTE_CHARS` characters, for messages."""
+    text = str(value)
+    return repr(text) if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]!r}... ({len(text)} characters)"
 
 
 def iso_utc(seconds: float) -> str:
@@ -245,6 +261,28 @@ def check_finite(path: str, data: np.ndarray, where: Callable[[int], str]) -> No
             raise DatasetError(f"{path}: {where(start + int(r))}, column {int(c) + 1}: value {chunk[r, c]} is not finite")
 
 
+def constant_columns(data) -> list[int]:
+    """Return the 0-based columns of ``data`` (rows, D) float32 (an array, a memmap or an
+    :class:`opt_ds_ops.stream.NpyRows`) whose every value equals the first row's; read in blocks
+    of about CHUNK_BYTES, stopping as soon as every column has varied."""
+    rows, cols = data.shape
+    first = np.asarray(data[0:1])[0]
+    varies = np.zeros(cols, dtype=bool)
+    step = block_rows(cols, 4)
+    for start in range(0, rows, step):
+        varies |= (np.asarray(data[start : start + step]) != first).any(axis=0)
+        if varies.all():
+            break
+    return [int(c) for c in np.flatnonzero(~varies)]
+
+
+def all_constant(path: str, columns: int) -> DatasetError:
+    """Return the error for a dataset whose ``columns`` feature columns hold one value each."""
+    return DatasetError(f"{path}: every feature column is constant ({columns} column{'s' if columns != 1 else ''}, "
+                        "each one value in every row): there is nothing to learn from; a model of it would flag "
+                        "any change. Check the export (a stuck collector, a filled placeholder)")
+
+
 def check_shape(path: str, what: str, shape: tuple, limits: DatasetLimits) -> None:
     """Raise DatasetError unless shape is (rows, columns) within job.max_columns and job.max_matrix_bytes."""
     if len(shape) != 2:
@@ -264,6 +302,43 @@ def too_many_rows(path: str, max_rows: int, columns: int, limits: DatasetLimits)
         f"{path}: more than {max_rows} rows of {columns} columns; the float32 matrix would pass "
         f"job.max_matrix_bytes ({limits.max_matrix_bytes} bytes, {4 * columns} bytes a row)"
     )
+
+
+def _magnitude(path: str, block: np.ndarray, row0: int, where: Callable[[int], str], column: Callable[[int], str],
+               nan_is_missing: bool) -> np.ndarray:
+    """Return the (D,) largest |value| of each column of ``block`` (k, D) float64, whose first row
+    is row ``row0``; raise DatasetError at its first NaN, Inf or value beyond float32's range."""
+    # NaN propagates through max and min: two passes without a temporary find NaN, Inf and overflow
+    magnitude = np.maximum(np.abs(block.max(axis=0)), np.abs(block.min(axis=0)))
+    if not (magnitude <= F32_MAX).all():
+        r, c = (int(i) for i in np.argwhere(~(np.abs(block) <= F32_MAX))[0])
+        v = block[r, c]
+        what = ("a missing value (empty, NA or NaN)" if np.isnan(v) and nan_is_missing
+                else f"value {v} is not finite" if not np.isfinite(v)
+                else f"value {v:g} is beyond float32's range (+-{F32_MAX:g})")
+        raise DatasetError(f"{path}: {where(row0 + r)}, {column(c)}: {what}")
+    return magnitude
+
+
+def _refuse_far_from_offset(path: str, block: np.ndarray, magnitude: np.ndarray, offset: np.ndarray, dest: np.ndarray,
+                            row0: int, where: Callable[[int], str], column: Callable[[int], str]) -> None:
+    """Raise DatasetError if a value of ``block`` centred by ``offset`` (``dest``, float32) left float32's range."""
+    if (magnitude + np.abs(offset) > F32_MAX).any() and not np.isfinite(dest).all():
+        r, c = (int(i) for i in np.argwhere(~np.isfinite(dest))[0])
+        raise DatasetError(
+            f"{path}: {where(row0 + r)}, {column(c)}: value {block[r, c]:.17g} lies "
+            f"{block[r, c] - offset[c]:.6g} from the column's offset {offset[c]:.6g}, beyond float32's range"
+        )
+
+
+def check_float32(path: str, block: np.ndarray, offset: np.ndarray, row0: int, where: Callable[[int], str]) -> None:
+    """Raise DatasetError where :class:`Float32Builder` would refuse ``block`` (k, D) float64 of rows
+    ``row0``..., centred by ``offset``: a NaN/Inf, a value beyond float32 or beyond it from the offset."""
+    magnitude = _magnitude(path, block, row0, where, number_column, False)
+    if (magnitude + np.abs(offset) > F32_MAX).any():
+        with np.errstate(over="ignore"):
+            dest = (block - offset).astype(np.float32)
+        _refuse_far_from_offset(path, block, magnitude, offset, dest, row0, where, number_column)
 
 
 class Float32Builder:
@@ -309,15 +384,7 @@ class Float32Builder:
                 block = block[: self.max_rows - self.n]  # the rows past max_rows are never kept: the caller refuses
         if len(block) == 0:
             return
-        # NaN propagates through max and min: two passes without a temporary find NaN, Inf and overflow
-        magnitude = np.maximum(np.abs(block.max(axis=0)), np.abs(block.min(axis=0)))
-        if not (magnitude <= F32_MAX).all():
-            r, c = (int(i) for i in np.argwhere(~(np.abs(block) <= F32_MAX))[0])
-            v = block[r, c]
-            what = ("a missing value (empty, NA or NaN)" if np.isnan(v) and self.nan_is_missing
-                    else f"value {v} is not finite" if not np.isfinite(v)
-                    else f"value {v:g} is beyond float32's range (+-{F32_MAX:g})")
-            raise DatasetError(f"{self.path}: {self.where(self.n + r)}, {self.column(c)}: {what}")
+        magnitude = _magnitude(self.path, block, self.n, self.where, self.column, self.nan_is_missing)
         if self.offset is None:
             self.offset = block.mean(axis=0)
         need = self.n + len(block)
@@ -330,12 +397,7 @@ class Float32Builder:
             dest = self.out[self.n : need]
         with np.errstate(over="ignore"):
             np.subtract(block, self.offset, out=dest, casting="same_kind")
-        if (magnitude + np.abs(self.offset) > F32_MAX).any() and not np.isfinite(dest).all():
-            r, c = (int(i) for i in np.argwhere(~np.isfinite(dest))[0])
-            raise DatasetError(
-                f"{self.path}: {self.where(self.n + r)}, {self.column(c)}: value {block[r, c]:.17g} lies "
-                f"{block[r, c] - self.offset[c]:.6g} from the column's offset {self.offset[c]:.6g}, beyond float32's range"
-            )
+        _refuse_far_from_offset(self.path, block, magnitude, self.offset, dest, self.n, self.where, self.column)
         if self.spilled:
             self._write(dest)
         self.n = need

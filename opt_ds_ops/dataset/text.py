@@ -3,7 +3,7 @@
 The rows are parsed by Apache Arrow's CSV reader (``pyarrow.csv.read_csv`` on 16 MiB chunks of
 whole lines, C++ on Arrow's CPU threads):
 RFC 4180 quoting (``"cpu","load"``, ``"{cpu=""0""}"``, quoted numbers), CRLF, a UTF-8 BOM and
-blank lines. What Arrow does not decide is decided here, from the first lines:
+blank lines; CR-only line ends (classic Mac OS, some Excel exports) become LF as the file is read. What Arrow does not decide is decided here, from the first lines:
 
 - **Delimiter**: tab, ``;``, ``,`` or ``|``, the first that splits the first lines (quotes
   respected, by Python's ``csv`` module) into the same number (> 1) of fields; else runs of spaces
@@ -40,7 +40,8 @@ import numpy as np
 from ..config import DatasetConfig
 from .columns import ColumnInfo, ColumnPlan, ZONED, is_iso_time, plan_columns
 from .core import (
-    FIELD_BYTES, LIMIT_KEYS, SNIFF_BYTES, DatasetError, DatasetLimits, Float32Builder, block_rows, too_many_rows,
+    FIELD_BYTES, LIMIT_KEYS, SNIFF_BYTES, DatasetError, DatasetLimits, Float32Builder, block_rows, clip, quoted,
+    too_many_rows,
 )
 from .timeindex import TimeCollector
 
@@ -106,10 +107,55 @@ class _BoundedReader(io.RawIOBase):
             super().close()
 
 
+_LONE_CR = re.compile(rb"\r(?!\n)")
+
+
+class _CRLines(io.RawIOBase):
+    """The bytes of ``raw`` with every CR that is not followed by LF turned into LF.
+
+    Classic Mac and some Excel exports end their lines with CR only; a line is then ``\n``,
+    ``\r\n`` or ``\r``, as for Arrow's parser and Python's universal newlines. One byte for one
+    byte: offsets in the file (``stop_at``) stay the same. A CR at the end of a read is held back
+    until the next byte shows whether an LF follows.
+    """
+
+    def __init__(self, raw):
+        super().__init__()
+        self._raw, self._pending, self._cr = raw, b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self._pending:
+            data = self._raw.read(_READ_BYTES)
+            if not data:
+                if not self._cr:
+                    return 0
+                self._pending, self._cr = b"\n", False  # the file ends with a lone CR
+                break
+            if self._cr:
+                data, self._cr = b"\r" + data, False
+            if data.endswith(b"\r"):
+                data, self._cr = data[:-1], True
+            self._pending = _LONE_CR.sub(b"\n", data) if b"\r" in data else data
+        n = min(len(b), len(self._pending))
+        b[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+
+
 def _open(path: str, limits: DatasetLimits, stop_at: int | None = None) -> io.BufferedReader:
-    """Open a text dataset (gzip by suffix) as bytes through a :class:`_BoundedReader`."""
+    """Open a text dataset (gzip by suffix) as bytes through a :class:`_BoundedReader`, lone CRs
+    read as line ends (:class:`_CRLines`)."""
     raw = gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb", buffering=0)
-    return io.BufferedReader(_BoundedReader(raw, path, limits, stop_at), buffer_size=_READ_BYTES)
+    return io.BufferedReader(_CRLines(_BoundedReader(raw, path, limits, stop_at)), buffer_size=_READ_BYTES)
 
 
 _CHUNK_BYTES = 16 * 1024**2  # text parsed by Arrow at a time (bytes of whole lines)
@@ -310,10 +356,12 @@ def _column_infos(path: str, header: list[str] | None, rows: list[tuple[int, lis
             infos.append(ColumnInfo(name, "number", values=vals))
             continue
         kind = "time" if all(k == "time" for k in present) else "text"
-        lineno, example = next((ln, v) for (ln, v), k in zip(cells, kinds) if k == ("text" if kind == "text" else "time"))
+        # the example: a time (a time column), else a text cell, else (times and numbers) the first odd one out
+        want = kind if kind == "time" or "text" in present else next(k for k in present if k != present[0])
+        lineno, example = next((ln, v) for (ln, v), k in zip(cells, kinds) if k == want)
         zoned = kind == "time" and bool(ZONED.search(example))
         infos.append(ColumnInfo(name, kind, example=example, where=f"line {lineno}", zoned=zoned,
-                                mixed=kind == "text" and "number" in present))
+                                mixed="text" in present and "number" in present))
     return infos
 
 
@@ -393,7 +441,7 @@ def _refuse_decimal_comma(path: str, rows: list[tuple[int, list[str]]], n: int) 
             v = v.strip()
             if len(v) > 1 and v.lstrip("+-").startswith("0"):
                 raise DatasetError(
-                    f"{path}: line {lineno}: {','.join(x.strip() for x in r[:n])!r} looks like a number with a "
+                    f"{path}: line {lineno}: {quoted(','.join(x.strip() for x in r[:n]))} looks like a number with a "
                     f"decimal comma ({r[c - 1].strip()},{v}), which is ambiguous in a comma-separated file. Write "
                     "numbers with '.' as the decimal point, or separate fields with ';' (then '44,08' reads as 44.08)"
                 )
@@ -404,8 +452,16 @@ def load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: in
     ``where(row)`` names a 0-based data row as its file line (``line 7``).
 
     ``stop_at``: bytes of the file (after decompression) after which it is taken to end (set when
-    the rest holds only whitespace lines). Raises DatasetError (see the module docstring).
+    the rest holds only whitespace lines). Raises DatasetError (see the module docstring), also
+    where Python's ``csv`` module cannot split a line (a quoted field over its 131,072 characters).
     """
+    try:
+        return _load_text(path, limits, opts, stop_at)
+    except csv.Error as e:
+        raise DatasetError(f"{path}: cannot split the lines into fields: {clip(str(e))}") from None
+
+
+def _load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: int | None):
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
@@ -455,7 +511,7 @@ def load_text(path: str, limits: DatasetLimits, opts: DatasetConfig, stop_at: in
         if error is not None:
             cut = _arrow_error(path, limits, dialect, plan, error, None if limits.spill_dir else max_rows,
                                stop_at is None)
-            return load_text(path, limits, opts, stop_at=cut)
+            return _load_text(path, limits, opts, stop_at=cut)
     data, offset = build.finish()
     if data.shape[0] == 0:
         raise DatasetError(f"{path}: empty file (no data rows)")
@@ -530,7 +586,7 @@ def _arrow_error(path: str, limits: DatasetLimits, dialect: _Dialect, plan: Colu
         if conv:
             c, value = int(conv.group(1)), conv.group(2)
             if c < len(fields) and fields[c].strip() == value.strip():
-                raise DatasetError(f"{path}: line {lineno}, {plan.labels[c]}: {value!r} is not a number") from None
+                raise DatasetError(f"{path}: line {lineno}, {plan.labels[c]}: {quoted(value)} is not a number") from None
         elif len(fields) != want:
             if tail_ok and all(not x.strip() for x in fields):
                 cut = _blank_tail_offset(path, limits, lineno)
@@ -541,8 +597,8 @@ def _arrow_error(path: str, limits: DatasetLimits, dialect: _Dialect, plan: Colu
             raise DatasetError(f"{path}: line {lineno}: ragged rows: the number of columns changes from "
                                f"{n_want} to {n_have}") from None
     if expected:
-        raise DatasetError(f"{path}: ragged rows: {msg}") from None
-    raise DatasetError(f"{path}: {msg.strip()}") from None
+        raise DatasetError(f"{path}: ragged rows: {clip(msg)}") from None
+    raise DatasetError(f"{path}: {clip(msg.strip())}") from None
 
 
 def _blank_tail_offset(path: str, limits: DatasetLimits, lineno: int) -> int | None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import DatasetConfig
 from .columns import EPOCH_SCALE, ColumnPlan
-from .core import DatasetError, TimeIndex, iso_utc
+from .core import DatasetError, TimeIndex, iso_utc, quoted
 
 
 def _normalise(col):
@@ -84,7 +84,7 @@ class TimeCollector:
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                 form = "with a zone (Z or +HH:MM)" if self.plan.time_zoned else "without a zone"
                 raise DatasetError(
-                    f"{self.path}: {self.where(rows_before + r)}, {self.label}: {raw!r} is not an ISO 8601 timestamp "
+                    f"{self.path}: {self.where(rows_before + r)}, {self.label}: {quoted(raw)} is not an ISO 8601 timestamp "
                     f"{form}, as the first rows are"
                 ) from None
         raise DatasetError(f"{self.path}: {self.label}: timestamps that cannot be read")
