@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Coverage-guided fuzzing of every reader entry point (``make fuzz``): atheris (libFuzzer) per target.
+
+Each target of ``tests/fuzz/targets.py`` runs for ``--seconds`` in a process of its own, started
+from its committed seed corpus ``tests/fuzz/corpus/TARGET/`` plus what earlier runs found
+(``build/fuzz/corpus/TARGET/``, where new inputs go). ds-ops's own modules and PyYAML are
+instrumented for coverage (``atheris.instrument_imports``); numpy, pyarrow and torch are C and
+C++, reached through them. A finding is an exception other than DatasetError/ConfigError, a
+broken promise of ``load_dataset`` (an AssertionError of the target), a crash of the process, an
+input that takes more than ``--timeout`` seconds (10) or more than ``--rss-limit-mb`` of memory.
+The compressed formats (``.csv.gz``, ``.npz``) mutate mostly what is inside the container
+(:func:`_container_mutator`). After a finding, the target starts again from where it was for
+the time left (at most ``--max-findings`` findings a target), so one shallow bug does not hide
+the rest.
+
+Per target it prints executions, libFuzzer's coverage figures (``cov``: edges of the
+instrumented code and of the comparisons it traces, ``ft``: features) and findings; each new
+finding's input is copied to ``tests/fuzz/regressions/TARGET/`` (named by kind and SHA-1) for
+``tests/fuzz/test_regressions.py``, its log to ``build/fuzz/TARGET.log``. Exit 1 on any finding.
+
+    python scripts/fuzz.py [--seconds 60] [--targets csv,npz] [--timeout 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+import zlib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FUZZ = REPO / "tests" / "fuzz"
+BUILD = REPO / "build" / "fuzz"
+KINDS = ("crash", "timeout", "oom", "leak")  # libFuzzer's artifact prefixes (slow-unit-* is not a finding)
+
+
+INNER_BYTES = 1 << 20  # the most a container mutator unpacks
+
+
+def _unpack_gz(data: bytes) -> bytes:
+    return zlib.decompressobj(wbits=31).decompress(data, INNER_BYTES)
+
+
+def _pack_gz(inner: bytes, rng: random.Random) -> bytes:
+    return gzip.compress(inner, compresslevel=rng.choice((1, 6, 9)), mtime=0)
+
+
+def _unpack_npz(data: bytes) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(data)) as z, z.open(z.infolist()[0]) as m:
+        return m.read(INNER_BYTES)
+
+
+def _pack_npz(inner: bytes, rng: random.Random) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=rng.choice((zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED))) as z:
+        z.writestr(zipfile.ZipInfo("data.npy", date_time=(1980, 1, 1, 0, 0, 0)), inner, compress_type=z.compression)
+    return buf.getvalue()
+
+
+CONTAINERS = {"csv_gz": (_unpack_gz, _pack_gz), "npz": (_unpack_npz, _pack_npz)}
+
+
+def _container_mutator(atheris, unpack, pack):
+    """A libFuzzer custom mutator for a compressed format: 4 times in 5 it mutates what is inside
+    (the text of a .csv.gz, the .npy of an .npz) and packs it again, so that the reader behind the
+    decompression is reached; else the container's own bytes (its headers, CRCs, lengths)."""
+
+    def mutate(data: bytes, max_size: int, seed: int) -> bytes:
+        rng = random.Random(seed)
+        if rng.random() < 0.8:
+            try:
+                inner = unpack(data)
+            except Exception:  # noqa: BLE001 - not a valid container (any more): mutate its bytes
+                inner = None
+            if inner is not None:
+                packed = pack(atheris.Mutate(inner, max(2 * len(inner), 4096)), rng)
+                if len(packed) <= max_size:
+                    return packed
+        return atheris.Mutate(data, max_size)
+
+    return mutate
+
+
+def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifacts: str) -> None:
+    """Fuzz one target in this process (does not return: libFuzzer exits)."""
+    import atheris
+
+    # C/C++ libraries first, outside the instrumentation: only Python code gains from it
+    import numpy  # noqa: F401
+    import pyarrow  # noqa: F401
+    import pyarrow.csv  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+
+    if target == "pt":
+        import torch  # noqa: F401 - 2 s to import: only where it is used
+
+    sys.path.insert(0, str(FUZZ))
+    with atheris.instrument_imports(include=["opt_ds_ops", "yaml"]):
+        import yaml  # noqa: F401
+        import opt_ds_ops.dataset.arrays  # noqa: F401 - imported lazily by load_dataset, so name them here
+        import opt_ds_ops.dataset.columnar  # noqa: F401
+        import opt_ds_ops.dataset.text  # noqa: F401
+        import opt_ds_ops.dataset.timeindex  # noqa: F401
+        import opt_ds_ops.stream  # noqa: F401
+        import targets
+
+    fn = targets.TARGETS[target]
+
+    def test_one_input(data: bytes) -> None:
+        fn(data)
+
+    corpus = BUILD / "corpus" / target
+    corpus.mkdir(parents=True, exist_ok=True)
+    argv = [sys.argv[0], f"-max_total_time={seconds}", f"-timeout={timeout_s}", f"-rss_limit_mb={rss_limit_mb}",
+            f"-artifact_prefix={artifacts}/", "-max_len=16384", "-print_final_stats=1", "-print_pcs=0",
+            str(corpus), str(FUZZ / "corpus" / target)]
+    mutator = _container_mutator(atheris, *CONTAINERS[target]) if target in CONTAINERS else None
+    atheris.Setup(argv, test_one_input, custom_mutator=mutator)
+    atheris.Fuzz()
+
+
+def _stats(log: str) -> dict:
+    """Executions and the last coverage figures of one libFuzzer run, from its log."""
+    runs = re.findall(r"stat::number_of_executed_units:\s*(\d+)", log)
+    progress = re.findall(r"^#(\d+)\s+\w+\s+cov: (\d+) ft: (\d+)", log, re.M)
+    execs = int(runs[-1]) if runs else (int(progress[-1][0]) if progress else 0)
+    cov, ft = (int(progress[-1][1]), int(progress[-1][2])) if progress else (0, 0)
+    return {"execs": execs, "cov": cov, "ft": ft}
+
+
+def _signature(log: str) -> tuple[str, str]:
+    """The finding's kind: (a key, the same for one bug: exception type and innermost ds-ops frame;
+    one line that says it, with the exception's message)."""
+    tb = log.split("=== Uncaught Python exception: ===", 1)
+    if len(tb) == 2:
+        lines = [ln.strip() for ln in tb[1].splitlines() if ln.strip()]
+        frames = [ln for ln in lines if ln.startswith("File ") and "opt_ds_ops" in ln]
+        exc = next((ln for ln in lines if re.match(r"^[A-Za-z_.]+(Error|Exception|Exit|Interrupt)\b", ln)), lines[0])
+        where = f" at {frames[-1].replace(str(REPO) + '/', '')}" if frames else ""
+        return exc.split(":", 1)[0] + where, exc[:200] + where
+    m = re.search(r"ALARM: working on the last Unit for (\d+) seconds", log)
+    if m:
+        return "timeout", f"timeout (an input ran {m.group(1)} s)"
+    m = re.search(r"==\d+== ERROR: libFuzzer: ([^\n]+)", log)
+    if m:
+        return m.group(1).split("(")[0].strip(), m.group(1)
+    m = re.search(r"(Fatal Python error: [^\n]+|Segmentation fault|Aborted)", log)
+    return (m.group(1), m.group(1)) if m else ("error", "the fuzzing process ended with an error")
+
+
+def fuzz_target(target: str, seconds: int, args) -> dict:
+    """Run one target for ``seconds`` (restarted after each finding); return its figures and findings."""
+    BUILD.mkdir(parents=True, exist_ok=True)
+    log_path = BUILD / f"{target}.log"
+    totals = {"target": target, "execs": 0, "cov": 0, "ft": 0, "findings": [], "runs": 0}
+    deadline = time.monotonic() + seconds
+    with open(log_path, "w") as log_file:
+        while True:
+            left = int(deadline - time.monotonic())
+            if left < 3 or len(totals["findings"]) >= args.max_findings:
+                break
+            artifacts = tempfile.mkdtemp(prefix=f"artifacts-{target}-", dir=BUILD)
+            scratch = tempfile.mkdtemp(prefix=f"tmp-{target}-", dir=BUILD)  # targets' temp files land here
+            env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=scratch)
+            cmd = [sys.executable, __file__, "--child", target, "--seconds", str(left), "--timeout", str(args.timeout),
+                   "--rss-limit-mb", str(args.rss_limit_mb), "--artifacts", artifacts]
+            try:
+                p = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   errors="replace", timeout=left + args.timeout + 120)
+                out, rc = p.stdout, p.returncode
+            except subprocess.TimeoutExpired as e:
+                out, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), -9
+            log_file.write(f"--- run {totals['runs'] + 1}: {' '.join(cmd)} (exit {rc})\n{out}\n")
+            log_file.flush()
+            totals["runs"] += 1
+            st = _stats(out)
+            totals["execs"] += st["execs"]
+            totals["cov"], totals["ft"] = max(totals["cov"], st["cov"]), max(totals["ft"], st["ft"])
+            found = [f for f in sorted(os.listdir(artifacts)) if f.split("-", 1)[0] in KINDS]
+            if rc != 0 and not found:
+                found = [None]  # died without an artifact (killed from outside?): still a finding
+            key, why = _signature(out)
+            for name in found:
+                seen = any(f["key"] == key for f in totals["findings"])
+                totals["findings"].append(dict(_keep(target, artifacts, name, why, copy=not seen), key=key))
+            shutil.rmtree(artifacts, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+            if rc == 0:
+                break
+    return totals
+
+
+def _keep(target: str, artifacts: str, name: str | None, why: str, copy: bool) -> dict:
+    """Copy a finding's input to tests/fuzz/regressions/TARGET/ (with ``copy``: the first input of its
+    kind in this run, and not kept already); describe it."""
+    if name is None:
+        return {"input": None, "why": why, "kept": False}
+    kind, digest = name.split("-", 1)
+    dest = FUZZ / "regressions" / target / f"{kind}-{digest[:12]}"
+    kept = copy and not dest.exists()
+    if kept:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(os.path.join(artifacts, name), dest)
+    return {"input": str(dest.relative_to(REPO)), "why": why, "kept": kept}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=int, default=int(os.environ.get("FUZZ_SECONDS", 60)),
+                    help="seconds of fuzzing per target (default: $FUZZ_SECONDS or 60)")
+    ap.add_argument("--targets", default="", help="comma-separated targets (default: all)")
+    ap.add_argument("--timeout", type=int, default=10, help="seconds one input may take (default 10)")
+    ap.add_argument("--rss-limit-mb", type=int, default=2048, help="memory of the fuzzing process (default 2048)")
+    ap.add_argument("--max-findings", type=int, default=5, help="findings after which a target stops (default 5)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--artifacts", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.seconds, args.timeout, args.rss_limit_mb, args.artifacts)
+        return 0
+    sys.path.insert(0, str(FUZZ))
+    from targets import TARGETS  # noqa: E402 - the names only
+
+    chosen = [t for t in args.targets.split(",") if t] or list(TARGETS)
+    unknown = [t for t in chosen if t not in TARGETS]
+    if unknown:
+        ap.error(f"unknown target(s) {', '.join(unknown)} (targets: {', '.join(TARGETS)})")
+    print(f"fuzzing {len(chosen)} target(s), {args.seconds} s each, {args.timeout} s an input", flush=True)
+    results = []
+    for target in chosen:
+        r = fuzz_target(target, args.seconds, args)
+        results.append(r)
+        print(f"{target:8} {r['execs']:>9,} executions  cov {r['cov']:>6,}  ft {r['ft']:>7,}  "
+              f"{len(r['findings'])} finding(s)" + (f" in {r['runs']} runs" if r["runs"] > 1 else ""), flush=True)
+        for f in r["findings"]:
+            kept = "kept as" if f["kept"] else "same kind as one kept, or kept before:"
+            print(f"    {f['why']}\n      {kept} {f['input'] or '(no input)'}", flush=True)
+    findings = sum(len(r["findings"]) for r in results)
+    print(f"{findings} finding(s); logs in {BUILD.relative_to(REPO)}/TARGET.log" if findings else "no findings")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
