@@ -18,12 +18,13 @@ instrumented code and of the comparisons it traces, ``ft``: features) and findin
 finding's input is copied to ``tests/fuzz/regressions/TARGET/`` (named by kind and SHA-1) for
 ``tests/fuzz/test_regressions.py``, its log to ``build/fuzz/TARGET.log``. Exit 1 on any finding.
 
-    python scripts/fuzz.py [--seconds 60] [--targets csv,npz] [--timeout 10]
+    python scripts/fuzz.py [--seconds 60] [--targets csv,npz] [--timeout 10] [--tolerate KIND,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gzip
 import io
 import os
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import zipfile
 import zlib
 from pathlib import Path
@@ -115,9 +117,16 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
         import targets
 
     fn = targets.TARGETS[target]
+    tolerated = {k for k in os.environ.get("FUZZ_TOLERATE", "").split(",") if k}
 
     def test_one_input(data: bytes) -> None:
-        fn(data)
+        if not faulthandler.is_enabled():  # now, after libFuzzer's handlers: a crash prints the Python stack, then theirs
+            faulthandler.enable()
+        try:
+            fn(data)
+        except Exception as e:
+            if _where(e) not in tolerated:
+                raise
 
     corpus = BUILD / "corpus" / target
     corpus.mkdir(parents=True, exist_ok=True)
@@ -127,6 +136,13 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
     mutator = _container_mutator(atheris, *CONTAINERS[target]) if target in CONTAINERS else None
     atheris.Setup(argv, test_one_input, custom_mutator=mutator)
     atheris.Fuzz()
+
+
+def _where(e: BaseException) -> str:
+    """An exception's kind: ``TYPE@FILE:FUNCTION`` of its innermost frame in ds-ops (or its last)."""
+    tb = traceback.extract_tb(e.__traceback__)
+    frames = [f for f in tb if "opt_ds_ops" in f.filename] or tb[-1:]
+    return f"{type(e).__name__}@{os.path.basename(frames[-1].filename)}:{frames[-1].name}" if frames else type(e).__name__
 
 
 def _stats(log: str) -> dict:
@@ -139,15 +155,27 @@ def _stats(log: str) -> dict:
 
 
 def _signature(log: str) -> tuple[str, str]:
-    """The finding's kind: (a key, the same for one bug: exception type and innermost ds-ops frame;
-    one line that says it, with the exception's message)."""
+    """The finding's kind: (a key, the same for one bug: :func:`_where`'s ``TYPE@FILE:FUNCTION``;
+    one line that says it, with the exception's message and line)."""
     tb = log.split("=== Uncaught Python exception: ===", 1)
     if len(tb) == 2:
         lines = [ln.strip() for ln in tb[1].splitlines() if ln.strip()]
-        frames = [ln for ln in lines if ln.startswith("File ") and "opt_ds_ops" in ln]
+        frames = [re.match(r'File "(.*)", line (\d+), in (\S+)', ln) for ln in lines if ln.startswith("File ")]
+        frames = [m for m in frames if m and "opt_ds_ops" in m.group(1)] or [m for m in frames if m][-1:]
         exc = next((ln for ln in lines if re.match(r"^[A-Za-z_.]+(Error|Exception|Exit|Interrupt)\b", ln)), lines[0])
-        where = f" at {frames[-1].replace(str(REPO) + '/', '')}" if frames else ""
-        return exc.split(":", 1)[0] + where, exc[:200] + where
+        name = exc.split(":", 1)[0].rsplit(".", 1)[-1]
+        if not frames:
+            return name, exc[:200]
+        f = frames[-1]
+        return (f"{name}@{os.path.basename(f.group(1))}:{f.group(3)}",
+                f"{exc[:200]} ({os.path.relpath(f.group(1), REPO)}, line {f.group(2)}, in {f.group(3)})")
+    m = re.search(r"Fatal Python error: (\w[^\n]*)\n(.*?)\n\n", log, re.S)
+    if m:  # faulthandler's stack of a crash, most recent call first
+        frames = re.findall(r'File "(.*opt_ds_ops.*)", line (\d+) in (\S+)', m.group(2))
+        if frames:
+            path, line, func = frames[0]
+            return (f"{m.group(1)}@{os.path.basename(path)}:{func}",
+                    f"{m.group(1)} ({os.path.relpath(path, REPO)}, line {line}, in {func})")
     m = re.search(r"ALARM: working on the last Unit for (\d+) seconds", log)
     if m:
         return "timeout", f"timeout (an input ran {m.group(1)} s)"
@@ -171,7 +199,7 @@ def fuzz_target(target: str, seconds: int, args) -> dict:
                 break
             artifacts = tempfile.mkdtemp(prefix=f"artifacts-{target}-", dir=BUILD)
             scratch = tempfile.mkdtemp(prefix=f"tmp-{target}-", dir=BUILD)  # targets' temp files land here
-            env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=scratch)
+            env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=scratch, FUZZ_TOLERATE=args.tolerate)
             cmd = [sys.executable, __file__, "--child", target, "--seconds", str(left), "--timeout", str(args.timeout),
                    "--rss-limit-mb", str(args.rss_limit_mb), "--artifacts", artifacts]
             try:
@@ -222,6 +250,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=10, help="seconds one input may take (default 10)")
     ap.add_argument("--rss-limit-mb", type=int, default=2048, help="memory of the fuzzing process (default 2048)")
     ap.add_argument("--max-findings", type=int, default=5, help="findings after which a target stops (default 5)")
+    ap.add_argument("--tolerate", default="", metavar="KIND,...",
+                    help="exploring only: exceptions of these kinds (TYPE@FILE:FUNCTION, as printed for a finding) "
+                         "are not findings, so the fuzzer gets past a known bug")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--artifacts", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -244,7 +275,7 @@ def main() -> int:
               f"{len(r['findings'])} finding(s)" + (f" in {r['runs']} runs" if r["runs"] > 1 else ""), flush=True)
         for f in r["findings"]:
             kept = "kept as" if f["kept"] else "same kind as one kept, or kept before:"
-            print(f"    {f['why']}\n      {kept} {f['input'] or '(no input)'}", flush=True)
+            print(f"    {f['key']}: {f['why']}\n      {kept} {f['input'] or '(no input)'}", flush=True)
     findings = sum(len(r["findings"]) for r in results)
     print(f"{findings} finding(s); logs in {BUILD.relative_to(REPO)}/TARGET.log" if findings else "no findings")
     return 1 if findings else 0
