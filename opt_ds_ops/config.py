@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -322,6 +323,18 @@ _SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig,
              "daemon": DaemonConfig}
 
 
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxlevel, _SHORT.maxtuple, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxset = 3, 6, 6, 6, 6
+_SHORT.maxstring = _SHORT.maxother = 120
+
+
+def _shown(value: Any) -> str:
+    """Return value's repr for a message, bounded: a value may be nested deeply or, through YAML
+    aliases, stand for millions of values in a few hundred bytes (a full repr would never end)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 300 else text[:296] + " ..."
+
+
 def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     """Return value as typ (an int is accepted where a float is asked), or raise ConfigError."""
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
@@ -331,10 +344,11 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     if typ is tuple and isinstance(value, (list, tuple)):
         return tuple(value)
     if typ in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {value!r}")
+        raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {_shown(value)}")
     if not isinstance(value, typ):
         raise ConfigError(
-            f"{where}: key '{key}' must be {allowed or typ.__name__} ({'list' if typ is tuple else typ.__name__}), got {value!r}"
+            f"{where}: key '{key}' must be {allowed or typ.__name__} ({'list' if typ is tuple else typ.__name__}), "
+            f"got {_shown(value)}"
         )
     return value
 
@@ -342,7 +356,7 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
 def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
     """Given a mapping, return an instance of the dataclass cls; raise ConfigError on any bad key."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {raw!r}")
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {_shown(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     unknown = _sorted_keys(set(raw) - set(fields))
     if unknown:
@@ -361,7 +375,7 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
         value = _coerce(value, typ, where, key, meta.get("allowed", ""))
         check = meta.get("check")
         if check is not None and not check(value):
-            raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {value!r}")
+            raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {_shown(value)}")
         values[name] = value
     return cls(**values)
 
@@ -374,13 +388,17 @@ def _sorted_keys(keys) -> list:
 def _parse_yaml(text: str, where: str) -> Any:
     """Return the YAML document in text; raise ConfigError for invalid YAML, naming where.
 
-    Nesting deeper than the parser's recursion (20,000 ``[``) is invalid too."""
+    Nesting deeper than the parser's recursion (20,000 ``[``) is invalid too, and so is a tagged
+    scalar that PyYAML's constructors fail on with an error of their own (``!!float t``: ValueError,
+    ``!!float ''``: IndexError)."""
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: invalid YAML: {yaml_problem(e)}") from None
     except RecursionError:
         raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
+    except Exception as e:  # noqa: BLE001 - text in, a document or an error out: any other is PyYAML's constructor
+        raise ConfigError(f"{where}: invalid YAML: a value cannot be read ({type(e).__name__}: {_shown(str(e))})") from None
 
 
 def _build_guarded(cls, raw: Any, where: str):
@@ -452,7 +470,7 @@ def parse_sidecar(text: bytes, where: str, base: DatasetConfig) -> tuple[Dataset
     raw = dict(raw)
     name = raw.pop("name", None)
     if name is not None and (not isinstance(name, (str, int)) or isinstance(name, bool) or not str(name).strip()):
-        raise ConfigError(f"{where}: key 'name' must be a model name (text), got {name!r}")
+        raise ConfigError(f"{where}: key 'name' must be a model name (text), got {_shown(name)}")
     allowed = {f.name for f in dataclasses.fields(DatasetConfig)}
     unknown = _sorted_keys(set(raw) - allowed)
     if unknown:

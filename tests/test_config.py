@@ -150,3 +150,30 @@ def test_a_size_beyond_any_number_is_refused(tmp_path):
         path.write_text(f"job:\n  memory_max: {size}\n")
         with pytest.raises(ConfigError, match="job.memory_max"):
             load_config(str(path))
+
+
+def test_sidecar_with_a_tagged_value_yaml_cannot_build_is_refused():
+    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+
+    for text in (b"!!float ", b"!!float t", b"columns: [!!int a*ae~]\n", b"time_column: !!float ''\n"):
+        with pytest.raises(ConfigError, match=r"x\.yaml: invalid YAML"):
+            parse_sidecar(text, "x.yaml", DatasetConfig())
+
+
+def _laughs(levels: int = 9) -> bytes:
+    """A sidecar of 9 levels of aliases, 9 each: 300 bytes that stand for 9**9 (387 million) values."""
+    lines = ["columns:", "  - &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_sidecar_of_aliases_that_stand_for_millions_of_values_is_refused_in_a_short_message():
+    import time
+
+    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+
+    for text in (_laughs(), _laughs().replace(b"columns:", b"time_column:"), b"name:" + _laughs()[len(b"columns:"):]):
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=r"x\.yaml: key '(columns|time_column|name)' must be") as e:
+            parse_sidecar(text, "x.yaml", DatasetConfig())
+        assert time.monotonic() - t0 < 5 and len(str(e.value)) < 1000, str(e.value)[:300]
