@@ -8,10 +8,10 @@ instrumented for coverage (``atheris.instrument_imports``); numpy, pyarrow and t
 C++, reached through them. A finding is an exception other than DatasetError/ConfigError, a
 broken promise of ``load_dataset`` (an AssertionError of the target), a crash of the process, an
 input that takes more than ``--timeout`` seconds (10) or more than ``--rss-limit-mb`` of memory.
-The compressed formats (``.csv.gz``, ``.npz``) mutate mostly what is inside the container
-(:func:`_container_mutator`). After a finding, the target starts again from where it was for
-the time left (at most ``--max-findings`` findings a target), so one shallow bug does not hide
-the rest.
+The container formats (``.csv.gz``, ``.npz``, ``.pt``) mutate mostly what is inside
+(:func:`_container_mutator`); the YAML targets splice in the words of ``tests/fuzz/yaml.dict``.
+After a finding, the target starts again from where it was for the time left (at most
+``--max-findings`` findings a target), so one shallow bug does not hide the rest.
 
 Per target it prints executions, libFuzzer's coverage figures (``cov``: edges of the
 instrumented code and of the comparisons it traces, ``ft``: features) and findings; each new
@@ -49,43 +49,54 @@ KINDS = ("crash", "timeout", "oom", "leak")  # libFuzzer's artifact prefixes (sl
 INNER_BYTES = 1 << 20  # the most a container mutator unpacks
 
 
-def _unpack_gz(data: bytes) -> bytes:
-    return zlib.decompressobj(wbits=31).decompress(data, INNER_BYTES)
+def _unpack_gz(data: bytes) -> list[tuple[str, bytes]]:
+    return [("", zlib.decompressobj(wbits=31).decompress(data, INNER_BYTES))]
 
 
-def _pack_gz(inner: bytes, rng: random.Random) -> bytes:
-    return gzip.compress(inner, compresslevel=rng.choice((1, 6, 9)), mtime=0)
+def _pack_gz(members: list[tuple[str, bytes]], rng: random.Random) -> bytes:
+    return gzip.compress(members[0][1], compresslevel=rng.choice((1, 6, 9)), mtime=0)
 
 
-def _unpack_npz(data: bytes) -> bytes:
-    with zipfile.ZipFile(io.BytesIO(data)) as z, z.open(z.infolist()[0]) as m:
-        return m.read(INNER_BYTES)
+def _unpack_zip(data: bytes) -> list[tuple[str, bytes]]:
+    members = []
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for info in z.infolist()[:16]:
+            with z.open(info) as m:
+                members.append((info.filename, m.read(INNER_BYTES)))
+    return members
 
 
-def _pack_npz(inner: bytes, rng: random.Random) -> bytes:
+def _pack_zip(members: list[tuple[str, bytes]], rng: random.Random) -> bytes:
     buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=rng.choice((zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED))) as z:
-        z.writestr(zipfile.ZipInfo("data.npy", date_time=(1980, 1, 1, 0, 0, 0)), inner, compress_type=z.compression)
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, inner in members:
+            how = rng.choice((zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED))
+            z.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), inner, compress_type=how)
     return buf.getvalue()
 
 
-CONTAINERS = {"csv_gz": (_unpack_gz, _pack_gz), "npz": (_unpack_npz, _pack_npz)}
+# a .csv.gz holds the text; an .npz its .npy; a .pt (torch.save) data.pkl, the storages and a few small records
+CONTAINERS = {"csv_gz": (_unpack_gz, _pack_gz), "npz": (_unpack_zip, _pack_zip), "pt": (_unpack_zip, _pack_zip)}
 
 
 def _container_mutator(atheris, unpack, pack):
-    """A libFuzzer custom mutator for a compressed format: 4 times in 5 it mutates what is inside
-    (the text of a .csv.gz, the .npy of an .npz) and packs it again, so that the reader behind the
-    decompression is reached; else the container's own bytes (its headers, CRCs, lengths)."""
+    """A libFuzzer custom mutator for a container format: 4 times in 5 it mutates what is inside
+    (the text of a .csv.gz, the .npy of an .npz, one member of a .pt) and packs it again, so that
+    the reader behind the decompression is reached; else the container's own bytes (its headers,
+    CRCs, lengths)."""
 
     def mutate(data: bytes, max_size: int, seed: int) -> bytes:
         rng = random.Random(seed)
         if rng.random() < 0.8:
             try:
-                inner = unpack(data)
+                members = unpack(data)
             except Exception:  # noqa: BLE001 - not a valid container (any more): mutate its bytes
-                inner = None
-            if inner is not None:
-                packed = pack(atheris.Mutate(inner, max(2 * len(inner), 4096)), rng)
+                members = []
+            if members:
+                i = rng.randrange(len(members))
+                name, inner = members[i]
+                members[i] = (name, atheris.Mutate(inner, max(2 * len(inner), 4096)))
+                packed = pack(members, rng)
                 if len(packed) <= max_size:
                     return packed
         return atheris.Mutate(data, max_size)
@@ -133,6 +144,8 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
     argv = [sys.argv[0], f"-max_total_time={seconds}", f"-timeout={timeout_s}", f"-rss_limit_mb={rss_limit_mb}",
             f"-artifact_prefix={artifacts}/", "-max_len=16384", "-print_final_stats=1", "-print_pcs=0",
             str(corpus), str(FUZZ / "corpus" / target)]
+    if target in ("sidecar", "config"):
+        argv.insert(1, f"-dict={FUZZ / 'yaml.dict'}")  # keys, values and YAML syntax to splice in
     mutator = _container_mutator(atheris, *CONTAINERS[target]) if target in CONTAINERS else None
     atheris.Setup(argv, test_one_input, custom_mutator=mutator)
     atheris.Fuzz()
