@@ -4,8 +4,9 @@
 Each target of ``tests/fuzz/targets.py`` runs for ``--seconds`` in a process of its own, started
 from its committed seed corpus ``tests/fuzz/corpus/TARGET/`` plus what earlier runs found
 (``build/fuzz/corpus/TARGET/``, where new inputs go). ds-ops's own modules and PyYAML are
-instrumented for coverage (``atheris.instrument_imports``); numpy, pyarrow and torch are C and
-C++, reached through them. A finding is an exception other than DatasetError/ConfigError, a
+instrumented for coverage (``atheris.instrument_imports``), and the Python parts of the libraries
+under a target (numpy's ``.npy`` header parser, zipfile, gzip, torch's weights-only unpickler);
+the rest of numpy, pyarrow and torch is C and C++, reached through them. A finding is an exception other than DatasetError/ConfigError, a
 broken promise of ``load_dataset`` (an AssertionError of the target), a crash of the process, an
 input that takes more than ``--timeout`` seconds (10) or more than ``--rss-limit-mb`` of memory.
 The container formats (``.csv.gz``, ``.npz``, ``.pt``) mutate mostly what is inside
@@ -104,6 +105,18 @@ def _container_mutator(atheris, unpack, pack):
     return mutate
 
 
+def _instrument_module(atheris, module) -> None:
+    """Instrument the functions and methods defined in an imported module (atheris.instrument_func)."""
+    for obj in vars(module).values():
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue
+        funcs = [obj] if callable(obj) and hasattr(obj, "__code__") else []
+        if isinstance(obj, type):
+            funcs = [f for f in vars(obj).values() if hasattr(f, "__code__")]
+        for f in funcs:
+            atheris.instrument_func(f)
+
+
 def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifacts: str) -> None:
     """Fuzz one target in this process (does not return: libFuzzer exits)."""
     import atheris
@@ -114,8 +127,22 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
     import pyarrow.csv  # noqa: F401
     import pyarrow.parquet  # noqa: F401
 
+    # the Python parts of the libraries under a target are traced too: numpy's .npy header parser,
+    # zipfile and gzip, torch.load's weights-only unpickler
+    if target in ("npy", "npz"):
+        import numpy.lib.format
+
+        _instrument_module(atheris, numpy.lib.format)
+    if target in ("npz", "pt"):
+        _instrument_module(atheris, zipfile)
+    if target == "csv_gz":
+        _instrument_module(atheris, gzip)
     if target == "pt":
-        import torch  # noqa: F401 - 2 s to import: only where it is used
+        import torch._weights_only_unpickler
+        import torch.serialization
+
+        _instrument_module(atheris, torch._weights_only_unpickler)
+        _instrument_module(atheris, torch.serialization)
 
     sys.path.insert(0, str(FUZZ))
     with atheris.instrument_imports(include=["opt_ds_ops", "yaml"]):

@@ -27,6 +27,7 @@ KNOWN = {
     "csv/crash-ed96f7bfdff3": "text._column_infos: a column of numbers and times only raises StopIteration",
     "npy/crash-ccfea5fa6d93": "arrays._npy_header: a header numpy cannot tokenize raises tokenize.TokenError",
     "csv_gz/crash-1cae0e473e5f": "text._split: a CR inside an unquoted field raises _csv.Error (issue 18 row 5)",
+    "csv_gz/crash-a818ed4c7bec": "text._column_infos: a column of numbers and times only raises StopIteration",
     "npz/crash-e326c2a24493": "arrays._npy_header: a header numpy cannot tokenize raises tokenize.TokenError",
     "npz/crash-1e7c2d88f09a": "arrays._load_npz: zipfile's NotImplementedError (zip version 23.0) is not caught",
     "npz/crash-2721ee6b40a5": "arrays._load_npz: zipfile's NotImplementedError (strong encryption) is not caught",
