@@ -16,7 +16,7 @@ After a finding, the target starts again from where it was for the time left (at
 
 Per target it prints executions, libFuzzer's coverage figures (``cov``: edges of the
 instrumented code and of the comparisons it traces, ``ft``: features) and findings; each new
-finding's input is copied to ``tests/fuzz/regressions/TARGET/`` (named by kind and SHA-1) for
+finding's input is copied to ``tests/fuzz/regressions/TARGET/KIND-SHA1`` (one a kind) for
 ``tests/fuzz/test_regressions.py``, its log to ``build/fuzz/TARGET.log``. Exit 1 on any finding.
 
     python scripts/fuzz.py [--seconds 60] [--targets csv,npz] [--timeout 10] [--tolerate KIND,...]
@@ -259,8 +259,7 @@ def fuzz_target(target: str, seconds: int, args) -> dict:
                 found = [None]  # died without an artifact (killed from outside?): still a finding
             key, why = _signature(out)
             for name in found:
-                seen = any(f["key"] == key for f in totals["findings"])
-                totals["findings"].append(dict(_keep(target, artifacts, name, why, copy=not seen), key=key))
+                totals["findings"].append(dict(_keep(target, artifacts, name, key, why), key=key))
             shutil.rmtree(artifacts, ignore_errors=True)
             shutil.rmtree(scratch, ignore_errors=True)
             if rc == 0:
@@ -268,18 +267,24 @@ def fuzz_target(target: str, seconds: int, args) -> dict:
     return totals
 
 
-def _keep(target: str, artifacts: str, name: str | None, why: str, copy: bool) -> dict:
-    """Copy a finding's input to tests/fuzz/regressions/TARGET/ (with ``copy``: the first input of its
-    kind in this run, and not kept already); describe it."""
+def kind_slug(key: str) -> str:
+    """A finding's kind as a file name: ``TokenError@arrays.py:_npy_header`` -> ``TokenError-arrays._npy_header``."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", key.replace(".py:", ".").replace("<", "").replace(">", "")).strip("-")
+
+
+def _keep(target: str, artifacts: str, name: str | None, key: str, why: str) -> dict:
+    """Copy a finding's input to tests/fuzz/regressions/TARGET/KIND-SHA1 unless an input of its kind
+    is kept there already; describe it."""
     if name is None:
         return {"input": None, "why": why, "kept": False}
-    kind, digest = name.split("-", 1)
-    dest = FUZZ / "regressions" / target / f"{kind}-{digest[:12]}"
-    kept = copy and not dest.exists()
-    if kept:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+    slug, digest = kind_slug(key), name.split("-", 1)[1]
+    folder = FUZZ / "regressions" / target
+    before = sorted(folder.glob(f"{slug}-*")) if folder.is_dir() else []
+    dest = before[0] if before else folder / f"{slug}-{digest[:12]}"
+    if not before:
+        folder.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(os.path.join(artifacts, name), dest)
-    return {"input": str(dest.relative_to(REPO)), "why": why, "kept": kept}
+    return {"input": str(dest.relative_to(REPO)), "why": why, "kept": not before}
 
 
 def main() -> int:
@@ -314,7 +319,7 @@ def main() -> int:
         print(f"{target:8} {r['execs']:>9,} executions  cov {r['cov']:>6,}  ft {r['ft']:>7,}  "
               f"{len(r['findings'])} finding(s)" + (f" in {r['runs']} runs" if r["runs"] > 1 else ""), flush=True)
         for f in r["findings"]:
-            kept = "kept as" if f["kept"] else "same kind as one kept, or kept before:"
+            kept = "kept as" if f["kept"] else "an input of this kind is kept already:"
             print(f"    {f['key']}: {f['why']}\n      {kept} {f['input'] or '(no input)'}", flush=True)
     findings = sum(len(r["findings"]) for r in results)
     print(f"{findings} finding(s); logs in {BUILD.relative_to(REPO)}/TARGET.log" if findings else "no findings")

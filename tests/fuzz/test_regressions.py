@@ -23,20 +23,30 @@ from targets import TARGETS, TIMEOUT_S  # noqa: E402
 # Findings in opt_ds_ops/dataset/ (another change owns those files), kept until they are fixed:
 # "TARGET/NAME": the bug. Remove a line when its input passes.
 KNOWN = {
-    "csv/crash-9b1d4a7cd226": "text._split: a CR inside an unquoted field raises _csv.Error (issue 18 row 5)",
-    "csv/crash-ed96f7bfdff3": "text._column_infos: a column of numbers and times only raises StopIteration",
-    "npy/crash-ccfea5fa6d93": "arrays._npy_header: a header numpy cannot tokenize raises tokenize.TokenError",
-    "csv_gz/crash-1cae0e473e5f": "text._split: a CR inside an unquoted field raises _csv.Error (issue 18 row 5)",
-    "csv_gz/crash-a818ed4c7bec": "text._column_infos: a column of numbers and times only raises StopIteration",
-    "npz/crash-e326c2a24493": "arrays._npy_header: a header numpy cannot tokenize raises tokenize.TokenError",
-    "npz/crash-1e7c2d88f09a": "arrays._load_npz: zipfile's NotImplementedError (zip version 23.0) is not caught",
-    "npz/crash-2721ee6b40a5": "arrays._load_npz: zipfile's NotImplementedError (strong encryption) is not caught",
-    "npz/crash-7ee9c35f2c98": "arrays._load_npz: a member with an empty name raises IndexError in ZipInfo.is_dir",
-    "arrow/crash-67995f28a502": "columnar._info: unvalidated string offsets, SystemError in to_pylist (issue 18 row 3)",
-    "arrow/crash-f6bde7d9f2cf": "timeindex.add (Arrow cast): an unvalidated Arrow IPC file kills the process with SIGSEGV "
-                                "(issue 18 row 3)",
-    "arrow/crash-1ed1a73edba7": "columnar._info (to_pylist): an unvalidated Arrow IPC file reads past its memory map, "
-                                "SIGBUS (issue 18 row 3)",
+    "csv/Error-text._split-9b1d4a7cd226": "text._split: a CR inside an unquoted field raises _csv.Error (issue 18 row 5)",
+    "csv_gz/Error-text._split-1cae0e473e5f": "text._split: a CR inside an unquoted field raises _csv.Error (issue 18 row 5)",
+    "csv/StopIteration-text._column_infos-ed96f7bfdff3": "text._column_infos: a column of numbers and times only "
+                                                          "raises StopIteration",
+    "csv_gz/StopIteration-text._column_infos-a818ed4c7bec": "text._column_infos: a column of numbers and times only "
+                                                             "raises StopIteration",
+    "npy/TokenError-arrays._npy_header-ccfea5fa6d93": "arrays._npy_header: a header numpy cannot tokenize raises "
+                                                       "tokenize.TokenError",
+    "npz/TokenError-arrays._npy_header-e326c2a24493": "arrays._npy_header: a header numpy cannot tokenize raises "
+                                                       "tokenize.TokenError",
+    "npz/NotImplementedError-arrays._load_npz-1e7c2d88f09a": "arrays._load_npz: zipfile's NotImplementedError "
+                                                              "(zip version 23.0) is not caught",
+    "npz/NotImplementedError-arrays._load_npz-2721ee6b40a5": "arrays._load_npz: zipfile's NotImplementedError "
+                                                              "(strong encryption) is not caught",
+    "npz/IndexError-arrays.listcomp-7ee9c35f2c98": "arrays._load_npz: a member with an empty name raises IndexError "
+                                                    "in ZipInfo.is_dir",
+    "arrow/SystemError-columnar._info-67995f28a502": "columnar._info (to_pylist): unvalidated string offsets, "
+                                                      "SystemError (issue 18 row 3)",
+    "arrow/Segmentation-fault-timeindex.add-f6bde7d9f2cf": "timeindex.add (Arrow cast): an unvalidated Arrow IPC file "
+                                                            "kills the process with SIGSEGV (issue 18 row 3)",
+    "arrow/Bus-error-timeindex.add-73de24ba8edd": "timeindex.add (Arrow cast): an unvalidated Arrow IPC file reads "
+                                                   "past its memory map, SIGBUS (issue 18 row 3)",
+    "arrow/Bus-error-columnar._info-1ed1a73edba7": "columnar._info (to_pylist): an unvalidated Arrow IPC file reads "
+                                                    "past its memory map, SIGBUS (issue 18 row 3)",
 }
 
 
