@@ -217,7 +217,13 @@ def _signature(log: str) -> tuple[str, str]:
             return (f"{m.group(1)}@{os.path.basename(path)}:{func}",
                     f"{m.group(1)} ({os.path.relpath(path, REPO)}, line {line}, in {func})")
     m = re.search(r"ALARM: working on the last Unit for (\d+) seconds", log)
-    if m:
+    if m:  # atheris prints the stack first, most recent call first
+        stack = re.search(r"=== Timeout: .*?===\n(.*?)ALARM", log, re.S)
+        frames = re.findall(r'File "(.*opt_ds_ops.*)", line (\d+) in (\S+)', stack.group(1) if stack else "")
+        if frames:
+            path, line, func = frames[0]
+            return (f"timeout@{os.path.basename(path)}:{func}",
+                    f"timeout: an input ran {m.group(1)} s ({os.path.relpath(path, REPO)}, line {line}, in {func})")
         return "timeout", f"timeout (an input ran {m.group(1)} s)"
     m = re.search(r"==\d+== ERROR: libFuzzer: ([^\n]+)", log)
     if m:
