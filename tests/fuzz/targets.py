@@ -14,9 +14,11 @@ raises (TypeError, RecursionError, a broken promise of :func:`load_dataset`, ...
 | sidecar | :func:`opt_ds_ops.config.parse_sidecar`, then its options on a small CSV with a header | bytes in memory |
 | config | :func:`opt_ds_ops.config.load_config` | ``trainer.yaml`` |
 
-Datasets are read under :data:`LIMITS`: small budgets (1 MiB decompressed, 64 columns, a 64 KiB
-matrix) so that every limit and the spill-to-``.npy`` path of a training job are within reach of a
-few KB of input; the spill goes to the per-process temporary directory, emptied after each input.
+Datasets are read under :data:`LIMITS`: small budgets (1 MiB decompressed, 64 columns, a 4 KiB
+matrix: 1,024 values, the largest seed holds 456) so that every limit and what a training job does
+with a dataset over its matrix budget (a ``.npy`` streamed, other formats spilled to a ``.npy``)
+are within reach of a few KB of input; the spill goes to the per-process temporary directory,
+emptied before each input.
 
 Run as a script (``python tests/fuzz/targets.py TARGET FILE...``), it runs each file named and
 prints ``start FILE`` and then ``ok FILE: what came of it`` or ``FAILED FILE`` with the traceback; exit 1 if any
@@ -44,7 +46,7 @@ TIMEOUT_S = 10  # the most one input may take before it counts as a hang
 _WORK = tempfile.mkdtemp(prefix="ds-ops-fuzz-")
 _SPILL = os.path.join(_WORK, "spill")
 atexit.register(shutil.rmtree, _WORK, True)
-LIMITS = DatasetLimits(max_decompressed_bytes=1 << 20, max_columns=64, max_matrix_bytes=64 * 1024,
+LIMITS = DatasetLimits(max_decompressed_bytes=1 << 20, max_columns=64, max_matrix_bytes=4096,
                        stream_large_npy=True, spill_dir=_SPILL)
 
 # The table a sidecar's options are tried on: a time column, two numeric columns and a text one.

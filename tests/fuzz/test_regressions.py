@@ -45,6 +45,8 @@ KNOWN = {
                                                             "kills the process with SIGSEGV (issue 18 row 3)",
     "arrow/Bus-error-timeindex.add-73de24ba8edd": "timeindex.add (Arrow cast): an unvalidated Arrow IPC file reads "
                                                    "past its memory map, SIGBUS (issue 18 row 3)",
+    "arrow/KeyError-columnar.batches-447d0e69c56e": "columnar._open (stream batches): two fields of one name raise "
+                                                     "KeyError in RecordBatch.select",
     "arrow/Bus-error-columnar._info-1ed1a73edba7": "columnar._info (to_pylist): an unvalidated Arrow IPC file reads "
                                                     "past its memory map, SIGBUS (issue 18 row 3)",
 }
