@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test bench soak eval clean deb deb-deps lintian e2e
+.PHONY: venv demo test fuzz bench soak eval clean deb deb-deps lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,12 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q -m 'not e2e'
+
+# Coverage-guided fuzzing (atheris) of every reader: the datasets per format, sidecars, the conffile;
+# FUZZ_SECONDS per target (9 targets), findings kept in tests/fuzz/regressions (docs/development-fuzz.md).
+FUZZ_SECONDS ?= 60
+fuzz: venv
+	$(BIN)/python scripts/fuzz.py --seconds $(FUZZ_SECONDS)
 
 # Training loop against the seed script's loop; parsing of CSV (numeric, ISO time) and Parquet
 # against numpy's loadtxt. Each prints ratios against its baseline, run in the same process.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -177,7 +178,7 @@ def parse_size(value: str, total: int) -> int:
             size = int(float(text[:-1]) * units[text[-1].upper()])
         else:
             size = int(text)
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, OverflowError):  # OverflowError: inf or 1e400 of a unit
         raise ValueError(f"not a size: {value!r}") from None
     if size <= 0:
         raise ValueError(f"not a size > 0: {value!r}")
@@ -322,6 +323,18 @@ _SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig,
              "daemon": DaemonConfig}
 
 
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxlevel, _SHORT.maxtuple, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxset = 3, 6, 6, 6, 6
+_SHORT.maxstring = _SHORT.maxother = 120
+
+
+def _shown(value: Any) -> str:
+    """Return value's repr for a message, bounded: a value may be nested deeply or, through YAML
+    aliases, stand for millions of values in a few hundred bytes (a full repr would never end)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 300 else text[:296] + " ..."
+
+
 def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     """Return value as typ (an int is accepted where a float is asked), or raise ConfigError."""
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
@@ -331,10 +344,11 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     if typ is tuple and isinstance(value, (list, tuple)):
         return tuple(value)
     if typ in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {value!r}")
+        raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {_shown(value)}")
     if not isinstance(value, typ):
         raise ConfigError(
-            f"{where}: key '{key}' must be {allowed or typ.__name__} ({'list' if typ is tuple else typ.__name__}), got {value!r}"
+            f"{where}: key '{key}' must be {allowed or typ.__name__} ({'list' if typ is tuple else typ.__name__}), "
+            f"got {_shown(value)}"
         )
     return value
 
@@ -342,9 +356,9 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
 def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
     """Given a mapping, return an instance of the dataclass cls; raise ConfigError on any bad key."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {raw!r}")
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {_shown(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = _sorted_keys(set(raw) - set(fields))
     if unknown:
         raise ConfigError(
             f"{where}: unknown key '{prefix}{unknown[0]}' (allowed: {', '.join(prefix + k for k in fields)})"
@@ -361,9 +375,38 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
         value = _coerce(value, typ, where, key, meta.get("allowed", ""))
         check = meta.get("check")
         if check is not None and not check(value):
-            raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {value!r}")
+            raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {_shown(value)}")
         values[name] = value
     return cls(**values)
+
+
+def _sorted_keys(keys) -> list:
+    """Return YAML mapping keys sorted, text first: they may be of any type (``1: a`` beside ``foo: b``)."""
+    return sorted(keys, key=lambda k: (not isinstance(k, str), type(k).__name__, str(k)))
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    """Return the YAML document in text; raise ConfigError for invalid YAML, naming where.
+
+    Nesting deeper than the parser's recursion (20,000 ``[``) is invalid too, and so is a tagged
+    scalar that PyYAML's constructors fail on with an error of their own (``!!float t``: ValueError,
+    ``!!float ''``: IndexError)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: invalid YAML: {yaml_problem(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
+    except Exception as e:  # noqa: BLE001 - text in, a document or an error out: any other is PyYAML's constructor
+        raise ConfigError(f"{where}: invalid YAML: a value cannot be read ({type(e).__name__}: {_shown(str(e))})") from None
+
+
+def _build_guarded(cls, raw: Any, where: str):
+    """:func:`_build`, with a value nested too deeply to validate or name refused as ConfigError."""
+    try:
+        return _build(cls, raw, where)
+    except RecursionError:
+        raise ConfigError(f"{where}: a value is nested too deeply") from None
 
 
 def yaml_problem(e: Exception) -> str:
@@ -380,23 +423,24 @@ def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = Fa
     An empty file means all defaults. With ``missing_ok``, a missing file also means all defaults
     (the command line uses this for the default path on a machine without the package).
 
-    Raises ConfigError naming the file and key for: unreadable file, invalid YAML, unknown key,
+    Raises ConfigError naming the file and key for: unreadable file, text that is not UTF-8,
+    invalid YAML (nested too deeply too), unknown key (of any type),
     wrong type or out-of-range value.
     """
     if path is None:
         return Config()
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
     except FileNotFoundError:
         if missing_ok:
             return Config()
         raise ConfigError(f"{path}: configuration file not found") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read configuration: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {yaml_problem(e)}") from None
-    cfg = _build(Config, raw or {}, path)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    cfg = _build_guarded(Config, _parse_yaml(text, path) or {}, path)
     return dataclasses.replace(cfg, source=path)
 
 
@@ -410,30 +454,29 @@ def parse_sidecar(text: bytes, where: str, base: DatasetConfig) -> tuple[Dataset
 
     A sidecar is a YAML mapping with the keys of the conffile's ``dataset:`` section plus ``name``
     (the model's name, instead of the file's stem), validated the same way. Raises ConfigError
-    naming ``where`` and the key for: more than SIDECAR_MAX_BYTES (64 KiB), invalid YAML or UTF-8,
-    not a mapping, an unknown key, a wrong type or value.
+    naming ``where`` and the key for: more than SIDECAR_MAX_BYTES (64 KiB), invalid YAML or UTF-8
+    (nesting deeper than the parser follows, 20,000 ``[``, too), not a mapping, an unknown key (of
+    any type: ``1:`` beside ``foo:``), a wrong type or value.
     """
     if len(text) > SIDECAR_MAX_BYTES:
         raise ConfigError(f"{where}: {len(text)} bytes; a sidecar may hold at most {SIDECAR_MAX_BYTES}")
     try:
-        raw = yaml.safe_load(text.decode("utf-8"))
+        raw = _parse_yaml(text.decode("utf-8"), where)
     except UnicodeDecodeError:
         raise ConfigError(f"{where}: not UTF-8 text") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {yaml_problem(e)}") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: a sidecar must be a mapping of dataset keys, got {type(raw).__name__}")
     raw = dict(raw)
     name = raw.pop("name", None)
     if name is not None and (not isinstance(name, (str, int)) or isinstance(name, bool) or not str(name).strip()):
-        raise ConfigError(f"{where}: key 'name' must be a model name (text), got {name!r}")
+        raise ConfigError(f"{where}: key 'name' must be a model name (text), got {_shown(name)}")
     allowed = {f.name for f in dataclasses.fields(DatasetConfig)}
-    unknown = sorted(set(raw) - allowed)
+    unknown = _sorted_keys(set(raw) - allowed)
     if unknown:
         raise ConfigError(f"{where}: unknown key '{unknown[0]}' (allowed: name, {', '.join(sorted(allowed))})")
     merged = dict(dataclasses.asdict(base), **raw)
-    return _build(DatasetConfig, merged, where), (str(name).strip() if name is not None else None)
+    return _build_guarded(DatasetConfig, merged, where), (str(name).strip() if name is not None else None)
 
 
 def with_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:

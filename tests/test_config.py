@@ -109,3 +109,71 @@ def test_the_matrix_budget_leaves_the_jobs_own_measured_memory_aside():
     assert job.matrix_budget_bytes(2 * 1024**3) == 6 * 1024**3 // 4
     assert job.matrix_budget_bytes(1024) == job.matrix_budget_bytes()
     assert JobConfig(memory_max="8G", max_matrix_bytes=12345).matrix_budget_bytes(held) == 12345
+
+
+# issue 18: what the fuzzer (tests/fuzz) found; each must be a ConfigError naming the file, never another exception
+def test_sidecar_with_keys_of_mixed_types_names_the_unknown_key():
+    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+
+    for text in (b"1: a\nfoo: b\n", b"~: a\ntime_column: none\n", b"2024-05-18: x\n1.5: y\n"):
+        with pytest.raises(ConfigError, match=r"x\.yaml: unknown key"):
+            parse_sidecar(text, "x.yaml", DatasetConfig())
+
+
+def test_sidecar_nested_20000_deep_is_refused():
+    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+
+    for text in (b"[" * 20_000, b"columns: " + b"[" * 20_000 + b"]" * 20_000, b"{a: " * 10_000):
+        with pytest.raises(ConfigError, match=r"x\.yaml: .*nested too deeply"):
+            parse_sidecar(text, "x.yaml", DatasetConfig())
+
+
+def test_conffile_with_keys_of_mixed_types_or_nested_too_deeply_is_refused(tmp_path):
+    path = tmp_path / "trainer.yaml"
+    for text, message in ((b"1: a\nfoo: b\n", "unknown key 'foo'"), (b"train:\n  1: a\n  epochs: 2\n", "unknown key 'train.1'"),
+                          (b"[" * 20_000, "nested too deeply"), (b"dataset:\n  columns: " + b"[" * 900 + b"]" * 900, "")):
+        path.write_bytes(text)
+        with pytest.raises(ConfigError, match=f"{path}: .*{message}"):
+            load_config(str(path))
+
+
+def test_conffile_that_is_not_utf8_is_refused(tmp_path):
+    path = tmp_path / "trainer.yaml"
+    path.write_bytes(b"models_dir: /var/models\xfadevice: cpu\n")
+    with pytest.raises(ConfigError, match=f"{path}: not UTF-8 text"):
+        load_config(str(path))
+
+
+def test_a_size_beyond_any_number_is_refused(tmp_path):
+    path = tmp_path / "trainer.yaml"
+    for size in ("infG", "1e400K", "-infM"):
+        path.write_text(f"job:\n  memory_max: {size}\n")
+        with pytest.raises(ConfigError, match="job.memory_max"):
+            load_config(str(path))
+
+
+def test_sidecar_with_a_tagged_value_yaml_cannot_build_is_refused():
+    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+
+    for text in (b"!!float ", b"!!float t", b"columns: [!!int a*ae~]\n", b"time_column: !!float ''\n"):
+        with pytest.raises(ConfigError, match=r"x\.yaml: invalid YAML"):
+            parse_sidecar(text, "x.yaml", DatasetConfig())
+
+
+def _laughs(levels: int = 9) -> bytes:
+    """A sidecar of 9 levels of aliases, 9 each: 300 bytes that stand for 9**9 (387 million) values."""
+    lines = ["columns:", "  - &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_sidecar_of_aliases_that_stand_for_millions_of_values_is_refused_in_a_short_message():
+    import time
+
+    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+
+    for text in (_laughs(), _laughs().replace(b"columns:", b"time_column:"), b"name:" + _laughs()[len(b"columns:"):]):
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=r"x\.yaml: key '(columns|time_column|name)' must be") as e:
+            parse_sidecar(text, "x.yaml", DatasetConfig())
+        assert time.monotonic() - t0 < 5 and len(str(e.value)) < 1000, str(e.value)[:300]
