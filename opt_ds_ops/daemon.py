@@ -62,7 +62,7 @@ from .spool import (
     STORAGE_ERRNOS, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed, read_record,
     process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
 )
-from .store import StoreError, find_job_version, prune, publish, safe_model_name
+from .store import StoreError, find_job_version, prune, publish_job, safe_model_name
 from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
 
@@ -667,7 +667,8 @@ class Daemon:
         metadata = find_job_version(self.cfg.models_dir, record["model_name"], job_id)
         if metadata is not None:
             name_dir = os.path.dirname(metadata["model_dir"])
-            publish(name_dir, metadata["version"])  # replayed: a SIGKILL may have come before it
+            # replayed (a SIGKILL may have come before it), in claim order: never over a later job or the operator
+            metadata["not_current"] = publish_job(name_dir, metadata["version"], job_id)
             record.update(state="saved", model_dir=metadata["model_dir"])
             save_record(self.spool, record)
             self.log.event("job-recovered", f"{safe_text(record['dataset'])}: its model {metadata['model_dir']} was "
@@ -933,7 +934,8 @@ class Daemon:
             f"{safe_text(record['dataset'])}: model saved to {doc['model_dir']} (final loss {doc['final_train_loss']:.6f}, "
             f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}"
             f"{safe_text(columns_note(metadata.get('dataset') or {}))}"
-            + (f"; {metadata['data_placement_note']}" if metadata.get("data_placement_note") else ""),
+            + (f"; {metadata['data_placement_note']}" if metadata.get("data_placement_note") else "")
+            + (f"; not made current: {safe_text(metadata['not_current'])}" if metadata.get("not_current") else ""),
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], threshold=doc["threshold"],
             **self._fields(record),
