@@ -816,6 +816,7 @@ class Daemon:
             self._judge_job_gpu(record, f)
         elif kind == "resumed":
             if f.get("why"):
+                record.pop("resumed_from_epoch", None)  # a checkpoint taken at first and then dropped
                 self.log.event("job-resumed", f"{name}: {f['why']}; starting at epoch 1", priority=LOG_WARNING, **fields)
             else:
                 record["resumed_from_epoch"] = f["epoch"]

@@ -288,7 +288,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                           on_epoch=lambda s: send("epoch", **s.as_dict()), should_stop=should_stop,
                           resume=resume, job_id=job_id, source_name=name, sha256=record.get("sha256"),
                           on_stage=on_stage, options=options, explicit_name=bool(record.get("name_explicit")),
-                          scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True)
+                          scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True,
+                          on_resume_dropped=lambda why: send("resumed", epoch=1, why=why))
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             if ckpt is None:  # a distributed run keeps none: it trains again from epoch 1
