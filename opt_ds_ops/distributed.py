@@ -417,14 +417,15 @@ def remove_stale_work_dirs(work_dir: str | None) -> list[str]:
 
 
 # torchrun under a parent-death signal: SIGKILL when the job process that started it dies (its ranks
-# die with it by theirs, _die_with_torchrun); argv[1] is the parent's pid, to catch a death before prctl
+# die with it by theirs, _die_with_torchrun); argv[1] is the parent's pid, to catch a death before
+# prctl, argv[2] the module (torch.distributed.run, also for ps and pgrep to see)
 _TORCHRUN_WITH_PARENT = (
     "import ctypes, os, runpy, signal, sys\n"
     "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
     "if os.getppid() != int(sys.argv.pop(1)):\n"
     "    os._exit(1)\n"
     "os.environ['DS_OPS_TORCHRUN_PID'] = str(os.getpid())\n"
-    "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n"
 )
 
 
@@ -432,7 +433,7 @@ def torchrun_command(nproc: int, module_args: list[str], module: str = "opt_ds_o
     """Return the single-machine torchrun command line that runs ``python -m module module_args``
     in nproc processes (``torch.distributed.run`` through this interpreter: no ``torchrun`` on PATH
     needed), with PR_SET_PDEATHSIG(SIGKILL) set first: torchrun never outlives the calling process."""
-    return [sys.executable, "-c", _TORCHRUN_WITH_PARENT, str(os.getpid()), "--standalone",
+    return [sys.executable, "-c", _TORCHRUN_WITH_PARENT, str(os.getpid()), "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "-m", module, *module_args]
 
 
