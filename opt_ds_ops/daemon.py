@@ -26,12 +26,18 @@ record; failed/ after ``spool.max_crashes``). An error of the file system itself
 EROFS, EIO on the spool or the model store) pauses intake with a ``STATUS=`` line and retries with
 back-off (5 s doubling to 5 min) while the watchdog stays fed; it counts against no dataset. A
 death of the daemon (SIGKILL, OOM kill, power loss) counts against no dataset either: at start-up
-every job in processing/ is run again, resumed from its checkpoint if it has one.
+every job in processing/ is run again, resumed from its checkpoint if it has one; only a job the
+daemon was handling at two deaths in a row is quarantined to failed/ (:mod:`opt_ds_ops.handling`).
 
-**Recovery by identity.** A job's model version records the job id in metadata.json. Before a
-job (re)starts, the store is asked for a version with its job id
+**The daemon never parses a user's bytes** (issue 18): it moves files, reads its own records and
+talks to jobs. The sidecar, the dataset and torch are read in the job process only; any exception
+while the daemon handles one job is that job's failure (:meth:`Daemon._for_job`).
+
+**Recovery by identity.** A job's model version records the job id in metadata.json. When a
+job (re)starts, its process first asks the store for a version with its job id
 (:func:`opt_ds_ops.store.find_job_version`): if there is one, publishing ``current`` is replayed
-and the job finishes in done/ without training again, whatever the clocks say.
+in claim order (:func:`opt_ds_ops.store.publish_job`) and the job finishes in done/ without
+training again, whatever the clocks say.
 
 SIGTERM: each job in its health or dataset stage is killed at once (it restarts from scratch on the
 next start); each training job writes its checkpoint and stops at the next batch; once all have
@@ -883,6 +889,7 @@ class Daemon:
             self._judge_job_gpu(record, f)
         elif kind == "resumed":
             if f.get("why"):
+                record.pop("resumed_from_epoch", None)  # a checkpoint taken at first and then dropped
                 self.log.event("job-resumed", f"{name}: {f['why']}; starting at epoch 1", priority=LOG_WARNING, **fields)
             else:
                 record["resumed_from_epoch"] = f["epoch"]
@@ -1004,7 +1011,8 @@ class Daemon:
             f"{safe_text(record['dataset'])}: model saved to {doc['model_dir']} (final loss {doc['final_train_loss']:.6f}, "
             f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}"
             f"{safe_text(columns_note(metadata.get('dataset') or {}))}"
-            + (f"; {metadata['data_placement_note']}" if metadata.get("data_placement_note") else ""),
+            + (f"; {metadata['data_placement_note']}" if metadata.get("data_placement_note") else "")
+            + (f"; not made current: {safe_text(metadata['not_current'])}" if metadata.get("not_current") else ""),
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], threshold=doc["threshold"],
             **self._fields(record),

@@ -59,7 +59,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .device import AMP_DTYPES, DevicePlan
-from .fsutil import utc_now
+from .fsutil import pid_alive, utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
 from .threshold import pick_threshold
 from .train import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, _blocks, batch_bounds, begin_run,
@@ -379,7 +379,8 @@ def train_distributed(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, npro
     ddp_batch_bounds(split_sizes(data.shape[0], cfg.val_fraction)[0], cfg.batch_size, nproc)
     if work_dir is not None:
         os.makedirs(work_dir, mode=0o700, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="ds-ops-ddp-", dir=work_dir)
+    remove_stale_work_dirs(work_dir)
+    tmp = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=work_dir)
     try:
         np.save(os.path.join(tmp, "data.npy"), np.ascontiguousarray(data, dtype=np.float32))
         with open(os.path.join(tmp, "train.json"), "w", encoding="utf-8") as f:
@@ -391,11 +392,49 @@ def train_distributed(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, npro
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+WORK_PREFIX = "ds-ops-ddp-"  # + the launcher's pid + "-" + random: the private directory of one run
+
+
+def remove_stale_work_dirs(work_dir: str | None) -> list[str]:
+    """Remove the private directories of runs whose launcher is gone (SIGKILLed with its job) from
+    work_dir (None: the system's temporary directory): ``ds-ops-ddp-PID-*`` of a dead PID; in a
+    job's own work_dir, also those named before the PID was in the name. Return the paths removed."""
+    where = work_dir if work_dir is not None else tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(where) as it:
+        for e in it:
+            if not e.name.startswith(WORK_PREFIX) or not e.is_dir(follow_symlinks=False):
+                continue
+            pid = e.name[len(WORK_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and "-" in e.name[len(WORK_PREFIX):]:
+                if pid_alive(int(pid)) and int(pid) != os.getpid():
+                    continue
+            elif work_dir is None:
+                continue  # an older ds-ops's name in a shared /tmp: whose it is cannot be told
+            shutil.rmtree(e.path, ignore_errors=True)
+            removed.append(e.path)
+    return removed
+
+
+# torchrun under a parent-death signal: SIGKILL when the job process that started it dies (its ranks
+# die with it by theirs, _die_with_torchrun); argv[1] is the parent's pid, to catch a death before
+# prctl, argv[2] the module (torch.distributed.run, also for ps and pgrep to see)
+_TORCHRUN_WITH_PARENT = (
+    "import ctypes, os, runpy, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv.pop(1)):\n"
+    "    os._exit(1)\n"
+    "os.environ['DS_OPS_TORCHRUN_PID'] = str(os.getpid())\n"
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n"
+)
+
+
 def torchrun_command(nproc: int, module_args: list[str], module: str = "opt_ds_ops.distributed") -> list[str]:
     """Return the single-machine torchrun command line that runs ``python -m module module_args``
-    in nproc processes (``torch.distributed.run`` through this interpreter: no ``torchrun`` on PATH needed)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", module, *module_args]
+    in nproc processes (``torch.distributed.run`` through this interpreter: no ``torchrun`` on PATH
+    needed), with PR_SET_PDEATHSIG(SIGKILL) set first: torchrun never outlives the calling process."""
+    return [sys.executable, "-c", _TORCHRUN_WITH_PARENT, str(os.getpid()), "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", module, *module_args]
 
 
 def run_ranks(nproc: int, module_args: list[str], out_dir: str, on_epoch: Callable[[EpochStats], None] | None,
@@ -525,9 +564,13 @@ def write_error(out_dir: str, group: ProcessGroupInfo, e: BaseException) -> None
 
 def _die_with_torchrun() -> None:
     """PR_SET_PDEATHSIG(SIGKILL): a rank dies with torchrun, also when torchrun is SIGKILLed (its
-    workers run in sessions of their own, out of reach of a signal to its process group)."""
+    workers run in sessions of their own, out of reach of a signal to its process group); a rank
+    whose torchrun (``DS_OPS_TORCHRUN_PID``, set by :func:`torchrun_command`'s) is already gone exits."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    launcher = os.environ.get("DS_OPS_TORCHRUN_PID", "")
+    if launcher.isdigit() and os.getppid() != int(launcher):  # torchrun died before the prctl
+        os._exit(1)
 
 
 def run_rank(out_dir: str, backend: str, body: Callable[[ProcessGroupInfo], None]) -> int:

@@ -44,10 +44,11 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write data to path through a hidden temporary file in the same directory, fsync, rename."""
+def write_atomic(path: str, data: bytes, prefix: str = ".tmp-") -> None:
+    """Write data to path through a hidden temporary file (``prefix`` + random) in the same
+    directory, fsync, rename."""
     directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

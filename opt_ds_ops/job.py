@@ -27,7 +27,7 @@ from .fsutil import pid_alive, read_small
 from .gpustats import sampler_for
 from .report import try_write_report, validation_summary
 from .store import StoreError, current_metadata, dataset_file_of, model_payload, safe_model_name, save_model
-from .train import EpochStats, TrainingError, TrainResult, train
+from .train import CheckpointMismatch, EpochStats, TrainingError, TrainingInterrupted, TrainResult, train
 
 
 class JobError(RuntimeError):
@@ -240,6 +240,43 @@ def _scratch(models_dir: str, given: str | None):
         shutil.rmtree(own, ignore_errors=True)
 
 
+def checkpoint_fit(ds: Dataset, options: DatasetConfig, sha256: str) -> dict:
+    """Return what a checkpoint of training on ds depends on, in plain values (it is saved with
+    the checkpoint and loads with ``weights_only``): the file's sha256, the dataset options, the
+    rows, the feature columns (names and file positions), and whether the data streams and in
+    what chunks (``job.memory_max`` and ``job.max_matrix_bytes`` decide that)."""
+    streamed = not isinstance(ds.data, np.ndarray)
+    return {
+        "sha256": sha256,
+        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(options).items()},
+        "rows": ds.rows,
+        "features": ds.features,
+        "header": list(ds.header) if ds.header is not None else None,
+        "feature_columns": list(ds.feature_columns) if ds.feature_columns is not None else None,
+        "streamed": streamed,
+        "chunk_rows": ds.data.chunk_rows() if hasattr(ds.data, "chunk_rows") else None,
+    }
+
+
+_FIT_WHAT = {"sha256": "the dataset's content", "options": "the dataset options (dataset:, a sidecar)",
+             "rows": "the row count", "features": "the feature count", "header": "the feature columns' names",
+             "feature_columns": "the feature columns", "streamed": "whether the data streams (job.memory_max, "
+             "job.max_matrix_bytes)", "chunk_rows": "the streamed chunk size"}
+
+
+def _misfit(resume: dict, fit: dict, nproc: int) -> str | None:
+    """Return why checkpoint resume does not fit this run (``fit``: :func:`checkpoint_fit`), or None."""
+    if nproc > 1:
+        return f"the job now trains on {nproc} processes (daemon.distributed_min_bytes), which keep no checkpoint"
+    saved = resume.get("fit")
+    if not isinstance(saved, dict):  # made before ds-ops recorded it: train() checks the shapes
+        return None
+    changed = [key for key in fit if saved.get(key) != fit[key]]
+    if changed:
+        return "the checkpoint does not fit: " + ", ".join(_FIT_WHAT[k] for k in changed) + " changed since it was made"
+    return None
+
+
 def run_job(
     path: str,
     cfg: Config,
@@ -260,6 +297,7 @@ def run_job(
     scratch_dir: str | None = None,
     distributed_optional: bool = False,
     uploader_uid: int | None = None,
+    on_resume_dropped: Callable[[str], None] | None = None,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -285,6 +323,10 @@ def run_job(
     here at the end) and streamed (:mod:`opt_ds_ops.dataset.core`); a distributed run's copy of the
     matrix for its ranks goes there too; a failure to write it is a
     JobError of stage dataset carrying its errno (ENOSPC: the daemon pauses, the dataset stays).
+    A checkpoint (``resume``) records what it depends on (:func:`checkpoint_fit`, added to
+    TrainingInterrupted's checkpoint here); one that does not fit the dataset as loaded now (the
+    conffile's ``dataset:``, ``job.memory_max`` or ``job.max_matrix_bytes`` changed, or it does not
+    load) is dropped: ``on_resume_dropped(why)`` is called and training starts at epoch 1.
     When ``health`` names the GPU the gate chose,
     each epoch carries its NVML reading (:mod:`opt_ds_ops.gpustats`; a failing NVML never fails the
     job). Raises JobError naming the failed stage;
@@ -319,6 +361,11 @@ def run_job(
             ds.notes.append(f"trained in one process, not {nproc} (daemon.distributed_min_bytes): {why}")
             nproc = 1
         stage("training")
+        fit = checkpoint_fit(ds, options, sha)
+        dropped = on_resume_dropped or (lambda _why: None)
+        if resume is not None and (why := _misfit(resume, fit, nproc)):
+            dropped(why)
+            resume = None
         sampler = sampler_for(health)  # per-epoch NVML readings of the GPU the gate chose; None off CUDA
         try:
             if nproc > 1:
@@ -327,8 +374,18 @@ def run_job(
                 result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch,
                                            should_stop=should_stop, work_dir=scratch_dir)
             else:
-                result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
-                               offset=ds.offset, read_gpu=sampler.read if sampler is not None else None)
+                read_gpu = sampler.read if sampler is not None else None
+                try:
+                    result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop,
+                                   resume=resume, offset=ds.offset, read_gpu=read_gpu)
+                except CheckpointMismatch as e:  # once, from scratch: a checkpoint never fails a dataset
+                    dropped(f"the checkpoint does not fit: {e}")
+                    result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop,
+                                   offset=ds.offset, read_gpu=read_gpu)
+        except TrainingInterrupted as ti:
+            if ti.checkpoint is not None:
+                ti.checkpoint["fit"] = fit
+            raise
         except TrainingError as e:
             raise JobError("training", f"{path}: {e}", e) from e
         finally:

@@ -4,7 +4,8 @@ that node_exporter's textfile collector reads (Debian's prometheus-node-exporter
 
 The text comes from prometheus_client (a fresh ``CollectorRegistry`` per write, rendered by
 ``generate_latest``), never built by hand. It is written atomically: a hidden temporary file in the
-same directory (node_exporter reads only ``*.prom``), fsync'ed, chmod 0644 (the unit's
+same directory (``.ds_ops.prom.tmp-*``: node_exporter reads only ``*.prom``; one a killed write
+left is removed when the daemon starts), fsync'ed, chmod 0644 (the unit's
 ``UMask=0027`` would leave it unreadable to node_exporter's user), renamed over ``ds_ops.prom``.
 ``prometheus_client.write_to_textfile`` does the same rename but neither the fsync nor the mode,
 so :func:`opt_ds_ops.fsutil.write_atomic` is used instead.
@@ -17,6 +18,7 @@ Counters count since the daemon started (``ds_ops_daemon_start_time_seconds``); 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -28,6 +30,7 @@ from . import __version__
 from .fsutil import write_atomic
 
 TEXTFILE = "ds_ops.prom"
+TEMP_PREFIX = f".{TEXTFILE}.tmp-"  # the temporary file of a write: ours alone in a directory others write too
 
 # Every metric family written, with its help text (the README lists these names).
 METRIC_NAMES = {
@@ -119,6 +122,22 @@ class MetricsWriter:
         self.last_job_s = self.last_training_s = self.last_samples_per_s = None
         self.gpus: dict[tuple[str, str], str] = {}  # (index, uuid) -> verdict
         self._last_error = ""
+        if self.enabled:
+            self.remove_leftovers()
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the temporary files of writes that were killed before their rename (``.ds_ops.prom.tmp-*``;
+        only this daemon writes ``ds_ops.prom``, so none is in use at its start); return their names."""
+        removed = []
+        try:
+            for name in os.listdir(self.dir):
+                if name.startswith(TEMP_PREFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.dir, name))
+                    removed.append(name)
+        except OSError:  # unreadable: write() says why once
+            pass
+        return removed
 
     # ---- what the daemon tells it ---------------------------------------------------------------
     def job_done(self, doc: dict) -> None:
@@ -210,7 +229,7 @@ class MetricsWriter:
         if not self.enabled:
             return None
         try:
-            write_atomic(self.path, generate_latest(self.registry()))
+            write_atomic(self.path, generate_latest(self.registry()), prefix=TEMP_PREFIX)
         except OSError as e:
             hint = (" (the daemon's user ds-ops needs write access: setfacl -m u:ds-ops:rwx "
                     f"{self.dir}, then systemctl restart ds-trainer)" if e.errno in (errno.EACCES, errno.EROFS) else "")

@@ -644,24 +644,32 @@ def discard_job(spool: Spool, job_id: str) -> None:
     shutil.rmtree(spool.job_dir(job_id), ignore_errors=True)
 
 
+def _attachments(names: set[str]) -> set[str]:
+    """Return the names among names that belong to another one: its ``.result.json``,
+    ``.error.json`` or ``.sidecar.yaml`` (:func:`sidecar_name`), not datasets of their own."""
+    return {side for n in names for suffix in (RESULT_SUFFIX, ERROR_SUFFIX, SIDECAR_SUFFIX)
+            if (side := sidecar_name(n, suffix)) in names}
+
+
 def prune_failed(spool: Spool, keep: int) -> list[str]:
     """Keep the newest ``keep`` datasets in failed/ (``spool.max_failed``); remove the older ones
-    with their error JSON; return the names removed."""
+    with their error JSON and sidecar; return the names removed. A JSON or sidecar is never
+    counted as a dataset of its own."""
     entries = []
     with os.scandir(spool.dir(FAILED)) as it:
-        for e in it:
-            if e.name.endswith(ERROR_SUFFIX) or e.name.startswith("."):
-                continue
-            try:
-                entries.append((e.stat(follow_symlinks=False).st_mtime_ns, e.name))
-            except FileNotFoundError:
-                continue
+        found = {e.name: e for e in it if not e.name.startswith(".")}
+    for name in set(found) - _attachments(set(found)):
+        try:
+            entries.append((found[name].stat(follow_symlinks=False).st_mtime_ns, name))
+        except FileNotFoundError:
+            continue
     if len(entries) <= keep:
         return []
     entries.sort()
     removed = []
     for _, name in entries[: len(entries) - keep]:
-        for path in (spool.path(FAILED, name), spool.path(FAILED, sidecar_name(name, ERROR_SUFFIX))):
+        for path in (spool.path(FAILED, name), spool.path(FAILED, sidecar_name(name, SIDECAR_SUFFIX)),
+                     spool.path(FAILED, sidecar_name(name, ERROR_SUFFIX))):
             try:
                 os.unlink(path)
             except (FileNotFoundError, IsADirectoryError):
@@ -881,11 +889,13 @@ def _finished_entries(spool: Spool, dest: str) -> list[tuple[float, int, list[st
     suffix = RESULT_SUFFIX if dest == DONE else ERROR_SUFFIX
     entries = []
     with os.scandir(spool.dir(dest)) as it:
-        for e in it:
+        found = list(it)
+        owner = {sidecar_name(e.name, suffix): e.name for e in found}  # a JSON's dataset, by its name alone
+        for e in found:
             if e.name.startswith(".") or not e.name.endswith(suffix):
                 continue
-            doc = read_json(e.path) or {}
-            name = doc.get("dataset_file") if isinstance(doc.get("dataset_file"), str) else None
+            doc = read_json(e.path) or {}  # {}: over read_json's 1 MiB or not JSON; its name says whose it is
+            name = doc.get("dataset_file") if isinstance(doc.get("dataset_file"), str) else owner.get(e.name)
             paths = []
             if name and "/" not in name and name not in (".", ".."):
                 paths = [spool.path(dest, name), spool.path(dest, sidecar_name(name, SIDECAR_SUFFIX))]

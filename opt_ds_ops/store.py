@@ -30,6 +30,7 @@ from .model import WINDOW_ERRORS, TelemetryAutoencoder
 MODEL_FILE = "model.pt"
 METADATA_FILE = "metadata.json"
 CURRENT = "current"
+OPERATOR_FILE = ".operator.json"  # the operator's last change of current, read by publish_job
 FORMAT_VERSION = 1
 _NAME_OK = re.compile(r"[^A-Za-z0-9._+-]")
 
@@ -145,7 +146,9 @@ def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, bef
 
     ``payload`` goes to model.pt (torch.save), ``metadata`` to metadata.json (its ``version`` and
     ``model_dir`` keys are filled in here; a ``job_id`` key lets recovery find the version of a
-    job by identity, see :func:`find_job_version`). ``before_publish(tmp_dir)`` is a test hook
+    job by identity, see :func:`find_job_version`, and orders it by claim: the version becomes
+    ``current`` only as :func:`publish_job` allows; the metadata returned, not the file, has
+    ``not_current``: None, or why current stayed where it was). ``before_publish(tmp_dir)`` is a test hook
     called after the files are written and before the renames. A failed save removes its
     temporary directory. Raises StoreError if the store cannot be written; its ``errno`` is the
     OS error's (ENOSPC, EROFS, ... say the file system is at fault, not the model).
@@ -168,17 +171,18 @@ def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, bef
         fsync_dir(tmp)
         if before_publish is not None:
             before_publish(tmp)
-        os.rename(tmp, final)
-        tmp = None
-        fsync_dir(name_dir)
-        publish(name_dir, version)
+        with _NameLock(name_dir):  # the lock ``ds-ops models`` takes: a rollback never interleaves
+            os.rename(tmp, final)
+            tmp = None
+            fsync_dir(name_dir)
+            not_current = _publish_in_order(name_dir, version, metadata.get("job_id"))
     except OSError as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         err = StoreError(f"cannot write model under {name_dir}: {e.strerror or e} ({e.filename or name_dir})")
         err.errno = e.errno
         raise err from None
-    return final, metadata
+    return final, dict(metadata, not_current=not_current)
 
 
 def publish(name_dir: str, version: str) -> None:
@@ -201,6 +205,73 @@ def current_metadata(models_dir: str, name: str) -> dict | None:
     except (OSError, ValueError, StoreError):
         return None
     return md if isinstance(md, dict) else None
+
+
+def publish_job(name_dir: str, version: str, job_id: str | None) -> str | None:
+    """Given a complete version of a model saved by job ``job_id`` (None: ``ds-ops train`` by hand),
+    make it ``current`` under the lock ``ds-ops models`` takes, in claim order; return None if
+    ``current`` points at it now, else why ``current`` stays where it is. The daemon's recovery
+    replays a saved job's publish with it. Raises OSError."""
+    with _NameLock(name_dir):
+        return _publish_in_order(name_dir, version, job_id)
+
+
+def _order_key(name_dir: str, version: str) -> str:
+    """Return what orders a version among its model's: the job id that saved it (ids sort by claim
+    time, :func:`opt_ds_ops.spool.new_job_id`), else its version name (its save time, same format)."""
+    try:
+        job_id = read_metadata(os.path.join(name_dir, version)).get("job_id")
+    except StoreError:
+        job_id = None
+    return job_id if isinstance(job_id, str) and job_id else version
+
+
+def _compact_time(iso: str) -> str:
+    """``2026-11-30T01:42:42.123456Z`` -> ``20261130T014242.123456Z``, the job ids' time format."""
+    return iso.replace("-", "").replace(":", "")
+
+
+def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | None:
+    """:func:`publish_job`'s body, under the name lock: a job's version does not become current
+    over a version of a later claim (a job claimed later finished first; recovery replays an old
+    job), nor over an operator's promote, rollback or rm that came after the job was claimed."""
+    current = current_version(name_dir)
+    if current == version:
+        return None
+    if job_id is not None:
+        if current is not None and _order_key(name_dir, current) > job_id:
+            return f"current is {current}, of a later claim ({_order_key(name_dir, current)}) than job {job_id}"
+        op = read_operator_action(name_dir)
+        if op is not None and _compact_time(str(op.get("at", ""))) > job_id:
+            return (f"current is {current}, set by {op.get('by')}'s {op.get('action')} at {op.get('at')}, "
+                    f"after job {job_id} was claimed")
+    publish(name_dir, version)
+    return None
+
+
+def read_operator_action(name_dir: str) -> dict | None:
+    """Return the last change of ``current`` an operator made (``ds-ops models promote``,
+    ``rollback``, ``rm``): ``{action, by, at, version, previous}`` from ``name_dir/.operator.json``,
+    or None if there is none or it cannot be read."""
+    try:
+        with open(os.path.join(name_dir, OPERATOR_FILE), encoding="utf-8") as f:
+            op = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return op if isinstance(op, dict) else None
+
+
+def _write_operator_action(name_dir: str, entry: dict) -> None:
+    """Write entry as ``name_dir/.operator.json`` (mode 0644: the daemon reads what root wrote),
+    atomically, under the name lock. Raises OSError."""
+    path = os.path.join(name_dir, OPERATOR_FILE)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
 
 
 def dataset_file_of(models_dir: str, name: str) -> str | None:
@@ -479,30 +550,39 @@ def resolve(models_dir: str, spec: str) -> tuple[str, str | None]:
 
 def promote(models_dir: str, name: str, version: str, why: str | None = None, action: str = "promote") -> dict:
     """Make version the ``current`` of model name and record who and why in its metadata.json
-    (``operator_log``); return the log entry (with ``previous``). Raises StoreError for an
-    unknown name or version or an OSError."""
+    (``operator_log``) and in the model's ``.operator.json`` (so that a job claimed before now
+    does not undo it, :func:`publish_job`); return the log entry (with ``previous``). Raises
+    StoreError for an unknown name or version or an OSError."""
     name_dir, version = resolve(models_dir, f"{name}/{version}")
     try:
         with _NameLock(name_dir):
-            previous = current_version(name_dir)
-            entry = _record(os.path.join(name_dir, version), action, why, previous=previous)
-            publish(name_dir, version)
+            return _set_current(name_dir, version, why, action)
     except OSError as e:
         raise StoreError(f"cannot {action} {name}/{version}: {e.strerror} ({e.filename})") from None
+
+
+def _set_current(name_dir: str, version: str, why: str | None, action: str) -> dict:
+    """Point current at version for an operator, under the name lock; return the log entry. Raises OSError."""
+    entry = _record(os.path.join(name_dir, version), action, why, previous=current_version(name_dir))
+    _write_operator_action(name_dir, dict(entry, version=version))
+    publish(name_dir, version)
     return entry
 
 
 def rollback(models_dir: str, name: str, why: str | None = None) -> dict:
     """Point ``current`` of model name at the newest version older than the current one and record
-    it (``action: rollback``) in that version's metadata; return the entry. Raises StoreError if
+    it (``action: rollback``) as :func:`promote` does; return the entry. Raises StoreError if
     there is no older version."""
     name_dir = name_dir_of(models_dir, name)
-    versions = list_versions(name_dir)
-    current = current_version(name_dir)
-    older = [v for v in versions if current is None or v < current]
-    if not older:
-        raise StoreError(f"model {name!r} has no version older than {current} to roll back to")
-    return promote(models_dir, name, older[-1], why, action="rollback")
+    try:
+        with _NameLock(name_dir):  # chosen and set under one lock: a job's publish cannot come between
+            current = current_version(name_dir)
+            older = [v for v in list_versions(name_dir) if current is None or v < current]
+            if not older:
+                raise StoreError(f"model {name!r} has no version older than {current} to roll back to")
+            return _set_current(name_dir, older[-1], why, "rollback")
+    except OSError as e:
+        raise StoreError(f"cannot roll back {name}: {e.strerror} ({e.filename})") from None
 
 
 def pin(models_dir: str, spec: str, pinned: bool = True, why: str | None = None) -> dict:
@@ -547,8 +627,9 @@ def remove(models_dir: str, spec: str, why: str | None = None) -> dict:
                     raise StoreError(f"{spec} is the only version; remove the model with ds-ops models rm "
                                      f"{os.path.basename(name_dir)}")
                 new_current = others[-1]
-                _record(os.path.join(name_dir, new_current), "promote", f"{version} removed: {why or ''}".strip(),
-                        previous=version)
+                entry = _record(os.path.join(name_dir, new_current), "promote",
+                                f"{version} removed: {why or ''}".strip(), previous=version)
+                _write_operator_action(name_dir, dict(entry, action="rm", version=new_current))
                 publish(name_dir, new_current)
             _remove_version(name_dir, version)
     except OSError as e:

@@ -180,7 +180,7 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
     Raises TrainingError as train() does; OSError if the file shrinks while it is read.
     """
     from .train import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, _checkpoint, batch_bounds,
-                        begin_run, make_optimizer, split_sizes)
+                        begin_run, load_resume, make_optimizer, split_sizes)
 
     started, t_start = begin_run(cfg, plan)
     device = plan.device
@@ -195,11 +195,7 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
     start_epoch, start_window = 0, 0
     carried = {"loss_sum": 0.0, "rows": 0, "nonfinite": 0, "skipped": 0, "batches": 0, "seconds": 0.0}
     if resume is not None:
-        if resume.get("rows_train") != n or resume.get("model_args") != model.model_args() or not resume.get("streamed"):
-            raise TrainingError("checkpoint does not match this dataset and configuration")
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scaler.load_state_dict(resume["grad_scaler"])
+        load_resume(resume, n, model, optimizer, scaler, streamed=True)
         history = [EpochStats(**h) for h in resume["history"]]
         start_epoch, start_window, carried = resume["epoch"], resume["batch"], dict(resume["partial"])
     chunk = source.chunk_rows()

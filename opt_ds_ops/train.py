@@ -41,6 +41,31 @@ class TrainingError(RuntimeError):
     """Training could not produce a usable model (non-finite loss, every fp16 step skipped, ...)."""
 
 
+class CheckpointMismatch(TrainingError):
+    """A checkpoint passed as ``resume`` does not fit this dataset and configuration (rows, shapes,
+    in memory or streamed, or state_dicts that do not load); the job trains from epoch 1 instead."""
+
+
+def load_resume(resume: dict, n: int, model, optimizer, scaler, *, streamed: bool) -> None:
+    """Given a checkpoint of :func:`_checkpoint`, check it fits ``n`` training rows, the model's
+    shape and the streaming decision, and load its state_dicts into model, optimizer and scaler.
+    Raises CheckpointMismatch naming what does not fit (nothing is half-loaded that the caller keeps)."""
+    if resume.get("rows_train") != n:
+        raise CheckpointMismatch(f"the checkpoint has {resume.get('rows_train')} training rows, this run {n}")
+    if resume.get("model_args") != model.model_args():
+        raise CheckpointMismatch(f"the checkpoint's model is {resume.get('model_args')}, this run's {model.model_args()}")
+    if bool(resume.get("streamed")) != streamed:
+        raise CheckpointMismatch("the checkpoint was made " + ("in memory" if streamed else "streaming")
+                                 + ", this run " + ("streams" if streamed else "holds the data in memory"))
+    try:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        scaler.load_state_dict(resume["grad_scaler"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointMismatch(f"the checkpoint's state does not load ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
 class TrainingInterrupted(Exception):
     """Raised when ``should_stop()`` turned true; ``checkpoint`` resumes the job exactly (see
     :func:`train`), or is None (a distributed run, :func:`opt_ds_ops.distributed.train_distributed`,
@@ -372,11 +397,7 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     start_epoch, start_batch = 0, 0
     carried = _NOTHING_CARRIED
     if resume is not None:
-        if resume.get("rows_train") != n or resume.get("model_args") != model.model_args():
-            raise TrainingError("checkpoint does not match this dataset and configuration")
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scaler.load_state_dict(resume["grad_scaler"])
+        load_resume(resume, n, model, optimizer, scaler, streamed=False)
         history = [EpochStats(**h) for h in resume["history"]]
         start_epoch, start_batch = resume["epoch"], resume["batch"]
         carried = resume["partial"]

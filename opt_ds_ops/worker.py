@@ -237,7 +237,7 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
     from .job import JobError, run_job
     from .fsutil import utc_now
     from .spool import Spool, load_checkpoint, lock_job, save_checkpoint
-    from .store import find_job_version, publish
+    from .store import find_job_version, publish_job
     from .train import GPU_HEADROOM_BYTES, TrainingInterrupted
 
     spool = Spool(spool_root)
@@ -266,7 +266,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
         send("named", model_name=model_name, explicit=explicit)
         done = find_job_version(cfg.models_dir, model_name, job_id)
         if done is not None:  # saved before a restart: publish again (a kill may have come before it), done
-            publish(os.path.dirname(done["model_dir"]), done["version"])
+            # in claim order, under the store's lock: never over a later job's version or an operator's change
+            done["not_current"] = publish_job(os.path.dirname(done["model_dir"]), done["version"], job_id)
             send("saved", metadata=done, recovered=True)
             return
         on_stage("health")
@@ -318,7 +319,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                           resume=resume, job_id=job_id, source_name=name, sha256=record.get("sha256"),
                           on_stage=on_stage, options=options, explicit_name=explicit,
                           scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True,
-                          uploader_uid=record.get("uploader_uid"))
+                          uploader_uid=record.get("uploader_uid"),
+                          on_resume_dropped=lambda why: send("resumed", epoch=1, why=why))
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             if ckpt is None:  # a distributed run keeps none: it trains again from epoch 1

@@ -10,12 +10,14 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SMD_TRAIN, run_cli
-from daemon_kit import Daemon, copy_smd, done_names, failed_names, spool_dir, versions, write_config
+from conftest import REPO, SMD_TRAIN, run_cli
+from daemon_kit import Daemon, copy_smd, done_names, failed_names, run_until, spool_dir, versions, write_config
 from opt_ds_ops.metrics import METRIC_NAMES
 
 NAME_RULE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")  # Prometheus's metric name rule
@@ -229,3 +231,31 @@ def test_a_metrics_write_that_fails_is_reported_once_per_reason(tmp_path):
     assert m.write() == ""  # the same reason again: nothing new to log
     prom.mkdir()
     assert m.write() is None and (prom / "ds_ops.prom").exists()
+
+
+KILLED_METRICS_WRITE = """
+import os, sys, time
+from opt_ds_ops.metrics import MetricsWriter
+
+def stall(fd):  # the write is killed here: its temporary file written, not yet renamed
+    print("writing", flush=True)
+    time.sleep(60)
+
+os.fsync = stall
+MetricsWriter(sys.argv[1], sys.argv[2]).write()
+"""
+
+
+def test_a_metrics_write_killed_before_its_rename_leaves_nothing_after_the_next_start(tmp_path):
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    (prom / ".tmp-apt.prom").write_text("# another collector's write in progress\n")
+    p = subprocess.Popen([sys.executable, "-c", KILLED_METRICS_WRITE, str(prom), str(tmp_path / "models")],
+                         stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.stdout.readline().strip() == "writing"
+    p.kill()
+    p.wait(30)
+    assert len(os.listdir(prom)) == 2  # the killed write's temporary file beside the other collector's
+    conf = write_config(tmp_path, extra=["metrics:", f"  textfile_dir: {prom}"])
+    run_until(conf, lambda: (prom / "ds_ops.prom").exists(), "the first metrics write")
+    assert sorted(os.listdir(prom)) == [".tmp-apt.prom", "ds_ops.prom"]

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -122,6 +123,69 @@ def test_a_stopped_train_nproc_leaves_no_rank_and_no_temporary_files(tmp_path, s
     assert proc.returncode == code and err.strip().endswith(last_words), err
     assert _processes_mentioning(str(scratch)) == [] and os.listdir(scratch) == []
     assert not (tmp_path / "models" / "long").exists()
+
+
+LAUNCHER = """
+import sys
+import numpy as np
+from opt_ds_ops.config import TrainConfig
+from opt_ds_ops.device import plan_device
+from opt_ds_ops.distributed import train_distributed
+
+data = np.load(sys.argv[1])
+train_distributed(data, TrainConfig(epochs=int(sys.argv[3])), plan_device("cpu", "off"), 2, work_dir=sys.argv[2],
+                  on_epoch=lambda s: print("epoch", s.epoch, flush=True))
+"""
+
+
+def _sigkill_a_distributed_job(tmp_path, smd_rows):
+    """Run train_distributed in a process of its own, as the daemon's job process does (its matrix
+    copy in the job's directory, work_dir), and SIGKILL that process in epoch 2 (the OOM killer, a
+    stalled job); return (work_dir, the pids of torchrun and its ranks just before the kill)."""
+    np.save(tmp_path / "long.npy", smd_rows)
+    work = tmp_path / "job"
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "long.npy"), str(work), "1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.stdout.readline().split() == ["epoch", "1"]
+    running = _processes_mentioning(str(work))
+    proc.kill()
+    proc.wait(30)
+    return work, running
+
+
+def _gone(pids_of, timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := pids_of()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_torchrun_and_its_ranks_die_with_a_sigkilled_job_process(tmp_path):
+    work = tmp_path / "job"
+    work.mkdir()
+    launcher = ("import sys; from opt_ds_ops.distributed import run_ranks; "
+                "run_ranks(2, ['--dir', sys.argv[1]], sys.argv[1], None, module='ddp_sleeps')")
+    proc = subprocess.Popen([sys.executable, "-c", launcher, str(work)], cwd=REPO, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")])))
+    deadline = time.monotonic() + 120
+    while len(_processes_mentioning(str(work))) < 4 and time.monotonic() < deadline:  # job, torchrun, 2 ranks
+        time.sleep(0.2)
+    assert len(_processes_mentioning(str(work))) == 4
+    proc.kill()
+    proc.wait(30)
+    assert _gone(lambda: _processes_mentioning(str(work)), timeout_s=10) == []  # the ranks sleep 60 s
+
+
+def test_the_next_attempt_removes_the_matrix_copy_a_sigkilled_attempt_left(tmp_path, smd_rows):
+    work, _ = _sigkill_a_distributed_job(tmp_path, smd_rows)
+    _gone(lambda: _processes_mentioning(str(work)))
+    assert [n for n in os.listdir(work) if n.startswith("ds-ops-ddp-")]  # the killed attempt's data.npy
+    again = subprocess.run([sys.executable, "-c", LAUNCHER, str(tmp_path / "long.npy"), str(work), "1"],
+                           capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                           timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert os.listdir(work) == []
 
 
 def test_gloo_batchnorm_of_two_ranks_equals_one_batchnorm_over_both_parts(tmp_path, monkeypatch):

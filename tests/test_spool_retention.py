@@ -55,3 +55,39 @@ def test_requeue_puts_the_sidecar_then_the_dataset_back_and_refuses_a_clash(spoo
     for bad in ("../x", ".hidden", "nope.csv"):
         with pytest.raises(SpoolError):
             requeue(spool, bad)
+
+
+def _finish(spool, dest: str, name: str, doc: dict, *, sidecar: bool = False) -> str:
+    """Claim incoming/name and finish it into dest as the daemon does (with a sidecar copy if asked)."""
+    from opt_ds_ops import spool as sp
+
+    with open(spool.path(INCOMING, name), "wb") as f:
+        f.write(b"1,2\n3,4\n")
+    c = sp.claim(spool, name, 10**6)
+    assert c.outcome == "claimed"
+    if sidecar:
+        with open(spool.job_path(c.job_id, sp.SIDECAR_FILE), "w") as f:
+            f.write("name: x\n")
+    return sp.finish(spool, c.job_id, c.record, dest, dict(doc, job_id=c.job_id))
+
+
+@pytest.mark.parametrize("name", ["big.csv", "b" * 250 + ".csv"])  # the second's JSON name is cut and hashed
+def test_a_result_json_over_1_mib_does_not_keep_its_dataset_in_done_forever(spool, name):
+    _finish(spool, DONE, name, {"history": [{"epoch": i, "train_loss": 0.5} for i in range(40_000)]}, sidecar=True)
+    assert max(os.path.getsize(spool.path(DONE, n)) for n in os.listdir(spool.dir(DONE))) > 1 << 20
+    assert prune_retention(spool, DONE, 30, 0, now=time.time() + 40 * 86400) == [name]
+    assert os.listdir(spool.dir(DONE)) == []
+
+
+def test_prune_failed_counts_a_dataset_with_its_sidecar_once(spool):
+    from opt_ds_ops.spool import prune_failed
+
+    for i in range(3):
+        _finish(spool, FAILED, f"bad-{i}.csv", {"reason": "x"}, sidecar=True)
+        for n in os.listdir(spool.dir(FAILED)):
+            if n.startswith(f"bad-{i}.csv"):
+                os.utime(spool.path(FAILED, n), ns=(i * 10**9, i * 10**9))
+    assert prune_failed(spool, 3) == []  # 3 datasets, 9 files
+    assert prune_failed(spool, 2) == ["bad-0.csv"]
+    assert sorted(os.listdir(spool.dir(FAILED))) == sorted(
+        f"bad-{i}.csv{s}" for i in (1, 2) for s in ("", ".error.json", ".sidecar.yaml"))
