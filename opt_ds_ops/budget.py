@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .config import JOB_BASE_BYTES, Config, mem_total_bytes
+from .config import JOB_BASE_BYTES, Config, mem_total_bytes, parse_size
 
 # The unit's own share beside its jobs: the daemon and the forkserver each import torch (about
 # 230 MB resident with the CPU build, measured), torchrun's launcher for a distributed job a third
@@ -116,8 +116,9 @@ class MemoryBudget:
 
 
 def memory_budget(cfg: Config, processes: int, *, unit_limit: int | None, ram: int) -> MemoryBudget:
-    """Given the configuration, the job processes at once and the limits, return their MemoryBudget."""
-    memory_max = cfg.job.memory_max_bytes()
+    """Given the configuration, the job processes at once and the limits (bytes; a percentage in
+    ``job.memory_max`` is of ``ram``), return their MemoryBudget."""
+    memory_max = parse_size(cfg.job.memory_max, ram)
     room = max((min(unit_limit, ram) if unit_limit is not None else ram) - UNIT_SHARE_BYTES, 0)
     return MemoryBudget(per_process=min(memory_max, room // max(processes, 1)), processes=processes,
                         memory_max=memory_max, room=room, unit_limit=unit_limit, ram=ram)
