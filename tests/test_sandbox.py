@@ -10,6 +10,7 @@ everything they start (the job process, torchrun and its ranks inherit the envir
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -92,3 +93,27 @@ def test_the_daemon_turns_distributed_off_where_loopback_tcp_fails_and_the_large
     finally:
         d.kill()
 
+
+
+def test_torchrun_ranks_meet_on_127_0_0_1_in_a_loopback_only_network_without_etc_hosts(tmp_path):
+    """What the unit with the loopback drop-in gives (PrivateNetwork=: a network namespace with only
+    lo up) on a system without /etc/hosts (a minimal Debian): before, torchrun --standalone's store
+    on localhost:0 and the ranks' master address (the FQDN) did not resolve, and the run failed after
+    minutes of retries ("The connection to the C10d store has failed")."""
+    import os
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip for a network and mount namespace")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("")
+    data = tmp_path / "big.csv"
+    np.savetxt(data, np.random.default_rng(3).normal(size=(3000, 4)), delimiter=",", fmt="%.8f")
+    script = (f"ip link set lo up && mount --bind {hosts} /etc/hosts && ! getent hosts localhost && "
+              f"exec {sys.executable} -m opt_ds_ops.cli train {data} --nproc 2 --device cpu --epochs 1 "
+              f"--batch-size 256 --models-dir {tmp_path / 'models'} --json")
+    r = subprocess.run(["unshare", "--net", "--mount", "sh", "-c", script], env=base_env(), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(json.loads(r.stdout)["model_dir"] + "/metadata.json") as f:
+        assert json.load(f)["distributed"]["world_size"] == 2
