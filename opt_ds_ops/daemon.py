@@ -56,6 +56,7 @@ import traceback
 from datetime import datetime, timezone
 
 from . import EARLY_STOP, gpustats, nvml, worker
+from .budget import job_config, job_processes, this_process_budget
 from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from .dataset import dataset_stem
 from .fsutil import utc_now
@@ -66,6 +67,7 @@ from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
 from .notify import Notifier
 from .config import SIDECAR_MAX_BYTES
+from .sandbox import without_unusable
 from .spool import (
     DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
     STORAGE_ERRNOS, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
@@ -185,6 +187,7 @@ class Daemon:
                                      cuda_version=torch.version.cuda or "")
         self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
         self.breadcrumb = Breadcrumb(spool.root)  # issue 18: the job in hand, for a death's quarantine
+        self.cfg = self._usable(cfg)
 
     @property
     def job(self) -> worker.JobProcess | None:
@@ -225,7 +228,8 @@ class Daemon:
             self.log.event(
                 "daemon-started",
                 f"ds-trainer ready: spool {self.spool.root}, models {self.cfg.models_dir}, device "
-                f"{self.cfg.device} amp {self.cfg.amp}, {self._slots_line()}, {self.watcher.queued()} in incoming/, "
+                f"{self.cfg.device} amp {self.cfg.amp}, {self._slots_line()}, {self._memory_budget().line()}, "
+                f"{self.watcher.queued()} in incoming/, "
                 f"{len(self.pending)} to resume",
                 spool=self.spool.root, model_dir=self.cfg.models_dir,
             )
@@ -494,6 +498,20 @@ class Daemon:
         n = len(healthy) if want is None else min(want, len(healthy))
         return (n, healthy[:n]) if n >= 2 else (1, None)
 
+    def _memory_budget(self, nproc: int = 1):
+        """issue 18: what one job process (of ``nproc`` ranks) may hold so that all the job processes that
+        may run at once fit this process's cgroup (:mod:`opt_ds_ops.budget`)."""
+        gpus = None if self._pinned() else self._check_gpus()
+        return this_process_budget(self.cfg, job_processes(self.cfg, len(gpus) if gpus else None, nproc,
+                                                           self._pinned()))
+
+    def _usable(self, cfg: Config) -> Config:
+        """issue 18: cfg without the features this process's sandbox refuses, each logged with why."""
+        cfg, why = without_unusable(cfg)
+        if why:
+            self.log.event("feature-refused", f"{why}; datasets of any size train in one process", priority=LOG_WARNING)
+        return cfg
+
     def _slots_line(self) -> str:
         """Say how many jobs may run at once now (for the start-up line): ``max_jobs auto: 2 jobs,
         one per healthy GPU (GPU 0, GPU 1)``; reads NVML (see :meth:`_check_gpus`)."""
@@ -635,6 +653,7 @@ class Daemon:
                            priority=LOG_WARNING)
             self.notifier.ready(self._idle_status())
             return
+        new = self._usable(new)
         kept = []
         for key in ("dir", "watcher"):
             if getattr(new.spool, key) != getattr(self.cfg.spool, key):
@@ -774,7 +793,8 @@ class Daemon:
                                f"torchrun, on {on} (in one process if its data streams, being over "
                                "job.max_matrix_bytes, or train.input_window > 1)", **self._fields(record))
         slot = min(set(range(len(self.jobs) + 1)) - {j.slot for j in self.jobs.values()})
-        job = worker.JobProcess(self.spool.root, job_id, record, self.cfg, self.mp_context, self.gate,
+        job = worker.JobProcess(self.spool.root, job_id, record, job_config(self.cfg, self._memory_budget(nproc)),
+                                self.mp_context, self.gate,
                                 gpu=gpu, slot=slot, nproc=nproc, gpus=gpus)
         self.jobs[job_id] = job
         if gpu is not None:

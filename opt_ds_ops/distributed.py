@@ -2,7 +2,7 @@
 
 ``ds-ops train DATASET --nproc N`` loads and checks the dataset in its own process, as a
 single-process run does, writes the float32 matrix to a private temporary ``.npy`` and runs
-``python -m torch.distributed.run --standalone --nproc-per-node N -m opt_ds_ops.distributed ...``
+``python -m torch.distributed.run --nproc-per-node N ... -m opt_ds_ops.distributed ...``
 (:func:`train_distributed`). Each rank (:func:`main`) memory-maps the matrix and trains with
 :func:`train_ddp`; rank 0 writes the result, which the launching process turns back into a
 :class:`opt_ds_ops.train.TrainResult` and stores through the same code as a single-process run.
@@ -49,6 +49,7 @@ import queue
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -432,9 +433,16 @@ _TORCHRUN_WITH_PARENT = (
 def torchrun_command(nproc: int, module_args: list[str], module: str = "opt_ds_ops.distributed") -> list[str]:
     """Return the single-machine torchrun command line that runs ``python -m module module_args``
     in nproc processes (``torch.distributed.run`` through this interpreter: no ``torchrun`` on PATH
-    needed), with PR_SET_PDEATHSIG(SIGKILL) set first: torchrun never outlives the calling process."""
-    return [sys.executable, "-c", _TORCHRUN_WITH_PARENT, str(os.getpid()), "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", module, *module_args]
+    needed), with PR_SET_PDEATHSIG(SIGKILL) set first: torchrun never outlives the calling process.
+
+    ``--standalone`` without its names (issue 18): its store on ``localhost:0`` and the ranks'
+    master address, this host's FQDN, need name resolution, and the FQDN a route; in the unit's
+    PrivateNetwork= (loopback only) the FQDN is not reachable, and without /etc/hosts not even
+    localhost resolves. 127.0.0.1 is what :func:`opt_ds_ops.sandbox.loopback_problem` checks.
+    """
+    return [sys.executable, "-c", _TORCHRUN_WITH_PARENT, str(os.getpid()), "torch.distributed.run", "--nnodes=1",
+            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+            f"--rdzv-id={uuid.uuid4()}", "--local-addr=127.0.0.1", "-m", module, *module_args]
 
 
 def run_ranks(nproc: int, module_args: list[str], out_dir: str, on_epoch: Callable[[EpochStats], None] | None,

@@ -55,6 +55,8 @@ MESSAGE_IDS = {
     "spool-pruned": "ab9635bf3fe34652aab8a3ae634cce4e",
     "report-failed": "50091f7c7c094ec080584c7cf9395808",
     "sidecar-refused": "ead42fa0486f4585a2bab83feedd4f77",
+    # issue 18
+    "feature-refused": "0615d0ef11a546ed89164278f6df62ba",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).

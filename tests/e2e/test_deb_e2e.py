@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -447,14 +448,14 @@ def test_sigkill_during_a_job_is_survived(box):
     assert_nothing_lost(box, ["machine-1-2", "restarted", "killed"])
 
 
-def next_version(deb: Path) -> Path:
-    """Return a copy of deb as the next version (VERSION+e2e1), repacked in UPGRADE_DIR."""
+def next_version(deb: Path, suffix: str = "+e2e1") -> Path:
+    """Return a copy of deb as a next version (VERSION+suffix), repacked in UPGRADE_DIR."""
     tree = UPGRADE_DIR / "tree"
     subprocess.run(["dpkg-deb", "--raw-extract", str(deb), str(tree)], check=True)
     control = tree / "DEBIAN/control"
     version = re.search(r"^Version: (\S+)$", control.read_text(), re.M).group(1)
-    control.write_text(re.sub(r"^Version: .*$", f"Version: {version}+e2e1", control.read_text(), flags=re.M))
-    out = UPGRADE_DIR / deb.name.replace(f"_{version}_", f"_{version}+e2e1_")
+    control.write_text(re.sub(r"^Version: .*$", f"Version: {version}{suffix}", control.read_text(), flags=re.M))
+    out = UPGRADE_DIR / deb.name.replace(f"_{version}_", f"_{version}{suffix}_")
     subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "-z1", "--build", str(tree), str(out)],
                    check=True, capture_output=True)
     shutil.rmtree(tree)
@@ -580,8 +581,106 @@ def test_first_hour_requeue_status_reload_models_rm_and_retention(box):
     assert "garbage" not in {m["name"] for m in models} and "alive" in {m["name"] for m in models}
 
 
+# ---- issue 18: budgets that add up, a sandbox that says what it refuses, packaging ----
+
+GIB = 1024**3
+CONF = "/etc/ds-ops/trainer.yaml"
+DROP_IN = "/etc/systemd/system/ds-trainer.service.d/loopback.conf"
+LOOPBACK_DROP_IN = "[Service]\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\nIPAddressAllow=localhost\n"
+
+
+def unit_time(box: Container, prop: str) -> float:
+    """Return a timestamp property of the unit (InactiveEnterTimestamp, ...) as seconds since the epoch."""
+    text = box.run(["systemctl", "show", "--timestamp=us+utc", "-p", prop, "--value", UNIT]).stdout.strip()
+    return datetime.strptime(text, "%a %Y-%m-%d %H:%M:%S.%f UTC").replace(tzinfo=timezone.utc).timestamp()
+
+
+def test_the_start_up_line_and_check_config_give_the_memory_per_job_process(box):
+    box.run(["systemctl", "restart", UNIT], timeout=300)
+    pid = show(box, "MainPID")
+    box.wait_for(f"journalctl -u {UNIT} -o cat _PID={pid} MESSAGE_ID={MESSAGE_IDS['daemon-started']} | grep -q .", 60,
+                 "the start-up line")
+    line = journal(box, f"_PID={pid}", f"MESSAGE_ID={MESSAGE_IDS['daemon-started']}")[-1]["MESSAGE"]
+    m = re.search(r"memory per job process (\d+\.\d+) GiB \(job\.memory_max", line)
+    assert m, line
+    print(f"start-up line: {m.group(0)}")
+    # one job at a time here (no GPU): job.memory_max (50 %) fits MemoryMax=75 % less the daemon's GiB
+    assert float(m.group(1)) * GIB <= int(show(box, "MemoryMax")) - GIB, (line, show(box, "MemoryMax"))
+    box.run(["systemctl", "reload", UNIT])                     # ExecReload= runs check-config in the unit
+    box.wait_for(f"journalctl -u {UNIT} --no-pager | grep -q -F {shlex.quote(m.group(0))}", 30,
+                 "check-config's budget line in the journal")
+
+
+def test_distributed_min_bytes_is_refused_under_the_shipped_unit_and_trains_on_two_ranks_with_the_drop_in(box):
+    """Before: the unit's RestrictAddressFamilies=AF_UNIX made torchrun's TCP store fail and every
+    dataset over distributed_min_bytes failed in its training stage."""
+    box.run(f"cp {CONF} /root/trainer.yaml.before-ddp && sed -i -e 's/^  distributed_min_bytes: 0$/  "
+            f"distributed_min_bytes: 1000/' -e 's/^  distributed_nproc: auto$/  distributed_nproc: 2/' {CONF} "
+            f"&& grep -q '^  distributed_min_bytes: 1000$' {CONF}")
+    try:
+        pid = show(box, "MainPID")
+        r = box.run(["systemctl", "reload", UNIT], check=False)    # check-config, in the unit's sandbox, refuses
+        assert r.returncode != 0 and show(box, "MainPID") == pid, r.stdout + r.stderr
+        refusal = ("daemon.distributed_min_bytes is set (1000 bytes), but torchrun's ranks need TCP on loopback and "
+                   "here socket(AF_INET) failed: Address family not supported by protocol")
+        box.wait_for(f"journalctl -u {UNIT} --no-pager | grep -q -F {shlex.quote(refusal)}", 30,
+                     "check-config's refusal in the journal")
+        # a start with it: the daemon turns the feature off, says why, and a large dataset trains in one process
+        box.run(["systemctl", "restart", UNIT], timeout=300)
+        pid = show(box, "MainPID")
+        box.wait_for(f"journalctl -u {UNIT} -o cat _PID={pid} MESSAGE_ID={MESSAGE_IDS['feature-refused']} "
+                     f"| grep -q -F {shlex.quote(refusal)}", 60, "the daemon's feature-refused event")
+        drop(box, f"/srv/smd/{DATASET}", "refused.txt.gz")
+        wait_model(box, "refused", 1)
+        box.wait_for(f"test -f {SPOOL}/done/refused.txt.gz.result.json", 30, "refused.txt.gz in done/")
+        assert json.loads(box.run(["cat", f"{SPOOL}/done/refused.txt.gz.result.json"]).stdout)["distributed"] is None
+        # the documented drop-in (docs/operating.md): loopback only, and torchrun's ranks train
+        box.run(f"mkdir -p {os.path.dirname(DROP_IN)} && printf '{LOOPBACK_DROP_IN}' > {DROP_IN} && "
+                "systemctl daemon-reload")
+        box.run(["systemctl", "restart", UNIT], timeout=300)
+        pid = show(box, "MainPID")
+        box.run(["systemctl", "reload", UNIT])                       # check-config passes in the sandbox now
+        assert journal(box, f"_PID={pid}", f"MESSAGE_ID={MESSAGE_IDS['feature-refused']}") == []
+        drop(box, f"/srv/smd/{DATASET}", "ranks.txt.gz")
+        wait_model(box, "ranks", 1)
+        box.wait_for(f"test -f {SPOOL}/done/ranks.txt.gz.result.json", 30, "ranks.txt.gz in done/")
+        result = json.loads(box.run(["cat", f"{SPOOL}/done/ranks.txt.gz.result.json"]).stdout)
+        assert result["distributed"] == {"world_size": 2, "backend": "gloo"}, result
+    finally:
+        box.run(f"rm -f {DROP_IN} && cp /root/trainer.yaml.before-ddp {CONF} && systemctl daemon-reload")
+        box.run(["systemctl", "restart", UNIT], timeout=300)
+
+
+def test_upgrade_stops_the_daemon_before_dpkg_replaces_opt_under_a_running_job(box, deb):
+    """Before: dh_installsystemd's default restarted the unit after the unpack, so a running job
+    ran on with /opt/ds-ops replaced under it (late imports of the new code, or of half-written files)."""
+    drop(box, BIG, "upgraded.txt.gz")
+    wait_training(box, "upgraded.txt.gz")
+    new = next_version(deb, "+e2e2")
+    box.run(f"cd /srv/upgrade && apt-get install -y -q ./{new.name}", timeout=900, input="")
+    assert box.run(["dpkg-query", "-W", "-f", "${Version}", "ds-ops"]).stdout.endswith("+e2e2")
+    assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    stopped = unit_time(box, "InactiveEnterTimestamp")
+    code = "/opt/ds-ops/lib/python3.11/site-packages/opt_ds_ops/daemon.py"
+    unpacked = float(box.run(["/opt/ds-ops/bin/python", "-c", f"import os; print(os.stat({code!r}).st_ctime)"]).stdout)
+    print(f"upgrade: the daemon stopped {unpacked - stopped:.2f} s before dpkg unpacked {code}")
+    assert stopped < unpacked < unit_time(box, "ExecMainStartTimestamp"), (stopped, unpacked)
+    wait_model(box, "upgraded", 1)
+    box.wait_for(f"test -f {SPOOL}/done/upgraded.txt.gz.result.json", 60, "the job's result in done/")
+    result = json.loads(box.run(["cat", f"{SPOOL}/done/upgraded.txt.gz.result.json"]).stdout)
+    # stopped by SIGTERM before the unpack: a checkpoint, resumed on the new code, no crash
+    assert result["resumed_from_epoch"] is not None and result["crashes"] == 0, result
+
+
 def test_purge_leaves_no_unit_user_conffile_or_spool(box):
+    # issue 18: the metrics file (and a killed write's temporary, owned by ds-ops) go with the package;
+    # another writer's file in node_exporter's directory stays
+    box.run(["test", "-f", f"{TEXTFILE_DIR}/ds_ops.prom"])
+    box.run(f"install -o ds-ops -m 0644 /dev/null {TEXTFILE_DIR}/.tmp-ds-ops && "
+            f"install -o root -m 0644 /dev/null {TEXTFILE_DIR}/.tmp-other")
     box.run(["apt-get", "purge", "-y", "-q", "ds-ops"], timeout=600)
+    box.run(["test", "!", "-e", f"{TEXTFILE_DIR}/ds_ops.prom", "-a", "!", "-e", f"{TEXTFILE_DIR}/.tmp-ds-ops"])
+    box.run(["test", "-e", f"{TEXTFILE_DIR}/.tmp-other"])
     assert box.run(["dpkg-query", "-W", "-f", "${Status}", "ds-ops"], check=False).stdout \
         in ("", "unknown ok not-installed")
     assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() != "active"
@@ -597,3 +696,19 @@ def test_purge_leaves_no_unit_user_conffile_or_spool(box):
     # the trained models are the user's data: kept, closed to all but root (see docs/INSTALL.md)
     assert box.run(["stat", "-c", "%a %U:%G", MODELS]).stdout.strip() == "700 root:root"
     box.run(["test", "-f", f"{MODELS}/{MODEL}/current/model.pt"])
+
+
+def test_reinstall_after_purge_leaves_the_kept_model_store_root_only_until_the_admin_hands_it_back(box, deb):
+    """Before: the tmpfiles line (type d) re-moded the kept /var/models to ds-ops:ds-ops 2750 at
+    install and at every boot, reopening the old models to a new account and group."""
+    r = box.run(f"cd /srv/debs && apt-get install -y -q --no-install-recommends ./{deb.name}", timeout=900)
+    assert "/var/models was kept by a purge and is root-only" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert box.run(["stat", "-c", "%a %U:%G", MODELS]).stdout.strip() == "700 root:root"
+    box.run(["systemd-tmpfiles", "--create", "ds-ops.conf"])          # as at every boot
+    assert box.run(["stat", "-c", "%a %U:%G", MODELS]).stdout.strip() == "700 root:root"
+    # the admin hands it back, as the note says; the old models are served again
+    box.run(f"chown -R ds-ops:ds-ops {MODELS} && chmod 2750 {MODELS}")
+    box.run(f"systemctl reset-failed {UNIT}; systemctl restart {UNIT}", timeout=300)
+    assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    models = json.loads(box.run(["ds-ops", "models", "--json"]).stdout)["models"]
+    assert MODEL in {m["name"] for m in models}, models
