@@ -227,14 +227,14 @@ def daemon_env() -> dict:
 class Daemon:
     """One real daemon process in its own session (so its forkserver and jobs can be found later)."""
 
-    def __init__(self, conf: Path, logs: Path, number: int):
+    def __init__(self, conf: Path, logs: Path, number: int, env: dict | None = None):
         self.number = number
         self.log_path = logs / f"daemon-{number:03d}.log"
         self._log = open(self.log_path, "wb")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "opt_ds_ops.cli", "daemon", "--config", str(conf)],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=daemon_env(),
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=env or daemon_env(),
             preexec_fn=drop_dac_capabilities if os.geteuid() == 0 else None, start_new_session=True)
         self.pid = self.proc.pid
 
@@ -694,26 +694,35 @@ def diagnose(dirs: dict[str, Path], kills: list[dict], names: list[str]) -> None
                     print(f"  {log.name}: {line}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--datasets", type=int, default=200)
-    ap.add_argument("--kills", type=int, default=100)
-    ap.add_argument("--writers", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=8)
+def add_common_arguments(ap: argparse.ArgumentParser, *, seed: int, timeout_s: float, stall_s: float) -> None:
+    """The options of the seed, the kills (kill_schedule), the time limits and the root."""
+    ap.add_argument("--seed", type=int, default=seed)
     ap.add_argument("--kill-max-s", type=float, default=3.0, help="most kills: 0..this many seconds after 'ready'")
     ap.add_argument("--startup-share", type=float, default=0.4, help="this share of the kills: timed from the start")
     ap.add_argument("--startup-max-s", type=float, default=2.5, help="those: 0..this many seconds after the start")
     ap.add_argument("--event-share", type=float, default=0.16,
                     help="this share: at a claim, parse, model write or finish (polled every 2 ms)")
-    ap.add_argument("--timeout-s", type=float, default=1800.0, help="fail if the whole soak takes longer")
-    ap.add_argument("--stall-s", type=float, default=180.0, help="fail if the last daemon makes no progress this long")
+    ap.add_argument("--timeout-s", type=float, default=timeout_s, help="fail if the whole soak takes longer")
+    ap.add_argument("--stall-s", type=float, default=stall_s, help="fail if the last daemon makes no progress this long")
     ap.add_argument("--root", help="work here (an empty or new directory) instead of a temporary one")
     ap.add_argument("--keep", action="store_true", help="keep the root even on success")
+
+
+def check_common_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if min(args.startup_share, args.event_share) < 0 or args.startup_share + args.event_share > 1:
+        ap.error("--startup-share and --event-share must be >= 0 and add up to at most 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--datasets", type=int, default=200)
+    ap.add_argument("--kills", type=int, default=100)
+    ap.add_argument("--writers", type=int, default=4)
+    add_common_arguments(ap, seed=8, timeout_s=1800.0, stall_s=180.0)
     args = ap.parse_args(argv)
     if args.datasets < 1 or args.kills < 0 or args.writers < 1:
         ap.error("--datasets and --writers must be >= 1, --kills >= 0")
-    if min(args.startup_share, args.event_share) < 0 or args.startup_share + args.event_share > 1:
-        ap.error("--startup-share and --event-share must be >= 0 and add up to at most 1")
+    check_common_arguments(ap, args)
 
     t_start = time.monotonic()
     deadline = t_start + args.timeout_s
