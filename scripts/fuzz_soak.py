@@ -290,7 +290,8 @@ class Hostile:
             self._drop_file(dataset, good_csv)
         elif kind in ("directory", "fifo", "symlink"):
             variant = rng.choice(["dataset", "dataset", "sidecar"])
-            name = stem + (fmt if variant == "dataset" else ".yaml")
+            as_sidecar = variant == "sidecar"
+            name = stem + (".yaml" if as_sidecar else fmt)
             path = inc / name
             if kind == "directory":
                 path.mkdir()
@@ -307,7 +308,7 @@ class Hostile:
                 self._own(path)
                 variant += f" -> {target}"
             entries.append(name)
-            if variant == "sidecar":  # a non-regular sidecar, then its dataset
+            if as_sidecar:  # a non-regular sidecar, then its dataset
                 sidecar, dataset = name, stem + ".csv"
                 self._drop_file(dataset, good_csv)
         elif kind == "foreign-0600":
@@ -410,7 +411,7 @@ def status_json(conf: Path) -> dict:
 def finished_docs(dirs: dict[str, Path]) -> tuple[dict[str, list[tuple[str, dict]]], list[str]]:
     """{dataset name: [(done|failed, its JSON)]} from every result.json and error.json; and the
     failures found on the way (an entry without its JSON, a JSON without a reason, a hidden file)."""
-    from opt_ds_ops.spool import ERROR_SUFFIX, RESULT_SUFFIX, SIDECAR_SUFFIX
+    from opt_ds_ops.spool import ERROR_SUFFIX, RESULT_SUFFIX, SIDECAR_SUFFIX, sidecar_name
 
     by_name: dict[str, list[tuple[str, dict]]] = defaultdict(list)
     fails = []
@@ -428,8 +429,8 @@ def finished_docs(dirs: dict[str, Path]) -> tuple[dict[str, list[tuple[str, dict
                 by_name[str(doc.get("dataset"))].append((which, doc))
                 if which == "failed" and not (isinstance(doc.get("reason"), str) and doc["reason"].strip()):
                     fails.append(f"failed/{n}: no reason ({doc})")
-            elif not n.endswith(SIDECAR_SUFFIX) and f"{n}{suffix}" not in entries:
-                fails.append(f"{which}/{n} has no {n}{suffix} beside it (a dataset without its reason)")
+            elif not n.endswith(SIDECAR_SUFFIX) and sidecar_name(n, suffix) not in entries:
+                fails.append(f"{which}/{n} has no {sidecar_name(n, suffix)} beside it (a dataset without its reason)")
     return by_name, fails
 
 
@@ -463,7 +464,9 @@ def check_hostile(dirs: dict[str, Path], hostile: Hostile, good_names: set[str],
                 fails.append(f"{what}: incoming/{name!r} is left but ds-ops status does not list it as ignored")
         if it["kind"] == "squat" and it["regular"]:
             name = it["sidecar"]
-            if name in left:
+            if len(by_name.get(name, [])) == 1:  # refused on its own, with a reason
+                outcomes["squat"][by_name[name][0][0]] += 1
+            elif name in left:
                 expected_left.add(name)
                 if name in listed_queue or name in listed_ignored:
                     outcomes["squat"]["left, listed"] += 1
@@ -486,7 +489,7 @@ def check_hostile(dirs: dict[str, Path], hostile: Hostile, good_names: set[str],
         if it["sidecar"] is not None and it["sidecar"] in it["regular"] and it["sidecar"] in left:
             expected_left.add(it["sidecar"])
             fails.append(f"{what}: its sidecar incoming/{it['sidecar']} was never taken with its dataset")
-    unknown = sorted(set(by_name) - good_names - {it.get("dataset") for it in hostile.items})
+    unknown = sorted(set(by_name) - good_names - {n for it in hostile.items for n in it.get("regular", [])})
     if unknown:
         fails.append(f"done/ and failed/ hold {len(unknown)} datasets nobody dropped (renamed? duplicated?): "
                      f"{unknown[:10]}")
