@@ -360,7 +360,11 @@ def snapshot(dirs: dict[str, Path], d: Daemon) -> dict:
             j["state"], j["stage"] if j["state"] == "running" else str(j["state"]))
         if temps and j["state"] == "running":
             where = "store"
-    return {"where": where, "jobs": jobs, "model_temporaries": temps, "log_tail": lines[-3:]}
+    try:  # the job the daemon was handling on its main loop, if it keeps that breadcrumb
+        handling = (dirs["spool"] / ".handling").read_text(errors="replace").strip()[:200]
+    except OSError:
+        handling = None
+    return {"where": where, "jobs": jobs, "handling": handling, "model_temporaries": temps, "log_tail": lines[-3:]}
 
 
 def spool_event(dirs: dict[str, Path]) -> set[str]:
