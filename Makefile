@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test fuzz bench soak eval clean deb deb-deps lintian e2e
+.PHONY: venv demo test fuzz bench soak fuzz-soak eval clean deb deb-deps lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -41,6 +41,12 @@ bench: venv
 # Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py).
 soak: venv
 	$(BIN)/python scripts/soak.py
+
+# Daemon fuzz soak: 500 hostile items (corrupt files of every format, random sidecars, FIFOs,
+# links, foreign 0600 files, stalled writers, ...) and 30 good datasets while the daemon is SIGKILLed
+# 50 times (scripts/fuzz_soak.py, docs/development-soak.md). FUZZ_SOAK_ARGS: e.g. --seed 7.
+fuzz-soak: venv
+	$(BIN)/python scripts/fuzz_soak.py $(FUZZ_SOAK_ARGS)
 
 # Detection quality: train and score every labelled machine, with both baselines (ds-ops evaluate).
 EVAL_SMD ?= $(if $(wildcard ../shared/data/smd/train),../shared/data/smd,$(SMD))

@@ -6,7 +6,7 @@ dropped by concurrent writer threads, real training on the CPU, real SIGKILLs.
 
 * A temporary root holds a conffile (device cpu, 1 epoch, batch 256, settle_s 0.2, quiet_s 1.0), the
   spool (incoming/ mode 3770, as the package makes it) and the model store. As root, the daemon
-  runs as the service would: without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH, and each drop is
+  runs as the service would: without CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER, and each drop is
   given to another member of the group (uid 12345, mode 0640), as a user's drop would be.
 * ``--datasets`` distinct small datasets (300-2000 rows x 4-38 columns of the real SMD rows of
   data/smd/train/machine-1-2.txt.gz, sliced differently each, as .csv, .txt.gz or .npy) are dropped
@@ -206,10 +206,11 @@ class Writers:
 # ---- the daemon --------------------------------------------------------------------------------
 
 def drop_dac_capabilities() -> None:
-    """preexec_fn: remove CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that a
-    root daemon meets file modes like the service user would (as tests/daemon_kit.py does)."""
+    """preexec_fn: remove CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER from the bounding
+    set, so that a root daemon meets file modes and owners like the service user would (as
+    tests/daemon_kit.py does, and without the right to chmod another user's inode)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
         if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
@@ -226,14 +227,14 @@ def daemon_env() -> dict:
 class Daemon:
     """One real daemon process in its own session (so its forkserver and jobs can be found later)."""
 
-    def __init__(self, conf: Path, logs: Path, number: int):
+    def __init__(self, conf: Path, logs: Path, number: int, env: dict | None = None):
         self.number = number
         self.log_path = logs / f"daemon-{number:03d}.log"
         self._log = open(self.log_path, "wb")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "opt_ds_ops.cli", "daemon", "--config", str(conf)],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=daemon_env(),
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=env or daemon_env(),
             preexec_fn=drop_dac_capabilities if os.geteuid() == 0 else None, start_new_session=True)
         self.pid = self.proc.pid
 
@@ -296,7 +297,8 @@ def session_processes(sessions: set[int]) -> list[tuple[int, int, str]]:
 
 # ---- the soak ----------------------------------------------------------------------------------
 
-def write_config(root: Path) -> Path:
+def write_config(root: Path, extra: tuple[str, ...] = ()) -> Path:
+    """The soak's conffile (see the module docstring), with extra lines appended."""
     conf = root / "trainer.yaml"
     conf.write_text("\n".join([
         f"models_dir: {root / 'models'}",
@@ -309,6 +311,7 @@ def write_config(root: Path) -> Path:
         "  settle_s: 0.2",
         "  scan_interval_s: 30.0",
         "  quiet_s: 1.0",
+        *extra,
     ]) + "\n")
     return conf
 
@@ -357,7 +360,11 @@ def snapshot(dirs: dict[str, Path], d: Daemon) -> dict:
             j["state"], j["stage"] if j["state"] == "running" else str(j["state"]))
         if temps and j["state"] == "running":
             where = "store"
-    return {"where": where, "jobs": jobs, "model_temporaries": temps, "log_tail": lines[-3:]}
+    try:  # the job the daemon was handling on its main loop, if it keeps that breadcrumb
+        handling = (dirs["spool"] / ".handling").read_text(errors="replace").strip()[:200]
+    except OSError:
+        handling = None
+    return {"where": where, "jobs": jobs, "handling": handling, "model_temporaries": temps, "log_tail": lines[-3:]}
 
 
 def spool_event(dirs: dict[str, Path]) -> set[str]:
@@ -398,6 +405,73 @@ def wait_event(dirs: dict[str, Path], d: Daemon, event: str, timeout_s: float) -
     return False
 
 
+def kill_schedule(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """(anchor, delay_s) of each of ``args.kills`` kills, drawn from the seed (see the module
+    docstring): anchor ``start`` or ``ready`` with a random delay, or one of EVENTS."""
+    rng = random.Random(args.seed * 7919 + 17)
+    schedule = []
+    for _ in range(args.kills):
+        r = rng.random()
+        if r < args.startup_share:
+            schedule.append(("start", rng.uniform(0, args.startup_max_s)))
+        elif r < args.startup_share + args.event_share:
+            schedule.append((EVENTS[rng.randrange(len(EVENTS))], 0.0))
+        else:
+            schedule.append(("ready", rng.uniform(0, args.kill_max_s)))
+    return schedule
+
+
+def kill_phase_estimate_s(args: argparse.Namespace) -> float:
+    """About how long the kills of kill_schedule(args) take on the 2-core machine (paces the writers)."""
+    ready_share = 1 - args.startup_share - args.event_share
+    return args.kills * (args.startup_share * args.startup_max_s / 2 + ready_share * (
+        STARTUP_GUESS_S + args.kill_max_s / 2) + args.event_share * 2 * STARTUP_GUESS_S)
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """The process's peak resident set (VmHWM in /proc/PID/status) in KiB; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def timed_kill(dirs: dict[str, Path], daemon: Daemon, k: int, anchor: str, delay: float) -> dict:
+    """Wait for kill k's moment (its anchor and delay from kill_schedule), SIGKILL the daemon and
+    return the record of where it landed (kills.jsonl): ``died`` if the daemon had exited by itself
+    first, ``peak_rss_kib`` its VmHWM just before the kill."""
+    t0 = daemon.started if anchor == "start" else daemon.wait_ready(READY_TIMEOUT_S)
+    hit = None
+    if t0 is not None and anchor in EVENTS:
+        hit = wait_event(dirs, daemon, anchor, EVENT_WAIT_S)
+        delay = time.monotonic() - t0
+    elif t0 is not None:
+        time.sleep(max(0.0, t0 + delay - time.monotonic()))
+    rss = peak_rss_kib(daemon.pid)
+    died = not daemon.alive()
+    since_start = time.monotonic() - daemon.started
+    daemon.kill()
+    rec = {"kill": k, "daemon": daemon.number, "pid": daemon.pid, "anchor": anchor, "delay_s": round(delay, 3),
+           "since_start_s": round(since_start, 3), "died": died, "peak_rss_kib": rss, **snapshot(dirs, daemon)}
+    if hit is not None:
+        rec["event_seen"] = hit
+        if hit:  # killed within ~2 ms of seeing it; the job process may have moved on since
+            rec["where"], rec["state_after_kill"] = anchor, rec["where"]
+    if died:
+        rec["where"] = f"exited by itself ({daemon.proc.returncode})"
+    return rec
+
+
+def died_before_kill(dirs: dict[str, Path], daemon: Daemon, rec: dict) -> str:
+    """The failure line for a daemon that exited by itself before its kill (rec from timed_kill)."""
+    return (f"daemon-{daemon.number:03d} exited with {daemon.proc.returncode} before kill {rec['kill']} "
+            f"({rec['delay_s']:.3f} s after its {rec['anchor']}): {dirs['logs'] / f'daemon-{daemon.number:03d}.log'}")
+
+
 def utc_seconds(stamp: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
 
@@ -408,10 +482,100 @@ def count_done(dirs: dict[str, Path]) -> tuple[int, int]:
     return done, failed
 
 
-def check(dirs: dict[str, Path], datasets: Datasets, writers: Writers, kills: list[dict]) -> tuple[list[str], dict]:
-    """Every check of the module docstring; return (failures, figures)."""
+def check_results(dirs: dict[str, Path], plans: list[dict], dropped: dict[str, dict]) -> tuple[list[str], dict, dict]:
+    """For each plan whose dataset is in done/: its result.json gives the sha256 dropped and kept,
+    the plan's model name, rows and columns, and no crash. Return (failures, results by dataset
+    name, figures: restarts per result, drop-to-done latencies, resumed count)."""
+    fails: list[str] = []
+    done_data = {p.name for p in dirs["done"].iterdir() if not p.name.startswith(".")}
+    restarts, crashes, latencies, resumed = [], 0, [], 0
+    results: dict[str, dict] = {}
+    for plan in plans:
+        name = plan["name"]
+        if name not in done_data:
+            continue
+        try:
+            res = json.loads((dirs["done"] / f"{name}.result.json").read_text())
+        except (OSError, ValueError) as e:
+            fails.append(f"done/{name}.result.json unreadable: {e}")
+            continue
+        results[name] = res
+        want = dropped.get(name, {}).get("sha256")
+        got = hashlib.sha256((dirs["done"] / name).read_bytes()).hexdigest()
+        if not (res.get("sha256") == want == got):
+            fails.append(f"{name}: sha256 written {want}, result.json {res.get('sha256')}, done/ file {got}")
+        if res.get("model_name") != plan["model_name"]:
+            fails.append(f"{name}: result.json model_name {res.get('model_name')!r}, expected {plan['model_name']!r}")
+        if res.get("rows") != plan["rows"] or res.get("columns") != plan["cols"]:
+            fails.append(f"{name}: trained on {res.get('rows')}x{res.get('columns')}, "
+                         f"written {plan['rows']}x{plan['cols']}")
+        restarts.append(int(res.get("restarts") or 0))
+        crashes += int(res.get("crashes") or 0) > 0
+        resumed += res.get("resumed_from_epoch") is not None
+        if res.get("finished_at") and name in dropped:
+            latencies.append(utc_seconds(res["finished_at"]) - dropped[name]["dropped_at"])
+    if crashes:
+        fails.append(f"{crashes} results count a job crash, but only the daemon was ever killed "
+                     "(a daemon's SIGKILL was blamed on the dataset)")
+    return fails, results, {"restarts": restarts, "latencies": latencies, "resumed": resumed}
+
+
+def check_models(dirs: dict[str, Path], plans: list[dict], results: dict[str, dict]) -> tuple[list[str], Counter, int]:
+    """For each plan: one version in models/MODEL_NAME, made by the job of its result, ``current``
+    pointing at it and loading with opt_ds_ops.store.load_model. Return (failures, the number of
+    model names per version count, models loaded)."""
     from opt_ds_ops.store import StoreError, load_model
 
+    fails: list[str] = []
+    version_counts = Counter()
+    loaded = 0
+    for plan in plans:
+        res = results.get(plan["name"])
+        name_dir = dirs["models"] / plan["model_name"]
+        if not name_dir.is_dir():
+            if res is not None:
+                fails.append(f"{plan['name']}: no models/{plan['model_name']}/")
+            continue
+        versions = sorted(e.name for e in name_dir.iterdir() if not e.name.startswith(".") and e.name != "current")
+        version_counts[len(versions)] += 1
+        if len(versions) != 1:
+            fails.append(f"models/{plan['model_name']} has {len(versions)} versions (want 1): {versions}")
+        if res is None:
+            continue
+        matching = []
+        for v in versions:
+            try:
+                md = json.loads((name_dir / v / "metadata.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if md.get("job_id") == res.get("job_id") and md.get("dataset", {}).get("sha256") == res.get("sha256"):
+                matching.append(v)
+        if len(matching) != 1:
+            fails.append(f"models/{plan['model_name']}: {len(matching)} versions made by job {res.get('job_id')} "
+                         f"with sha256 {str(res.get('sha256'))[:12]} (want 1) among {versions}")
+        current = name_dir / "current"
+        if not current.is_symlink():
+            fails.append(f"models/{plan['model_name']}/current is not a symlink")
+            continue
+        target = os.readlink(current)
+        if "/" in target or target not in versions:
+            fails.append(f"models/{plan['model_name']}/current -> {target!r}, not one of its versions {versions}")
+            continue
+        if matching and target != matching[0]:
+            fails.append(f"models/{plan['model_name']}/current -> {target}, but job {res.get('job_id')} made {matching[0]}")
+        if not ((current / "model.pt").is_file() and (current / "metadata.json").is_file()):
+            fails.append(f"models/{plan['model_name']}/current ({target}) lacks model.pt or metadata.json")
+            continue
+        try:
+            load_model(str(current))
+            loaded += 1
+        except StoreError as e:
+            fails.append(f"models/{plan['model_name']}/current does not load: {e}")
+    return fails, version_counts, loaded
+
+
+def check(dirs: dict[str, Path], datasets: Datasets, writers: Writers, kills: list[dict]) -> tuple[list[str], dict]:
+    """Every check of the module docstring; return (failures, figures)."""
     fails: list[str] = []
     names = {p["name"] for p in datasets.plans}
     figures: dict = {}
@@ -462,84 +626,16 @@ def check(dirs: dict[str, Path], datasets: Datasets, writers: Writers, kills: li
         if left:
             fails.append(f"{which}/ is not empty: {left[:10]}")
 
-    restarts, crashes, latencies, resumed = [], 0, [], 0
-    results: dict[str, dict] = {}
-    for plan in datasets.plans:
-        name = plan["name"]
-        if name not in done_data:
-            continue
-        try:
-            res = json.loads((dirs["done"] / f"{name}.result.json").read_text())
-        except (OSError, ValueError) as e:
-            fails.append(f"done/{name}.result.json unreadable: {e}")
-            continue
-        results[name] = res
-        want = writers.dropped.get(name, {}).get("sha256")
-        got = hashlib.sha256((dirs["done"] / name).read_bytes()).hexdigest()
-        if not (res.get("sha256") == want == got):
-            fails.append(f"{name}: sha256 written {want}, result.json {res.get('sha256')}, done/ file {got}")
-        if res.get("model_name") != plan["model_name"]:
-            fails.append(f"{name}: result.json model_name {res.get('model_name')!r}, expected {plan['model_name']!r}")
-        if res.get("rows") != plan["rows"] or res.get("columns") != plan["cols"]:
-            fails.append(f"{name}: trained on {res.get('rows')}x{res.get('columns')}, "
-                         f"written {plan['rows']}x{plan['cols']}")
-        restarts.append(int(res.get("restarts") or 0))
-        crashes += int(res.get("crashes") or 0) > 0
-        resumed += res.get("resumed_from_epoch") is not None
-        if res.get("finished_at") and name in writers.dropped:
-            latencies.append(utc_seconds(res["finished_at"]) - writers.dropped[name]["dropped_at"])
-    if crashes:
-        fails.append(f"{crashes} results count a job crash, but only the daemon was ever killed "
-                     "(a daemon's SIGKILL was blamed on the dataset)")
+    res_fails, results, stats = check_results(dirs, datasets.plans, writers.dropped)
+    fails += res_fails
+    restarts, latencies, resumed = stats["restarts"], stats["latencies"], stats["resumed"]
 
     model_dirs = sorted(p.name for p in dirs["models"].iterdir()) if dirs["models"].exists() else []
     unknown = sorted(set(model_dirs) - {p["model_name"] for p in datasets.plans})
     if unknown:
         fails.append(f"models/ has unexpected entries: {unknown[:10]}")
-    version_counts = Counter()
-    loaded = 0
-    for plan in datasets.plans:
-        res = results.get(plan["name"])
-        name_dir = dirs["models"] / plan["model_name"]
-        if not name_dir.is_dir():
-            if res is not None:
-                fails.append(f"{plan['name']}: no models/{plan['model_name']}/")
-            continue
-        versions = sorted(e.name for e in name_dir.iterdir() if not e.name.startswith(".") and e.name != "current")
-        version_counts[len(versions)] += 1
-        if len(versions) != 1:
-            fails.append(f"models/{plan['model_name']} has {len(versions)} versions (want 1): {versions}")
-        if res is None:
-            continue
-        matching = []
-        for v in versions:
-            try:
-                md = json.loads((name_dir / v / "metadata.json").read_text())
-            except (OSError, ValueError):
-                continue
-            if md.get("job_id") == res.get("job_id") and md.get("dataset", {}).get("sha256") == res.get("sha256"):
-                matching.append(v)
-        if len(matching) != 1:
-            fails.append(f"models/{plan['model_name']}: {len(matching)} versions made by job {res.get('job_id')} "
-                         f"with sha256 {str(res.get('sha256'))[:12]} (want 1) among {versions}")
-        current = name_dir / "current"
-        if not current.is_symlink():
-            fails.append(f"models/{plan['model_name']}/current is not a symlink")
-            continue
-        target = os.readlink(current)
-        if "/" in target or target not in versions:
-            fails.append(f"models/{plan['model_name']}/current -> {target!r}, not one of its versions {versions}")
-            continue
-        if matching and target != matching[0]:
-            fails.append(f"models/{plan['model_name']}/current -> {target}, but job {res.get('job_id')} made {matching[0]}")
-        if not ((current / "model.pt").is_file() and (current / "metadata.json").is_file()):
-            fails.append(f"models/{plan['model_name']}/current ({target}) lacks model.pt or metadata.json")
-            continue
-        try:
-            load_model(str(current))
-            loaded += 1
-        except StoreError as e:
-            fails.append(f"models/{plan['model_name']}/current does not load: {e}")
+    model_fails, version_counts, loaded = check_models(dirs, datasets.plans, results)
+    fails += model_fails
     leftovers = sorted(str(Path(dp, n).relative_to(dirs["models"])) for dp, dns, fns in os.walk(dirs["models"])
                        for n in dns + fns if n.startswith((".tmp-", ".current-")))
     if leftovers:
@@ -553,6 +649,7 @@ def check(dirs: dict[str, Path], datasets: Datasets, writers: Writers, kills: li
         "results_resumed_from_checkpoint": resumed,
         "mean_drop_to_done_s": round(sum(latencies) / len(latencies), 2) if latencies else None,
         "max_drop_to_done_s": round(max(latencies), 2) if latencies else None,
+        "daemon_peak_rss_mib_at_a_kill": round(max((k["peak_rss_kib"] or 0 for k in kills), default=0) / 1024),
         "kills_by_moment": dict(Counter(k["where"] for k in kills).most_common()),
         "targeted_kills_by_event": {e: f"{sum(1 for k in kills if k['anchor'] == e and k.get('event_seen'))} seen of "
                                        f"{sum(1 for k in kills if k['anchor'] == e)}" for e in EVENTS},
@@ -601,26 +698,35 @@ def diagnose(dirs: dict[str, Path], kills: list[dict], names: list[str]) -> None
                     print(f"  {log.name}: {line}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--datasets", type=int, default=200)
-    ap.add_argument("--kills", type=int, default=100)
-    ap.add_argument("--writers", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=8)
+def add_common_arguments(ap: argparse.ArgumentParser, *, seed: int, timeout_s: float, stall_s: float) -> None:
+    """The options of the seed, the kills (kill_schedule), the time limits and the root."""
+    ap.add_argument("--seed", type=int, default=seed)
     ap.add_argument("--kill-max-s", type=float, default=3.0, help="most kills: 0..this many seconds after 'ready'")
     ap.add_argument("--startup-share", type=float, default=0.4, help="this share of the kills: timed from the start")
     ap.add_argument("--startup-max-s", type=float, default=2.5, help="those: 0..this many seconds after the start")
     ap.add_argument("--event-share", type=float, default=0.16,
                     help="this share: at a claim, parse, model write or finish (polled every 2 ms)")
-    ap.add_argument("--timeout-s", type=float, default=1800.0, help="fail if the whole soak takes longer")
-    ap.add_argument("--stall-s", type=float, default=180.0, help="fail if the last daemon makes no progress this long")
+    ap.add_argument("--timeout-s", type=float, default=timeout_s, help="fail if the whole soak takes longer")
+    ap.add_argument("--stall-s", type=float, default=stall_s, help="fail if the last daemon makes no progress this long")
     ap.add_argument("--root", help="work here (an empty or new directory) instead of a temporary one")
     ap.add_argument("--keep", action="store_true", help="keep the root even on success")
+
+
+def check_common_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if min(args.startup_share, args.event_share) < 0 or args.startup_share + args.event_share > 1:
+        ap.error("--startup-share and --event-share must be >= 0 and add up to at most 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--datasets", type=int, default=200)
+    ap.add_argument("--kills", type=int, default=100)
+    ap.add_argument("--writers", type=int, default=4)
+    add_common_arguments(ap, seed=8, timeout_s=1800.0, stall_s=180.0)
     args = ap.parse_args(argv)
     if args.datasets < 1 or args.kills < 0 or args.writers < 1:
         ap.error("--datasets and --writers must be >= 1, --kills >= 0")
-    if min(args.startup_share, args.event_share) < 0 or args.startup_share + args.event_share > 1:
-        ap.error("--startup-share and --event-share must be >= 0 and add up to at most 1")
+    check_common_arguments(ap, args)
 
     t_start = time.monotonic()
     deadline = t_start + args.timeout_s
@@ -639,21 +745,10 @@ def main(argv: list[str] | None = None) -> int:
 
     datasets = Datasets(args.datasets, args.seed)
     per_writer = -(-args.datasets // args.writers)
-    ready_share = 1 - args.startup_share - args.event_share
-    kill_phase_s = args.kills * (args.startup_share * args.startup_max_s / 2 + ready_share * (
-        STARTUP_GUESS_S + args.kill_max_s / 2) + args.event_share * 2 * STARTUP_GUESS_S)
+    kill_phase_s = kill_phase_estimate_s(args)
     mean_gap_s = max(0.05, 0.8 * kill_phase_s / per_writer)  # drops spread over most of the kill phase
     writers = Writers(datasets, args.writers, args.seed, dirs["incoming"], dirs["staging"], mean_gap_s)
-    kill_rng = random.Random(args.seed * 7919 + 17)
-    schedule = []
-    for _ in range(args.kills):
-        r = kill_rng.random()
-        if r < args.startup_share:
-            schedule.append(("start", kill_rng.uniform(0, args.startup_max_s)))
-        elif r < args.startup_share + args.event_share:
-            schedule.append((EVENTS[kill_rng.randrange(len(EVENTS))], 0.0))
-        else:
-            schedule.append(("ready", kill_rng.uniform(0, args.kill_max_s)))
+    schedule = kill_schedule(args)
 
     kills: list[dict] = []
     fails: list[str] = []
@@ -671,30 +766,12 @@ def main(argv: list[str] | None = None) -> int:
             for k, (anchor, delay) in enumerate(schedule, 1):
                 if time.monotonic() > deadline:
                     raise SoakFailure(f"--timeout-s {args.timeout_s:.0f} exceeded during the kill phase ({k - 1} kills)")
-                t0 = daemon.started if anchor == "start" else daemon.wait_ready(READY_TIMEOUT_S)
-                hit = None
-                if t0 is not None and anchor in EVENTS:
-                    hit = wait_event(dirs, daemon, anchor, EVENT_WAIT_S)
-                    delay = time.monotonic() - t0
-                elif t0 is not None:
-                    time.sleep(max(0.0, t0 + delay - time.monotonic()))
-                died = not daemon.alive()
-                since_start = time.monotonic() - daemon.started
-                daemon.kill()
-                snap = snapshot(dirs, daemon)
+                rec = timed_kill(dirs, daemon, k, anchor, delay)
                 lingering = session_processes(sessions)  # forkservers and jobs of killed daemons
                 lingering_max = max(lingering_max, len(lingering))
-                rec = {"kill": k, "daemon": daemon.number, "pid": daemon.pid, "anchor": anchor, "delay_s": round(delay, 3),
-                       "since_start_s": round(since_start, 3),
-                       "lingering_processes": len(lingering), **snap}
-                if hit is not None:
-                    rec["event_seen"] = hit
-                    if hit:  # killed within ~2 ms of seeing it; the job process may have moved on since
-                        rec["where"], rec["state_after_kill"] = anchor, rec["where"]
-                if died:
-                    rec["where"] = f"exited by itself ({daemon.proc.returncode})"
-                    fails.append(f"daemon-{daemon.number:03d} exited with {daemon.proc.returncode} before kill {k} "
-                                 f"({delay:.3f} s after its {anchor}): {dirs['logs'] / f'daemon-{daemon.number:03d}.log'}")
+                rec["lingering_processes"] = len(lingering)
+                if rec["died"]:
+                    fails.append(died_before_kill(dirs, daemon, rec))
                 kills.append(rec)
                 kill_log.write(json.dumps(rec) + "\n")
                 kill_log.flush()
