@@ -322,14 +322,15 @@ class Daemon:
             self._pause(f"internal error {type(e).__name__}: {e}")
             return False
 
-    def _for_job(self, job_id: str | None, step, *args, name: str = ""):
+    def _for_job(self, job_id: str | None, step, *args, name: str = "", hold: bool = True):
         """Run step(*args) while handling one job (a claim of incoming/NAME, a start, a message,
-        its end, its recovery): the job id is in hand (:mod:`opt_ds_ops.handling`), and any
-        exception but a storage error (which pauses intake, see :meth:`_guarded`) is that job's
-        failure: logged with its type and traceback, the job failed to failed/, the loop goes on.
-        Return step's result (True after a failure: something was done)."""
+        its end, its recovery): the job id is in hand (:mod:`opt_ds_ops.handling`; ``hold=False``:
+        step marks what it does itself), and any exception but a storage error (which pauses
+        intake, see :meth:`_guarded`) is that job's failure: logged with its type and traceback,
+        the job failed to failed/, the loop goes on. Return step's result (True after a failure:
+        something was done)."""
         try:
-            with self.breadcrumb.holding(job_id):
+            with self.breadcrumb.holding(job_id if hold else None):
                 return step(*args)
         except Exception as e:  # noqa: BLE001 - one job's exception is that job's failure
             if is_storage_error(e) or isinstance(e, SpoolError):
@@ -757,8 +758,9 @@ class Daemon:
         c = claim(self.spool, side, SIDECAR_MAX_BYTES)
         if c.outcome in ("claimed", "refused"):
             self._fail(c.record, "spool", f"{why}; not applied, moved aside", "SidecarForeign")
-        elif c.outcome == "ignored":
-            self.watcher.ignore(side)
+        elif c.outcome == "ignored":  # not a regular file: left where it is, listed by ds-ops status
+            self.log.event("entry-ignored", f"incoming/{safe_text(side)} is {c.reason}; left where it is "
+                           "(its owner can remove it)", priority=LOG_WARNING, dataset_file=side)
 
     # ---- one job -------------------------------------------------------------------------------
     def _start(self, job_id: str, gpu: dict | None = None) -> None:
@@ -1079,23 +1081,27 @@ class Daemon:
             self.log.event("job-claimed", f"{safe_text(name)}: left in processing/ by an older ds-ops; "
                            "back in incoming/", dataset_file=name)
         for job_id in job_ids(self.spool):
-            self._for_job(job_id, self._recover_job, job_id, quarantine)
+            self._for_job(job_id, self._recover_job, job_id, quarantine, hold=False)
 
     def _recover_job(self, job_id: str, quarantine: tuple[str, int]) -> None:
-        """:meth:`_recover` for one job directory."""
+        """:meth:`_recover` for one job directory. Only copying an interrupted claim in again
+        holds the job (:mod:`opt_ds_ops.handling`): the rest reads the daemon's own record, and a
+        kill then (a restart loop of the harness or of systemd) must not count against it. A job
+        whose model is saved is never quarantined: its process replays the publish and it is done."""
         record = read_record(self.spool, job_id)
         if record is None or not record.get("dataset"):
             discard_job(self.spool, job_id)  # killed before its record was written: nothing of a user's
             return
         self.records[job_id] = record
-        if quarantine[0] == job_id and quarantine[1] >= QUARANTINE_AFTER:
+        if quarantine[0] == job_id and quarantine[1] >= QUARANTINE_AFTER and record.get("state") != "saved":
             stage = record.get("stage") or ("spool" if record.get("state") == "claiming" else "daemon")
             self._fail(record, stage, f"the daemon died {quarantine[1]} times in a row while handling this job "
                        f"(state {record.get('state')}, stage {stage}); quarantined so that it cannot stop the service "
                        "again. ds-ops requeue NAME runs it once more", "Quarantined")
             return
-        c = recover_claim(self.spool, job_id, record, self.cfg.spool.max_dataset_bytes,
-                          progress=lambda: self.notifier.keepalive(STEP_BUDGET_S))
+        with self.breadcrumb.holding(job_id if record.get("state") == "claiming" else None):
+            c = recover_claim(self.spool, job_id, record, self.cfg.spool.max_dataset_bytes,
+                              progress=lambda: self.notifier.keepalive(STEP_BUDGET_S))
         if c.outcome in ("gone", "busy"):
             self._forget(job_id)
             return

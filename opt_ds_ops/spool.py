@@ -791,7 +791,9 @@ def _recent_docs(directory: str, suffix: str, last: int) -> tuple[int, list[dict
 
 
 def ignored_entries(spool: Spool) -> list[dict]:
-    """Return the entries of incoming/ that are not regular files (left alone): name and kind."""
+    """Return the entries of incoming/ that are not regular files (left alone): name and kind;
+    sidecar names too (a FIFO or directory squatting a sidecar's name is never taken), not hidden
+    or ``.part``/``.tmp`` ones (being written)."""
     out = []
     try:
         with os.scandir(spool.dir(INCOMING)) as it:
@@ -800,7 +802,7 @@ def ignored_entries(spool: Spool) -> list[dict]:
                     mode = e.stat(follow_symlinks=False).st_mode
                 except FileNotFoundError:
                     continue
-                if not stat.S_ISREG(mode) and not is_ignored(e.name):
+                if not stat.S_ISREG(mode) and not (e.name.startswith(".") or e.name.lower().endswith(IGNORED_SUFFIXES)):
                     out.append({"name": e.name, "kind": kind_of(mode)})
     except FileNotFoundError:
         pass

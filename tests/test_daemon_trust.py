@@ -109,7 +109,8 @@ def test_row2_foreign_0600_and_oversized_files_are_refused_without_pausing_intak
         failed = spool_dir(tmp_path, "failed")
         assert (failed / "secret.csv").stat().st_uid == BOB  # the user's own inode, moved aside, not re-moded
         good(d, tmp_path, "after.txt.gz")
-        assert "intake paused" not in d.log() and not list(spool_dir(tmp_path, "processing").iterdir())
+        d.wait_until(lambda: not list(spool_dir(tmp_path, "processing").iterdir()), "processing/ to be empty")
+        assert "intake paused" not in d.log()
 
 
 # ---- row 7: squatted sidecars and model names ----------------------------------------------------------
