@@ -20,36 +20,9 @@ REPO = FUZZ.parent.parent
 sys.path.insert(0, str(FUZZ))
 from targets import TARGETS, TIMEOUT_S  # noqa: E402
 
-# Findings in opt_ds_ops/dataset/ (another change owns those files), kept until they are fixed:
-# "TARGET/NAME": the bug. Remove a line when its input passes.
-KNOWN = {
-    "csv/Error-text._split-9b1d4a7cd226": "text._split: a CR inside an unquoted field raises _csv.Error (issue 18 row 5)",
-    "csv_gz/Error-text._split-1cae0e473e5f": "text._split: a CR inside an unquoted field raises _csv.Error (issue 18 row 5)",
-    "csv/StopIteration-text._column_infos-ed96f7bfdff3": "text._column_infos: a column of numbers and times only "
-                                                          "raises StopIteration",
-    "csv_gz/StopIteration-text._column_infos-a818ed4c7bec": "text._column_infos: a column of numbers and times only "
-                                                             "raises StopIteration",
-    "npy/TokenError-arrays._npy_header-ccfea5fa6d93": "arrays._npy_header: a header numpy cannot tokenize raises "
-                                                       "tokenize.TokenError",
-    "npz/TokenError-arrays._npy_header-e326c2a24493": "arrays._npy_header: a header numpy cannot tokenize raises "
-                                                       "tokenize.TokenError",
-    "npz/NotImplementedError-arrays._load_npz-1e7c2d88f09a": "arrays._load_npz: zipfile's NotImplementedError "
-                                                              "(zip version 23.0) is not caught",
-    "npz/NotImplementedError-arrays._load_npz-2721ee6b40a5": "arrays._load_npz: zipfile's NotImplementedError "
-                                                              "(strong encryption) is not caught",
-    "npz/IndexError-arrays.listcomp-7ee9c35f2c98": "arrays._load_npz: a member with an empty name raises IndexError "
-                                                    "in ZipInfo.is_dir",
-    "arrow/SystemError-columnar._info-67995f28a502": "columnar._info (to_pylist): unvalidated string offsets, "
-                                                      "SystemError (issue 18 row 3)",
-    "arrow/Segmentation-fault-timeindex.add-f6bde7d9f2cf": "timeindex.add (Arrow cast): an unvalidated Arrow IPC file "
-                                                            "kills the process with SIGSEGV (issue 18 row 3)",
-    "arrow/Bus-error-timeindex.add-73de24ba8edd": "timeindex.add (Arrow cast): an unvalidated Arrow IPC file reads "
-                                                   "past its memory map, SIGBUS (issue 18 row 3)",
-    "arrow/KeyError-columnar.batches-447d0e69c56e": "columnar._open (stream batches): two fields of one name raise "
-                                                     "KeyError in RecordBatch.select",
-    "arrow/Bus-error-columnar._info-1ed1a73edba7": "columnar._info (to_pylist): an unvalidated Arrow IPC file reads "
-                                                    "past its memory map, SIGBUS (issue 18 row 3)",
-}
+# Findings not fixed yet, kept as expected failures: "TARGET/NAME": the bug. Remove a line when
+# its input passes. Every finding of issue 18 is fixed: none is left.
+KNOWN: dict[str, str] = {}
 
 
 def _inputs(kind: str) -> list[Path]:
