@@ -11,6 +11,7 @@ import torch
 from opt_ds_ops.config import TrainConfig
 from opt_ds_ops.device import plan_device
 from opt_ds_ops.train import (
+    CheckpointMismatch,
     TrainingError,
     TrainingInterrupted,
     batch_bounds,
@@ -116,8 +117,9 @@ def test_interrupt_and_resume_gives_the_same_model_as_an_uninterrupted_run(rows)
 def test_a_checkpoint_of_another_dataset_is_refused(rows):
     with pytest.raises(TrainingInterrupted) as stop:
         train(rows, TrainConfig(epochs=2, batch_size=512), CPU, should_stop=lambda: True)
-    with pytest.raises(TrainingError, match="checkpoint does not match"):
+    with pytest.raises(CheckpointMismatch, match=r"the checkpoint has \d+ training rows, this run 2700"):
         train(rows[:3000], TrainConfig(epochs=2, batch_size=512), CPU, resume=stop.value.checkpoint)
+    assert issubclass(CheckpointMismatch, TrainingError)  # what a caller that does not retry sees
 
 
 def test_threshold_is_exact_for_more_than_2_pow_24_scores():
