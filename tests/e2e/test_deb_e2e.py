@@ -586,7 +586,7 @@ def test_first_hour_requeue_status_reload_models_rm_and_retention(box):
 GIB = 1024**3
 CONF = "/etc/ds-ops/trainer.yaml"
 DROP_IN = "/etc/systemd/system/ds-trainer.service.d/loopback.conf"
-LOOPBACK_DROP_IN = "[Service]\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\nIPAddressAllow=localhost\n"
+LOOPBACK_DROP_IN = "[Service]\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK\nIPAddressAllow=localhost\n"
 
 
 def unit_time(box: Container, prop: str) -> float:
