@@ -17,13 +17,14 @@ import socket
 
 PROBE_TIMEOUT_S = 2.0  # IPAddressDeny= drops packets (no error): a connect that hangs this long fails
 
-LOOPBACK_DROP_IN = ("systemctl edit ds-trainer: [Service] RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 "
+LOOPBACK_DROP_IN = ("systemctl edit ds-trainer: [Service] RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK "
                     "and IPAddressAllow=localhost (IPAddressDeny=any and PrivateNetwork=yes stay: loopback only)")
 
 
 def loopback_problem(timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """Listen on 127.0.0.1 (a free port), connect to it and accept, in this process; return None
-    if that works, else one line saying which step failed and why."""
+    """Listen on 127.0.0.1 (a free port), connect to it and accept, and open a netlink socket (gloo
+    and NCCL list the interfaces with getifaddrs(3), which needs AF_NETLINK), in this process;
+    return None if that works, else one line saying which step failed and why."""
     step = "socket(AF_INET)"
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
@@ -36,6 +37,8 @@ def loopback_problem(timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
                 step = "accept on 127.0.0.1"
                 conn, _ = server.accept()
                 conn.close()
+        step = "socket(AF_NETLINK) for getifaddrs(3)"
+        socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close()  # NETLINK_ROUTE
     except OSError as e:
         return f"{step} failed: {e.strerror or e}"
     return None
@@ -50,7 +53,7 @@ def distributed_refusal(cfg, probe=loopback_problem) -> str | None:
     if problem is None:
         return None
     return (f"daemon.distributed_min_bytes is set ({cfg.daemon.distributed_min_bytes} bytes), but torchrun's ranks "
-            f"need TCP on loopback and here {problem} (the unit allows AF_UNIX sockets only); to enable it: "
+            f"need TCP on loopback and here {problem} (the shipped unit allows AF_UNIX sockets only); to enable it: "
             f"{LOOPBACK_DROP_IN}; or set daemon.distributed_min_bytes: 0")
 
 

@@ -30,7 +30,7 @@ SHIM_C = r"""
 /* What RestrictAddressFamilies=AF_UNIX does: socket() of another family fails with EAFNOSUPPORT. */
 int socket(int domain, int type, int protocol) {
     static int (*real)(int, int, int);
-    if (domain == AF_INET || domain == AF_INET6) {
+    if (BLOCKED(domain)) {
         errno = EAFNOSUPPORT;
         return -1;
     }
@@ -48,25 +48,32 @@ def af_unix_only(tmp_path_factory) -> dict:
         pytest.skip("gcc is needed to build the socket shim")
     d = tmp_path_factory.mktemp("shim")
     (d / "shim.c").write_text(SHIM_C)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(d / "shim.so"), str(d / "shim.c"), "-ldl"], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-DBLOCKED(d)=((d)==AF_INET||(d)==AF_INET6)", "-o",
+                    str(d / "shim.so"), str(d / "shim.c"), "-ldl"], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-DBLOCKED(d)=((d)==AF_NETLINK)", "-o",
+                    str(d / "netlink.so"), str(d / "shim.c"), "-ldl"], check=True)
     probe = subprocess.run(["python3", "-c", "import socket; socket.socket()"], env={"LD_PRELOAD": str(d / "shim.so")},
                            capture_output=True, text=True)
     assert "Address family not supported" in probe.stderr, probe.stderr  # the shim works
-    return {"LD_PRELOAD": str(d / "shim.so")}
+    return {"LD_PRELOAD": str(d / "shim.so"), "netlink": str(d / "netlink.so")}
 
 
 def test_check_config_refuses_distributed_min_bytes_where_loopback_tcp_fails(tmp_path, af_unix_only):
     conf = write_config(tmp_path, extra=["daemon:", "  distributed_min_bytes: 40000"])
-    r = run_cli("check-config", "--config", str(conf), env=af_unix_only)
+    r = run_cli("check-config", "--config", str(conf), env={"LD_PRELOAD": af_unix_only["LD_PRELOAD"]})
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith(f"ds-ops: error: {conf}: daemon.distributed_min_bytes is set (40000 bytes), but "
                                "torchrun's ranks need TCP on loopback and here socket(AF_INET) failed: Address family "
                                "not supported by protocol"), r.stderr
-    assert "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 and IPAddressAllow=localhost" in r.stderr
+    assert "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK and IPAddressAllow=localhost" in r.stderr
+    # TCP allowed but not netlink (a drop-in without AF_NETLINK): gloo's getifaddrs(3) would fail
+    r = run_cli("check-config", "--config", str(conf), env={"LD_PRELOAD": af_unix_only["netlink"]})
+    assert r.returncode == 1 and "here socket(AF_NETLINK) for getifaddrs(3) failed: Address family not supported" \
+        in r.stderr, r.stderr
     # the same file where loopback works, and the feature off under the restriction: fine
     assert run_cli("check-config", "--config", str(conf)).returncode == 0
     off = write_config(tmp_path, name="off.yaml")
-    r = run_cli("check-config", "--config", str(off), env=af_unix_only)
+    r = run_cli("check-config", "--config", str(off), env={"LD_PRELOAD": af_unix_only["LD_PRELOAD"]})
     assert r.returncode == 0, r.stderr
 
 
@@ -75,7 +82,7 @@ def test_the_daemon_turns_distributed_off_where_loopback_tcp_fails_and_the_large
     """Before: the job's torchrun could not open its TCP store and the dataset went to failed/."""
     conf = write_config(tmp_path, batch_size=256, extra=["daemon:", "  distributed_min_bytes: 40000",
                                                          "  distributed_nproc: 2"])
-    d = Daemon(conf, env=base_env(**af_unix_only))
+    d = Daemon(conf, env=base_env(LD_PRELOAD=af_unix_only["LD_PRELOAD"]))
     try:
         d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to start")
         assert ("daemon.distributed_min_bytes is set (40000 bytes), but torchrun's ranks need TCP on loopback and "

@@ -586,7 +586,7 @@ def test_first_hour_requeue_status_reload_models_rm_and_retention(box):
 GIB = 1024**3
 CONF = "/etc/ds-ops/trainer.yaml"
 DROP_IN = "/etc/systemd/system/ds-trainer.service.d/loopback.conf"
-LOOPBACK_DROP_IN = "[Service]\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\nIPAddressAllow=localhost\n"
+LOOPBACK_DROP_IN = "[Service]\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK\nIPAddressAllow=localhost\n"
 
 
 def unit_time(box: Container, prop: str) -> float:
@@ -654,10 +654,15 @@ def test_distributed_min_bytes_is_refused_under_the_shipped_unit_and_trains_on_t
 def test_upgrade_stops_the_daemon_before_dpkg_replaces_opt_under_a_running_job(box, deb):
     """Before: dh_installsystemd's default restarted the unit after the unpack, so a running job
     ran on with /opt/ds-ops replaced under it (late imports of the new code, or of half-written files)."""
-    drop(box, BIG, "upgraded.txt.gz")
-    wait_training(box, "upgraded.txt.gz")
     new = next_version(deb, "+e2e2")
-    box.run(f"cd /srv/upgrade && apt-get install -y -q ./{new.name}", timeout=900, input="")
+    box.run(f"cp {CONF} /root/trainer.yaml.before-upgrade && sed -i 's/^  epochs: 5/  epochs: 40/' {CONF}")
+    box.run(["systemctl", "reload", UNIT])          # 40 epochs: the job outlasts apt's preparations
+    try:
+        drop(box, BIG, "upgraded.txt.gz")
+        wait_training(box, "upgraded.txt.gz")
+        box.run(f"cd /srv/upgrade && apt-get install -y -q ./{new.name}", timeout=900, input="")
+    finally:
+        box.run(f"cp /root/trainer.yaml.before-upgrade {CONF}")
     assert box.run(["dpkg-query", "-W", "-f", "${Version}", "ds-ops"]).stdout.endswith("+e2e2")
     assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
     stopped = unit_time(box, "InactiveEnterTimestamp")
@@ -670,6 +675,9 @@ def test_upgrade_stops_the_daemon_before_dpkg_replaces_opt_under_a_running_job(b
     result = json.loads(box.run(["cat", f"{SPOOL}/done/upgraded.txt.gz.result.json"]).stdout)
     # stopped by SIGTERM before the unpack: a checkpoint, resumed on the new code, no crash
     assert result["resumed_from_epoch"] is not None and result["crashes"] == 0, result
+    ids = {e["MESSAGE_ID"] for e in journal(box, "DS_DATASET=upgraded")}
+    assert {MESSAGE_IDS["job-interrupted"], MESSAGE_IDS["job-resumed"]} <= ids
+    box.run(["systemctl", "reload", UNIT])          # back to the conffile's 5 epochs
 
 
 def test_purge_leaves_no_unit_user_conffile_or_spool(box):
