@@ -14,13 +14,11 @@ import contextlib
 import json
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SMD_TRAIN, run_cli
+from conftest import SMD_TRAIN
 from daemon_kit import (
     START_TIMEOUT_S, Daemon, as_service_user, done_names, failed_names, read_json, spool_dir, versions,
     write_config,
