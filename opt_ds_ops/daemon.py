@@ -70,7 +70,7 @@ from .config import SIDECAR_MAX_BYTES
 from .sandbox import without_unusable
 from .spool import (
     DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
-    STORAGE_ERRNOS, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
+    STORAGE_ERRNOS, is_ignored, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
     read_record, process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
 )
 from .store import StoreError, prune
@@ -219,8 +219,12 @@ class Daemon:
         try:
             if self.mp_context is None and not self.stop_requested:
                 worker.warm_up()
-            quarantine = self.breadcrumb.deaths()
-            self.breadcrumb.open()
+            try:
+                quarantine = self.breadcrumb.deaths()
+            except OSError as e:  # a full or read-only spool: no quarantine this time; the loop pauses on it
+                quarantine = ("", 0)
+                self.log.event("internal-error", f"{self.breadcrumb.deaths_path}: {e}", priority=LOG_ERR)
+            self._guarded(self.breadcrumb.open)
             self._guarded(lambda: self._recover(quarantine))
             self.watcher.tick()
             self.notifier.ready(self._idle_status())
@@ -353,7 +357,7 @@ class Daemon:
             if job_id:
                 self._forget(job_id)
                 self.pending = [j for j in self.pending if j != job_id]
-            if name:
+            if name and not is_ignored(name):  # a sidecar's name is never a dataset to offer
                 self.watcher.retry_later(name, 60.0)
             return
         self.pending = [j for j in self.pending if j != job_id]
@@ -739,28 +743,43 @@ class Daemon:
             return True
         self.log.event("job-claimed", f"{safe_text(name)}: claimed as job {record['job_id']} "
                        f"({record['size_bytes']} bytes, sha256 {record['sha256'][:12]})", **self._fields(record))
-        if record.get("sidecar_foreign"):
-            self._refuse_foreign_sidecar(record)
+        if record.get("sidecars_foreign"):
+            self._refuse_foreign_sidecars(record)
         self._start(c.job_id, gpu)
         return True
 
-    def _refuse_foreign_sidecar(self, record: dict) -> None:
-        """A sidecar of the dataset's name that another user dropped (a squatted name, see
-        :func:`opt_ds_ops.spool.take_sidecar`) was not applied: say so, and move it aside to
-        failed/ as its own entry (its owner can look at it there; the uploader could not remove it)."""
-        foreign = record.pop("sidecar_foreign")
+    def _refuse_foreign_sidecars(self, record: dict) -> None:
+        """Sidecars of the dataset's name that other users dropped (squatted names, see
+        :func:`opt_ds_ops.spool.take_sidecar`) were not applied: say so, and move each aside to
+        failed/ as its own entry (its owner can look at it there; the uploader could not remove
+        it). Whatever happens to a foreign file is its own matter, never the uploader's job's."""
+        foreign = record.pop("sidecars_foreign")
         save_record(self.spool, record)
-        side, uid = foreign["name"], foreign["uid"]
-        why = (f"incoming/{side} belongs to uid {uid}, {foreign['kind']}; {record['dataset']} was dropped by uid "
-               f"{record.get('uploader_uid')}: a sidecar applies only to a dataset of the same uploader")
-        self.log.event("sidecar-refused", f"{safe_text(record['dataset'])}: {safe_text(why)}; it trains without it",
-                       priority=LOG_WARNING, **self._fields(record))
-        c = claim(self.spool, side, SIDECAR_MAX_BYTES)
+        for f in foreign:
+            side = f["name"]
+            why = (f"incoming/{side} belongs to uid {f['uid']}, {f['kind']}; {record['dataset']} was dropped by uid "
+                   f"{record.get('uploader_uid')}: a sidecar applies only to a dataset of the same uploader")
+            self.log.event("sidecar-refused", f"{safe_text(record['dataset'])}: {safe_text(why)}; it trains without "
+                           "it", priority=LOG_WARNING, **self._fields(record))
+            self._for_job(None, self._move_foreign_sidecar, f, why, name=side)
+
+    def _move_foreign_sidecar(self, f: dict, why: str) -> None:
+        """Move one foreign sidecar (``{"name", "uid", "ino"}`` as seen) to failed/, if that same
+        file is still there; report it and leave it if it is not a regular file."""
+        try:
+            st = os.lstat(self.spool.path(INCOMING, f["name"]))
+        except FileNotFoundError:
+            return
+        if (st.st_uid, st.st_ino) != (f["uid"], f["ino"]):
+            return  # replaced since it was seen: not the file this is about
+        c = claim(self.spool, f["name"], SIDECAR_MAX_BYTES)
         if c.outcome in ("claimed", "refused"):
             self._fail(c.record, "spool", f"{why}; not applied, moved aside", "SidecarForeign")
+        elif c.outcome == "empty":
+            discard_job(self.spool, c.job_id)
         elif c.outcome == "ignored":  # not a regular file: left where it is, listed by ds-ops status
-            self.log.event("entry-ignored", f"incoming/{safe_text(side)} is {c.reason}; left where it is "
-                           "(its owner can remove it)", priority=LOG_WARNING, dataset_file=side)
+            self.log.event("entry-ignored", f"incoming/{safe_text(f['name'])} is {c.reason}; left where it is "
+                           "(its owner can remove it)", priority=LOG_WARNING, dataset_file=f["name"])
 
     # ---- one job -------------------------------------------------------------------------------
     def _start(self, job_id: str, gpu: dict | None = None) -> None:
@@ -838,7 +857,7 @@ class Daemon:
             pass
         before = len(self.jobs)
         for job in list(self.jobs.values()):
-            self._for_job(job.job_id, self._watch_job, job)
+            self._for_job(job.job_id, self._watch_job, job, hold=False)  # _watch_job holds it for the end
         return len(self.jobs) < before
 
     def _watch_job(self, job) -> None:
@@ -872,14 +891,15 @@ class Daemon:
                 job.kill(f"no word from the job for {now - job.last_heard:.0f} s in stage {job.stage}", crash=True)
             else:
                 return
-        for kind, fields in job.receive(0):
-            self._on_message(record, kind, fields)
-        if job.final is not None:
-            self._on_final(record, *job.final)
-        elif job.crashed:
-            self._on_crash(record, job)
-        job.close()
-        self.jobs.pop(job.job_id, None)
+        with self.breadcrumb.holding(job.job_id):  # a job's end (moving files, the store) is in hand, not its progress
+            for kind, fields in job.receive(0):
+                self._on_message(record, kind, fields)
+            if job.final is not None:
+                self._on_final(record, *job.final)
+            elif job.crashed:
+                self._on_crash(record, job)
+            job.close()
+            self.jobs.pop(job.job_id, None)
 
     def _stall_budget(self, record: dict, job) -> float:
         """Seconds the job may stay silent: job.stall_timeout_s, more while parsing a large file
@@ -1051,7 +1071,8 @@ class Daemon:
     def _fail(self, record: dict, stage: str, reason: str, exception_type: str, *, report: dict | None = None) -> None:
         doc = {"job_id": record.get("job_id"), "dataset": record.get("dataset"), "stage": stage, "reason": reason,
                "exception_type": exception_type, "failed_at": utc_now(), "claimed_at": record.get("claimed_at"),
-               "sha256": record.get("sha256"), "crashes": record.get("crashes", 0), "health": report}
+               "sha256": record.get("sha256"), "crashes": record.get("crashes", 0), "health": report,
+               "uploader_uid": record.get("uploader_uid")}
         final = finish(self.spool, record["job_id"], record, FAILED, doc)
         self._forget(record["job_id"])
         self.log.event("job-failed", f"{safe_text(record.get('dataset', ''))}: failed in stage {stage}: {reason}; "
@@ -1112,8 +1133,8 @@ class Daemon:
         if c.outcome == "refused":
             self._fail(record, "spool", c.reason, "SpoolRefused")
             return
-        if record.get("sidecar_foreign"):
-            self._refuse_foreign_sidecar(record)
+        if record.get("sidecars_foreign"):
+            self._refuse_foreign_sidecars(record)
         for stale in ("gpu_index", "gpu_uuid"):  # the GPU of the last run; the next start chooses again
             record.pop(stale, None)
         if record.get("state") in ("running", "claimed", "interrupted", "deferred"):

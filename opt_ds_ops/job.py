@@ -398,7 +398,9 @@ def run_job(
         metadata["name_explicit"] = explicit_name
         # the model name's owner (check_model_name): the first uploader's uid, kept by every later version
         first = (current_metadata(cfg.models_dir, model_name) or {}).get("uploader_uid")
-        metadata["uploader_uid"] = first if isinstance(first, int) else uploader_uid
+        exempt = uploader_uid in (None, 0, os.geteuid())  # root, the service (requeue), by hand: owns nothing
+        metadata["uploader_uid"] = first if isinstance(first, int) else (None if exempt else uploader_uid)
+        metadata["uploaded_by_uid"] = uploader_uid  # who dropped this version's file (None: ds-ops train)
         metadata["distributed"] = result.extra if nproc > 1 else None
         if source_name:
             metadata["dataset"]["file"] = source_name

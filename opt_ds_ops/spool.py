@@ -14,7 +14,7 @@ Layout under ``spool.dir`` (default ``/var/spool/ds-ops``)::
 :func:`opt_ds_ops.config.parse_sidecar`) is never a job of its own: it waits in incoming/ until
 its dataset is claimed, and is then taken the same way (renamed into the job directory, copied,
 64 KiB at most), so drop it first. It applies only to a dataset of the same uploader (owner uid);
-another user's file of that name is moved aside, never read. It is parsed in the job process only,
+another user's file of that name is moved aside, never parsed. It is parsed in the job process only,
 never here nor anywhere in the daemon.
 
 **The bytes, not the name.** incoming/ is writable by every member of group ds-ops, so nothing
@@ -338,10 +338,10 @@ def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None
     except FileNotFoundError:
         return Claim("gone")
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EINVAL, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
-            return Claim("busy", reason="replaced while being looked at")
-        if e.errno != errno.EACCES:
+        if is_storage_error(e):
             raise
+        if e.errno != errno.EACCES:  # replaced (ELOOP, ENXIO, ...), a lease held on it (EAGAIN): later
+            return Claim("busy", reason=f"cannot be opened now: {e.strerror or e}")
         fd, fst = None, st  # unreadable: claimed (so it leaves incoming/) and refused
     try:
         if _identity(fst) != _identity(st):
@@ -369,8 +369,7 @@ def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None
         fsync_dir(jdir)
         moved = os.lstat(source)
         if _identity(moved) != _identity(fst):  # swapped between open and rename: not what we opened
-            _put_back(spool, jdir, name)
-            shutil.rmtree(jdir, ignore_errors=True)
+            _give_back(spool, jdir, name)
             return Claim("busy", reason="replaced while being claimed")
         return _copy_in(spool, job_id, record, fd, max_bytes, progress)
     finally:
@@ -380,19 +379,33 @@ def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None
 
 def _put_back(spool: Spool, jdir: str, name: str) -> str | None:
     """Return the user's file from jdir/source to incoming/ (never over a newer file of that
-    name: then NAME.returned-N); return the name it got, or None if there was nothing to return."""
+    name: then NAME.returned-N, and last NAME.returned-JOB, a name no one can have taken before);
+    return the name it got, or None if there was nothing to return. Raises OSError if even that
+    fails (the job directory then stays, ``claiming``: recovery takes the file from there)."""
     source = os.path.join(jdir, SOURCE_FILE)
     if not os.path.lexists(source):
         return None
-    for n in range(0, 100):
-        target = name if n == 0 else f"{name}.returned-{n}"
+    targets = [name] + [f"{name}.returned-{n}" for n in range(1, 100)] + [f"{name}.returned-{os.path.basename(jdir)}"]
+    for target in targets:
         try:
             rename_noreplace(source, spool.path(INCOMING, target))
             fsync_dir(spool.dir(INCOMING))
             return target
         except FileExistsError:
             continue
-    return None
+    raise FileExistsError(errno.EEXIST, "no free name to put the file back under", source)
+
+
+def _give_back(spool: Spool, jdir: str, name: str) -> str | None:
+    """:func:`_put_back`, then remove the job directory; where the file cannot be put back, the
+    directory stays (``claiming``) and the next start's recovery takes the file from it: a user's
+    file is never removed with it. Return the name it got in incoming/, or None."""
+    try:
+        back = _put_back(spool, jdir, name)
+    except OSError:
+        return None
+    shutil.rmtree(jdir, ignore_errors=True)
+    return back
 
 
 def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes: int, progress=None) -> Claim:
@@ -406,6 +419,10 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
         return _refuse(record, f"unreadable: permission denied (mode {stat.filemode(st.st_mode)}, owner uid "
                        f"{st.st_uid}); make it readable by group ds-ops and drop it again")
     before = os.fstat(fd)
+    if before.st_nlink > 1:  # a hard link to an inode another member owns: who dropped it cannot be told
+        return _refuse(record, f"it has {before.st_nlink} hard links (owner uid {before.st_uid}): who dropped it "
+                       "cannot be told, so it is not trained; drop a copy of its own (cp, or mv of a file "
+                       "that has no other name)")
     if before.st_size == 0:
         os.unlink(source)
         return Claim("empty", job_id, record, "an empty file (0 bytes); removed, nothing to train")
@@ -447,8 +464,7 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
     after = os.fstat(fd)
     if _content_sig(after) != _content_sig(before) or copied != before.st_size:
         os.unlink(dest)
-        back = _put_back(spool, jdir, name)
-        shutil.rmtree(jdir, ignore_errors=True)
+        back = _give_back(spool, jdir, name)
         return Claim("busy", reason="it changed while being copied (still being written?)"
                      + (f"; put back as incoming/{back}" if back and back != name else ""))
     record.update(state="claimed", data_file=data_name, sha256=h.hexdigest(), size_bytes=copied, copied_at=utc_now())
@@ -463,12 +479,12 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
 def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
     """Take the dataset's sidecar from incoming/ into the job directory (``sidecar.yaml``) and note
     it in the record (``sidecar``: its name; ``sidecar_error``: why it could not be taken;
-    ``sidecar_foreign``: a sidecar of that name another user dropped, not taken).
+    ``sidecars_foreign``: the files of those names other users dropped, not taken).
 
     A sidecar applies only to a dataset of the same uploader: one whose owner is not the
     dataset's ``uploader_uid`` (a squatted name: Bob's ``alice.yaml`` before Alice drops
-    ``alice.csv``) is never taken or read; it is named in ``sidecar_foreign`` and the daemon moves
-    it aside to failed/ as its own entry. The uploader's own sidecar is taken like a dataset: only
+    ``alice.csv``) is never taken or parsed; it is named in ``sidecars_foreign`` and the daemon
+    moves it aside to failed/ as its own entry. The uploader's own sidecar is taken like a dataset: only
     a regular file, renamed in, then copied (64 KiB at most); anything else of that name of
     theirs (a directory, FIFO, link) is left alone and named in ``sidecar_error``, so the job
     fails rather than silently training without the options it was meant to have. Its bytes are
@@ -481,14 +497,17 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
     owner = record.get("uploader_uid")
     if not os.path.lexists(taken):
         for cand in sidecar_names(record["dataset"]):
+            if len(os.fsencode(cand)) > NAME_MAX_BYTES:
+                continue  # a dataset name near NAME_MAX has no room for a sidecar's suffix
             src = spool.path(INCOMING, cand)
             try:
                 st = os.lstat(src)
             except FileNotFoundError:
                 continue
-            if owner is not None and st.st_uid != owner:
-                record["sidecar_foreign"] = {"name": cand, "uid": st.st_uid, "kind": kind_of(st.st_mode)
-                                             if not stat.S_ISREG(st.st_mode) else "a regular file"}
+            if owner is not None and (st.st_uid != owner or st.st_nlink > 1):  # a hard link: anyone's
+                record.setdefault("sidecars_foreign", []).append(
+                    {"name": cand, "uid": st.st_uid, "ino": st.st_ino,
+                     "kind": "a regular file" if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode)})
                 continue
             record["sidecar"] = cand
             if not stat.S_ISREG(st.st_mode):
@@ -513,7 +532,7 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
             record["sidecar_error"] = f"incoming/{record.get('sidecar')}: cannot be read: {e.strerror or e}"
         os.unlink(taken)
         fsync_dir(jdir)
-    if "sidecar" in record or "sidecar_foreign" in record:
+    if "sidecar" in record or "sidecars_foreign" in record:
         write_json(os.path.join(jdir, JOB_FILE), record)
 
 
@@ -543,8 +562,7 @@ def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int, progr
         fd, _ = open_regular(source)
     except OSError as e:
         if e.errno != errno.EACCES:
-            _put_back(spool, jdir, record.get("dataset", "recovered"))
-            shutil.rmtree(jdir, ignore_errors=True)
+            _give_back(spool, jdir, record.get("dataset", "recovered"))
             return Claim("gone")
         fd = None
     try:
@@ -965,6 +983,14 @@ def requeue(spool: Spool, name: str) -> dict:
     if os.path.lexists(spool.path(INCOMING, original)):
         raise SpoolError(f"incoming/{original} exists already; remove or rename it first")
     side_src = spool.path(FAILED, sidecar_name(name, SIDECAR_SUFFIX))
+    uploader = (doc or {}).get("uploader_uid")
+    if isinstance(uploader, int) and not isinstance(uploader, bool) and os.geteuid() == 0:
+        # the daemon's copies belong to the service: give them back to their uploader before they
+        # are offered again, so the model name and the sidecar stay theirs (a requeue by the ds-ops
+        # user cannot chown: the files stay the service's, which may train any model)
+        for path in (src, side_src):
+            if os.path.lexists(path):
+                os.lchown(path, uploader, -1)
     side_dst = None
     if os.path.lexists(side_src):
         side_dst = dataset_stem(original) + SIDECAR_SUFFIXES[0]

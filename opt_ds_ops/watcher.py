@@ -113,6 +113,7 @@ class IncomingWatcher:
         self.polling_reason: str | None = None
         self._entries: dict[str, _Entry] = {}
         self._opens_hidden: dict[str, int] = {}  # opens of ignored names (.part files being written)
+        self._written_hidden: set[str] = set()  # ignored names written while open (a writer holds them)
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._observer = None
@@ -192,6 +193,10 @@ class IncomingWatcher:
                     self._opens_hidden.pop(name, None)
                 else:
                     self._opens_hidden[name] = n
+                if what == "writing" and n > 0:
+                    self._written_hidden.add(name)
+                elif what in ("closed", "gone") or n <= 0:
+                    self._written_hidden.discard(name)
                 return
             if what == "gone":
                 self._entries.pop(name, None)
@@ -212,24 +217,28 @@ class IncomingWatcher:
         src_name, dest_name = self._name(src), self._name(dest)
         self.wakeup.set()
         with self._lock:
-            opens = 0
+            opens, written = 0, False
             if src_name is not None:
                 if is_ignored(src_name):
                     opens = self._opens_hidden.pop(src_name, 0)
+                    written = src_name in self._written_hidden
+                    self._written_hidden.discard(src_name)
                 else:
                     old = self._entries.pop(src_name, None)
-                    opens = old.opens if old else 0
+                    opens, written = (old.opens, old.written) if old else (0, False)
             if dest_name is None:
                 return
             if is_ignored(dest_name):
                 if opens:
                     self._opens_hidden[dest_name] = opens
+                if written:
+                    self._written_hidden.add(dest_name)
                 return
             entry = self._entries.get(dest_name)
             if entry is None:
                 entry = self._entries[dest_name] = _Entry(next(self._seq), how="moved")
             entry.how, entry.opens, entry.sig = "moved", opens, None
-            entry.written = opens > 0  # renamed in while still open: its writer holds it
+            entry.written = written and opens > 0  # renamed in while its writer still holds it: wait for the close
 
     def idle(self, timeout_s: float) -> None:
         """Wait up to timeout_s seconds for the next event (the daemon's idle sleep)."""
@@ -240,8 +249,11 @@ class IncomingWatcher:
         """The kernel dropped inotify events: forget open counts, judge every file as scan-found."""
         with self._lock:
             self._opens_hidden.clear()
+            self._written_hidden.clear()
             for entry in self._entries.values():
-                entry.opens, entry.how, entry.written, entry.sig = 0, "scan", False, None  # quiet_s from now
+                # an unchanged file is no less quiet for the lost events: its stable_since stays (a
+                # member who floods incoming/ to overflow the queue must not restart everyone's wait)
+                entry.opens, entry.how, entry.written = 0, "scan", False
             self._next_scan = 0.0
 
     def scan(self) -> None:

@@ -507,7 +507,7 @@ def leftovers(root: Path, dirs: dict[str, Path]) -> list[str]:
     own files in the daemons' TMPDIR (a SIGKILLed forkserver's ``pymp-*`` and torch's caches are
     not ds-ops's: the unit's PrivateTmp= removes them)."""
     found = [str(p.relative_to(root)) for top in (dirs["spool"], dirs["models"], root / "metrics")
-             for p in top.rglob("*") if p.name.startswith((".tmp-", ".current-"))]
+             for p in top.rglob("*") if p.name.startswith((".tmp-", ".current-", ".ds_ops.prom.tmp-"))]
     found += [f"processing/{n}" for n in os.listdir(dirs["processing"])]
     found += [f"tmp/{n}" for n in os.listdir(root / "tmp") if n.startswith(DS_OPS_TEMPS)]
     return found

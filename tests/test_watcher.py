@@ -149,12 +149,24 @@ def test_inotify_limit_reached_falls_back_to_polling(spool, monkeypatch):
 def test_an_inotify_overflow_forgets_open_counts_and_falls_back_to_quiet_s(spool):
     w = make_watcher(spool, settle_s=0.0, quiet_s=0.5)
     put(spool, INCOMING, "x.csv")
-    w.note(spool.path(INCOMING, "x.csv"), "opened")  # its close event was lost in the overflow
+    w.note(spool.path(INCOMING, "x.csv"), "opened")
+    w.note(spool.path(INCOMING, "x.csv"), "writing")  # its writer's close event was lost in the overflow
     w.tick(now=10.0)
     assert w.ready(now=20.0) == []
+    assert w.ready(now=30.0) == []  # held by a writer: busy however long it is unchanged
     w.overflowed()
-    assert w.ready(now=30.0) == []  # judged as scan-found from here on
-    assert w.ready(now=30.6) == ["x.csv"]
+    assert w.ready(now=30.1) == ["x.csv"]  # judged as scan-found: unchanged since 20.0, over quiet_s
+
+
+def test_an_inotify_overflow_does_not_restart_the_wait_of_a_file_already_quiet(spool):
+    """Issue 18 review: a member who floods incoming/ to overflow the queue every few seconds must
+    not keep everyone's files from ever becoming ready."""
+    w = make_watcher(spool, settle_s=0.0, quiet_s=0.5)
+    put(spool, INCOMING, "y.csv")
+    w.tick(now=10.0)
+    assert w.ready(now=10.1) == []  # scan-found: waits quiet_s from its first look
+    w.overflowed()
+    assert w.ready(now=10.7) == ["y.csv"]
 
 
 def test_a_file_that_changed_while_being_copied_is_offered_again_only_after_a_delay(spool):

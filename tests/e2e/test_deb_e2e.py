@@ -684,10 +684,10 @@ def test_purge_leaves_no_unit_user_conffile_or_spool(box):
     # issue 18: the metrics file (and a killed write's temporary, owned by ds-ops) go with the package;
     # another writer's file in node_exporter's directory stays
     box.run(["test", "-f", f"{TEXTFILE_DIR}/ds_ops.prom"])
-    box.run(f"install -o ds-ops -m 0644 /dev/null {TEXTFILE_DIR}/.tmp-ds-ops && "
+    box.run(f"install -o ds-ops -m 0644 /dev/null {TEXTFILE_DIR}/.ds_ops.prom.tmp-ds-ops && "
             f"install -o root -m 0644 /dev/null {TEXTFILE_DIR}/.tmp-other")
     box.run(["apt-get", "purge", "-y", "-q", "ds-ops"], timeout=600)
-    box.run(["test", "!", "-e", f"{TEXTFILE_DIR}/ds_ops.prom", "-a", "!", "-e", f"{TEXTFILE_DIR}/.tmp-ds-ops"])
+    box.run(["test", "!", "-e", f"{TEXTFILE_DIR}/ds_ops.prom", "-a", "!", "-e", f"{TEXTFILE_DIR}/.ds_ops.prom.tmp-ds-ops"])
     box.run(["test", "-e", f"{TEXTFILE_DIR}/.tmp-other"])
     assert box.run(["dpkg-query", "-W", "-f", "${Status}", "ds-ops"], check=False).stdout \
         in ("", "unknown ok not-installed")
