@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,89 @@ def test_a_job_the_daemon_died_handling_twice_in_a_row_is_quarantined(tmp_path):
         assert err["exception_type"] == "Quarantined" and "died 2 times in a row" in err["reason"], err
         assert (spool_dir(tmp_path, "failed") / "slow.csv").stat().st_size == big  # the user's bytes, kept
         good(d, tmp_path, "after.txt.gz")
+
+
+# ---- found by the hostile review and the new user's trial ----------------------------------------------
+
+def test_a_lease_on_a_squatted_sidecar_does_not_fail_the_uploaders_dataset(tmp_path):
+    """Bob's write lease on his incoming/alice.yaml made the daemon's O_NONBLOCK open raise EAGAIN
+    while it moved the file aside: that exception failed Alice's dataset."""
+    import fcntl
+
+    with service(tmp_path) as d:
+        incoming = spool_dir(tmp_path, "incoming")
+        side = drop(incoming, "alice.yaml", b"name: bobs\n", BOB)
+        old = signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease-break notice would end this process
+        fd = os.open(side, os.O_RDWR)
+        try:
+            fcntl.fcntl(fd, 1024, fcntl.F_WRLCK)  # F_SETLEASE: any owner may take one, no capability needed
+            res = good(d, tmp_path, "alice.txt.gz")
+        finally:
+            os.close(fd)
+            signal.signal(signal.SIGIO, old)
+        assert res["model_name"] == "alice"
+        assert "alice.txt.gz" not in failed_names(tmp_path)
+
+
+def test_a_hard_link_to_another_members_file_is_refused(tmp_path):
+    """Bob hard-linked Alice's group-writable .part into incoming/ under her model's name: it
+    trained as hers (the inode's owner) and moved her current."""
+    with service(tmp_path) as d:
+        incoming = spool_dir(tmp_path, "incoming")
+        hers = incoming / "alice.txt.gz.part"  # still being written by Alice, mode 0664 under umask 002
+        hers.write_bytes(SMD_TRAIN.read_bytes())
+        os.chown(hers, ALICE, os.getgid())
+        os.chmod(hers, 0o664)
+        os.link(hers, incoming / "alice.txt.gz")  # what Bob can do in the setgid, sticky incoming/
+        d.wait_until(lambda: "alice.txt.gz" in failed_names(tmp_path), "the link to be refused")
+        assert "hard links" in error_of(tmp_path, "alice.txt.gz")["reason"]
+        assert not (tmp_path / "models" / "alice").exists()
+
+
+def test_a_renamed_part_file_that_a_reader_holds_open_is_ready_after_quiet_s(spool):
+    """A read-only open of a .part before its rename was carried over as a writer's: the renamed
+    dataset waited for as long as the reader kept it open."""
+    from opt_ds_ops.spool import INCOMING
+    from opt_ds_ops.watcher import IncomingWatcher
+
+    w = IncomingWatcher(spool.dir(INCOMING), settle_s=0.1, quiet_s=0.3, rescan_s=30.0)
+    w.start()
+    try:
+        part = spool.path(INCOMING, "r.csv.part")
+        with open(part, "wb") as f:
+            f.write(b"1,2\n3,4\n")
+        with open(part, "rb"):  # Bob reads Alice's .part and keeps it open
+            os.rename(part, spool.path(INCOMING, "r.csv"))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and w.ready() != ["r.csv"]:
+                w.tick()
+                time.sleep(0.05)
+            assert w.ready() == ["r.csv"]
+    finally:
+        w.stop()
+
+
+def test_a_dataset_name_of_255_bytes_is_claimed(spool):
+    """take_sidecar looked for NAME.yaml beyond NAME_MAX: ENAMETOOLONG failed a valid dataset."""
+    from opt_ds_ops.spool import INCOMING, claim
+
+    name = "y" * 251 + ".csv"
+    with open(spool.path(INCOMING, name), "wb") as f:
+        f.write(b"1,2\n3,4\n")
+    assert claim(spool, name, 1 << 20).outcome == "claimed"
+
+
+def test_a_file_is_put_back_under_a_name_no_member_can_have_taken(spool):
+    """With NAME and NAME.returned-1..99 taken by another member, put-back gave up and the job
+    directory was removed with the user's file in it."""
+    from opt_ds_ops.spool import INCOMING, SOURCE_FILE, _give_back, new_job_id
+
+    for n in [""] + [f".returned-{i}" for i in range(1, 100)]:
+        Path(spool.path(INCOMING, "v.csv" + n)).write_bytes(b"bob\n")
+    job_id = new_job_id()
+    jdir = Path(spool.job_dir(job_id))
+    jdir.mkdir()
+    (jdir / SOURCE_FILE).write_bytes(b"alice's data\n")
+    back = _give_back(spool, str(jdir), "v.csv")
+    assert back == f"v.csv.returned-{job_id}"
+    assert Path(spool.path(INCOMING, back)).read_bytes() == b"alice's data\n" and not jdir.exists()

@@ -92,14 +92,14 @@ def test_claim_never_opens_renames_or_reads_what_is_not_a_regular_file(spool, ki
     assert os.path.lexists(path) and os.listdir(spool.dir(PROCESSING)) == []
 
 
-def test_a_hard_link_is_taken_by_its_bytes(spool, tmp_path):
+def test_a_hard_link_is_refused_and_its_other_name_left_alone(spool, tmp_path):
+    """Issue 18: an inode with another name may be another member's file (a link Bob made to
+    Alice's group-writable .part): who dropped it cannot be told, so it is refused, not trained."""
     put(spool, INCOMING, "linked.csv")
     os.link(spool.path(INCOMING, "linked.csv"), str(tmp_path / "other-name"))
     c = sp.claim(spool, "linked.csv", 1000)
-    assert c.outcome == "claimed"
-    with open(tmp_path / "other-name", "ab") as f:  # writing through the other name changes nothing of ours
-        f.write(b"9,9\n")
-    assert open(spool.job_path(c.job_id, "dataset.csv"), "rb").read() == b"1,2\n3,4\n"
+    assert c.outcome == "refused" and "2 hard links" in c.reason
+    assert (tmp_path / "other-name").read_bytes() == b"1,2\n3,4\n"
 
 
 def test_an_oversized_file_is_refused_and_an_empty_one_removed(spool):
