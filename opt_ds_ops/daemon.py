@@ -57,7 +57,7 @@ from datetime import datetime, timezone
 
 from . import EARLY_STOP, gpustats, nvml, worker
 from .budget import job_config, job_processes, this_process_budget
-from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from .config import DEFAULT_CONFIG_PATH, SIDECAR_MAX_BYTES, Config, ConfigError, load_config
 from .dataset import dataset_stem
 from .fsutil import utc_now
 from .health import gate_job, judge_gpu, summary_line
@@ -66,7 +66,6 @@ from .job import columns_note
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
 from .notify import Notifier
-from .config import SIDECAR_MAX_BYTES
 from .sandbox import without_unusable
 from .spool import (
     DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,

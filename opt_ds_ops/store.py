@@ -264,14 +264,7 @@ def read_operator_action(name_dir: str) -> dict | None:
 def _write_operator_action(name_dir: str, entry: dict) -> None:
     """Write entry as ``name_dir/.operator.json`` (mode 0644: the daemon reads what root wrote),
     atomically, under the name lock. Raises OSError."""
-    path = os.path.join(name_dir, OPERATOR_FILE)
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_atomic(os.path.join(name_dir, OPERATOR_FILE), (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def dataset_file_of(models_dir: str, name: str) -> str | None:
