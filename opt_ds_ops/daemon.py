@@ -59,7 +59,7 @@ from . import EARLY_STOP, gpustats, nvml, worker
 from .budget import job_config, job_processes, this_process_budget
 from .config import DEFAULT_CONFIG_PATH, SIDECAR_MAX_BYTES, Config, ConfigError, load_config
 from .dataset import dataset_stem
-from .fsutil import utc_now
+from .fsutil import user_name, utc_now
 from .health import gate_job, judge_gpu, summary_line
 from .handling import QUARANTINE_AFTER, Breadcrumb
 from .job import columns_note
@@ -756,8 +756,8 @@ class Daemon:
         save_record(self.spool, record)
         for f in foreign:
             side = f["name"]
-            why = (f"incoming/{side} belongs to uid {f['uid']}, {f['kind']}; {record['dataset']} was dropped by uid "
-                   f"{record.get('uploader_uid')}: a sidecar applies only to a dataset of the same uploader")
+            why = (f"incoming/{side} belongs to {user_name(f['uid'])}, {f['kind']}; {record['dataset']} was dropped "
+                   f"by {user_name(record.get('uploader_uid'))}: a sidecar applies only to a dataset of the same uploader")
             self.log.event("sidecar-refused", f"{safe_text(record['dataset'])}: {safe_text(why)}; it trains without "
                            "it", priority=LOG_WARNING, **self._fields(record))
             self._for_job(None, self._move_foreign_sidecar, f, why, name=side)

@@ -127,3 +127,14 @@ def read_small(path: str, max_bytes: int = 1 << 20) -> bytes:
             return f.read(max_bytes + 1)[:max_bytes]
     finally:
         os.close(fd)
+
+
+def user_name(uid) -> str:
+    """Return ``uid 1002 (bob)`` for messages that name who owns a file (``uid 1002`` where the
+    account is unknown)."""
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, TypeError, OverflowError):
+        return f"uid {uid}"

@@ -23,7 +23,7 @@ from .config import (SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, D
                      data_segment_bytes, parse_sidecar)
 from .dataset import Dataset, DatasetError, DatasetLimits, SpillError, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
-from .fsutil import pid_alive, read_small
+from .fsutil import pid_alive, read_small, user_name
 from .gpustats import sampler_for
 from .report import try_write_report, validation_summary
 from .store import StoreError, current_metadata, dataset_file_of, model_payload, safe_model_name, save_model
@@ -116,8 +116,8 @@ def check_model_name(models_dir: str, name: str, source: str, explicit: bool, up
         if isinstance(first, int) and first != uploader_uid:
             raise JobError(
                 "dataset",
-                f"{source}: model {safe_model_name(name)!r} belongs to uid {first}, who first trained it; this "
-                f"file was dropped by uid {uploader_uid}. Choose another model name (rename the file, or a sidecar "
+                f"{source}: model {safe_model_name(name)!r} belongs to {user_name(first)}, who first trained it; this "
+                f"file was dropped by {user_name(uploader_uid)}. Choose another model name (rename the file, or a sidecar "
                 f"{dataset_stem(source)}.yaml with name: ...), or ask an operator (root) to train it",
             )
     if explicit:

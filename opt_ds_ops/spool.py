@@ -55,7 +55,7 @@ from datetime import datetime, timezone
 from .config import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES
 from .dataset import dataset_stem
 from .fsutil import (
-    fsync_dir, open_regular, pid_alive, read_small, rename_noreplace, try_lock, utc_now, write_atomic,
+    fsync_dir, open_regular, pid_alive, read_small, rename_noreplace, try_lock, user_name, utc_now, write_atomic,
 )
 
 INCOMING, PROCESSING, DONE, FAILED = "incoming", "processing", "done", "failed"
@@ -420,7 +420,7 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
                        f"{st.st_uid}); make it readable by group ds-ops and drop it again")
     before = os.fstat(fd)
     if before.st_nlink > 1:  # a hard link to an inode another member owns: who dropped it cannot be told
-        return _refuse(record, f"it has {before.st_nlink} hard links (owner uid {before.st_uid}): who dropped it "
+        return _refuse(record, f"it has {before.st_nlink} hard links (owner {user_name(before.st_uid)}): who dropped it "
                        "cannot be told, so it is not trained; drop a copy of its own (cp, or mv of a file "
                        "that has no other name)")
     if before.st_size == 0:
