@@ -245,8 +245,28 @@ def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | 
         if op is not None and _compact_time(str(op.get("at", ""))) > job_id:
             return (f"current is {current}, set by {op.get('by')}'s {op.get('action')} at {op.get('at')}, "
                     f"after job {job_id} was claimed")
+        taken = _owner_conflict(name_dir, current, version)
+        if taken:
+            return taken
     publish(name_dir, version)
     return None
+
+
+def _owner_conflict(name_dir: str, current: str | None, version: str) -> str | None:
+    """Return why ``version`` may not become current over ``current`` because the model name
+    belongs to another uid (``uploader_uid`` of current's metadata; issue 18), or None. Checked
+    under the name lock, so two first datasets of a new name cannot both take it: the first to
+    publish owns it. A version dropped by root or the service user (``uploaded_by_uid``) may."""
+    if current is None:
+        return None
+    try:
+        owner = read_metadata(os.path.join(name_dir, current)).get("uploader_uid")
+        by = read_metadata(os.path.join(name_dir, version)).get("uploaded_by_uid")
+    except StoreError:
+        return None
+    if not isinstance(owner, int) or not isinstance(by, int) or by in (0, os.geteuid(), owner):
+        return None
+    return f"the model belongs to uid {owner} (current is {current}); this version's file was dropped by uid {by}"
 
 
 def read_operator_action(name_dir: str) -> dict | None:

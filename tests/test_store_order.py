@@ -113,3 +113,19 @@ def test_the_daemons_publish_waits_for_the_lock_the_models_commands_take(tmp_pat
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_two_first_datasets_of_a_new_name_cannot_both_take_it(tmp_path, payload):
+    """Issue 18 review: both jobs passed the owner check at their start (no model yet); the later
+    claim's publish moved current to the other uploader's data. The check is repeated under the lock."""
+    alice, bob = 12345, 12346
+    first, second = new_job_id(), new_job_id()  # Bob's claim is the later one
+    v_a, md_a = save_model(str(tmp_path), "new", payload, {"dataset": {"file": "new.csv"}, "job_id": first,
+                                                          "uploader_uid": alice, "uploaded_by_uid": alice})
+    v_b, md_b = save_model(str(tmp_path), "new", payload, {"dataset": {"file": "x.csv"}, "job_id": second,
+                                                          "uploader_uid": alice, "uploaded_by_uid": bob})
+    assert current_version(str(tmp_path / "new")) == os.path.basename(v_a) and md_a["not_current"] is None
+    assert f"belongs to uid {alice}" in md_b["not_current"] and f"dropped by uid {bob}" in md_b["not_current"]
+    v_c, md_c = save_model(str(tmp_path), "new", payload, {"dataset": {"file": "new.csv"}, "job_id": new_job_id(),
+                                                          "uploader_uid": alice, "uploaded_by_uid": alice})
+    assert current_version(str(tmp_path / "new")) == os.path.basename(v_c)  # hers go on as before
