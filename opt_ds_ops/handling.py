@@ -60,7 +60,7 @@ class Breadcrumb:
     def close(self) -> None:
         """Empty and close it (a clean stop leaves no job in hand)."""
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
+            self.mark(None)
             os.close(self._fd)
             self._fd = None
 

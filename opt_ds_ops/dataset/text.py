@@ -55,7 +55,20 @@ _EXPECTED = re.compile(r"Expected (\d+) columns, got (\d+)")
 _CONVERSION = re.compile(r"In CSV column #(\d+): CSV conversion error to \w+: invalid value '(.*)'$", re.S)
 
 
-class _BoundedReader(io.RawIOBase):
+class _Over(io.RawIOBase):
+    """A readable raw stream over another one, ``self._raw``, which it closes with itself."""
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+
+
+class _BoundedReader(_Over):
     """A binary stream over ``raw`` that raises DatasetError once more than
     ``limits.max_decompressed_bytes`` were read from it, or a line runs past ``limits.max_line_bytes``.
 
@@ -69,9 +82,6 @@ class _BoundedReader(io.RawIOBase):
         self._raw, self._path, self._limits, self._stop_at = raw, path, limits, stop_at
         self.bytes_read = 0
         self._line_bytes = 0
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, b) -> int:
         if self._stop_at is not None:
@@ -100,17 +110,11 @@ class _BoundedReader(io.RawIOBase):
             )
         return n
 
-    def close(self) -> None:
-        try:
-            self._raw.close()
-        finally:
-            super().close()
-
 
 _LONE_CR = re.compile(rb"\r(?!\n)")
 
 
-class _CRLines(io.RawIOBase):
+class _CRLines(_Over):
     """The bytes of ``raw`` with every CR that is not followed by LF turned into LF.
 
     Classic Mac and some Excel exports end their lines with CR only; a line is then ``\n``,
@@ -122,9 +126,6 @@ class _CRLines(io.RawIOBase):
     def __init__(self, raw):
         super().__init__()
         self._raw, self._pending, self._cr = raw, b"", False
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, b) -> int:
         while not self._pending:
@@ -143,12 +144,6 @@ class _CRLines(io.RawIOBase):
         b[:n] = self._pending[:n]
         self._pending = self._pending[n:]
         return n
-
-    def close(self) -> None:
-        try:
-            self._raw.close()
-        finally:
-            super().close()
 
 
 def _open(path: str, limits: DatasetLimits, stop_at: int | None = None) -> io.BufferedReader:
