@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -138,6 +139,24 @@ def run_until(conf: Path, predicate, what: str, **daemon_kwargs) -> "Daemon":
     finally:
         d.kill()
     return d
+
+
+@contextlib.contextmanager
+def service(root: Path, preexec_fn, env: dict | None = None, **cfg):
+    """A real daemon on root (``preexec_fn``: as which user, e.g. :func:`as_service_user`), with
+    incoming/ at the package's mode 3770; asserts at the end that the same process is alive and
+    stops with 0."""
+    conf = write_config(root, **cfg)
+    d = Daemon(conf, preexec_fn=preexec_fn, env=env)
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=START_TIMEOUT_S)
+        os.chmod(spool_dir(root, "incoming"), 0o3770)
+        yield d
+        assert d.alive(), d.log()
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
 
 
 class NotifySocket:

@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SMD_TRAIN, run_cli
+import daemon_kit
 from daemon_kit import (
-    START_TIMEOUT_S, Daemon, base_env, copy_smd, done_names, drop_dac_capabilities, failed_names,
+    Daemon, base_env, copy_smd, done_names, drop_dac_capabilities, failed_names,
     job_record, read_json, spool_dir, versions, write_config,
 )
 
@@ -39,20 +40,9 @@ def sha256(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-@contextlib.contextmanager
 def service(tmp_path, env=None, **cfg):
     """A real daemon on tmp_path, as the service user, incoming/ with the package's mode 3770."""
-    conf = write_config(tmp_path, **cfg)
-    d = Daemon(conf, preexec_fn=AS_SERVICE, env=env)
-    try:
-        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=START_TIMEOUT_S)
-        os.chmod(spool_dir(tmp_path, "incoming"), 0o3770)
-        yield d
-        assert d.alive(), d.log()
-        rc, _ = d.stop()
-        assert rc == 0, d.log()
-    finally:
-        d.kill()
+    return daemon_kit.service(tmp_path, AS_SERVICE, env=env, **cfg)
 
 
 def as_other_user(path: Path) -> Path:

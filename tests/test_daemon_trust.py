@@ -10,7 +10,6 @@ the same daemon process still serving.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMD_TRAIN
+import daemon_kit
 from daemon_kit import (
     START_TIMEOUT_S, Daemon, as_service_user, done_names, failed_names, read_json, spool_dir, versions,
     write_config,
@@ -29,20 +29,9 @@ ALICE, BOB = 12345, 12346
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")
 
 
-@contextlib.contextmanager
 def service(tmp_path, **cfg):
-    """A real daemon on tmp_path as the service user; asserts at the end that it is the same process, alive."""
-    conf = write_config(tmp_path, **cfg)
-    d = Daemon(conf, preexec_fn=as_service_user)
-    try:
-        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=START_TIMEOUT_S)
-        os.chmod(spool_dir(tmp_path, "incoming"), 0o3770)
-        yield d
-        assert d.alive(), d.log()
-        rc, _ = d.stop()
-        assert rc == 0, d.log()
-    finally:
-        d.kill()
+    """A real daemon on tmp_path as the service user (no CAP_CHOWN/DAC/FOWNER)."""
+    return daemon_kit.service(tmp_path, as_service_user, **cfg)
 
 
 def drop(incoming: Path, name: str, data: bytes, uid: int, mode: int = 0o640) -> Path:
