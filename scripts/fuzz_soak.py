@@ -50,10 +50,8 @@ import io
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
@@ -65,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import (  # noqa: E402 - this directory first
     OTHER_UID, READY_TIMEOUT_S, REPO, Daemon, Datasets, SoakFailure, Writers, add_common_arguments,
     check_common_arguments, check_models, check_results, daemon_env, died_before_kill, kill_phase_estimate_s,
-    kill_schedule, make_spool, peak_rss_kib, session_processes, timed_kill, write_config,
+    kill_everything, kill_schedule, peak_rss_kib, session_processes, soak_root, timed_kill, write_config,
 )
 
 HOSTILE_UID = OTHER_UID + 1  # the member who drops the hostile items (not the good datasets' owner)
@@ -589,12 +587,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.monotonic()
     deadline = t_start + args.timeout_s
-    root = Path(args.root).resolve() if args.root else Path(tempfile.mkdtemp(prefix="ds-ops-fuzz-soak-"))
-    root.mkdir(parents=True, exist_ok=True)
-    if any(root.iterdir()):
-        ap.error(f"--root {root} is not empty")
-    os.chmod(root, 0o755)
-    dirs = make_spool(root)
+    root, dirs = soak_root(ap, args, "ds-ops-fuzz-soak-")
     for extra in ("metrics", "tmp"):
         (root / extra).mkdir()
     conf = write_config(root, (f"  max_dataset_bytes: {MAX_DATASET_BYTES}", "daemon:", f"  max_jobs: {args.max_jobs}",
@@ -735,13 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         fails.append(str(e))
     finally:
         hostile.stop()
-        if daemon is not None and daemon.alive():
-            daemon.kill()
-        for pid, _sid, _cmd in session_processes(sessions):
-            try:
-                os.kill(pid, signal.SIGKILL)  # only processes of the daemons this soak started
-            except ProcessLookupError:
-                pass
+        kill_everything(daemon, sessions)
         (root / "summary.json").write_text(json.dumps(
             {"args": vars(args), "figures": figures, "failures": fails,
              "items": [{k: v for k, v in it.items() if k != "dropped_at"} for it in hostile.items]},

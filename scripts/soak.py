@@ -316,6 +316,29 @@ def write_config(root: Path, extra: tuple[str, ...] = ()) -> Path:
     return conf
 
 
+def kill_everything(daemon, sessions) -> None:
+    """At the end of a soak: kill the running daemon and every process left in the sessions of
+    the daemons it started (only those)."""
+    if daemon is not None and daemon.alive():
+        daemon.kill()
+    for pid, _sid, _cmd in session_processes(sessions):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def soak_root(ap: argparse.ArgumentParser, args, prefix: str) -> tuple[Path, dict[str, Path]]:
+    """Return (the run's root: ``--root`` or a new temporary directory, which must be empty, mode
+    0755, its spool made by :func:`make_spool`)."""
+    root = Path(args.root).resolve() if args.root else Path(tempfile.mkdtemp(prefix=prefix))
+    root.mkdir(parents=True, exist_ok=True)
+    if any(root.iterdir()):
+        ap.error(f"--root {root} is not empty")
+    os.chmod(root, 0o755)
+    return root, make_spool(root)
+
+
 def make_spool(root: Path) -> dict[str, Path]:
     """The spool with the package's modes (debian/ds-ops.tmpfiles) and a staging folder beside it."""
     spool = root / "spool"
@@ -730,12 +753,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.monotonic()
     deadline = t_start + args.timeout_s
-    root = Path(args.root).resolve() if args.root else Path(tempfile.mkdtemp(prefix="ds-ops-soak-"))
-    root.mkdir(parents=True, exist_ok=True)
-    if any(root.iterdir()):
-        ap.error(f"--root {root} is not empty")
-    os.chmod(root, 0o755)
-    dirs = make_spool(root)
+    root, dirs = soak_root(ap, args, "ds-ops-soak-")
     conf = write_config(root)
     print(f"soak: {args.datasets} datasets, {args.kills} kills, {args.writers} writers, seed {args.seed}, "
           f"kills: {args.startup_share:.0%} 0-{args.startup_max_s:g} s after the start, {args.event_share:.0%} "
@@ -846,13 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     except SoakFailure as e:
         fails.append(str(e))
     finally:
-        if daemon is not None and daemon.alive():
-            daemon.kill()
-        for pid, _sid, _cmd in session_processes(sessions):
-            try:
-                os.kill(pid, signal.SIGKILL)  # only processes of the daemons this soak started
-            except ProcessLookupError:
-                pass
+        kill_everything(daemon, sessions)
 
     if ok:
         print(f"soak passed in {time.monotonic() - t_start:.0f} s")
