@@ -28,9 +28,11 @@ test: venv
 
 # Coverage-guided fuzzing (atheris) of every reader: the datasets per format, sidecars, the conffile;
 # FUZZ_SECONDS per target (9 targets), findings kept in tests/fuzz/regressions (docs/development-fuzz.md).
+# FUZZ_SEED fixes libFuzzer's seed (CI does: the same inputs every run); unset, each run explores anew.
 FUZZ_SECONDS ?= 60
+FUZZ_SEED ?=
 fuzz: venv
-	$(BIN)/python scripts/fuzz.py --seconds $(FUZZ_SECONDS)
+	$(BIN)/python scripts/fuzz.py --seconds $(FUZZ_SECONDS) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
 
 # Training loop against the seed script's loop; parsing of CSV (numeric, ISO time) and Parquet
 # against numpy's loadtxt. Each prints ratios against its baseline, run in the same process.

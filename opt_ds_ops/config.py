@@ -110,6 +110,24 @@ class MetricsConfig:
                                "an absolute path, or empty for off")
 
 
+@dataclass(frozen=True)
+class ScoringConfig:
+    """The scoring spool (issue 19): telemetry dropped in ``spool.dir``/score/ is scored by its
+    model's ``current`` version, as one series per model across files.
+
+    ``results_dir``: per model, the scored files' per-row scores and JSON summaries and the
+    series' carried state (``RESULTS/NAME/``). ``max_gap_periods``: the carried state is reset
+    when the gap between the previous chunk's last time and this chunk's first time is more than
+    this many sample periods (the model's ``sample_period_s``); 0 = never by gap.
+    ``results_max_age_days``/``results_max_bytes``: retention of each model's results, as for done/.
+    """
+
+    results_dir: str = _field("/var/lib/ds-ops/scores", os.path.isabs, "an absolute path")
+    max_gap_periods: float = _field(10.0, _non_negative, "a number >= 0 (sample periods; 0: never)")
+    results_max_age_days: float = _field(30.0, _non_negative, "days >= 0 (0: keep forever)")
+    results_max_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: no limit)")
+
+
 def _max_jobs_ok(v: str) -> bool:
     return v == "auto" or (v.isdigit() and int(v) >= 1)
 
@@ -296,6 +314,9 @@ class DatasetConfig:
     columns: tuple = _field((), _names_ok, "a list of column names or 1-based numbers")
     exclude_columns: tuple = _field((), _names_ok, "a list of column names or 1-based numbers")
     time_order: str = _field("sort", lambda v: v in TIME_ORDERS, "one of sort, refuse")
+    # issue 19: names of the features of headerless data (a .npy, or CSV without a header), in
+    # feature order; stored with the model so that alerts, results and ``score`` name metrics.
+    metric_names: tuple = _field((), _names_ok, "a list of metric names, one per feature, in order")
 
 
 @dataclass(frozen=True)
@@ -315,12 +336,13 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
     source: str = field(default="<defaults>", compare=False)
 
 
 _SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig, "job": JobConfig,
              "dataset": DatasetConfig, "store": StoreConfig, "metrics": MetricsConfig,
-             "daemon": DaemonConfig}
+             "daemon": DaemonConfig, "scoring": ScoringConfig}
 
 
 _SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12

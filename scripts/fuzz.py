@@ -19,7 +19,7 @@ instrumented code and of the comparisons it traces, ``ft``: features) and findin
 finding's input is copied to ``tests/fuzz/regressions/TARGET/KIND-SHA1`` (one a kind) for
 ``tests/fuzz/test_regressions.py``, its log to ``build/fuzz/TARGET.log``. Exit 1 on any finding.
 
-    python scripts/fuzz.py [--seconds 60] [--targets csv,npz] [--timeout 10] [--tolerate KIND,...]
+    python scripts/fuzz.py [--seconds 60] [--targets csv,npz] [--timeout 10] [--seed N] [--tolerate KIND,...]
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _instrument_module(atheris, module) -> None:
             atheris.instrument_func(f)
 
 
-def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifacts: str) -> None:
+def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifacts: str, seed: int | None) -> None:
     """Fuzz one target in this process (does not return: libFuzzer exits)."""
     import atheris
 
@@ -171,6 +171,8 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
     argv = [sys.argv[0], f"-max_total_time={seconds}", f"-timeout={timeout_s}", f"-rss_limit_mb={rss_limit_mb}",
             f"-artifact_prefix={artifacts}/", "-max_len=16384", "-print_final_stats=1", "-print_pcs=0",
             str(corpus), str(FUZZ / "corpus" / target)]
+    if seed is not None:
+        argv.insert(1, f"-seed={seed}")
     if target in ("sidecar", "config"):
         argv.insert(1, f"-dict={FUZZ / 'yaml.dict'}")  # keys, values and YAML syntax to splice in
     mutator = _container_mutator(atheris, *CONTAINERS[target]) if target in CONTAINERS else None
@@ -248,6 +250,8 @@ def fuzz_target(target: str, seconds: int, args) -> dict:
             env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=scratch, FUZZ_TOLERATE=args.tolerate)
             cmd = [sys.executable, __file__, "--child", target, "--seconds", str(left), "--timeout", str(args.timeout),
                    "--rss-limit-mb", str(args.rss_limit_mb), "--artifacts", artifacts]
+            if args.seed is not None:  # the k-th restart after a finding goes on from seed + k, not the same path
+                cmd += ["--seed", str(args.seed + totals["runs"])]
             try:
                 p = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    errors="replace", timeout=left + args.timeout + 120)
@@ -304,11 +308,14 @@ def main() -> int:
     ap.add_argument("--tolerate", default="", metavar="KIND,...",
                     help="exploring only: exceptions of these kinds (TYPE@FILE:FUNCTION, as printed for a finding) "
                          "are not findings, so the fuzzer gets past a known bug")
+    ap.add_argument("--seed", type=int, default=int(os.environ["FUZZ_SEED"]) if os.environ.get("FUZZ_SEED") else None,
+                    help="libFuzzer's random seed (default: $FUZZ_SEED, else a new one each run); CI fixes it so "
+                         "that its run is the same inputs each time, in the same order")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--artifacts", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.seconds, args.timeout, args.rss_limit_mb, args.artifacts)
+        child(args.child, args.seconds, args.timeout, args.rss_limit_mb, args.artifacts, args.seed)
         return 0
     sys.path.insert(0, str(FUZZ))
     from targets import TARGETS  # noqa: E402 - the names only

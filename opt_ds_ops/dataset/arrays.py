@@ -44,9 +44,13 @@ def _npy_header(f, path: str, kind: str) -> tuple[tuple, bool, np.dtype]:
     try:
         version = np.lib.format.read_magic(f)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        return read(f)
+        shape, fortran, dtype = read(f)
     except _HEADER_ERRORS as e:
         raise DatasetError(f"{path}: not a plain numeric {kind} ({clip(str(e))})") from None
+    # numpy's header check takes any int; a negative one makes np.memmap raise OverflowError (fuzz)
+    if any(int(n) < 0 for n in shape):
+        raise DatasetError(f"{path}: not a plain numeric {kind} (negative dimension in shape {tuple(shape)})")
+    return shape, fortran, dtype
 
 
 def _centred(path: str, shape: tuple, block_of) -> tuple[np.ndarray, np.ndarray | None]:

@@ -288,6 +288,8 @@ def check_shape(path: str, what: str, shape: tuple, limits: DatasetLimits) -> No
     if len(shape) != 2:
         raise DatasetError(f"{path}: {what} has rank {len(shape)} (shape {tuple(shape)}); need rows x metrics (rank 2)")
     rows, cols = (int(s) for s in shape)
+    if rows < 0 or cols < 0:
+        raise DatasetError(f"{path}: {what} has a negative dimension (shape {tuple(shape)})")
     if cols > limits.max_columns:
         raise DatasetError(f"{path}: {what} of shape ({rows}, {cols}) has {cols} columns; "
                            f"job.max_columns is {limits.max_columns}")
