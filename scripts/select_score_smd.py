@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The record of how ds-ops's default score was picked (issue 10; README, "Does it find anomalies?").
+"""The record of how ds-ops's default score was picked (issue 10; docs/detection.md, "How the default score was chosen").
 
 On the selection half of the shared SMD machines only (default: machine-1-2 1-4 1-6 1-8 2-2; the
 other five are the confirmation half and must not be given here), train one model per machine and
 input-clip setting with the configured defaults, then score the test period with every
-combination of error floor, smoothing and z-score weight of the two sweeps the README lists, and
+combination of error floor, smoothing and z-score weight of the two sweeps docs/detection.md lists, and
 print the settings by the rule fixed beforehand: the highest mean ROC-AUC + mean PR-AUC
 (``--sweep clip``, the first round).
 

@@ -10,7 +10,7 @@ dropped by concurrent writer threads, real training on the CPU, real SIGKILLs.
   given to another member of the group (uid 12345, mode 0640), as a user's drop would be.
 * ``--datasets`` distinct small datasets (300-2000 rows x 4-38 columns of the real SMD rows of
   data/smd/train/machine-1-2.txt.gz, sliced differently each, as .csv, .txt.gz or .npy) are dropped
-  by ``--writers`` threads, only in the ways the README calls safe: written under NAME.part,
+  by ``--writers`` threads, only in the ways docs/operating.md calls safe: written under NAME.part,
   NAME.tmp or .NAME in incoming/ then renamed to NAME, or written in a staging folder on the same
   file system then renamed in. Random gaps spread the drops over the kill phase.
 * Meanwhile the daemon is SIGKILLed ``--kills`` times and started again at once after each kill.

@@ -107,7 +107,7 @@ def test_a_dataset_over_distributed_min_bytes_trains_alone_on_two_gloo_ranks(tmp
 
 def test_auto_on_a_host_without_gpus_trains_the_large_dataset_in_one_process(tmp_path, monkeypatch):
     """distributed_nproc auto means one rank per healthy GPU: none here, so one process (gloo ranks
-    on two cores are slower than one process, README)."""
+    on two cores are slower than one process, docs/performance.md)."""
     d, sent = start(tmp_path, monkeypatch, nproc="auto")
     drop(tmp_path, "big.csv", 3000, 3)
     seen = run(d, tmp_path, lambda: done_names(tmp_path) == {"big.csv"}, sent)

@@ -46,7 +46,7 @@ def test_train_nproc_2_stores_the_model_one_process_stores(tmp_path, odd_smd_csv
     np.testing.assert_allclose(b["scaler_std"].numpy(), a["scaler_std"].numpy(), rtol=1e-6)
     assert abs(b["threshold"] - a["threshold"]) <= 0.01 * a["threshold"]
     # every feature within 1 %, plus a tenth of the error floor (0.01) for scales near the floor;
-    # README, "One dataset on several GPUs": two single-process runs that differ only in torch's
+    # docs/architecture.md, "Several processes, one model": two single-process runs that differ only in torch's
     # thread count differ by up to 2.9 % on a feature, so 1 % alone is below float reproducibility
     ea, eb = a["error_scale"].numpy().astype(np.float64), b["error_scale"].numpy().astype(np.float64)
     assert np.all(np.abs(eb - ea) <= 0.01 * ea + 1e-3), (np.abs(eb - ea) / ea).max()

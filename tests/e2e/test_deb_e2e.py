@@ -254,7 +254,7 @@ def test_nvidia_modprobe_runs_as_root_before_each_start_and_its_failure_is_harml
 
 def test_group_member_drops_a_dataset_and_a_model_appears(box):
     box.run(["useradd", "--create-home", USER])                  # an existing user ...
-    box.run(["usermod", "-aG", "ds-ops", USER])                  # ... joins group ds-ops (README)
+    box.run(["usermod", "-aG", "ds-ops", USER])                  # ... joins group ds-ops (docs/INSTALL.md)
     started = time.monotonic()
     drop(box, f"/srv/smd/{DATASET}", DATASET)
     wait_model(box, MODEL, 1)

@@ -2,7 +2,7 @@
 
 Rows are cut from the bundled SMD machine (data/smd) and, where the shared data sets are laid out
 beside the checkout (../shared/data/{smd,asd,nab}, as CI does), from ASD and NAB; each seed is a
-few KB. Sidecars are the examples of the README and the man page; the conffile is
+few KB. Sidecars are the examples of docs/datasets.md and the man page; the conffile is
 etc/ds-ops/trainer.yaml. ``python tests/fuzz/make_corpus.py`` rewrites every seed the same way.
 """
 
@@ -44,7 +44,7 @@ def _gz(data: bytes) -> bytes:
 
 
 def text_seeds() -> dict[str, bytes]:
-    """Real exports as text: SMD/ASD rows, a NAB series with its time column, the README's formats."""
+    """Real exports as text: SMD/ASD rows, a NAB series with its time column, docs/datasets.md's formats."""
     smd = REPO / "data" / "smd" / "train" / "machine-1-2.txt.gz"
     seeds = {
         "smd-machine-1-2.csv": _lines(smd, 12),
@@ -52,7 +52,7 @@ def text_seeds() -> dict[str, bytes]:
         "smd-labels.csv": _lines(REPO / "data" / "smd" / "test_label" / "machine-1-2.txt.gz", 40),
         "smd-tab.tsv": _lines(smd, 6).replace(b",", b"\t"),
         "smd-crlf.csv": _lines(smd, 6).replace(b"\n", b"\r\n"),
-        # the README's exporter table, one line each plus a few rows
+        # docs/datasets.md's exporter table, one line each plus a few rows
         "grafana.csv": b'"Time","{cpu=""0"", mode=""idle""}"\n1716000000000,0.93\n1716000060000,0.91\n1716000120000,0.95\n',
         "telegraf.csv": (b"timestamp,measurement,host,usage_idle\n1716000000,cpu,gpu1,93.1\n"
                          b"1716000010,cpu,gpu1,92.7\n1716000020,cpu,gpu1,93.4\n"),
@@ -153,7 +153,7 @@ def main() -> None:
                 w.write_batch(b)
         _put("arrow", f"{name}-stream.arrow", sink.getvalue().to_pybytes())
 
-    sidecars = {  # the README's and man page's examples, and tests/test_daemon_exports.py's
+    sidecars = {  # docs/datasets.md's and the man page's examples, and tests/test_daemon_exports.py's
         "nvidia-smi.yaml": b"exclude_columns: [2, 4]\nname: gpu-telemetry\n",
         "telegraf.yaml": b"exclude_columns: [measurement, host]\n",
         "name.yaml": b"name: fixed-model\n",
