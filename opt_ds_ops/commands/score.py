@@ -8,9 +8,10 @@ import os
 
 import numpy as np
 
-from ..config import DEFAULT_CONFIG_PATH, DatasetConfig
+from ..config import DEFAULT_CONFIG_PATH
 from ..dataset import DatasetLimits, load_dataset
 from ..score import evaluate, flagged_segments, fmt_metric, load_labels, metric_names, score_with_cells
+from ..scoring import stored_options
 from ..store import load_model, model_path
 from . import CliError, load_cfg
 
@@ -27,18 +28,6 @@ def add_parser(sub) -> None:
     s.add_argument("--plot", metavar="FILE", help="draw the score over the rows with the threshold (and the labels) to a PNG")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=run)
-
-
-def stored_options(stored, cfg) -> DatasetConfig:
-    """The column options the model's dataset was read with (metadata.json ``dataset.options``; a
-    sidecar's included), so new data is read the same way; models from before them: the conffile's."""
-    saved = (stored.metadata.get("dataset") or {}).get("options")
-    if not isinstance(saved, dict):
-        return cfg.dataset
-    try:
-        return DatasetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-    except TypeError:
-        return cfg.dataset
 
 
 def align_columns(stored, ds) -> None:
