@@ -34,7 +34,6 @@ from .config import SIDECAR_MAX_BYTES, Config, ConfigError, DatasetConfig, parse
 from .dataset import DatasetError, DatasetLimits, dataset_stem, load_dataset
 from .dataset.core import iso_utc
 from .fsutil import fsync_dir, read_small, write_atomic
-from .score import ScoreError
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
                      score_chunk)
 from .store import CURRENT, StoreError, load_model, safe_model_name
@@ -117,7 +116,7 @@ def stored_options(stored, cfg) -> DatasetConfig:
         return cfg.dataset
 
 
-def read_state(path: str, name: str) -> tuple[SeriesState | None, str | None]:
+def read_state(path: str) -> tuple[SeriesState | None, str | None]:
     """Return (the series state in path or None if there is none, a note if it could not be read)."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -195,7 +194,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     model_dir = os.path.join(cfg.scoring.results_dir, name)
     os.makedirs(model_dir, DIR_MODE, exist_ok=True)
     state_path = os.path.join(model_dir, STATE_FILE)
-    state, state_note = read_state(state_path, name)
+    state, state_note = read_state(state_path)
     if state is not None and state.last_job == job_id and state.last_result:  # scored before a restart
         try:
             with open(os.path.join(model_dir, state.last_result, SUMMARY_FILE), encoding="utf-8") as f:

@@ -116,12 +116,13 @@ def sample_period_s(stored: StoredModel) -> float | None:
     return float(period) if isinstance(period, (int, float)) and period > 0 else None
 
 
-def model_metric_names(stored: StoredModel) -> list[str]:
+def model_metric_names(stored: StoredModel, fallback: list[str] | None = None) -> list[str]:
     """Return the model's D metric names: metadata.json ``metric_names`` (the training file's
-    header, or ``dataset.metric_names``), else its ``dataset.header``, else the 1-based file
-    columns of its features as text."""
+    header, or ``dataset.metric_names``), else its ``dataset.header``, else ``fallback`` (the
+    scored file's header, say) when it has D names, else the 1-based file columns of the
+    model's features as text."""
     md, d = stored.metadata, stored.n_features
-    for names in (md.get("metric_names"), (md.get("dataset") or {}).get("header")):
+    for names in (md.get("metric_names"), (md.get("dataset") or {}).get("header"), fallback):
         if isinstance(names, list) and len(names) == d:
             return [str(n) for n in names]
     cols = (md.get("dataset") or {}).get("feature_columns")
@@ -277,7 +278,9 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
             events.append({"event": "anomaly-started", "row": row0 + a, "time": _time(at(a)),
                            "threshold": float(stored.threshold), "score": float(scores[a]),
                            "top_metrics": _ranked(cells[a].astype(np.float64), names, top)})
-        running = np.asarray(seg["sums"], dtype=np.float64) + np.cumsum(cells[a:b], axis=0, dtype=np.float64)
+        # summed row after row from the carried sums: the same additions whatever the chunks
+        running = np.cumsum(np.vstack([np.asarray(seg["sums"], dtype=np.float64)[None], cells[a:b]]), axis=0,
+                            dtype=np.float64)[1:]
         order = np.argsort(-running, axis=1, kind="stable")[:, :top]
         for k, i in enumerate(range(a, b)):
             top_rows[i] = ";".join(names[j] for j in order[k])
