@@ -258,5 +258,35 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         raise
     fsync_dir(model_dir)
     new.last_job, new.last_result = job_id, result_name
+    new.scored_at, new.top_metrics = summary["scored_at"], summary["top_metrics"]
     write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True) + "\n").encode(), mode=FILE_MODE)
     return summary
+
+
+def series_status(results_dir: str) -> list[dict]:
+    """Return, per model with a series under results_dir (name order), what ``ds-ops status``
+    shows: ``model``, ``version``, ``scored_at`` (the last chunk's scoring time), ``last_time``
+    (its last row's time, ISO UTC or None), ``rows_scored``, ``rows_flagged``, ``segments``,
+    ``active``, ``top_metrics`` (the open segment's), ``last_score``, ``threshold``,
+    ``last_job``; or ``{"model", "error"}`` for a state that cannot be read. Never raises."""
+    out = []
+    try:
+        names = sorted(e for e in os.listdir(results_dir) if not e.startswith("."))
+    except OSError:
+        return out
+    for name in names:
+        path = os.path.join(results_dir, name, STATE_FILE)
+        if not os.path.isfile(path):
+            continue
+        state, why = read_state(path)
+        if state is None:
+            out.append({"model": name, "error": why})
+            continue
+        out.append({"model": name, "version": state.version, "scored_at": state.scored_at,
+                    "last_time": iso_utc(state.last_time) if state.last_time is not None else None,
+                    "rows_scored": state.rows_scored, "rows_flagged": state.rows_flagged,
+                    "segments": state.segments, "active": state.segment is not None,
+                    "top_metrics": state.top_metrics if state.segment is not None else [],
+                    "last_score": finite_or_none(state.last_score), "threshold": state.threshold,
+                    "last_job": state.last_job})
+    return out

@@ -44,7 +44,9 @@ class SeriesState:
     (``mean``); ``context``: the last ``input_window - 1`` standardised, clipped rows (float32
     values); ``segment``: the open anomaly segment or None (``start_row``, ``start_time``,
     ``peak_score``, ``peak_row``, ``peak_time``, ``sums``: each metric's sum of unsmoothed terms,
-    ``rows``); counters over the series; ``last_job``: the scoring job that wrote this state.
+    ``rows``); counters over the series; ``last_job``, ``last_result``, ``scored_at``,
+    ``top_metrics``: the scoring job that wrote this state, its result directory, when, and the
+    open segment's top metrics by name (:func:`opt_ds_ops.scoring.score_job` sets them).
     """
 
     model: str
@@ -63,6 +65,8 @@ class SeriesState:
     threshold: float | None = None
     last_job: str | None = None
     last_result: str | None = None
+    scored_at: str | None = None  # when last_job wrote it (ISO 8601 UTC)
+    top_metrics: list = field(default_factory=list)  # the open segment's, named (for status and metrics)
 
     def to_dict(self) -> dict:
         """Return the state as plain JSON types, with ``format``."""

@@ -202,3 +202,22 @@ def test_training_refuses_metric_names_of_another_count(tmp_path, smd_rows):
     with pytest.raises(JobError, match="dataset.metric_names gives 2 names for 38 feature columns") as e:
         run_job(str(tmp_path / "short.csv"), cfg)
     assert e.value.stage == "dataset" and not (tmp_path / "models").exists()
+
+
+def test_series_status_says_per_model_whether_an_anomaly_is_open_and_its_metrics(store, cfg, tmp_path):
+    from opt_ds_ops.scoring import series_status
+
+    stored = load_model(store["model_dir"])
+    whole = score_rows(stored, store["test"])
+    inside = [i for i in range(1, len(whole) - 1) if whole[i - 1] > stored.threshold and whole[i] > stored.threshold]
+    cut = inside[len(inside) // 2]
+    assert series_status(cfg.scoring.results_dir) == []
+    summary = score_job(make_job(tmp_path, job_id(1), store["test"][:cut]), cfg)
+    assert summary["active"] and summary["top_metrics"]
+    (status,) = series_status(cfg.scoring.results_dir)
+    assert status["model"] == "m1" and status["active"] and status["rows_scored"] == cut
+    assert status["top_metrics"] == summary["top_metrics"] and status["scored_at"] == summary["scored_at"]
+    assert all(m["metric"] in NAMES for m in status["top_metrics"])
+    (tmp_path / "scores" / "broken").mkdir()
+    (tmp_path / "scores" / "broken" / "state.json").write_text("{")
+    assert series_status(cfg.scoring.results_dir)[0]["error"].startswith("the series state")
