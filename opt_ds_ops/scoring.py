@@ -22,6 +22,7 @@ ds-ops reads them). The caller runs one scoring job of a model at a time; nothin
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -213,7 +214,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     if record.get("sidecar") and os.path.lexists(os.path.join(job_dir, SIDECAR_FILE)):
         options = _sidecar(os.path.join(job_dir, SIDECAR_FILE), record["sidecar"], options)[0]
     path = os.path.join(job_dir, str(record.get("data_file") or ""))
-    limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes)
+    limits = dataclasses.replace(DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), min_rows=1)
     try:
         ds = load_dataset(path, limits, options)
         ds.path = source

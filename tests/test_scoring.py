@@ -221,3 +221,16 @@ def test_series_status_says_per_model_whether_an_anomaly_is_open_and_its_metrics
     (tmp_path / "scores" / "broken").mkdir()
     (tmp_path / "scores" / "broken" / "state.json").write_text("{")
     assert series_status(cfg.scoring.results_dir)[0]["error"].startswith("the series state")
+
+
+def test_one_row_chunks_continue_the_series(store, cfg, tmp_path):
+    """An exporter that writes a file per sample: one-row chunks are scored (training needs 2)."""
+    test = store["test"][:40]
+    whole = score_rows(load_model(store["model_dir"]), np.loadtxt(
+        make_job(tmp_path, "whole", test) + "/dataset.csv", delimiter=",", dtype=np.float64).astype(np.float32))
+    rows = read_rows(score_job(make_job(tmp_path, job_id(0), test[:30]), cfg)["result_dir"])
+    for i in range(30, 40):
+        summary = score_job(make_job(tmp_path, job_id(i), test[i : i + 1]), cfg)
+        assert summary["rows"] == 1 and summary["first_row"] == i
+        rows += read_rows(summary["result_dir"])
+    np.testing.assert_allclose([float(r["score"]) for r in rows], whole, rtol=1e-5, atol=1e-6)
