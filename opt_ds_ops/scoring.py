@@ -117,6 +117,37 @@ def stored_options(stored, cfg) -> DatasetConfig:
         return cfg.dataset
 
 
+def pinned_options(stored, options: DatasetConfig) -> DatasetConfig:
+    """Return options that read a headerless chunk's columns as the model's training file was read.
+
+    ``time_column: auto`` and the row-index rule look at the values, so a short chunk (one row; an
+    index that starts at 3000) could be read otherwise than the training file was. For a model
+    without header names whose training left columns out, the time column and the feature
+    columns are pinned to the training file's numbers (metadata.json ``dataset.time.column``,
+    ``dataset.feature_columns``), unless the options name columns themselves."""
+    ds = stored.metadata.get("dataset") or {}
+    cols, time = ds.get("feature_columns"), (ds.get("time") or {}).get("column")
+    if ds.get("header") or not isinstance(cols, list) or not ds.get("left_out") or options.columns:
+        return options
+    pin = {"columns": tuple(str(c) for c in cols), "exclude_columns": ()}
+    if options.time_column.strip().casefold() == "auto":
+        number = str(time).removeprefix("column ").strip() if isinstance(time, str) else ""
+        pin["time_column"] = number if number.isdigit() else "none"
+    return dataclasses.replace(options, **pin)
+
+
+def _check_width(stored, ds) -> None:
+    """Raise ScoringError if a pinned headerless chunk has another number of columns than the
+    model's training file (``feature_columns`` plus ``left_out``)."""
+    md = stored.metadata.get("dataset") or {}
+    if md.get("header") or not md.get("left_out") or not isinstance(md.get("feature_columns"), list):
+        return
+    want, got = len(md["feature_columns"]) + len(md["left_out"]), ds.features + len(ds.left_out)
+    if want != got:
+        raise ScoringError(f"{ds.path}: {got} columns; the model's training file had {want} "
+                           f"({len(md['feature_columns'])} features)")
+
+
 def read_state(path: str) -> tuple[SeriesState | None, str | None]:
     """Return (the series state in path or None if there is none, a note if it could not be read)."""
     try:
@@ -216,11 +247,19 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     path = os.path.join(job_dir, str(record.get("data_file") or ""))
     limits = dataclasses.replace(DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), min_rows=1)
     try:
-        ds = load_dataset(path, limits, options)
+        pinned = pinned_options(stored, options)
+        try:
+            ds = load_dataset(path, limits, pinned)
+        except DatasetError:
+            if pinned == options:
+                raise
+            _check_width(stored, load_dataset(path, limits, options))  # the reason in the file's own terms
+            raise
         ds.path = source
+        _check_width(stored, ds)
         match_columns(stored, ds)
-    except DatasetError as e:
-        raise DatasetError(str(e).replace(path, _clip(source))) from None
+    except (DatasetError, ScoringError) as e:
+        raise type(e)(str(e).replace(path, _clip(source))) from None
     names = model_metric_names(stored)
     notes = ([state_note] if state_note else []) + list(ds.notes)
     state = state or fresh_state(name, stored)

@@ -234,3 +234,33 @@ def test_one_row_chunks_continue_the_series(store, cfg, tmp_path):
         assert summary["rows"] == 1 and summary["first_row"] == i
         rows += read_rows(summary["result_dir"])
     np.testing.assert_allclose([float(r["score"]) for r in rows], whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("first", ["row index", "epoch seconds"])
+def test_short_headerless_chunks_are_read_as_the_training_file_was(tmp_path, smd_rows, first):
+    """A headerless export with a row index or unnamed epoch seconds before the metrics: the
+    training file's reading (column 1 left out, or the time) holds for two-row chunks, whose
+    values alone would not show it (an index from 2000; two times)."""
+    n = 2012
+    lead = np.arange(n) if first == "row index" else 1.7e9 + 60 * np.arange(n)
+    full = np.column_stack([lead, smd_rows[:n]])
+    fmt = ["%d"] + ["%.6f"] * 38
+    np.savetxt(tmp_path / "exp.csv", full[:2000], delimiter=",", fmt=fmt)
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
+                                    "scoring.results_dir": str(tmp_path / "scores")})
+    md = run_job(str(tmp_path / "exp.csv"), cfg).metadata["dataset"]
+    assert md["feature_columns"] == list(range(2, 40)) and (md["time"] is not None) == (first == "epoch seconds")
+    rows = []
+    for i, start in enumerate(range(2000, 2010, 2)):
+        jdir = make_job(tmp_path, job_id(i), None, "exp.csv", text="")
+        np.savetxt(os.path.join(jdir, "dataset.csv"), full[start : start + 2], delimiter=",", fmt=fmt)
+        summary = score_job(jdir, cfg)
+        assert summary["notes"] == [] and (summary["first_time"] is not None) == (first == "epoch seconds")
+        rows += read_rows(summary["result_dir"])
+    stored = load_model(str(tmp_path / "models" / "exp" / "current"))
+    np.testing.assert_allclose([float(r["score"]) for r in rows], score_rows(stored, smd_rows[2000:2010]),
+                               rtol=1e-5, atol=1e-6)
+    jdir = make_job(tmp_path, job_id(9), None, "exp.csv", text="")
+    np.savetxt(os.path.join(jdir, "dataset.csv"), full[2010:2012, 1:], delimiter=",", fmt=fmt[1:])
+    with pytest.raises(ScoringError, match="exp.csv: 38 columns; the model's training file had 39"):
+        score_job(jdir, cfg)
