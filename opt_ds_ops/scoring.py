@@ -260,7 +260,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         match_columns(stored, ds)
     except (DatasetError, ScoringError) as e:
         raise type(e)(str(e).replace(path, _clip(source))) from None
-    names = model_metric_names(stored)
+    names = [_clip(n) for n in model_metric_names(stored, ds.metric_labels())]
     notes = ([state_note] if state_note else []) + list(ds.notes)
     state = state or fresh_state(name, stored)
     times = ds.time.seconds if ds.time is not None else None

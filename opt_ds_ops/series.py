@@ -79,9 +79,16 @@ class SeriesState:
             raise ValueError(f"series state of unknown format (want format {STATE_FORMAT})")
         known = {f.name for f in dataclasses.fields(cls)}
         try:
-            return cls(**{k: v for k, v in obj.items() if k in known})
+            state = cls(**{k: v for k, v in obj.items() if k in known})
         except TypeError as e:
             raise ValueError(f"series state: {e}") from None
+        numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.segments)
+        if (not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
+                or not isinstance(state.context, list) or not isinstance(state.recent, list)
+                or not (state.segment is None or isinstance(state.segment, dict) and isinstance(state.segment.get("sums"), list))
+                or not (state.last_time is None or isinstance(state.last_time, (int, float)))):
+            raise ValueError("series state: a field of the wrong type")
+        return state
 
 
 @dataclass

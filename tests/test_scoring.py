@@ -264,3 +264,12 @@ def test_short_headerless_chunks_are_read_as_the_training_file_was(tmp_path, smd
     np.savetxt(os.path.join(jdir, "dataset.csv"), full[2010:2012, 1:], delimiter=",", fmt=fmt[1:])
     with pytest.raises(ScoringError, match="exp.csv: 38 columns; the model's training file had 39"):
         score_job(jdir, cfg)
+
+
+@pytest.mark.parametrize("bad", ["{", '{"format": 1, "model": "m1", "next_row": "x"}', '{"format": 7}'])
+def test_an_unreadable_series_state_starts_the_series_again_with_a_note(store, cfg, tmp_path, bad):
+    (tmp_path / "scores" / "m1").mkdir(parents=True)
+    (tmp_path / "scores" / "m1" / "state.json").write_text(bad)
+    summary = score_job(make_job(tmp_path, job_id(1), store["test"][:20]), cfg)
+    assert summary["first_row"] == 0 and "could not be read" in summary["notes"][0]
+    assert json.loads((tmp_path / "scores" / "m1" / "state.json").read_text())["next_row"] == 20
