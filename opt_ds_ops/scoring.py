@@ -193,6 +193,50 @@ def _result_dirs(model_dir: str, job_id: str) -> list[str]:
         return []
 
 
+def load_chunk(job_dir: str, record: dict, stored, cfg: Config):
+    """Return the job's chunk as a Dataset read as the model's training file was (its options, a
+    sidecar's over them, :func:`pinned_options`; the training limits, one row allowed), its
+    columns checked and put in the model's order (:func:`match_columns`). Messages name the
+    dropped file, never the job's copy. Raises DatasetError or ScoringError."""
+    options = stored_options(stored, cfg)
+    if record.get("sidecar") and os.path.lexists(os.path.join(job_dir, SIDECAR_FILE)):
+        options = _sidecar(os.path.join(job_dir, SIDECAR_FILE), record["sidecar"], options)[0]
+    path, source = os.path.join(job_dir, str(record.get("data_file") or "")), _clip(record["dataset"])
+    limits = dataclasses.replace(DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), min_rows=1)
+    try:
+        pinned = pinned_options(stored, options)
+        try:
+            ds = load_dataset(path, limits, pinned)
+        except DatasetError:
+            if pinned == options:
+                raise
+            _check_width(stored, load_dataset(path, limits, options))  # the reason in the file's own terms
+            raise
+        ds.path = source
+        _check_width(stored, ds)
+        match_columns(stored, ds)
+    except (DatasetError, ScoringError) as e:
+        raise type(e)(str(e).replace(path, source)) from None
+    return ds
+
+
+def _write_result(model_dir: str, job_id: str, summary: dict, rows: bytes) -> None:
+    """Write rows.csv and summary.json into ``.tmp-JOB``, fsync, rename it to the summary's
+    ``result_dir``; a failure removes the temporary directory. Raises OSError."""
+    tmp = os.path.join(model_dir, f".tmp-{job_id}")
+    os.mkdir(tmp, DIR_MODE)
+    try:
+        os.chmod(tmp, DIR_MODE)
+        _write_file(os.path.join(tmp, ROWS_FILE), rows)
+        _write_file(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=1, sort_keys=True) + "\n").encode())
+        fsync_dir(tmp)
+        os.rename(tmp, summary["result_dir"])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(model_dir)
+
+
 def score_job(job_dir: str, cfg: Config) -> dict:
     """Given a claimed scoring job's directory (``job.json``: ``job_id``, ``dataset`` (the file's
     name), ``data_file``, ``sidecar``, ``uploader_uid``), score it and return its summary (JSON
@@ -224,7 +268,6 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         raise ScoringError(f"{_clip(source)}: model {name} has no current version (train it first, or name the "
                            f"model in a sidecar {_clip(dataset_stem(source))}.yaml: model: NAME)")
     model_dir = os.path.join(cfg.scoring.results_dir, name)
-    os.makedirs(model_dir, DIR_MODE, exist_ok=True)
     state_path = os.path.join(model_dir, STATE_FILE)
     state, state_note = read_state(state_path)
     if state is not None and state.last_job == job_id and state.last_result:  # scored before a restart
@@ -241,25 +284,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         stored = load_model(current)
     except StoreError as e:
         raise ScoringError(f"model {name}: {e}") from None
-    options = stored_options(stored, cfg)
-    if record.get("sidecar") and os.path.lexists(os.path.join(job_dir, SIDECAR_FILE)):
-        options = _sidecar(os.path.join(job_dir, SIDECAR_FILE), record["sidecar"], options)[0]
-    path = os.path.join(job_dir, str(record.get("data_file") or ""))
-    limits = dataclasses.replace(DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), min_rows=1)
-    try:
-        pinned = pinned_options(stored, options)
-        try:
-            ds = load_dataset(path, limits, pinned)
-        except DatasetError:
-            if pinned == options:
-                raise
-            _check_width(stored, load_dataset(path, limits, options))  # the reason in the file's own terms
-            raise
-        ds.path = source
-        _check_width(stored, ds)
-        match_columns(stored, ds)
-    except (DatasetError, ScoringError) as e:
-        raise type(e)(str(e).replace(path, _clip(source))) from None
+    ds = load_chunk(job_dir, record, stored, cfg)
     names = [_clip(n) for n in model_metric_names(stored, ds.metric_labels())]
     notes = ([state_note] if state_note else []) + list(ds.notes)
     state = state or fresh_state(name, stored)
@@ -285,18 +310,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "replayed": False,
     }
-    tmp = os.path.join(model_dir, f".tmp-{job_id}")
-    os.mkdir(tmp, DIR_MODE)
-    try:
-        os.chmod(tmp, DIR_MODE)
-        _write_file(os.path.join(tmp, ROWS_FILE), rows_csv(result, times))
-        _write_file(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=1, sort_keys=True) + "\n").encode())
-        fsync_dir(tmp)
-        os.rename(tmp, summary["result_dir"])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(model_dir)
+    os.makedirs(model_dir, DIR_MODE, exist_ok=True)
+    _write_result(model_dir, job_id, summary, rows_csv(result, times))
     new.last_job, new.last_result = job_id, result_name
     new.scored_at, new.top_metrics = summary["scored_at"], summary["top_metrics"]
     write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True) + "\n").encode(), mode=FILE_MODE)
