@@ -273,3 +273,22 @@ def test_an_unreadable_series_state_starts_the_series_again_with_a_note(store, c
     summary = score_job(make_job(tmp_path, job_id(1), store["test"][:20]), cfg)
     assert summary["first_row"] == 0 and "could not be read" in summary["notes"][0]
     assert json.loads((tmp_path / "scores" / "m1" / "state.json").read_text())["next_row"] == 20
+
+
+def test_a_chunk_dropped_by_another_uid_than_the_models_owner_is_refused(tmp_path, smd_rows):
+    """The model name belongs to the uid that first trained it (issue 18): another member of
+    group ds-ops can neither feed its series nor reset it."""
+    np.savetxt(tmp_path / "owned.csv", smd_rows[:500], delimiter=",", fmt="%.6f")
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
+                                    "scoring.results_dir": str(tmp_path / "scores")})
+    run_job(str(tmp_path / "owned.csv"), cfg, uploader_uid=4201)
+    jdir = make_job(tmp_path, job_id(1), smd_rows[500:520], "owned.csv")
+    record = json.loads(open(os.path.join(jdir, "job.json")).read())
+    with open(os.path.join(jdir, "job.json"), "w") as f:
+        json.dump(dict(record, uploader_uid=4202), f)
+    with pytest.raises(ScoringError, match="model 'owned' belongs to uid 4201"):
+        score_job(jdir, cfg)
+    assert not (tmp_path / "scores" / "owned").exists()
+    with open(os.path.join(jdir, "job.json"), "w") as f:
+        json.dump(dict(record, uploader_uid=4201), f)
+    assert score_job(jdir, cfg)["rows"] == 20
