@@ -91,7 +91,8 @@ def match_columns(stored, ds, *, extra_ok: bool = False) -> None:
         extra = [] if extra_ok else [n for n in ds.header if n not in names]
         if missing or extra:
             def shown(cols):
-                return ", ".join(repr(_clip(n, 60)) for n in cols[:5]) + (f", ... ({len(cols)} in all)" if len(cols) > 5 else "")
+                more = f", ... ({len(cols)} in all)" if len(cols) > 5 else ""
+                return ", ".join(repr(_clip(n, 60)) for n in cols[:5]) + more
             parts = ([f"lacks the model's columns {shown(missing)}"] if missing else []) + \
                     ([f"has columns the model was not trained on: {shown(extra)}"] if extra else [])
             raise ScoringError(f"{ds.path}: the columns do not match the model's: this file {'; and '.join(parts)}")
