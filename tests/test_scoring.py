@@ -147,20 +147,22 @@ def test_named_columns_must_match_the_models_and_are_listed(tmp_path, smd_rows):
     cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
                                     "scoring.results_dir": str(tmp_path / "scores")})
     assert run_job(str(train_file), cfg).metadata["metric_names"] == header
-    wrong = header[:36] + ["disk_util", "fan_rpm"]
-    jdir = make_job(tmp_path, job_id(1), smd_rows[2000:2100], "named.csv", header=",".join(wrong))
-    with pytest.raises(ScoringError) as e:
-        score_job(jdir, cfg)
-    assert "lacks the model's columns 'c36', 'c37'" in str(e.value)
-    assert "columns the model was not trained on: 'disk_util', 'fan_rpm'" in str(e.value)
-    assert not (tmp_path / "scores" / "named" / "state.json").exists()
     order = list(range(37, -1, -1))
-    jdir = make_job(tmp_path, job_id(2), smd_rows[2000:2100][:, order], "named.csv",
+    jdir = make_job(tmp_path, job_id(1), smd_rows[2000:2100][:, order], "named.csv",
                     header=",".join(header[j] for j in order))
     reordered = score_job(jdir, cfg)
     stored = load_model(str(tmp_path / "models" / "named" / "current"))
     np.testing.assert_allclose([float(r["score"]) for r in read_rows(reordered["result_dir"])],
                                score_rows(stored, smd_rows[2000:2100]), rtol=1e-5, atol=1e-6)
+    state_file = tmp_path / "scores" / "named" / "state.json"
+    before = state_file.read_bytes()
+    wrong = header[:36] + ["disk_util", "fan_rpm"]
+    jdir = make_job(tmp_path, job_id(2), smd_rows[2100:2200], "named.csv", header=",".join(wrong))
+    with pytest.raises(ScoringError) as e:
+        score_job(jdir, cfg)
+    assert "lacks the model's columns 'c36', 'c37'" in str(e.value)
+    assert "columns the model was not trained on: 'disk_util', 'fan_rpm'" in str(e.value)
+    assert state_file.read_bytes() == before and len(os.listdir(state_file.parent)) == 2
 
 
 def test_a_replayed_job_is_not_scored_twice(store, cfg, tmp_path):
