@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import dataclasses
 
@@ -107,9 +108,15 @@ def run(args) -> int:
 
         bar = tqdm(total=cfg.train.epochs, unit="epoch", desc="training", file=sys.stderr)
 
+    shown = {"at": 0.0}
+
     def on_epoch(s: EpochStats) -> None:
         if args.json:
             return
+        # issue 21: under the plateau rule a small dataset runs hundreds of short epochs: one line a second
+        if cfg.train.stopping == "plateau" and s.epoch > 10 and time.monotonic() - shown["at"] < 1.0:
+            return
+        shown["at"] = time.monotonic()
         if bar is not None:
             bar.set_postfix(loss=f"{s.train_loss:.4f}", val=f"{s.val_loss or 0:.4f}")
             bar.update(1)
@@ -151,16 +158,20 @@ def run(args) -> int:
         "data_placement": md.get("data_placement"),
         "step_mode": md.get("step_mode"),
         "peak_rss_bytes": md.get("peak_rss_bytes"),
+        "stopping": md.get("stopping"),
+        "warnings": md.get("warnings"),
     }
     if job.report_warning:  # issue 11: the picture failed, the model is saved
         print(f"ds-ops: warning: {job.report_warning}", file=sys.stderr)
+    for warning in md.get("warnings") or []:  # issue 21: a suspect model
+        print(f"ds-ops: warning: suspect model: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
         print(
             f"trained {md['name']} on {job.dataset.rows} rows x {job.dataset.features} features, "
             f"device {md['device']} amp {md['amp_dtype']}, {r.samples_per_s:,.0f} samples/s, "
-            f"threshold {r.threshold:.4f} ({_threshold_how(r)})"
+            f"threshold {r.threshold:.4f} ({_threshold_how(r)}); {r.stopping_line}"
         )
         if md.get("data_placement") == "streamed":
             print(f"note: {r.placement_note}; peak RSS {md['peak_rss_bytes'] / 2**20:,.0f} MiB")
