@@ -96,7 +96,7 @@ def main() -> int:
     for fleet in FLEETS:
         print(f"\n{fleet.upper()} (seed {args.seed}): ROC-AUC / PR-AUC per series; train s; why stopped (steps)")
         first = runs[names[0], fleet]
-        head = f"{'series':<13}" + "".join(f"{n:>22}" for n in names) + "".join(f"{b:>16}" for b in BASELINES)
+        head = f"{'series':<13}" + "".join(f"{n:>27}" for n in names) + "".join(f"{b:>16}" for b in BASELINES)
         print(head)
         for i, row in enumerate(first):
             cells = []
@@ -104,9 +104,9 @@ def main() -> int:
                 r = runs[n, fleet][i]
                 st = r["stopping"] or {}
                 cells.append(f"{r['ds-ops']['roc_auc']:.3f}/{r['ds-ops']['pr_auc']:.3f} "
-                             f"{r['train_s']:4.1f}s {str(st.get('reason', '?'))[:3]}{st.get('steps', 0):>5}")
+                             f"{r['train_s']:4.1f}s {str(st.get('reason', '?'))[:3]} {st.get('steps', 0):>5}")
             base = [f"{row[b]['roc_auc']:.3f}/{row[b]['pr_auc']:.3f}" for b in BASELINES]
-            print(f"{row['series']:<13}" + "".join(f"{c:>22}" for c in cells) + "".join(f"{c:>16}" for c in base))
+            print(f"{row['series']:<13}" + "".join(f"{c:>27}" for c in cells) + "".join(f"{c:>16}" for c in base))
         for key in names + list(BASELINES):
             rows = runs[key, fleet] if key in names else first
             score = "ds-ops" if key in names else key
@@ -117,9 +117,9 @@ def main() -> int:
             means[key, fleet] = {"roc_auc": roc, "pr_auc": pr, "S": merit(roc, pr), "alarms_per_day": alarms,
                                  "median_train_s": train_s}
         print(f"{'mean':<13}" + "".join(f"{means[n, fleet]['roc_auc']:.4f}/{means[n, fleet]['pr_auc']:.4f} "
-                                        f"S={means[n, fleet]['S']:.4f}".rjust(22) for n in names)
+                                        f"S={means[n, fleet]['S']:.4f}".rjust(27) for n in names)
               + "".join(f"{means[b, fleet]['roc_auc']:.4f}/{means[b, fleet]['pr_auc']:.4f}".rjust(16) for b in BASELINES))
-        print(f"{'median train':<13}" + "".join(f"{means[n, fleet]['median_train_s']:.2f} s".rjust(22) for n in names))
+        print(f"{'median train':<13}" + "".join(f"{means[n, fleet]['median_train_s']:.2f} s".rjust(27) for n in names))
 
     print("\nfolds (leave one fleet out; S = (mean ROC-AUC + mean PR-AUC) / 2):")
     folds = {}
