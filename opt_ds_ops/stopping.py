@@ -124,3 +124,22 @@ class Stopper:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+def throttled(on_epoch, cfg: TrainConfig, min_interval_s: float = 1.0):
+    """Return on_epoch (a callable of one EpochStats) called for the first 10 epochs and then at
+    most once every min_interval_s under the plateau rule, where a small dataset runs hundreds of
+    short epochs (one journal or terminal line each otherwise); on_epoch itself under ``epochs``."""
+    if on_epoch is None or cfg.stopping != "plateau":
+        return on_epoch
+    import time
+
+    last = {"at": -math.inf}
+
+    def call(stats) -> None:
+        now = time.monotonic()
+        if stats.epoch <= 10 or now - last["at"] >= min_interval_s:
+            last["at"] = now
+            on_epoch(stats)
+
+    return call

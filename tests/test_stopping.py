@@ -136,3 +136,19 @@ def test_ds_ops_train_says_why_it_stopped_and_that_the_model_is_suspect(tmp_path
     assert md["stopping"]["reason"] == "epochs" and md["stopping"]["steps"] == 9
     assert any("column 5 " in w for w in md["warnings"])
     assert (md_path.parent / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_epoch_lines_are_one_a_second_past_epoch_10_under_the_plateau_rule_only():
+    from types import SimpleNamespace
+
+    from opt_ds_ops.stopping import throttled
+
+    seen = []
+    call = throttled(seen.append, TrainConfig())
+    for e in range(1, 301):  # 300 epochs in well under a second
+        call(SimpleNamespace(epoch=e))
+    assert [s.epoch for s in seen] == list(range(1, 11))
+    def every(stats):
+        seen.append(stats)
+
+    assert throttled(every, TrainConfig(stopping="epochs")) is every

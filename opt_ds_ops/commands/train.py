@@ -6,13 +6,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import dataclasses
 
 from ..config import DEFAULT_CONFIG_PATH
 from ..health import gate_job, summary_line
 from ..job import JobError, columns_note, find_sidecar, read_sidecar, run_job
+from ..stopping import throttled
 from ..train import EpochStats
 from . import load_cfg
 
@@ -108,15 +108,9 @@ def run(args) -> int:
 
         bar = tqdm(total=cfg.train.epochs, unit="epoch", desc="training", file=sys.stderr)
 
-    shown = {"at": 0.0}
-
     def on_epoch(s: EpochStats) -> None:
         if args.json:
             return
-        # issue 21: under the plateau rule a small dataset runs hundreds of short epochs: one line a second
-        if cfg.train.stopping == "plateau" and s.epoch > 10 and time.monotonic() - shown["at"] < 1.0:
-            return
-        shown["at"] = time.monotonic()
         if bar is not None:
             bar.set_postfix(loss=f"{s.train_loss:.4f}", val=f"{s.val_loss or 0:.4f}")
             bar.update(1)
@@ -130,7 +124,8 @@ def run(args) -> int:
         print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {cfg.train.epochs} epochs{procs}"
               f"{health}){f'; options from {sidecar}' if sidecar else ''}", flush=True)
     try:
-        job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report, on_epoch=on_epoch,
+        job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report,
+                      on_epoch=throttled(on_epoch, cfg.train),  # issue 21: one line a second past epoch 10
                       options=options, explicit_name=name is not None, nproc=args.nproc)
     finally:
         if bar is not None:
