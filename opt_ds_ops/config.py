@@ -1,8 +1,9 @@
 """Configuration: the conffile ``/etc/ds-ops/trainer.yaml``, parsed once and passed down.
 
 Given a YAML file, :func:`load_config` returns a frozen :class:`Config`; every key has a type, an
-allowed range and a default in one place (the ``_field`` calls below). Training defaults equal
-the seed lab script (epochs 5, batch 2048, AdamW lr 1e-3, weight decay 1e-4, hidden 24, latent 8).
+allowed range and a default in one place (the ``_field`` calls below). The optimizer's
+defaults equal the seed lab script (batch 2048, AdamW lr 1e-3, weight decay 1e-4, hidden 24, latent
+8); how long it trains does not (issue 21: until the validation loss plateaus, not 5 epochs).
 Command-line overrides go through :func:`with_overrides`, which validates the same way.
 """
 
@@ -46,7 +47,18 @@ def _device_ok(v: str) -> bool:
 class TrainConfig:
     """Hyper-parameters of one training job (defaults: the seed lab script)."""
 
-    epochs: int = _field(5, _positive, "an integer >= 1")
+    # issue 21: train until the validation loss stops improving (opt_ds_ops.stopping); epochs is a cap.
+    # Defaults chosen on two fleets by the protocol of docs/detection-protocol.md.
+    epochs: int = _field(1000, _positive, "an integer >= 1")
+    stopping: str = _field("plateau", lambda v: v in ("plateau", "epochs"), "one of plateau, epochs")
+    eval_every_steps: int = _field(50, _positive, "an integer >= 1 (optimizer steps)")
+    patience: int = _field(10, _positive, "an integer >= 1 (evaluations)")
+    min_delta: float = _field(0.001, lambda v: 0 <= v < 1, "a number in [0, 1) (relative)")
+    min_steps: int = _field(500, _non_negative, "an integer >= 0 (optimizer steps)")
+    max_steps: int = _field(10000, _positive, "an integer >= 1 (optimizer steps)")
+    # issue 21: warn when the validation split does not look like the training split (opt_ds_ops.suspect)
+    suspect_loss_ratio: float = _field(3.0, _positive, "a number > 0 (validation / training loss)")
+    suspect_shift_sd: float = _field(6.0, _positive, "a number > 0 (training standard deviations)")
     batch_size: int = _field(2048, lambda v: v >= 2, "an integer >= 2 (BatchNorm1d needs 2 rows)")
     lr: float = _field(1e-3, _positive, "a number > 0")
     weight_decay: float = _field(1e-4, _non_negative, "a number >= 0")

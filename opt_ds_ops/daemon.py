@@ -62,7 +62,7 @@ from .dataset import dataset_stem
 from .fsutil import user_name, utc_now
 from .health import gate_job, judge_gpu, summary_line
 from .handling import QUARANTINE_AFTER, Breadcrumb
-from .job import columns_note
+from .job import columns_note, stopping_note
 from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
 from .notify import Notifier
@@ -1053,11 +1053,15 @@ class Daemon:
             f"threshold {doc['threshold']:.4f}, {doc['device']} amp {doc['amp_dtype']}); dataset in done/{safe_text(final)}"
             f"{safe_text(columns_note(metadata.get('dataset') or {}))}"
             + (f"; {metadata['data_placement_note']}" if metadata.get("data_placement_note") else "")
+            + stopping_note(metadata)
             + (f"; not made current: {safe_text(metadata['not_current'])}" if metadata.get("not_current") else ""),
             model_dir=doc["model_dir"], loss=doc["final_train_loss"], val_loss=doc["final_val_loss"],
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], threshold=doc["threshold"],
             **self._fields(record),
         )
+        for warning in metadata.get("warnings") or []:  # issue 21: published, but suspect
+            self.log.event("model-suspect", f"{safe_text(record['dataset'])}: {safe_text(warning)}", priority=LOG_WARNING,
+                           model_dir=doc["model_dir"], **self._fields(record))
         if metadata.get("report_warning"):  # issue 11: the picture failed, the job did not
             self.log.event("report-failed", f"{safe_text(record['dataset'])}: {metadata['report_warning']}; the model "
                            f"is saved; redraw it with ds-ops report {doc['model_dir']}", priority=LOG_WARNING,

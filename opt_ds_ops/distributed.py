@@ -63,6 +63,7 @@ from .device import AMP_DTYPES, DevicePlan
 from .fsutil import pid_alive, utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
 from .threshold import pick_threshold
+from .stopping import Stopper
 from .train import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, _blocks, batch_bounds, begin_run,
                     clip_inputs, make_optimizer, split_sizes, standardise)
 
@@ -271,6 +272,8 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
     step_skipped = torch.zeros(len(bounds), dtype=torch.bool, device=device)
     history: list[EpochStats] = []
     skipped_total = 0
+    # issue 21: the plateau rule on each epoch's validation loss (all-reduced: every rank decides alike)
+    stopper = Stopper(cfg, evaluated="epoch")
 
     for epoch in range(cfg.epochs):
         net.train()
@@ -314,7 +317,11 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
         history.append(stats)
         if on_epoch is not None:
             on_epoch(stats)
+        stopper.steps += len(bounds)
+        if stopper.update(val_loss if n_val else None, model):
+            break
 
+    restored = stopper.finish(model, device)
     cell = feature_errors(model, x_ref)
     sums = torch.from_numpy(all_reduce_sum(cell.double().sum(dim=0).cpu().numpy(), device))
     error_scale = (sums / len(ref_rows)).float().clamp_min(cfg.error_floor)
@@ -327,7 +334,7 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
         rows_train=n, rows_val=n_val, skipped_steps=skipped_total, started_at=started, ended_at=utc_now(),
         duration_s=time.perf_counter() - t_start, data_placement="gpu" if device.type == "cuda" else "host",
         score_smoothing=cfg.score_smoothing, input_clip=cfg.input_clip, error_floor=cfg.error_floor,
-        threshold_method=cfg.threshold_method,
+        threshold_method=cfg.threshold_method, stopping=stopper.summary(restored), stopping_line=stopper.line(),
         extra={"world_size": group.world_size, "backend": group.backend})
 
 
@@ -605,7 +612,8 @@ def _save_result(r: TrainResult, path: str) -> None:
     """Write r (weights_only-safe: tensors, numbers, strings) to path atomically."""
     fields = {k: getattr(r, k) for k in ("threshold", "threshold_quantile", "score_window", "rows_train", "rows_val",
                                          "skipped_steps", "started_at", "ended_at", "duration_s", "data_placement",
-                                         "score_smoothing", "input_clip", "error_floor", "threshold_method", "extra")}
+                                         "score_smoothing", "input_clip", "error_floor", "threshold_method", "extra",
+                                         "stopping", "stopping_line")}
     fields["history"] = [h.as_dict() for h in r.history]
     torch.save({"model_args": r.model.model_args(), "state_dict": r.model.state_dict(),
                 "mean": torch.from_numpy(np.asarray(r.mean, dtype=np.float64)),

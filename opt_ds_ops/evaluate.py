@@ -8,6 +8,9 @@ interpretation_label), three scores of the test rows:
   on the model loaded back from the store, so ``ds-ops score`` gives the same numbers.
 * ``z-ema``: model-free; the row's mean squared z-score against the training file's column
   mean/std, then a causal EMA with alpha = 2/11 (issue 10's baseline).
+* ``pca-ema``: model-free and linear (issue 21); the row's mean squared reconstruction error by
+  the principal components holding 95 % of the standardised training file's variance
+  (:func:`opt_ds_ops.score.pca_cells`), then the same EMA as ``z-ema``.
 * ``seed-mse``: the seed lab script's score, the per-row reconstruction MSE of the same model
   (standardised, clipped and windowed inputs as the model was trained, the MSE over the whole
   window's cells; no per-feature normalisation, no smoothing).
@@ -49,6 +52,7 @@ from .score import (
     segment_hit_rate,
     load_interpretation,
     load_labels,
+    pca_ema_baseline,
     score_with_cells,
     standardise_rows,
     zscore_cells,
@@ -57,7 +61,7 @@ from .store import load_model
 from .threshold import pick_threshold
 from .train import split_rows
 
-SCORES = ("ds-ops", "z-ema", "seed-mse")
+SCORES = ("ds-ops", "z-ema", "pca-ema", "seed-mse")
 METRICS = ("roc_auc", "pr_auc", "best_f1", "f1", "alarms_per_day", "hit_rate_100", "hit_rate_150",
            "row_hit_rate_100", "row_hit_rate_150")
 
@@ -165,12 +169,14 @@ def evaluate_machine(files: MachineFiles, cfg: Config, plan: DevicePlan | None =
         return feature_errors(stored.model, window_rows(x, stored.input_window)).mean(dim=1).double().numpy()
 
     seed_test, seed_val = seed_mse(test.values()), seed_mse(ref)
+    pca_test, pca_val = pca_ema_baseline(train_values, test.values()), pca_ema_baseline(train_values, ref)
     thresholds = {
         "ds-ops": stored.threshold,
         "z-ema": pick_threshold(z_val, tcfg),
+        "pca-ema": pick_threshold(pca_val, tcfg),
         "seed-mse": pick_threshold(seed_val, tcfg),
     }
-    scores = {"ds-ops": ours, "z-ema": z_test, "seed-mse": seed_test}
+    scores = {"ds-ops": ours, "z-ema": z_test, "pca-ema": pca_test, "seed-mse": seed_test}
     result = {"machine": files.name, "model_dir": job.model_dir, "rows": test.rows, "anomalies": int(labels.sum())}
     truth = load_interpretation(files.interpretation, test.rows, test.features) if files.interpretation else None
     for name in SCORES:

@@ -26,6 +26,7 @@ from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import pid_alive, read_small, user_name
 from .gpustats import sampler_for
 from .report import try_write_report, validation_summary
+from .suspect import split_warnings
 from .store import StoreError, current_metadata, dataset_file_of, model_payload, safe_model_name, save_model
 from .train import CheckpointMismatch, EpochStats, TrainingError, TrainingInterrupted, TrainResult, train
 
@@ -159,6 +160,15 @@ def named_metrics(ds: Dataset, options: DatasetConfig) -> list[str] | None:
     return [str(n).strip() for n in options.metric_names]
 
 
+def stopping_note(metadata: dict) -> str:
+    """Return the journal line's tail for why training stopped (issue 21) and whether the model
+    is suspect: ``; stopped: plateau after 800 steps; suspect: 1 warning(s)`` ("" for neither)."""
+    stop = metadata.get("stopping") or {}
+    note = f"; stopped: {stop['reason']} after {stop['steps']} steps" if stop.get("reason") else ""
+    warnings = metadata.get("warnings") or []
+    return note + (f"; suspect: {len(warnings)} warning(s), see model-suspect" if warnings else "")
+
+
 def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, health: dict | None,
                    options: DatasetConfig | None = None) -> dict:
     """Return metadata.json's content for a trained model (all JSON types, times in UTC).
@@ -189,6 +199,9 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
         "rows_train": result.rows_train,
         "rows_val": result.rows_val,
         "epochs": len(result.history),
+        "stopping": result.stopping,  # issue 21: the rule, why training stopped and after how many steps
+        "warnings": split_warnings(result.split_check, cfg.train.suspect_loss_ratio, cfg.train.suspect_shift_sd,
+                                   ds.header, ds.feature_columns),
         "history": [h.as_dict() for h in result.history],
         "final_train_loss": result.history[-1].train_loss if result.history else None,
         "final_val_loss": result.history[-1].val_loss if result.history else None,

@@ -57,6 +57,8 @@ MESSAGE_IDS = {
     "sidecar-refused": "ead42fa0486f4585a2bab83feedd4f77",
     # issue 18
     "feature-refused": "0615d0ef11a546ed89164278f6df62ba",
+    # issue 21
+    "model-suspect": "0b1313adf7e84e408c8d906b8a880a57",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).

@@ -112,7 +112,9 @@ def write_report(version_dir: str, out: str | None = None) -> str:
     ax.plot(epochs, [h.get("train_loss") for h in hist], "o-", label="train loss")
     if any(h.get("val_loss") is not None for h in hist):
         ax.plot(epochs, [h.get("val_loss") for h in hist], "s-", label="validation loss")
-    ax.set(title="loss per epoch", xlabel="epoch", ylabel="MSE (standardised units)")
+    stop = md.get("stopping") or {}
+    ax.set(title="loss per epoch" + (f" (stopped: {stop['reason']}, {stop['steps']:,} steps)" if stop.get("reason") else ""),
+           xlabel="epoch", ylabel="MSE (standardised units)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend()
     ax.grid(alpha=0.3)
@@ -146,7 +148,13 @@ def write_report(version_dir: str, out: str | None = None) -> str:
         ax.tick_params(axis="y", labelsize=7)
     else:
         ax.text(0.5, 0.5, "model.pt unreadable", ha="center", va="center", transform=ax.transAxes)
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13, top=0.86, wspace=0.28)  # not tight_layout: 0.35 s
+    # issue 21: a suspect model says so under the plots, one red line per warning
+    warnings = [str(w) for w in md.get("warnings") or []][:3]
+    for i, w in enumerate(warnings):
+        fig.text(0.01, 0.015 + 0.05 * (len(warnings) - 1 - i), "WARNING: " + (w if len(w) <= 190 else w[:187] + "..."),
+                 color="tab:red", fontsize=9)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13 + 0.05 * len(warnings), top=0.86,
+                        wspace=0.28)  # not tight_layout: 0.35 s
     try:
         write_atomic(out, _png(fig))
     except OSError as e:

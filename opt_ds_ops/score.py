@@ -328,6 +328,38 @@ def zscore_cells(train: np.ndarray, data: np.ndarray) -> np.ndarray:
     return z * z
 
 
+PCA_VARIANCE = 0.95  # the PCA baseline keeps the components of this share of the training variance (issue 21)
+
+
+def pca_cells(train: np.ndarray, data: np.ndarray, variance: float = PCA_VARIANCE) -> tuple[np.ndarray, int]:
+    """Return (each cell's squared PCA reconstruction error, components kept): (rows, D) float64
+    from train (N, D) and data (rows, D), any real dtype.
+
+    Both are standardised by train's column mean and std (a zero std is 1, as :func:`zscore_cells`);
+    the principal axes are the eigenvectors of train's covariance (float64, ``numpy.linalg.eigh``),
+    the fewest whose eigenvalues hold at least ``variance`` (0..1] of its trace; a row's
+    reconstruction is its projection on them (issue 21's linear reference, after Sarfraz et al.,
+    ICML 2024)."""
+    mean = train.mean(axis=0, dtype=np.float64)
+    std = train.std(axis=0, dtype=np.float64)
+    std[std == 0] = 1.0
+    z_train = (np.asarray(train, dtype=np.float64) - mean) / std
+    eigvals, eigvecs = np.linalg.eigh(z_train.T @ z_train / z_train.shape[0])
+    eigvals, eigvecs = eigvals[::-1].clip(min=0.0), eigvecs[:, ::-1]
+    total = eigvals.sum()
+    k = int(np.searchsorted(np.cumsum(eigvals) / total, variance - 1e-12) + 1) if total > 0 else 0
+    axes = eigvecs[:, :min(k, eigvecs.shape[1])]
+    z = (np.asarray(data, dtype=np.float64) - mean) / std
+    residual = z - (z @ axes) @ axes.T
+    return residual * residual, axes.shape[1]
+
+
+def pca_ema_baseline(train: np.ndarray, data: np.ndarray, variance: float = PCA_VARIANCE) -> np.ndarray:
+    """The PCA baseline of ``ds-ops evaluate``: the row's mean squared reconstruction error
+    (:func:`pca_cells`), then the z-score baseline's causal EMA (alpha = 2/11); (rows,) float64."""
+    return smooth(pca_cells(train, data, variance)[0].mean(axis=1), EMA_BASELINE_WINDOW, "ema")
+
+
 def zscore_ema_baseline(train: np.ndarray, data: np.ndarray) -> np.ndarray:
     """Model-free baseline of issue 10: the row's mean squared z-score (:func:`zscore_cells`),
     then a causal EMA with alpha = 2/11; (rows,) float64."""

@@ -38,6 +38,7 @@ from .device import DevicePlan
 from .fsutil import utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
 from .step import TrainStep
+from .stopping import Stopper
 from .threshold import pick_threshold
 
 CHUNK_BYTES = 16 * 1024**2  # float32 bytes of one chunk read from disk
@@ -206,6 +207,10 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
     step = TrainStep(model, optimizer, scaler, plan.amp_dtype, device, cfg.batch_size, capture=cfg.cuda_graphs)
     skipped_total = sum(h.skipped_steps for h in history)
     val_sums = None
+    # issue 21: the plateau rule on each epoch's validation loss (a pass over the rows on disk), max_steps per window
+    stopper = Stopper(cfg, evaluated="epoch")
+    if resume is not None and resume.get("stopping"):
+        stopper.load_state_dict(resume["stopping"])
 
     for epoch in range(start_epoch, cfg.epochs):
         model.train()
@@ -238,10 +243,13 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
             sums["nonfinite"] += int((~finite).sum())
             sums["skipped"] += int(skipped.sum())
             sums["batches"] += len(bounds)
+            stopper.steps += len(bounds)
+            if stopper.at_max_steps():
+                break
             if should_stop is not None and w + 1 < len(windows) and should_stop():
                 partial = dict(sums, seconds=sums["seconds"] + time.perf_counter() - t0)
                 raise TrainingInterrupted(dict(_checkpoint(model, optimizer, scaler, n, epoch, w + 1, history, partial),
-                                               streamed=True))
+                                               streamed=True, stopping=stopper.state_dict()))
         seconds = sums["seconds"] + time.perf_counter() - t0
         start_window, carried = 0, {k: 0.0 if k in ("loss_sum", "seconds") else 0 for k in carried}
         if sums["nonfinite"] and not scaler.is_enabled():
@@ -258,7 +266,13 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
         history.append(stats)
         if on_epoch is not None:
             on_epoch(stats)
+        if stopper.update(val_loss, model) or stopper.reason is not None:
+            break
 
+    if stopper.finish(model, device):  # the best epoch's weights: their validation sums, not the last epoch's
+        restored, val_sums = True, None
+    else:
+        restored = False
     # the error scale: the last epoch's validation sums (the model has not changed since), or one
     # pass over the training rows without a validation split
     lo, hi = (n, n_all) if n_val else (0, n)
@@ -277,4 +291,7 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
                            else f"in one chunk of {n:,} rows, shuffled whole")),
         step_mode=step.mode, extra={"validation_scores": scores}, score_smoothing=cfg.score_smoothing,
         input_clip=cfg.input_clip, error_floor=cfg.error_floor, threshold_method=cfg.threshold_method,
+        stopping=dict(stopper.summary(restored), split_check="not run on a streamed dataset (it reads the validation "
+                      "split once more from disk; in-memory datasets only)"),
+        stopping_line=stopper.line(),
     )

@@ -31,6 +31,8 @@ from .device import DevicePlan
 from .fsutil import utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth, window_rows
 from .step import TrainStep
+from .stopping import Stopper, eval_subset
+from .suspect import column_shift_sd
 from .threshold import pick_threshold
 
 # Keep this much GPU memory free beyond the dataset tensors (bytes): activations, optimizer, CUDA context.
@@ -143,12 +145,17 @@ class TrainResult:
     threshold_method: str = "quantile"
     input_window: int = 1
     window_error: str = "last"
+    # issue 21: why and when training stopped (Stopper.summary), the human line, and the split
+    # check's figures (opt_ds_ops.suspect: eval-mode train/validation loss, per-column mean shift)
+    stopping: dict = field(default_factory=dict)
+    stopping_line: str = ""
+    split_check: dict = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
         """Training throughput over all epochs (samples/s, validation excluded)."""
         secs = sum(h.seconds for h in self.history)
-        return self.rows_train * len(self.history) / secs if secs else 0.0
+        return sum(h.samples_per_s * h.seconds for h in self.history) / secs if secs else 0.0
 
 
 def split_sizes(n: int, val_fraction: float) -> tuple[int, int]:
@@ -409,6 +416,9 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     step_skipped = torch.zeros(len(bounds), dtype=torch.bool, device=device)
     skipped_total = sum(h.skipped_steps for h in history)
     step = TrainStep(model, optimizer, scaler, plan.amp_dtype, device, cfg.batch_size, capture=cfg.cuda_graphs)
+    stopper, x_eval = Stopper(cfg), eval_subset(x_val)
+    if resume is not None:
+        stopper.load_state_dict(resume.get("stopping") or {"steps": start_epoch * len(bounds) + start_batch})
 
     for epoch in range(start_epoch, cfg.epochs):
         model.train()
@@ -418,17 +428,23 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         torch.index_select(x_train, 0, perm, out=buf)
         batch_loss.zero_()
         step_skipped.zero_()
+        done = len(bounds)  # batches of this epoch run (fewer when the stopping rule ends it)
         for b in range(start_batch, len(bounds)):
             s, e = bounds[b]
             loss, skipped = step(buf[s:e].to(device, non_blocking=True))
             if skipped is not None:
                 step_skipped[b] = skipped
             batch_loss[b] = loss
+            stopper.step()
+            if stopper.at_max_steps() or (stopper.due() and _evaluate(stopper, model, x_eval)):
+                done = b + 1
+                break
             if should_stop is not None and b + 1 < len(bounds) and should_stop():
                 partial = _sums(batch_loss, step_skipped, sizes, start_batch, b + 1, carried,
                                 carried["seconds"] + time.perf_counter() - t0)
-                raise TrainingInterrupted(_checkpoint(model, optimizer, scaler, n, epoch, b + 1, history, partial))
-        sums = _sums(batch_loss, step_skipped, sizes, start_batch, len(bounds), carried,
+                raise TrainingInterrupted(dict(_checkpoint(model, optimizer, scaler, n, epoch, b + 1, history, partial),
+                                               stopping=stopper.state_dict()))
+        sums = _sums(batch_loss, step_skipped, sizes, start_batch, done, carried,
                      carried["seconds"] + time.perf_counter() - t0)
         start_batch, carried = 0, _NOTHING_CARRIED
         seconds, n_nonfinite, n_skipped = sums["seconds"], sums["nonfinite"], sums["skipped"]
@@ -442,13 +458,17 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
             raise TrainingError(f"non-finite weights after epoch {epoch + 1}")
         val_loss = float(feature_errors(model, x_val).mean()) if x_val is not None else None
         train_loss = sums["loss_sum"] / max(sums["rows_counted"], 1)
-        stats = EpochStats(epoch + 1, train_loss, val_loss, n / seconds, seconds, n_skipped,
+        rows_run = bounds[done - 1][1] if done < len(bounds) else n  # a stopped epoch ran its first rows
+        stats = EpochStats(epoch + 1, train_loss, val_loss, rows_run / seconds, seconds, n_skipped,
                            gpu=read_gpu() if read_gpu is not None else None)
         skipped_total += n_skipped
         history.append(stats)
         if on_epoch is not None:
             on_epoch(stats)
+        if stopper.reason is not None:
+            break
 
+    restored = stopper.finish(model, device)  # the best evaluated weights
     ref = x_val if x_val is not None else x_train
     cell = feature_errors(model, ref)
     error_scale = cell.mean(dim=0).clamp_min(cfg.error_floor)
@@ -481,7 +501,28 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         threshold_method=cfg.threshold_method,
         input_window=w,
         window_error=cfg.window_error,
+        stopping=stopper.summary(restored),
+        stopping_line=stopper.line(),
+        split_check=split_check(model, x_train, cell, mean, std, val_rows),
     )
+
+
+def _evaluate(stopper: Stopper, model, x_eval) -> bool:
+    """Evaluate the plateau rule on x_eval (None: no validation split); back to train mode; True: stop."""
+    stop = stopper.update(float(feature_errors(model, x_eval).mean()) if x_eval is not None else None, model)
+    model.train()
+    return stop
+
+
+def split_check(model, x_train: torch.Tensor, val_cell: torch.Tensor, mean, std, val_rows) -> dict:
+    """Return the figures :func:`opt_ds_ops.suspect.split_warnings` judges: the final model's
+    eval-mode loss on (at most EVAL_ROWS of) the training rows and on the validation rows, and each
+    column's validation-mean shift in training standard deviations ({} without a validation split)."""
+    if len(val_rows) == 0:
+        return {}
+    return {"train_loss": float(feature_errors(model, eval_subset(x_train).to(val_cell.device)).mean()),
+            "val_loss": float(val_cell.mean()),
+            "shift_sd": column_shift_sd(mean, std, val_rows).tolist()}
 
 
 _NOTHING_CARRIED = {"loss_sum": 0.0, "rows_counted": 0, "nonfinite": 0, "skipped": 0, "seconds": 0.0}

@@ -238,6 +238,7 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
     from .fsutil import utc_now
     from .spool import Spool, load_checkpoint, lock_job, save_checkpoint
     from .store import find_job_version, publish_job
+    from .stopping import throttled
     from .train import GPU_HEADROOM_BYTES, TrainingInterrupted
 
     spool = Spool(spool_root)
@@ -315,7 +316,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
 
         try:
             job = run_job(path, cfg, name=model_name, plan=plan, health=decision.report,
-                          on_epoch=lambda s: send("epoch", **s.as_dict()), should_stop=should_stop,
+                          on_epoch=throttled(lambda s: send("epoch", **s.as_dict()), cfg.train),  # issue 21
+                          should_stop=should_stop,
                           resume=resume, job_id=job_id, source_name=name, sha256=record.get("sha256"),
                           on_stage=on_stage, options=options, explicit_name=explicit,
                           scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True,

@@ -86,7 +86,8 @@ def ds_ops_run(data: np.ndarray, cfg: TrainConfig, device: str, amp: str) -> dic
     result = train(data, cfg, plan)
     return {"amp_dtype": plan.amp_name, "cuda_graphs": cfg.cuda_graphs, "step_mode": result.step_mode,
             "samples_per_s": round(result.samples_per_s), "final_loss": result.history[-1].train_loss,
-            "data_placement": result.data_placement}
+            "data_placement": result.data_placement, "epochs_run": len(result.history),
+            "steps": result.stopping.get("steps")}
 
 
 def main() -> int:
@@ -105,7 +106,8 @@ def main() -> int:
     data = torch.randn(args.rows, args.features, dtype=torch.float32)  # the seed's data
     plan = plan_device(args.device, args.amp)
     device = plan.device
-    cfg = TrainConfig(epochs=args.epochs, val_fraction=0.0)
+    # exactly --epochs epochs, as the seed's loop runs (issue 21: the plateau rule is off here)
+    cfg = TrainConfig(epochs=args.epochs, val_fraction=0.0, stopping="epochs")
 
     # untimed warm-up of both code paths on the device (CUDA context, cuBLAS, DataLoader workers)
     seed_loop(data[:8192], 1, device)

@@ -31,6 +31,7 @@ def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_
         "device: cpu",
         "train:",
         f"  epochs: {epochs}",
+        "  stopping: epochs",  # issue 21: daemon tests count epochs; the plateau rule is tested apart
         f"  batch_size: {batch_size}",
         "spool:",
         f"  dir: {root / 'spool'}",

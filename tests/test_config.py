@@ -15,7 +15,9 @@ CONFFILE = REPO / "etc" / "ds-ops" / "trainer.yaml"
 def test_shipped_conffile_equals_the_built_in_defaults():
     cfg = load_config(str(CONFFILE))
     assert dataclasses.replace(cfg, source="<defaults>") == Config()
-    assert (cfg.train.epochs, cfg.train.batch_size, cfg.train.lr, cfg.train.weight_decay) == (5, 2048, 1e-3, 1e-4)
+    # the seed's optimizer; issue 21: epochs is a cap, the plateau rule decides
+    assert (cfg.train.batch_size, cfg.train.lr, cfg.train.weight_decay) == (2048, 1e-3, 1e-4)
+    assert (cfg.train.stopping, cfg.train.epochs) == ("plateau", 1000)
     assert (cfg.train.hidden, cfg.train.latent, cfg.models_dir) == (24, 8, "/var/models")
 
 

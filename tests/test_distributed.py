@@ -58,6 +58,21 @@ def test_train_nproc_2_stores_the_model_one_process_stores(tmp_path, odd_smd_csv
     assert abs(md2["final_train_loss"] - md1["final_train_loss"]) <= 0.01 * md1["final_train_loss"]
 
 
+def test_train_nproc_2_stops_on_a_plateau_of_its_epochs_like_every_rank(tmp_path, odd_smd_csv):
+    conf = tmp_path / "plateau.yaml"  # every epoch after the first fails a 90 % gain: stop after epoch 2
+    conf.write_text("train:\n  patience: 1\n  min_delta: 0.9\n  min_steps: 0\n")
+    models = tmp_path / "m"
+    p = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(models), "--epochs", "6",
+                "--device", "cpu", "--nproc", "2")
+    assert p.returncode == 0, p.stderr
+    md = json.loads((models / "machine-odd" / "current" / "metadata.json").read_text())
+    assert md["distributed"] == {"world_size": 2, "backend": "gloo"} and md["epochs"] == 2
+    stop = md["stopping"]
+    assert (stop["reason"], stop["evaluated"], stop["steps"]) == ("plateau", "epoch", 2 * 3)
+    assert stop["best_val_loss"] == min(h["val_loss"] for h in md["history"])
+    assert "stopped: plateau after 6 steps" in p.stdout
+
+
 def test_train_nproc_with_too_few_rows_for_the_ranks_fails_and_saves_nothing(tmp_path):
     data = tmp_path / "tiny.csv"
     data.write_text("1,2\n3,4\n5,7\n")  # 2 training rows, 1 validation row: 1 per rank

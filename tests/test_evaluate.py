@@ -25,6 +25,7 @@ from opt_ds_ops.score import (
     in_memory_model,
     segment_hit_rate,
     load_interpretation,
+    pca_cells,
     score_rows,
     score_with_cells,
 )
@@ -69,6 +70,44 @@ def test_baseline_figures_match_scikit_learn_on_independently_computed_scores(ma
         assert machine[name]["roc_auc"] == pytest.approx(roc_auc_score(labels, scores), abs=1e-6), name
         assert machine[name]["pr_auc"] == pytest.approx(average_precision_score(labels, scores), abs=1e-6), name
     assert roc_auc_score(labels, z2) == pytest.approx(0.868, abs=0.002)  # the per-row z-score's known figure
+
+
+def pca_by_svd(train_rows: np.ndarray, rows: np.ndarray, variance: float = 0.95) -> tuple[np.ndarray, int]:
+    """Each row's mean squared reconstruction error by the principal axes of 95 % of the
+    standardised training variance, computed by numpy's SVD of the training matrix."""
+    mean, std = train_rows.mean(axis=0), train_rows.std(axis=0)
+    std[std == 0] = 1
+    z_train = (train_rows - mean) / std
+    _, s, vt = np.linalg.svd(z_train, full_matrices=False)
+    share = np.cumsum(s**2) / np.sum(s**2)
+    k = int(np.argmax(share >= variance - 1e-12)) + 1
+    z = (rows - mean) / std
+    return ((z - z @ vt[:k].T @ vt[:k]) ** 2).mean(axis=1), k
+
+
+def test_pca_baseline_matches_an_independent_svd_and_scikit_learn(machine):
+    labels = machine["_labels"]
+    train_rows = np.loadtxt(SMD_TRAIN, delimiter=",")
+    test_rows = np.loadtxt(SMD_TEST, delimiter=",")
+    err, k = pca_by_svd(train_rows, test_rows)
+    assert 1 < k < 38  # machine-1-2 needs some but not all of its 38 axes for 95 %
+    pca_ema = ema_by_filter(err, 2 / 11)
+    np.testing.assert_allclose(pca_ema, machine["_scores"]["pca-ema"], rtol=1e-5, atol=1e-9)
+    assert machine["pca-ema"]["roc_auc"] == pytest.approx(roc_auc_score(labels, pca_ema), abs=1e-6)
+    assert machine["pca-ema"]["pr_auc"] == pytest.approx(average_precision_score(labels, pca_ema), abs=1e-6)
+
+
+def test_pca_cells_keep_the_fewest_components_for_95_percent_of_the_variance():
+    rng = np.random.default_rng(0)
+    basis = rng.normal(size=(2, 6))
+    train_rows = rng.normal(size=(500, 2)) @ basis + 0.01 * rng.normal(size=(500, 6))  # two axes hold it all
+    test_rows = rng.normal(size=(50, 2)) @ basis
+    test_rows[7] += 5 * rng.normal(size=6)  # off the plane: a large reconstruction error
+    cells, k = pca_cells(train_rows, test_rows)
+    err, k_svd = pca_by_svd(train_rows, test_rows)
+    assert k == k_svd == 2
+    np.testing.assert_allclose(cells.mean(axis=1), err, rtol=1e-8, atol=1e-12)
+    assert int(np.argmax(err)) == 7
 
 
 def test_ds_ops_score_reproduces_evaluate_for_the_same_model(machine, tmp_path):
@@ -232,13 +271,14 @@ def test_evaluate_command_prints_the_table_and_json_and_plot(tmp_path):
     lines = p.stdout.splitlines()
     assert any(line.startswith("machine-1-2   ds-ops") for line in lines)
     assert any(line.strip().startswith("z-ema") for line in lines) and any("seed-mse" in line for line in lines)
+    assert any(line.strip().startswith("pca-ema") for line in lines) and "ds-ops vs pca-ema: mean ROC-AUC" in p.stdout
     assert "HitRate@150%" in p.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     p = run_cli("evaluate", "--train", str(SMD_TRAIN), "--test", str(SMD_TEST), "--labels", str(SMD_LABELS),
                 "--epochs", "2", "--json")
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    assert doc["machines"][0]["machine"] == "machine-1-2" and set(doc["mean"]) == {"ds-ops", "z-ema", "seed-mse"}
+    assert doc["machines"][0]["machine"] == "machine-1-2" and set(doc["mean"]) == {"ds-ops", "z-ema", "pca-ema", "seed-mse"}
     assert doc["machines"][0]["ds-ops"]["hit_rate_150"] is None  # no interpretation file given
 
 

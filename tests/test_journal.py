@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import systemd.journal
 
@@ -153,6 +154,30 @@ def test_the_daemon_logs_each_job_stage_with_fields_journalctl_can_match(tmp_pat
     (health,) = [e for e in entries if e["MESSAGE_ID"] == MESSAGE_IDS["health"]]
     assert health["PRIORITY"] == "6" and health["DS_VERDICT"] == "ok" and health["DS_DEVICE"] == "cpu"
     assert [e["DS_VERDICT"] for e in good if e["DS_STAGE"] == "health"] == ["ok"]
+
+
+def test_a_suspect_model_is_saved_with_a_model_suspect_event_naming_the_column(tmp_path, smd_rows):
+    capture = tmp_path / "journal.jsonl"
+    conf = write_config(tmp_path, epochs=2)
+    rows = smd_rows[:6000].copy()
+    rows[5400:, 4] += 20 * rows[:5400, 4].std()  # column 5 steps in the last 10 % (issue 21's case)
+    staged = tmp_path / "stepped.csv"
+    np.savetxt(staged, rows, delimiter=",", fmt="%.6f")
+    env = base_env(JOURNAL_STREAM="8:424242", JOURNAL_CAPTURE=str(capture))
+    d = Daemon(conf, env=env, argv=[sys.executable, "-c", CAPTURE, "daemon", "--config", str(conf)])
+    try:
+        d.wait_until(lambda: capture.exists() and "daemon-started" in _events(capture), "the started event", 120)
+        os.replace(staged, spool_dir(tmp_path, "incoming") / "stepped.csv")
+        d.wait_until(lambda: done_names(tmp_path), "the job")
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    entries = [json.loads(line) for line in capture.read_text().splitlines()]
+    (saved,) = [e for e in entries if e["MESSAGE_ID"] == MESSAGE_IDS["job-saved"]]
+    assert "; stopped: epochs after 6 steps; suspect: 2 warning(s)" in saved["MESSAGE"]
+    suspect = [e for e in entries if e["MESSAGE_ID"] == MESSAGE_IDS["model-suspect"]]
+    assert len(suspect) == 2 and all(e["PRIORITY"] == "4" for e in suspect)
+    assert "column 5 " in suspect[1]["MESSAGE"] and suspect[1]["DS_MODEL_DIR"] == saved["DS_MODEL_DIR"]
 
 
 def _events(capture) -> str:

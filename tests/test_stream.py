@@ -274,3 +274,22 @@ def test_a_2_gib_npy_trains_under_a_1_gib_memory_max_with_peak_rss_under_it(tmp_
     peak = md["peak_rss_bytes"]
     print(f"2 GiB .npy ({rows:,} x 32): peak RSS {peak / 1024**2:.0f} MiB, {result['samples_per_s']:,.0f} samples/s")
     assert peak < budget
+
+
+def test_a_streamed_run_stops_on_a_plateau_of_its_epochs_and_at_max_steps(tmp_path, monkeypatch):
+    import opt_ds_ops.stream as stream
+
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 32 * 1024)  # 1,024-row chunks, 4 to a window of 16 steps
+    path = _write_npy(tmp_path / "p.npy", 30_000)
+    src = load_dataset(str(path), _limits(1000)).data
+    plan = plan_device("cpu", "off")
+    cfg = TrainConfig(epochs=12, batch_size=256, patience=2, min_delta=0.0, min_steps=0, lr=0.05, error_floor=1e-9)
+    r = train(src, cfg, plan)
+    vals = [h.val_loss for h in r.history]  # measured: 0.0140 0.0148 0.0115 0.0136 0.0198
+    assert (r.stopping["reason"], r.stopping["evaluated"], len(vals)) == ("plateau", "epoch", 5)
+    assert r.stopping["best_val_loss"] == min(vals) == vals[2] and r.stopping["restored_best"]
+    assert r.stopping["best_step"] * 5 == r.stopping["steps"] * 3
+    # the error scale is the restored (epoch 3) model's: its mean is epoch 3's validation loss
+    assert float(r.error_scale.mean()) == pytest.approx(vals[2], rel=1e-5)
+    m = train(src, TrainConfig(epochs=50, batch_size=256, max_steps=30), plan)
+    assert (m.stopping["reason"], len(m.history)) == ("max_steps", 1) and 30 <= m.stopping["steps"] < 48

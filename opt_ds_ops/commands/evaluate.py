@@ -94,6 +94,9 @@ def run(args) -> int:
                and r["ds-ops"]["roc_auc"] > r["z-ema"]["roc_auc"] for r in public)
     print(f"ds-ops vs z-ema: mean ROC-AUC {fmt_metric(ours['roc_auc'])} vs {fmt_metric(z['roc_auc'])}, mean PR-AUC "
           f"{fmt_metric(ours['pr_auc'])} vs {fmt_metric(z['pr_auc'])}; higher ROC-AUC on {wins} of {len(public)} machines")
+    pca = means["pca-ema"]  # issue 21: the linear reference
+    print(f"ds-ops vs pca-ema: mean ROC-AUC {fmt_metric(ours['roc_auc'])} vs {fmt_metric(pca['roc_auc'])}, mean PR-AUC "
+          f"{fmt_metric(ours['pr_auc'])} vs {fmt_metric(pca['pr_auc'])}")
     if ours["hit_rate_150"] is not None:
         print(f"which metrics (HR: HitRate per labelled segment, of the ranking ds-ops score prints): "
               f"HitRate@100% {ours['hit_rate_100']:.4f}, HitRate@150% {ours['hit_rate_150']:.4f}; per labelled row "

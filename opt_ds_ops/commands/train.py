@@ -12,6 +12,7 @@ import dataclasses
 from ..config import DEFAULT_CONFIG_PATH
 from ..health import gate_job, summary_line
 from ..job import JobError, columns_note, find_sidecar, read_sidecar, run_job
+from ..stopping import throttled
 from ..train import EpochStats
 from . import load_cfg
 
@@ -123,7 +124,8 @@ def run(args) -> int:
         print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {cfg.train.epochs} epochs{procs}"
               f"{health}){f'; options from {sidecar}' if sidecar else ''}", flush=True)
     try:
-        job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report, on_epoch=on_epoch,
+        job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report,
+                      on_epoch=throttled(on_epoch, cfg.train),  # issue 21: one line a second past epoch 10
                       options=options, explicit_name=name is not None, nproc=args.nproc)
     finally:
         if bar is not None:
@@ -151,16 +153,20 @@ def run(args) -> int:
         "data_placement": md.get("data_placement"),
         "step_mode": md.get("step_mode"),
         "peak_rss_bytes": md.get("peak_rss_bytes"),
+        "stopping": md.get("stopping"),
+        "warnings": md.get("warnings"),
     }
     if job.report_warning:  # issue 11: the picture failed, the model is saved
         print(f"ds-ops: warning: {job.report_warning}", file=sys.stderr)
+    for warning in md.get("warnings") or []:  # issue 21: a suspect model
+        print(f"ds-ops: warning: suspect model: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
         print(
             f"trained {md['name']} on {job.dataset.rows} rows x {job.dataset.features} features, "
             f"device {md['device']} amp {md['amp_dtype']}, {r.samples_per_s:,.0f} samples/s, "
-            f"threshold {r.threshold:.4f} ({_threshold_how(r)})"
+            f"threshold {r.threshold:.4f} ({_threshold_how(r)}); {r.stopping_line}"
         )
         if md.get("data_placement") == "streamed":
             print(f"note: {r.placement_note}; peak RSS {md['peak_rss_bytes'] / 2**20:,.0f} MiB")

@@ -283,7 +283,9 @@ def test_journal_has_the_jobs_structured_fields(box):
     stages = {e.get("DS_STAGE") for e in journal(box, f"DS_DATASET={MODEL}")}
     assert {"claimed", "training", "saved"} <= stages, stages
     epochs = [e for e in journal(box, f"DS_DATASET={MODEL}", "DS_STAGE=training") if "DS_EPOCH" in e]
-    assert len(epochs) == 5                # one line per epoch (trainer.yaml: epochs: 5), none per batch
+    # issue 21 (trainer.yaml: stopping: plateau, min_steps 500: at least 45 epochs of SMD's 11 steps):
+    # one line for each of the first 10 epochs, then at most one a second, none per batch
+    assert len(epochs) >= 10 and len({e["DS_EPOCH"] for e in epochs}) == len(epochs)
 
 
 def test_bad_file_goes_to_failed_and_the_unit_stays_active(box):
@@ -550,7 +552,7 @@ def test_first_hour_requeue_status_reload_models_rm_and_retention(box):
     box.run(f"cp /root/trainer.yaml.good {conf}")
     # status shows the running job alive, with its epoch (liveness by pid and its start time); 40
     # epochs so the job outlasts a few `ds-ops status` runs
-    box.run(f"sed -i 's/^  epochs: 5/  epochs: 40/' {conf}")
+    box.run(f"sed -i 's/^  epochs: 1000/  epochs: 40/; s/^  stopping: plateau/  stopping: epochs/' {conf}")
     box.run(["systemctl", "reload", UNIT])
     drop(box, BIG, "alive.txt.gz")
     wait_training(box, "alive.txt.gz")
@@ -655,7 +657,7 @@ def test_upgrade_stops_the_daemon_before_dpkg_replaces_opt_under_a_running_job(b
     """Before: dh_installsystemd's default restarted the unit after the unpack, so a running job
     ran on with /opt/ds-ops replaced under it (late imports of the new code, or of half-written files)."""
     new = next_version(deb, "+e2e2")
-    box.run(f"cp {CONF} /root/trainer.yaml.before-upgrade && sed -i 's/^  epochs: 5/  epochs: 40/' {CONF}")
+    box.run(f"cp {CONF} /root/trainer.yaml.before-upgrade && sed -i 's/^  epochs: 1000/  epochs: 40/; s/^  stopping: plateau/  stopping: epochs/' {CONF}")
     box.run(["systemctl", "reload", UNIT])          # 40 epochs: the job outlasts apt's preparations
     try:
         drop(box, BIG, "upgraded.txt.gz")
