@@ -232,8 +232,13 @@ def test_a_file_for_a_model_without_current_is_refused_to_failed_and_the_daemon_
         drop(spool_dir(tmp_path, "score"), "again.csv", b"1,2\n")
         d.wait_until(lambda: "again.csv" in failed_names(tmp_path), "a second one refused")
         assert d.proc.pid == pid and "intake paused" not in d.log()
+        r = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "requeue", "again.csv", "--config", str(d.conf)],
+                           capture_output=True, text=True, env=base_env(), cwd=REPO, timeout=120)
+        assert r.returncode == 0 and "-> score/again.csv" in r.stdout, r.stdout + r.stderr  # back to score/, not training
+        d.wait_until(lambda: "again.csv" in failed_names(tmp_path), "the requeued file refused again")
+        assert not (tmp_path / "models").exists() or not os.listdir(tmp_path / "models")
     failed = [e for e in journal(tmp_path) if EVENT[e["MESSAGE_ID"]] == "job-failed"]
-    assert len(failed) == 2 and all(e["PRIORITY"] == "3" for e in failed)
+    assert len(failed) == 3 and all(e["PRIORITY"] == "3" for e in failed)
 
 
 def test_hostile_entries_in_score_are_handled_as_in_incoming(tmp_path):
