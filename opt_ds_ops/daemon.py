@@ -676,7 +676,8 @@ class Daemon:
             new = dataclasses.replace(new, metrics=self.cfg.metrics)
         changed = _changed_keys(self.cfg, new)  # issue 11: a good reload says what changed
         self.cfg = new
-        self.watcher.set_timing(new.spool.settle_s, new.spool.scan_interval_s, new.spool.quiet_s)
+        for w in (self.watcher, self.scorer.watcher):
+            w.set_timing(new.spool.settle_s, new.spool.scan_interval_s, new.spool.quiet_s)
         note = f" ({'; '.join(kept)})" if kept else ""
         note += f": {', '.join(changed)}" if changed else ": nothing changed"
         self.log.event("config-reloaded", f"configuration reloaded from {self.config_path}{note}")
