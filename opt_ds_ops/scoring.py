@@ -22,6 +22,7 @@ ds-ops reads them). The caller runs one scoring job of a model at a time; nothin
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -116,6 +117,37 @@ def stored_options(stored, cfg) -> DatasetConfig:
         return cfg.dataset
 
 
+def pinned_options(stored, options: DatasetConfig) -> DatasetConfig:
+    """Return options that read a headerless chunk's columns as the model's training file was read.
+
+    ``time_column: auto`` and the row-index rule look at the values, so a short chunk (one row; an
+    index that starts at 3000) could be read otherwise than the training file was. For a model
+    without header names whose training left columns out, the time column and the feature
+    columns are pinned to the training file's numbers (metadata.json ``dataset.time.column``,
+    ``dataset.feature_columns``), unless the options name columns themselves."""
+    ds = stored.metadata.get("dataset") or {}
+    cols, time = ds.get("feature_columns"), (ds.get("time") or {}).get("column")
+    if ds.get("header") or not isinstance(cols, list) or not ds.get("left_out") or options.columns:
+        return options
+    pin = {"columns": tuple(str(c) for c in cols), "exclude_columns": ()}
+    if options.time_column.strip().casefold() == "auto":
+        number = str(time).removeprefix("column ").strip() if isinstance(time, str) else ""
+        pin["time_column"] = number if number.isdigit() else "none"
+    return dataclasses.replace(options, **pin)
+
+
+def _check_width(stored, ds) -> None:
+    """Raise ScoringError if a pinned headerless chunk has another number of columns than the
+    model's training file (``feature_columns`` plus ``left_out``)."""
+    md = stored.metadata.get("dataset") or {}
+    if md.get("header") or not md.get("left_out") or not isinstance(md.get("feature_columns"), list):
+        return
+    want, got = len(md["feature_columns"]) + len(md["left_out"]), ds.features + len(ds.left_out)
+    if want != got:
+        raise ScoringError(f"{ds.path}: {got} columns; the model's training file had {want} "
+                           f"({len(md['feature_columns'])} features)")
+
+
 def read_state(path: str) -> tuple[SeriesState | None, str | None]:
     """Return (the series state in path or None if there is none, a note if it could not be read)."""
     try:
@@ -161,6 +193,50 @@ def _result_dirs(model_dir: str, job_id: str) -> list[str]:
         return []
 
 
+def load_chunk(job_dir: str, record: dict, stored, cfg: Config):
+    """Return the job's chunk as a Dataset read as the model's training file was (its options, a
+    sidecar's over them, :func:`pinned_options`; the training limits, one row allowed), its
+    columns checked and put in the model's order (:func:`match_columns`). Messages name the
+    dropped file, never the job's copy. Raises DatasetError or ScoringError."""
+    options = stored_options(stored, cfg)
+    if record.get("sidecar") and os.path.lexists(os.path.join(job_dir, SIDECAR_FILE)):
+        options = _sidecar(os.path.join(job_dir, SIDECAR_FILE), record["sidecar"], options)[0]
+    path, source = os.path.join(job_dir, str(record.get("data_file") or "")), _clip(record["dataset"])
+    limits = dataclasses.replace(DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes), min_rows=1)
+    try:
+        pinned = pinned_options(stored, options)
+        try:
+            ds = load_dataset(path, limits, pinned)
+        except DatasetError:
+            if pinned == options:
+                raise
+            _check_width(stored, load_dataset(path, limits, options))  # the reason in the file's own terms
+            raise
+        ds.path = source
+        _check_width(stored, ds)
+        match_columns(stored, ds)
+    except (DatasetError, ScoringError) as e:
+        raise type(e)(str(e).replace(path, source)) from None
+    return ds
+
+
+def _write_result(model_dir: str, job_id: str, summary: dict, rows: bytes) -> None:
+    """Write rows.csv and summary.json into ``.tmp-JOB``, fsync, rename it to the summary's
+    ``result_dir``; a failure removes the temporary directory. Raises OSError."""
+    tmp = os.path.join(model_dir, f".tmp-{job_id}")
+    os.mkdir(tmp, DIR_MODE)
+    try:
+        os.chmod(tmp, DIR_MODE)
+        _write_file(os.path.join(tmp, ROWS_FILE), rows)
+        _write_file(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=1, sort_keys=True) + "\n").encode())
+        fsync_dir(tmp)
+        os.rename(tmp, summary["result_dir"])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(model_dir)
+
+
 def score_job(job_dir: str, cfg: Config) -> dict:
     """Given a claimed scoring job's directory (``job.json``: ``job_id``, ``dataset`` (the file's
     name), ``data_file``, ``sidecar``, ``uploader_uid``), score it and return its summary (JSON
@@ -192,7 +268,6 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         raise ScoringError(f"{_clip(source)}: model {name} has no current version (train it first, or name the "
                            f"model in a sidecar {_clip(dataset_stem(source))}.yaml: model: NAME)")
     model_dir = os.path.join(cfg.scoring.results_dir, name)
-    os.makedirs(model_dir, DIR_MODE, exist_ok=True)
     state_path = os.path.join(model_dir, STATE_FILE)
     state, state_note = read_state(state_path)
     if state is not None and state.last_job == job_id and state.last_result:  # scored before a restart
@@ -209,18 +284,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         stored = load_model(current)
     except StoreError as e:
         raise ScoringError(f"model {name}: {e}") from None
-    options = stored_options(stored, cfg)
-    if record.get("sidecar") and os.path.lexists(os.path.join(job_dir, SIDECAR_FILE)):
-        options = _sidecar(os.path.join(job_dir, SIDECAR_FILE), record["sidecar"], options)[0]
-    path = os.path.join(job_dir, str(record.get("data_file") or ""))
-    limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes)
-    try:
-        ds = load_dataset(path, limits, options)
-        ds.path = source
-        match_columns(stored, ds)
-    except DatasetError as e:
-        raise DatasetError(str(e).replace(path, _clip(source))) from None
-    names = model_metric_names(stored)
+    ds = load_chunk(job_dir, record, stored, cfg)
+    names = [_clip(n) for n in model_metric_names(stored, ds.metric_labels())]
     notes = ([state_note] if state_note else []) + list(ds.notes)
     state = state or fresh_state(name, stored)
     times = ds.time.seconds if ds.time is not None else None
@@ -245,18 +310,38 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "replayed": False,
     }
-    tmp = os.path.join(model_dir, f".tmp-{job_id}")
-    os.mkdir(tmp, DIR_MODE)
-    try:
-        os.chmod(tmp, DIR_MODE)
-        _write_file(os.path.join(tmp, ROWS_FILE), rows_csv(result, times))
-        _write_file(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=1, sort_keys=True) + "\n").encode())
-        fsync_dir(tmp)
-        os.rename(tmp, summary["result_dir"])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(model_dir)
+    os.makedirs(model_dir, DIR_MODE, exist_ok=True)
+    _write_result(model_dir, job_id, summary, rows_csv(result, times))
     new.last_job, new.last_result = job_id, result_name
+    new.scored_at, new.top_metrics = summary["scored_at"], summary["top_metrics"]
     write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True) + "\n").encode(), mode=FILE_MODE)
     return summary
+
+
+def series_status(results_dir: str) -> list[dict]:
+    """Return, per model with a series under results_dir (name order), what ``ds-ops status``
+    shows: ``model``, ``version``, ``scored_at`` (the last chunk's scoring time), ``last_time``
+    (its last row's time, ISO UTC or None), ``rows_scored``, ``rows_flagged``, ``segments``,
+    ``active``, ``top_metrics`` (the open segment's), ``last_score``, ``threshold``,
+    ``last_job``; or ``{"model", "error"}`` for a state that cannot be read. Never raises."""
+    out = []
+    try:
+        names = sorted(e for e in os.listdir(results_dir) if not e.startswith("."))
+    except OSError:
+        return out
+    for name in names:
+        path = os.path.join(results_dir, name, STATE_FILE)
+        if not os.path.isfile(path):
+            continue
+        state, why = read_state(path)
+        if state is None:
+            out.append({"model": name, "error": why})
+            continue
+        out.append({"model": name, "version": state.version, "scored_at": state.scored_at,
+                    "last_time": iso_utc(state.last_time) if state.last_time is not None else None,
+                    "rows_scored": state.rows_scored, "rows_flagged": state.rows_flagged,
+                    "segments": state.segments, "active": state.segment is not None,
+                    "top_metrics": state.top_metrics if state.segment is not None else [],
+                    "last_score": finite_or_none(state.last_score), "threshold": state.threshold,
+                    "last_job": state.last_job})
+    return out

@@ -44,7 +44,9 @@ class SeriesState:
     (``mean``); ``context``: the last ``input_window - 1`` standardised, clipped rows (float32
     values); ``segment``: the open anomaly segment or None (``start_row``, ``start_time``,
     ``peak_score``, ``peak_row``, ``peak_time``, ``sums``: each metric's sum of unsmoothed terms,
-    ``rows``); counters over the series; ``last_job``: the scoring job that wrote this state.
+    ``rows``); counters over the series; ``last_job``, ``last_result``, ``scored_at``,
+    ``top_metrics``: the scoring job that wrote this state, its result directory, when, and the
+    open segment's top metrics by name (:func:`opt_ds_ops.scoring.score_job` sets them).
     """
 
     model: str
@@ -63,6 +65,8 @@ class SeriesState:
     threshold: float | None = None
     last_job: str | None = None
     last_result: str | None = None
+    scored_at: str | None = None  # when last_job wrote it (ISO 8601 UTC)
+    top_metrics: list = field(default_factory=list)  # the open segment's, named (for status and metrics)
 
     def to_dict(self) -> dict:
         """Return the state as plain JSON types, with ``format``."""
@@ -75,9 +79,16 @@ class SeriesState:
             raise ValueError(f"series state of unknown format (want format {STATE_FORMAT})")
         known = {f.name for f in dataclasses.fields(cls)}
         try:
-            return cls(**{k: v for k, v in obj.items() if k in known})
+            state = cls(**{k: v for k, v in obj.items() if k in known})
         except TypeError as e:
             raise ValueError(f"series state: {e}") from None
+        numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.segments)
+        if (not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
+                or not isinstance(state.context, list) or not isinstance(state.recent, list)
+                or not (state.segment is None or isinstance(state.segment, dict) and isinstance(state.segment.get("sums"), list))
+                or not (state.last_time is None or isinstance(state.last_time, (int, float)))):
+            raise ValueError("series state: a field of the wrong type")
+        return state
 
 
 @dataclass

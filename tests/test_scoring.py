@@ -202,3 +202,74 @@ def test_training_refuses_metric_names_of_another_count(tmp_path, smd_rows):
     with pytest.raises(JobError, match="dataset.metric_names gives 2 names for 38 feature columns") as e:
         run_job(str(tmp_path / "short.csv"), cfg)
     assert e.value.stage == "dataset" and not (tmp_path / "models").exists()
+
+
+def test_series_status_says_per_model_whether_an_anomaly_is_open_and_its_metrics(store, cfg, tmp_path):
+    from opt_ds_ops.scoring import series_status
+
+    stored = load_model(store["model_dir"])
+    whole = score_rows(stored, store["test"])
+    inside = [i for i in range(1, len(whole) - 1) if whole[i - 1] > stored.threshold and whole[i] > stored.threshold]
+    cut = inside[len(inside) // 2]
+    assert series_status(cfg.scoring.results_dir) == []
+    summary = score_job(make_job(tmp_path, job_id(1), store["test"][:cut]), cfg)
+    assert summary["active"] and summary["top_metrics"]
+    (status,) = series_status(cfg.scoring.results_dir)
+    assert status["model"] == "m1" and status["active"] and status["rows_scored"] == cut
+    assert status["top_metrics"] == summary["top_metrics"] and status["scored_at"] == summary["scored_at"]
+    assert all(m["metric"] in NAMES for m in status["top_metrics"])
+    (tmp_path / "scores" / "broken").mkdir()
+    (tmp_path / "scores" / "broken" / "state.json").write_text("{")
+    assert series_status(cfg.scoring.results_dir)[0]["error"].startswith("the series state")
+
+
+def test_one_row_chunks_continue_the_series(store, cfg, tmp_path):
+    """An exporter that writes a file per sample: one-row chunks are scored (training needs 2)."""
+    test = store["test"][:40]
+    whole = score_rows(load_model(store["model_dir"]), np.loadtxt(
+        make_job(tmp_path, "whole", test) + "/dataset.csv", delimiter=",", dtype=np.float64).astype(np.float32))
+    rows = read_rows(score_job(make_job(tmp_path, job_id(0), test[:30]), cfg)["result_dir"])
+    for i in range(30, 40):
+        summary = score_job(make_job(tmp_path, job_id(i), test[i : i + 1]), cfg)
+        assert summary["rows"] == 1 and summary["first_row"] == i
+        rows += read_rows(summary["result_dir"])
+    np.testing.assert_allclose([float(r["score"]) for r in rows], whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("first", ["row index", "epoch seconds"])
+def test_short_headerless_chunks_are_read_as_the_training_file_was(tmp_path, smd_rows, first):
+    """A headerless export with a row index or unnamed epoch seconds before the metrics: the
+    training file's reading (column 1 left out, or the time) holds for two-row chunks, whose
+    values alone would not show it (an index from 2000; two times)."""
+    n = 2012
+    lead = np.arange(n) if first == "row index" else 1.7e9 + 60 * np.arange(n)
+    full = np.column_stack([lead, smd_rows[:n]])
+    fmt = ["%d"] + ["%.6f"] * 38
+    np.savetxt(tmp_path / "exp.csv", full[:2000], delimiter=",", fmt=fmt)
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
+                                    "scoring.results_dir": str(tmp_path / "scores")})
+    md = run_job(str(tmp_path / "exp.csv"), cfg).metadata["dataset"]
+    assert md["feature_columns"] == list(range(2, 40)) and (md["time"] is not None) == (first == "epoch seconds")
+    rows = []
+    for i, start in enumerate(range(2000, 2010, 2)):
+        jdir = make_job(tmp_path, job_id(i), None, "exp.csv", text="")
+        np.savetxt(os.path.join(jdir, "dataset.csv"), full[start : start + 2], delimiter=",", fmt=fmt)
+        summary = score_job(jdir, cfg)
+        assert summary["notes"] == [] and (summary["first_time"] is not None) == (first == "epoch seconds")
+        rows += read_rows(summary["result_dir"])
+    stored = load_model(str(tmp_path / "models" / "exp" / "current"))
+    np.testing.assert_allclose([float(r["score"]) for r in rows], score_rows(stored, smd_rows[2000:2010]),
+                               rtol=1e-5, atol=1e-6)
+    jdir = make_job(tmp_path, job_id(9), None, "exp.csv", text="")
+    np.savetxt(os.path.join(jdir, "dataset.csv"), full[2010:2012, 1:], delimiter=",", fmt=fmt[1:])
+    with pytest.raises(ScoringError, match="exp.csv: 38 columns; the model's training file had 39"):
+        score_job(jdir, cfg)
+
+
+@pytest.mark.parametrize("bad", ["{", '{"format": 1, "model": "m1", "next_row": "x"}', '{"format": 7}'])
+def test_an_unreadable_series_state_starts_the_series_again_with_a_note(store, cfg, tmp_path, bad):
+    (tmp_path / "scores" / "m1").mkdir(parents=True)
+    (tmp_path / "scores" / "m1" / "state.json").write_text(bad)
+    summary = score_job(make_job(tmp_path, job_id(1), store["test"][:20]), cfg)
+    assert summary["first_row"] == 0 and "could not be read" in summary["notes"][0]
+    assert json.loads((tmp_path / "scores" / "m1" / "state.json").read_text())["next_row"] == 20
