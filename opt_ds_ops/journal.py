@@ -59,6 +59,12 @@ MESSAGE_IDS = {
     "feature-refused": "0615d0ef11a546ed89164278f6df62ba",
     # issue 21
     "model-suspect": "0b1313adf7e84e408c8d906b8a880a57",
+    # issue 19: the scoring spool (opt_ds_ops.scorer)
+    "anomaly-started": "17f35753feab4a35989826267ded2e62",
+    "anomaly-ended": "379debf1a65848c382272b9a47b8d1c5",
+    "scored": "ea106cd2d0e8460dbd52a64a8af55cca",
+    "score-reset": "a25b94c0f1a84ac0b75107a5f6d01c4b",
+    "results-pruned": "3bf6754c0bcc476f9a68726f1e49a992",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).
