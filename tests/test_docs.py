@@ -16,9 +16,6 @@ from conftest import REPO, run_cli
 README = REPO / "README.md"
 README_MAX_BYTES = 12 * 1024
 DOCS = sorted([README, *(REPO / "docs").rglob("*.md")])
-# Pages the README's docs list names that other branches add (the scoring spool's); a link to one
-# of these may dangle until that branch is merged. Empty this set once they are on main.
-PENDING = {"docs/scoring.md", "docs/alerts.md"}
 DEMO_MARK = "<!-- make demo output (tests/test_docs.py) -->"
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
@@ -63,8 +60,7 @@ def broken_links(path: Path) -> list[str]:
         if rel is None:
             broken.append(f"{target}: outside the repository")
         elif not dest.exists():
-            if rel not in PENDING:
-                broken.append(f"{target}: no such file {rel}")
+            broken.append(f"{target}: no such file {rel}")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading #{anchor} in {rel}")
     return broken
