@@ -63,7 +63,7 @@ from .fsutil import user_name, utc_now
 from .health import gate_job, judge_gpu, summary_line
 from .handling import QUARANTINE_AFTER, Breadcrumb
 from .job import columns_note
-from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
+from .journal import LOG_ERR, LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
 from .notify import Notifier
 from .sandbox import without_unusable
@@ -73,7 +73,7 @@ from .spool import (
     STORAGE_ERRNOS, is_ignored, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
     read_record, process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
 )
-from .store import StoreError, prune
+from .store import HELD, StoreError, prune
 from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
 
@@ -1065,6 +1065,10 @@ class Daemon:
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], threshold=doc["threshold"],
             **self._fields(record),
         )
+        if str(metadata.get("not_current") or "").startswith(HELD):  # issue 20: the operator's decision holds
+            self.log.event("model-held", f"{safe_text(record['dataset'])}: {safe_text(metadata['not_current'])}",
+                           priority=LOG_NOTICE, model_dir=doc["model_dir"], reason=metadata["not_current"],
+                           **self._fields(record))
         if metadata.get("report_warning"):  # issue 11: the picture failed, the job did not
             self.log.event("report-failed", f"{safe_text(record['dataset'])}: {metadata['report_warning']}; the model "
                            f"is saved; redraw it with ds-ops report {doc['model_dir']}", priority=LOG_WARNING,
