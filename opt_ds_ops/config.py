@@ -95,9 +95,16 @@ class SpoolConfig:
 @dataclass(frozen=True)
 class StoreConfig:
     """The model store's retention: ``keep_versions`` newest versions of each model are kept after
-    each job, besides ``current`` and pinned versions (``ds-ops models pin``); 0 keeps all."""
+    each job, besides ``current`` and pinned versions (``ds-ops models pin``); 0 keeps all.
+    ``promote``: whether a daemon job's new version becomes current (always, if-not-worse: the
+    gate of :mod:`opt_ds_ops.promotion` with its two tolerances, manual)."""
 
     keep_versions: int = _field(10, _non_negative, "an integer >= 0 (0: keep every version)")
+    # issue 20: the promotion gate of a daemon job's new version (opt_ds_ops.promotion)
+    promote: str = _field("if-not-worse", lambda v: v in ("always", "if-not-worse", "manual"),
+                          "one of always, if-not-worse, manual")
+    promote_flag_tolerance: float = _field(0.01, lambda v: 0 <= v <= 1, "a share in [0, 1]")
+    promote_pr_auc_tolerance: float = _field(0.05, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ from .spool import (
     STORAGE_ERRNOS, is_ignored, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
     read_record, process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
 )
-from .store import HELD, StoreError, prune
+from .store import GATED, HELD, StoreError, prune
 from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
 
@@ -1065,10 +1065,13 @@ class Daemon:
             device=doc["device"], amp_dtype=doc["amp_dtype"], epoch=doc["epochs"], threshold=doc["threshold"],
             **self._fields(record),
         )
-        if str(metadata.get("not_current") or "").startswith(HELD):  # issue 20: the operator's decision holds
-            self.log.event("model-held", f"{safe_text(record['dataset'])}: {safe_text(metadata['not_current'])}",
-                           priority=LOG_NOTICE, model_dir=doc["model_dir"], reason=metadata["not_current"],
-                           **self._fields(record))
+        kept = str(metadata.get("not_current") or "")  # issue 20: the operator's hold, the promotion gate
+        if kept.startswith(HELD):
+            self.log.event("model-held", f"{safe_text(record['dataset'])}: {safe_text(kept)}", priority=LOG_NOTICE,
+                           model_dir=doc["model_dir"], reason=kept, **self._fields(record))
+        elif kept.startswith(GATED):
+            self.log.event("model-not-promoted", f"{safe_text(record['dataset'])}: {safe_text(kept)}",
+                           priority=LOG_NOTICE, model_dir=doc["model_dir"], reason=kept, **self._fields(record))
         if metadata.get("report_warning"):  # issue 11: the picture failed, the job did not
             self.log.event("report-failed", f"{safe_text(record['dataset'])}: {metadata['report_warning']}; the model "
                            f"is saved; redraw it with ds-ops report {doc['model_dir']}", priority=LOG_WARNING,

@@ -25,6 +25,7 @@ from .dataset import Dataset, DatasetError, DatasetLimits, SpillError, dataset_s
 from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import pid_alive, read_small, user_name
 from .gpustats import sampler_for
+from .promotion import promotion_record
 from .report import try_write_report, validation_summary
 from .store import StoreError, current_metadata, dataset_file_of, model_payload, safe_model_name, save_model
 from .train import CheckpointMismatch, EpochStats, TrainingError, TrainingInterrupted, TrainResult, train
@@ -426,6 +427,8 @@ def run_job(
         except Exception as e:  # noqa: BLE001 - a picture's data never fails a trained job
             metadata["validation_scores"] = None
             metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
+        if job_id is not None:  # issue 20: a daemon job's version becomes current only past the gate
+            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path)
         stage("store")
         # issue 11: report.png is drawn into the version's hidden temporary directory, so it is
         # published with the version by the same rename (a kill leaves no partial picture behind); a

@@ -252,11 +252,29 @@ def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | 
         held = operator_hold(name_dir, current, op)
         if held:
             return f"{HELD} {held}; ds-ops models promote {os.path.basename(name_dir)} {version} makes it current"
+        gated = _gate_refusal(name_dir, version)
+        if gated and current is not None:
+            return f"{GATED} {gated}; ds-ops models promote {os.path.basename(name_dir)} {version} makes it current"
     publish(name_dir, version)
     return None
 
 
 HELD = "held by the operator's decision:"  # how a not_current reason of a hold begins (the daemon's model-held)
+
+
+GATED = "not promoted by the gate:"  # a not_current reason of store.promote (the daemon's model-not-promoted)
+
+
+def _gate_refusal(name_dir: str, version: str) -> str | None:
+    """Return the promotion gate's reason when version's metadata says it is not to be promoted
+    (``promotion.promote`` false, :mod:`opt_ds_ops.promotion`), else None."""
+    try:
+        gate = read_metadata(os.path.join(name_dir, version)).get("promotion")
+    except StoreError:
+        return None
+    if isinstance(gate, dict) and gate.get("promote") is False:
+        return f"{gate.get('failed') or gate.get('mode')}: {gate.get('reason')}"
+    return None
 
 
 def operator_hold(name_dir: str, current: str | None, op: dict | None) -> str | None:
@@ -545,7 +563,17 @@ def version_summary(name_dir: str, version: str, current: str | None = None) -> 
         "trained_at": ended,
         "age_s": age_s,
         "error": md.get("error"),
+        "promotion": _gate_summary(md.get("promotion")),
     }
+
+
+def _gate_summary(gate) -> dict | None:
+    """The promotion gate's verdict of a version for ``ds-ops models`` (None: no gate ran)."""
+    if not isinstance(gate, dict):
+        return None
+    share = lambda side: (gate.get(side) or {}).get("flagged_share")  # noqa: E731
+    return {"mode": gate.get("mode"), "promote": gate.get("promote"), "failed": gate.get("failed"),
+            "reason": gate.get("reason"), "flagged_share": share("challenger"), "champion_flagged_share": share("champion")}
 
 
 def list_models(models_dir: str) -> list[dict]:
