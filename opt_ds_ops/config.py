@@ -324,6 +324,45 @@ class DatasetConfig:
     # issue 19: names of the features of headerless data (a .npy, or CSV without a header), in
     # feature order; stored with the model so that alerts, results and ``score`` name metrics.
     metric_names: tuple = _field((), _names_ok, "a list of metric names, one per feature, in order")
+    # issue 20: leave out the rows the model's current version flags (plus retrain.exclude_margin
+    # rows each side) before training on this file (opt_ds_ops.retrain_data)
+    exclude_flagged: bool = _field(False, None, "true or false")
+
+
+def parse_window(v: str) -> tuple[int, float]:
+    """``100000`` -> (100000 rows, 0 s); ``7d``, ``36h``, ``90m`` -> (0, seconds). Raises ValueError."""
+    v = str(v).strip()
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+    if v[-1:] in units:
+        seconds = float(v[:-1]) * units[v[-1]]
+        if not seconds > 0:
+            raise ValueError(v)
+        return 0, seconds
+    rows = int(v)
+    if rows < 1:
+        raise ValueError(v)
+    return rows, 0.0
+
+
+def _window_ok(v: str) -> bool:
+    try:
+        parse_window(v)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class RetrainConfig:
+    """Retraining on the rows a model scored (issue 20; opt_ds_ops.history, opt_ds_ops.retrain_data).
+
+    ``window``: the history kept per model, rows (``100000``) or a duration (``7d``, ``36h``: by
+    the rows' time column); ``max_history_bytes`` bounds its file. ``exclude_margin``: rows left
+    out before and after each flagged segment of a retraining dataset."""
+
+    window: str = _field("100000", _window_ok, "a number of rows >= 1 or a duration like 7d, 36h, 90m")
+    max_history_bytes: int = _field(64 << 20, _positive, "bytes > 0")
+    exclude_margin: int = _field(30, _non_negative, "rows >= 0")
 
 
 @dataclass(frozen=True)
@@ -344,12 +383,13 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    retrain: RetrainConfig = field(default_factory=RetrainConfig)
     source: str = field(default="<defaults>", compare=False)
 
 
 _SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig, "job": JobConfig,
              "dataset": DatasetConfig, "store": StoreConfig, "metrics": MetricsConfig,
-             "daemon": DaemonConfig, "scoring": ScoringConfig}
+             "daemon": DaemonConfig, "scoring": ScoringConfig, "retrain": RetrainConfig}
 
 
 _SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12

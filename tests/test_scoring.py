@@ -100,7 +100,8 @@ def test_chunks_dropped_one_after_another_score_as_the_whole_period(store, cfg, 
 def test_results_are_group_readable_and_nothing_hidden_is_left(store, cfg, tmp_path):
     summary = score_job(make_job(tmp_path, job_id(1), store["test"][:1000]), cfg)
     model_dir = tmp_path / "scores" / "m1"
-    assert sorted(os.listdir(model_dir)) == sorted([os.path.basename(summary["result_dir"]), "state.json"])
+    assert sorted(os.listdir(model_dir)) == sorted([os.path.basename(summary["result_dir"]), "state.json",
+                                                    "history.npz"])  # issue 20: the rows to retrain from
     assert stat.S_IMODE(os.stat(model_dir).st_mode) == 0o750
     assert stat.S_IMODE(os.stat(summary["result_dir"]).st_mode) == 0o750
     for f in ("rows.csv", "summary.json"):
