@@ -358,11 +358,13 @@ class RetrainConfig:
 
     ``window``: the history kept per model, rows (``100000``) or a duration (``7d``, ``36h``: by
     the rows' time column); ``max_history_bytes`` bounds its file. ``exclude_margin``: rows left
-    out before and after each flagged segment of a retraining dataset."""
+    out before and after each flagged segment of a retraining dataset; a segment longer than
+    ``exclude_max_rows`` is kept (a change of regime, not an incident; 0: every one left out)."""
 
     window: str = _field("100000", _window_ok, "a number of rows >= 1 or a duration like 7d, 36h, 90m")
     max_history_bytes: int = _field(64 << 20, _positive, "bytes > 0")
     exclude_margin: int = _field(30, _non_negative, "rows >= 0")
+    exclude_max_rows: int = _field(1440, _non_negative, "rows >= 0 (0: no limit)")
 
 
 @dataclass(frozen=True)

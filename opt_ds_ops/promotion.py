@@ -128,24 +128,30 @@ def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol:
     return None, f"not worse: flags {c:.2%} of the held-back rows{vs}, design rate {design:.2%}{auc}"
 
 
-def held_back(data: np.ndarray, rows_val: int, labels_path: str | None) -> tuple[np.ndarray, np.ndarray | None, str]:
+def held_back(data: np.ndarray, rows_val: int, labels_path: str | None,
+              keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, str]:
     """Return (the held-back rows: the last ``rows_val`` rows of data, their labels or None, where
-    they come from). Raises ScoreError for a labels file that does not fit the data."""
+    they come from). ``keep``: which rows of the file data holds (flagged rows left out), or
+    None for all. Raises ScoreError for a labels file that does not fit the file."""
     n = data.shape[0]
     k = rows_val if rows_val > 0 else max(1, n // 10)
-    labels = load_labels(labels_path, n)[n - k:] if labels_path else None
+    labels = None
+    if labels_path:
+        labels = load_labels(labels_path, n if keep is None else keep.shape[0])
+        labels = (labels if keep is None else labels[keep])[n - k:]
     return np.asarray(data[n - k:]), labels, ("the dataset's validation split (its last rows)" if rows_val > 0
                                               else "the dataset's last tenth (no validation split)")
 
 
-def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str) -> dict:
+def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, keep=None) -> dict:
     """Return the ``promotion`` record of a daemon job's new version (:func:`gate` on the held-back
-    rows of dataset ``ds`` loaded from ``data_path``, whose labels are ``NAME.labels`` beside it).
+    rows of dataset ``ds`` loaded from ``data_path``, whose labels are ``NAME.labels`` beside it;
+    ``keep``: the rows of the file ``ds`` kept, when flagged rows were left out, to cut the labels).
     A gate that cannot run (labels that do not fit, rows it cannot score) keeps the version
     without promoting it, unless ``store.promote`` is always; the reason says why. Raises nothing."""
     mode = cfg.store.promote
     try:
-        rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), find_labels(data_path))
+        rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), find_labels(data_path), keep)
         return gate(mode, result, metadata, cfg.models_dir, name, rows, ds.offset, labels,
                     flag_tolerance=cfg.store.promote_flag_tolerance,
                     pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where)

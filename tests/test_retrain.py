@@ -17,10 +17,13 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SMD_TEST
-from opt_ds_ops.config import Config, with_overrides
+from opt_ds_ops.config import Config, parse_sidecar, with_overrides
 from opt_ds_ops.history import HISTORY_FILE, read_history
 from opt_ds_ops.job import run_job
+from opt_ds_ops.retrain_data import exclusion_info, exclusion_mask, write_history_dataset
+from opt_ds_ops.score import score_rows
 from opt_ds_ops.scoring import score_job
+from opt_ds_ops.store import load_model, read_metadata
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +114,76 @@ def test_a_sigkill_while_the_history_is_written_leaves_a_whole_history(tmp_path)
         assert h.values.shape[0] % 500 == 0 and h.values.shape[0] == h.flags.shape[0] > 0
         assert h.last_job.startswith("job-")
     assert [e for e in os.listdir(model_dir) if not e.startswith(".")] == [HISTORY_FILE]
+
+
+# ---- train only on normal -------------------------------------------------------------------------
+
+def test_the_mask_leaves_out_each_flagged_segment_and_its_margin_but_keeps_a_change_of_regime():
+    flags = np.zeros(100, dtype=bool)
+    flags[10:13] = True  # an incident of 3 rows
+    flags[50:90] = True  # 40 rows: over max_rows, a new regime
+    keep, counts = exclusion_mask(flags, margin=2, max_rows=20)
+    assert np.flatnonzero(~keep).tolist() == list(range(8, 15))
+    assert counts == {"segments": 2, "segments_kept_as_regime": 1, "flagged_rows": 43}
+    keep, _ = exclusion_mask(flags, margin=2, max_rows=0)
+    assert (~keep).sum() == 7 + 44
+    info = exclusion_info(keep, counts, 2, 0, "x")
+    assert info["rows_left_out"] == 51 and info["rows_kept"] == 49 and "2 row(s) before and after" in info["reason"]
+
+
+def incident(rows: np.ndarray, every: int = 500, length: int = 60, by: float = 0.6) -> tuple[np.ndarray, np.ndarray]:
+    """rows with a recurring incident (metrics 0-9 up by ``by`` for ``length`` rows every ``every``) and its labels."""
+    out, labels = rows.copy(), np.zeros(rows.shape[0], dtype=bool)
+    for start in range(every // 2, rows.shape[0] - length, every):
+        out[start : start + length, 0:10] += by
+        labels[start : start + length] = True
+    return out, labels
+
+
+def test_an_incident_left_out_by_exclude_flagged_is_still_flagged_and_one_learned_is_not(tmp_path, smd_rows):
+    """Acceptance 2 for a user's file: the same incident-laden file trained with the sidecar's
+    exclude_flagged on and off; the incident's replay scored by both."""
+    clean = smd_rows[:6000]
+    rows, labels = incident(clean)
+    np.savetxt(tmp_path / "clean.csv", clean, delimiter=",", fmt="%.6f")
+    np.savetxt(tmp_path / "incident.csv", rows, delimiter=",", fmt="%.6f")
+    replay, replay_labels = incident(smd_rows[:2000], every=400, by=0.6)
+    share = {}
+    for on in (True, False):
+        cfg = with_overrides(Config(), {"models_dir": str(tmp_path / f"models-{on}"), "train.epochs": 10,
+                                        "train.batch_size": 256, "device": "cpu"})
+        run_job(str(tmp_path / "clean.csv"), cfg, name="m", explicit_name=True)
+        opts = parse_sidecar(b"exclude_flagged: true\n" if on else b"", "incident.yaml", cfg.dataset)[0]
+        job = run_job(str(tmp_path / "incident.csv"), cfg, name="m", explicit_name=True, options=opts)
+        stored = load_model(job.model_dir)
+        flagged = score_rows(stored, replay) > stored.threshold
+        share[on] = float(flagged[replay_labels].mean())
+        ex = read_metadata(job.model_dir)["excluded"]
+        if on:
+            print(f"\nexclude_flagged: {ex['rows_left_out']} of {ex['rows_in']} rows left out "
+                  f"({int(labels.sum())} incident rows; {ex['reason']})")
+            assert ex["rows_left_out"] >= 0.8 * labels.sum() and ex["margin"] == 30
+            assert (~labels).sum() >= ex["rows_kept"] >= 2
+        else:
+            assert ex is None
+    print(f"incident replay flagged: {share[True]:.1%} with exclusion, {share[False]:.1%} without")
+    assert share[True] > 0.8 and share[True] - share[False] > 0.4
+
+
+def test_a_retraining_dataset_from_history_leaves_out_the_scored_incident(store, tmp_path, smd_rows):
+    """Acceptance 2 for the history: chunks with an incident scored, the history cut to its normal rows."""
+    cfg = scoring_cfg(store, tmp_path, exclude_margin=10)
+    rows, labels = incident(smd_rows[3000:6000], every=1000, length=80, by=1.0)
+    for i in range(3):
+        score_job(make_job(tmp_path, i + 1, rows[i * 1000 : (i + 1) * 1000]), cfg)
+    hist = str(tmp_path / "scores" / "m1" / HISTORY_FILE)
+    info = write_history_dataset(hist, str(tmp_path / "m1-retrain.npy"), 10, 1440)
+    kept = np.load(tmp_path / "m1-retrain.npy")
+    h = read_history(hist)
+    print(f"\nhistory: {info['rows_left_out']} of {info['rows_in']} rows left out, "
+          f"{int(h.flags[labels].sum())} of {int(labels.sum())} incident rows flagged")
+    assert kept.shape == (info["rows_kept"], 38) and info["rows_in"] == 3000
+    assert h.flags[labels].mean() > 0.8  # the model flagged the incident ...
+    keep, _ = exclusion_mask(h.flags, 10, 1440)
+    assert not keep[labels].any() or keep[labels].mean() < 0.2  # ... and it is left out, with its margin
+    assert info["rows_left_out"] >= labels.sum()
