@@ -359,12 +359,19 @@ class RetrainConfig:
     ``window``: the history kept per model, rows (``100000``) or a duration (``7d``, ``36h``: by
     the rows' time column); ``max_history_bytes`` bounds its file. ``exclude_margin``: rows left
     out before and after each flagged segment of a retraining dataset; a segment longer than
-    ``exclude_max_rows`` is kept (a change of regime, not an incident; 0: every one left out)."""
+    ``exclude_max_rows`` is kept (a change of regime, not an incident; 0: every one left out).
+    ``every``: retrain each model this long after its current version was trained (empty: off);
+    ``drift_rate``: retrain when the share of rows flagged over the last ``drift_window`` is
+    above this multiple of the design rate (0: off)."""
 
     window: str = _field("100000", _window_ok, "a number of rows >= 1 or a duration like 7d, 36h, 90m")
     max_history_bytes: int = _field(64 << 20, _positive, "bytes > 0")
     exclude_margin: int = _field(30, _non_negative, "rows >= 0")
     exclude_max_rows: int = _field(1440, _non_negative, "rows >= 0 (0: no limit)")
+    every: str = _field("", lambda v: v == "" or (_window_ok(v) and parse_window(v)[1] > 0),
+                        "empty (off) or a duration like 24h, 7d")
+    drift_window: str = _field("1440", _window_ok, "a number of rows >= 1 or a duration like 24h")
+    drift_rate: float = _field(0.0, _non_negative, "a multiple of the design rate >= 0 (0: off)")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ from .spool import (
     STORAGE_ERRNOS, is_ignored, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
     read_record, process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
 )
+from .retrain import Retrainer
 from .store import GATED, HELD, StoreError, prune
 from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
@@ -189,6 +190,7 @@ class Daemon:
         self.breadcrumb = Breadcrumb(spool.root)  # issue 18: the job in hand, for a death's quarantine
         self.cfg = self._usable(cfg)
         self.scorer = ScoreSlot(self)  # issue 19: score/ and its one scoring job (opt_ds_ops.scorer)
+        self.retrainer = Retrainer(self)  # issue 20: retraining queued after scored files (opt_ds_ops.retrain)
 
     @property
     def job(self) -> worker.JobProcess | None:

@@ -98,7 +98,7 @@ def bounded(h: History, window: str, max_bytes: int) -> History:
     if seconds and n and np.isfinite(h.times[-1]):
         keep = min(keep, int(np.sum(~(h.times < h.times[-1] - seconds))))
     per_row = h.values.shape[1] * 4 + 1 + 8
-    keep = min(keep, max(1, max_bytes // per_row))
+    keep = min(keep, max(1, max_bytes // per_row), n)
     s = n - keep
     return History(h.values[s:], h.offset, h.flags[s:], h.times[s:], h.last_job)
 
@@ -129,3 +129,32 @@ def record_chunk(results_model_dir: str, job_id: str, data: np.ndarray, offset: 
                      np.concatenate([h.times, t]), job_id)
     write_history(path, bounded(merged, window, max_bytes))
     return note
+
+
+def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: np.ndarray | None, window: str,
+                design_rate: float) -> dict:
+    """:func:`drift` of the model's history under results_model_dir with a chunk's flags (n,) and
+    times appended, as :func:`record_chunk` will append them (nothing if job_id appended last)."""
+    try:
+        h = read_history(os.path.join(results_model_dir, HISTORY_FILE))
+    except (ValueError, OSError):
+        h = None
+    n = np.asarray(flags).shape[0]
+    t = np.asarray(times, dtype=np.float64) if times is not None else np.full(n, np.nan)
+    if h is not None and h.last_job == job_id:
+        return drift(h, window, design_rate)
+    old_f = h.flags if h is not None else np.empty(0, bool)
+    old_t = h.times if h is not None else np.empty(0)
+    both = History(np.empty((old_f.shape[0] + n, 0), np.float32), np.empty(0), np.concatenate([old_f, flags]),
+                   np.concatenate([old_t, t]))
+    return drift(both, window, design_rate)
+
+
+def drift(h: History, window: str, design_rate: float) -> dict:
+    """Return the share of rows flagged over the history's last ``window`` (rows or a duration)
+    and its ratio to the design rate: ``{rows, flagged_share, design_rate, drift_ratio}``."""
+    tail = bounded(h, window, 1 << 62)
+    n = int(tail.flags.shape[0])
+    share = float(tail.flags.mean()) if n else 0.0
+    return {"rows": n, "flagged_share": share, "design_rate": design_rate,
+            "drift_ratio": share / design_rate if design_rate > 0 else None}

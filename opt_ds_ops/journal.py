@@ -65,6 +65,7 @@ MESSAGE_IDS = {
     "results-pruned": "3bf6754c0bcc476f9a68726f1e49a992",
     # issue 20: retraining and promotion
     "model-held": "ab1fd8270a2240c6b903f567f487a500",
+    "retrain-queued": "b79ac427389c43d5a69ed4988502186f",
     "model-not-promoted": "a515b79e6a324719b5c77ded5882454e",
 }
 

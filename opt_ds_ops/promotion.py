@@ -45,7 +45,7 @@ def design_rate(payload_or_md: dict) -> float:
     for ``quantile``, ``spot_risk`` for ``spot``, and for ``alarm_rate`` its alarms per day
     times ``score_window`` rows per alarm (a run lasts about one smoothing window) over the rows of a day."""
     method = payload_or_md.get("threshold_method", "quantile")
-    train = payload_or_md.get("train") or {}
+    train = payload_or_md.get("train") or (payload_or_md.get("config") or {}).get("train") or {}
     if method == "spot":
         return float(train.get("spot_risk", 1e-4))
     if method == "alarm_rate":

@@ -401,6 +401,7 @@ class ScoreSlot:
 
         if kind == "scored":
             self._report(record, f["summary"])
+            self.d._guarded(lambda: self.d.retrainer.on_scored(f["summary"]))  # issue 20
             discard_job(self.d.spool, record["job_id"])  # the results are its record, not the bytes
             self.d._forget(record["job_id"])
             self.d._guarded(self.retention)

@@ -187,3 +187,65 @@ def test_a_retraining_dataset_from_history_leaves_out_the_scored_incident(store,
     keep, _ = exclusion_mask(h.flags, 10, 1440)
     assert not keep[labels].any() or keep[labels].mean() < 0.2  # ... and it is left out, with its margin
     assert info["rows_left_out"] >= labels.sum()
+
+
+# ---- when: the drift trigger, with a real daemon ----------------------------------------------------
+
+def shifted(rows: np.ndarray, by: float = 0.4) -> np.ndarray:
+    out = rows.copy()
+    out[:, 0:12] += by
+    return out
+
+
+def test_a_level_shift_fires_the_drift_trigger_and_the_retrained_model_is_promoted(tmp_path, smd_rows):
+    """Acceptance 1: a model of one regime scores chunks of a shifted one until the drift trigger
+    fires; the retraining job (on the history, through the training path and the gate) is promoted
+    and the new current flags about the design rate of the new regime."""
+    from daemon_kit import Daemon, spool_dir, versions, write_config
+    from opt_ds_ops.store import current_version
+
+    conf = write_config(tmp_path, epochs=10, batch_size=256, scan_interval_s=0.5, extra=[
+        "scoring:", f"  results_dir: {tmp_path / 'scores'}",
+        "retrain:", "  drift_window: 2000", "  drift_rate: 5", "  exclude_max_rows: 500"])
+    np.savetxt(tmp_path / "m.csv", smd_rows[:3000], delimiter=",", fmt="%.6f")
+    new_regime = shifted(smd_rows[:3000])
+    d = Daemon(conf)
+    scored = []
+
+    def score(rows: np.ndarray) -> dict:
+        np.savetxt(spool_dir(tmp_path, "score") / "m.csv.part", rows, delimiter=",", fmt="%.6f")
+        os.rename(spool_dir(tmp_path, "score") / "m.csv.part", spool_dir(tmp_path, "score") / "m.csv")
+        d.wait_until(lambda: d.log().count(" scored with version ") > len(scored) or "failed in stage" in d.log(),
+                     "the chunk to be scored")
+        assert "failed in stage" not in d.log(), d.log()
+        results = sorted(p for p in (tmp_path / "scores" / "m").iterdir() if p.is_dir() and not p.name.startswith("."))
+        scored.append(json.loads((results[-1] / "summary.json").read_text()))
+        return scored[-1]
+
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        (spool_dir(tmp_path, "incoming") / "m.csv").write_bytes((tmp_path / "m.csv").read_bytes())
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 1, "the first model")
+        first = versions(tmp_path, "m")[0]
+        for i in range(4):  # 2,000 rows of the new regime: the drift window full
+            s = score(new_regime[i * 500 : (i + 1) * 500])
+            print(f"\nchunk {i + 1}: {s['flagged']} of {s['rows']} flagged by {s['version']}")
+        d.wait_until(lambda: "retraining queued" in d.log(), "the drift trigger")
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 2 and not any(
+            spool_dir(tmp_path, "processing").iterdir()), "the retrained version")
+        second = versions(tmp_path, "m")[1]
+        md = read_metadata(str(tmp_path / "models" / "m" / second))
+        gate = md["promotion"]
+        print(f"retrained: trigger {md['retrain']['trigger']} ({md['retrain']['why']}); excluded {md['excluded']['reason']}; "
+              f"gate: champion {gate['champion']['flagged_share']:.2%}, challenger {gate['challenger']['flagged_share']:.2%}")
+        assert md["retrain"]["trigger"] == "drift" and md["excluded"]["rows_in"] == 2000
+        assert current_version(str(tmp_path / "models" / "m")) == second != first, gate
+        after = score(new_regime[2000:2500])
+        share = after["flagged"] / after["rows"]
+        print(f"after promotion: {after['flagged']} of {after['rows']} rows of the new regime flagged ({share:.2%}) "
+              f"by {after['version']}; notes {after['notes']}")
+        assert after["version"] == second and share <= gate["design_rate"] + 0.05
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
