@@ -249,3 +249,66 @@ def test_a_level_shift_fires_the_drift_trigger_and_the_retrained_model_is_promot
         assert rc == 0, d.log()
     finally:
         d.kill()
+
+
+def test_due_says_which_trigger_fired_and_needs_a_full_drift_window():
+    from opt_ds_ops.config import RetrainConfig
+    from opt_ds_ops.retrain import due
+
+    drifting = {"drift": {"rows": 1000, "flagged_share": 0.2, "design_rate": 0.01, "drift_ratio": 20.0}}
+    assert due(RetrainConfig(), drifting, 0.0, 1e9) is None  # both off by default
+    trig, why = due(RetrainConfig(drift_rate=5, drift_window="1000"), drifting, None, 0)
+    assert trig == "drift" and "20.0 x the design rate" in why
+    assert due(RetrainConfig(drift_rate=5, drift_window="2000"), drifting, None, 0) is None  # window not full
+    assert due(RetrainConfig(drift_rate=50, drift_window="1000"), drifting, None, 0) is None
+    trig, why = due(RetrainConfig(every="24h"), {}, 0.0, 25 * 3600.0)
+    assert trig == "every" and "25.0 h ago" in why
+    assert due(RetrainConfig(every="24h"), {}, 0.0, 23 * 3600.0) is None
+
+
+def test_a_sigkill_during_retraining_leaves_one_current_the_history_and_no_half_version(tmp_path, smd_rows):
+    """Acceptance 3: the daemon (and its job) killed while the retraining runs; then restarted,
+    it finishes the job from processing/ and the store has one current and whole versions only."""
+    from daemon_kit import Daemon, spool_dir, versions, write_config
+    from opt_ds_ops.store import current_version, list_versions
+
+    conf = write_config(tmp_path, epochs=200, batch_size=64, scan_interval_s=0.5, extra=[
+        "scoring:", f"  results_dir: {tmp_path / 'scores'}",
+        "retrain:", "  drift_window: 1000", "  drift_rate: 5", "  exclude_max_rows: 500"])
+    new_regime = shifted(smd_rows[:3000])
+    d = Daemon(conf)
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        np.savetxt(spool_dir(tmp_path, "incoming") / "m.csv.part", smd_rows[:1000], delimiter=",", fmt="%.6f")
+        os.rename(spool_dir(tmp_path, "incoming") / "m.csv.part", spool_dir(tmp_path, "incoming") / "m.csv")
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 1, "the first model", timeout_s=300)
+        first = versions(tmp_path, "m")[0]
+        for i in range(2):
+            np.savetxt(spool_dir(tmp_path, "score") / "m.csv.part", new_regime[i * 500 : (i + 1) * 500],
+                       delimiter=",", fmt="%.6f")
+            os.rename(spool_dir(tmp_path, "score") / "m.csv.part", spool_dir(tmp_path, "score") / "m.csv")
+            d.wait_until(lambda: d.log().count(" scored with version ") > i, "the chunk to be scored")
+        d.wait_until(lambda: "m.history.npz: epoch 2/" in d.log(), "the retraining to be training")
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(30)
+    finally:
+        d.kill()
+    time.sleep(1.0)  # the job process dies with the daemon (PR_SET_PDEATHSIG)
+    name_dir = str(tmp_path / "models" / "m")
+    assert current_version(name_dir) == first and list_versions(name_dir) == [first]
+    h = read_history(str(tmp_path / "scores" / "m" / HISTORY_FILE))
+    assert h.values.shape == (1000, 38) and h.flags.all()
+    (job,) = [p for p in spool_dir(tmp_path, "processing").iterdir()]
+    assert json.loads((job / "job.json").read_text())["kind"] == "retrain"
+    conf.write_text(conf.read_text().replace("epochs: 200", "epochs: 2"))
+    d = Daemon(conf)
+    try:
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 2 and not any(
+            spool_dir(tmp_path, "processing").iterdir()), "the retraining to finish after the restart", timeout_s=300)
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
+    second = versions(tmp_path, "m")[1]
+    assert current_version(name_dir) == second and "m.history.npz" in os.listdir(spool_dir(tmp_path, "done"))
+    assert not [e for e in os.listdir(name_dir) if e.startswith(".tmp-")]
