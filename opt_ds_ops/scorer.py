@@ -145,6 +145,7 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
         "threshold": _first(st.get("threshold"), s.get("threshold")),
         "last_score": _first(st.get("last_score"), s.get("last_score")),
         "top_metrics": [t for t in top if isinstance(t, dict)][:3],
+        "drift_ratio": (s.get("drift") or {}).get("drift_ratio"),  # issue 20: the last scored file's
     }
 
 

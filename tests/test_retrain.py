@@ -312,3 +312,16 @@ def test_a_sigkill_during_retraining_leaves_one_current_the_history_and_no_half_
     second = versions(tmp_path, "m")[1]
     assert current_version(name_dir) == second and "m.history.npz" in os.listdir(spool_dir(tmp_path, "done"))
     assert not [e for e in os.listdir(name_dir) if e.startswith(".tmp-")]
+
+
+def test_the_drift_ratio_of_the_last_scored_file_is_a_metric_per_model(tmp_path):
+    from prometheus_client import generate_latest
+
+    from opt_ds_ops.metrics import MetricsWriter
+    from opt_ds_ops.scorer import model_view
+
+    m = MetricsWriter(str(tmp_path), str(tmp_path / "models"))
+    m.score_done(model_view("m", None, {"version": "v", "drift": {"rows": 1000, "flagged_share": 0.3,
+                                                                   "design_rate": 0.01, "drift_ratio": 30.0}}))
+    text = generate_latest(m.registry()).decode()
+    assert 'ds_ops_model_drift_ratio{model="m"} 30.0' in text
