@@ -163,7 +163,7 @@ def test_named_columns_must_match_the_models_and_are_listed(tmp_path, smd_rows):
         score_job(jdir, cfg)
     assert "lacks the model's columns 'c36', 'c37'" in str(e.value)
     assert "columns the model was not trained on: 'disk_util', 'fan_rpm'" in str(e.value)
-    assert state_file.read_bytes() == before and len(os.listdir(state_file.parent)) == 2
+    assert state_file.read_bytes() == before and len(os.listdir(state_file.parent)) == 3  # and history.npz (issue 20)
 
 
 def test_a_replayed_job_is_not_scored_twice(store, cfg, tmp_path):
