@@ -325,3 +325,22 @@ def test_the_drift_ratio_of_the_last_scored_file_is_a_metric_per_model(tmp_path)
                                                                    "design_rate": 0.01, "drift_ratio": 30.0}}))
     text = generate_latest(m.registry()).decode()
     assert 'ds_ops_model_drift_ratio{model="m"} 30.0' in text
+
+
+def test_status_shows_the_drift_ratio_and_the_next_retrain(store, tmp_path):
+    from conftest import run_cli
+
+    cfg = scoring_cfg(store, tmp_path)
+    score_job(make_job(tmp_path, 1, store["test"][:1000]), cfg)
+    for sub in ("incoming", "processing", "done", "failed", "score"):
+        (tmp_path / "spool" / sub).mkdir(parents=True, exist_ok=True)
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text(f"models_dir: {store['models']}\nspool:\n  dir: {tmp_path / 'spool'}\nscoring:\n"
+                    f"  results_dir: {tmp_path / 'scores'}\nretrain:\n  every: 24h\n")
+    r = run_cli("status", "--config", str(conf))
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("m1 "))
+    print("\n" + line)
+    assert "drift ratio " in line and "next retrain 20" in line
+    doc = json.loads(run_cli("status", "--config", str(conf), "--json").stdout)
+    assert doc["scoring"]["m1"]["drift_ratio"] > 0 and doc["scoring"]["m1"]["next_retrain_at"] > time.time()
