@@ -107,9 +107,16 @@ class SpoolConfig:
 @dataclass(frozen=True)
 class StoreConfig:
     """The model store's retention: ``keep_versions`` newest versions of each model are kept after
-    each job, besides ``current`` and pinned versions (``ds-ops models pin``); 0 keeps all."""
+    each job, besides ``current`` and pinned versions (``ds-ops models pin``); 0 keeps all.
+    ``promote``: whether a daemon job's new version becomes current (always, if-not-worse: the
+    gate of :mod:`opt_ds_ops.promotion` with its two tolerances, manual)."""
 
     keep_versions: int = _field(10, _non_negative, "an integer >= 0 (0: keep every version)")
+    # issue 20: the promotion gate of a daemon job's new version (opt_ds_ops.promotion)
+    promote: str = _field("if-not-worse", lambda v: v in ("always", "if-not-worse", "manual"),
+                          "one of always, if-not-worse, manual")
+    promote_flag_tolerance: float = _field(0.01, lambda v: 0 <= v <= 1, "a share in [0, 1]")
+    promote_pr_auc_tolerance: float = _field(0.05, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -329,6 +336,54 @@ class DatasetConfig:
     # issue 19: names of the features of headerless data (a .npy, or CSV without a header), in
     # feature order; stored with the model so that alerts, results and ``score`` name metrics.
     metric_names: tuple = _field((), _names_ok, "a list of metric names, one per feature, in order")
+    # issue 20: leave out the rows the model's current version flags (plus retrain.exclude_margin
+    # rows each side) before training on this file (opt_ds_ops.retrain_data)
+    exclude_flagged: bool = _field(False, None, "true or false")
+
+
+def parse_window(v: str) -> tuple[int, float]:
+    """``100000`` -> (100000 rows, 0 s); ``7d``, ``36h``, ``90m`` -> (0, seconds). Raises ValueError."""
+    v = str(v).strip()
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+    if v[-1:] in units:
+        seconds = float(v[:-1]) * units[v[-1]]
+        if not seconds > 0:
+            raise ValueError(v)
+        return 0, seconds
+    rows = int(v)
+    if rows < 1:
+        raise ValueError(v)
+    return rows, 0.0
+
+
+def _window_ok(v: str) -> bool:
+    try:
+        parse_window(v)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class RetrainConfig:
+    """Retraining on the rows a model scored (issue 20; opt_ds_ops.history, opt_ds_ops.retrain_data).
+
+    ``window``: the history kept per model, rows (``100000``) or a duration (``7d``, ``36h``: by
+    the rows' time column); ``max_history_bytes`` bounds its file. ``exclude_margin``: rows left
+    out before and after each flagged segment of a retraining dataset; a segment longer than
+    ``exclude_max_rows`` is kept (a change of regime, not an incident; 0: every one left out).
+    ``every``: retrain each model this long after its current version was trained (empty: off);
+    ``drift_rate``: retrain when the share of rows flagged over the last ``drift_window`` is
+    above this multiple of the design rate (0: off)."""
+
+    window: str = _field("100000", _window_ok, "a number of rows >= 1 or a duration like 7d, 36h, 90m")
+    max_history_bytes: int = _field(64 << 20, _positive, "bytes > 0")
+    exclude_margin: int = _field(30, _non_negative, "rows >= 0")
+    exclude_max_rows: int = _field(1440, _non_negative, "rows >= 0 (0: no limit)")
+    every: str = _field("", lambda v: v == "" or (_window_ok(v) and parse_window(v)[1] > 0),
+                        "empty (off) or a duration like 24h, 7d")
+    drift_window: str = _field("1440", _window_ok, "a number of rows >= 1 or a duration like 24h")
+    drift_rate: float = _field(0.0, _non_negative, "a multiple of the design rate >= 0 (0: off)")
 
 
 @dataclass(frozen=True)
@@ -349,12 +404,13 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    retrain: RetrainConfig = field(default_factory=RetrainConfig)
     source: str = field(default="<defaults>", compare=False)
 
 
 _SECTIONS = {"train": TrainConfig, "spool": SpoolConfig, "health": HealthConfig, "job": JobConfig,
              "dataset": DatasetConfig, "store": StoreConfig, "metrics": MetricsConfig,
-             "daemon": DaemonConfig, "scoring": ScoringConfig}
+             "daemon": DaemonConfig, "scoring": ScoringConfig, "retrain": RetrainConfig}
 
 
 _SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12

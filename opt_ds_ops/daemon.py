@@ -63,7 +63,7 @@ from .fsutil import user_name, utc_now
 from .health import gate_job, judge_gpu, summary_line
 from .handling import QUARANTINE_AFTER, Breadcrumb
 from .job import columns_note, stopping_note
-from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
+from .journal import LOG_ERR, LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
 from .notify import Notifier
 from .sandbox import without_unusable
@@ -73,7 +73,8 @@ from .spool import (
     STORAGE_ERRNOS, is_ignored, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
     read_record, process_start_ticks, prune_retention, recover_claim, remove_stale_temps, save_record,
 )
-from .store import StoreError, prune
+from .retrain import Retrainer
+from .store import GATED, HELD, StoreError, prune
 from .train import GPU_HEADROOM_BYTES, EpochStats
 from .watcher import IncomingWatcher
 
@@ -189,6 +190,7 @@ class Daemon:
         self.breadcrumb = Breadcrumb(spool.root)  # issue 18: the job in hand, for a death's quarantine
         self.cfg = self._usable(cfg)
         self.scorer = ScoreSlot(self)  # issue 19: score/ and its one scoring job (opt_ds_ops.scorer)
+        self.retrainer = Retrainer(self)  # issue 20: retraining queued after scored files (opt_ds_ops.retrain)
 
     @property
     def job(self) -> worker.JobProcess | None:
@@ -1070,6 +1072,13 @@ class Daemon:
         for warning in metadata.get("warnings") or []:  # issue 21: published, but suspect
             self.log.event("model-suspect", f"{safe_text(record['dataset'])}: {safe_text(warning)}", priority=LOG_WARNING,
                            model_dir=doc["model_dir"], **self._fields(record))
+        kept = str(metadata.get("not_current") or "")  # issue 20: the operator's hold, the promotion gate
+        if kept.startswith(HELD):
+            self.log.event("model-held", f"{safe_text(record['dataset'])}: {safe_text(kept)}", priority=LOG_NOTICE,
+                           model_dir=doc["model_dir"], reason=kept, **self._fields(record))
+        elif kept.startswith(GATED):
+            self.log.event("model-not-promoted", f"{safe_text(record['dataset'])}: {safe_text(kept)}",
+                           priority=LOG_NOTICE, model_dir=doc["model_dir"], reason=kept, **self._fields(record))
         if metadata.get("report_warning"):  # issue 11: the picture failed, the job did not
             self.log.event("report-failed", f"{safe_text(record['dataset'])}: {metadata['report_warning']}; the model "
                            f"is saved; redraw it with ds-ops report {doc['model_dir']}", priority=LOG_WARNING,

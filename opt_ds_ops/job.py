@@ -25,6 +25,8 @@ from .dataset import Dataset, DatasetError, DatasetLimits, SpillError, dataset_s
 from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import pid_alive, read_small, user_name
 from .gpustats import sampler_for
+from .promotion import promotion_record
+from .retrain_data import exclude_flagged
 from .report import try_write_report, validation_summary
 from .suspect import split_warnings
 from .store import StoreError, current_metadata, dataset_file_of, model_payload, safe_model_name, save_model
@@ -325,6 +327,7 @@ def run_job(
     distributed_optional: bool = False,
     uploader_uid: int | None = None,
     on_resume_dropped: Callable[[str], None] | None = None,
+    extra_metadata: dict | None = None,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -354,6 +357,9 @@ def run_job(
     TrainingInterrupted's checkpoint here); one that does not fit the dataset as loaded now (the
     conffile's ``dataset:``, ``job.memory_max`` or ``job.max_matrix_bytes`` changed, or it does not
     load) is dropped: ``on_resume_dropped(why)`` is called and training starts at epoch 1.
+    ``extra_metadata`` is merged into metadata.json (a retraining job's ``retrain`` and
+    ``excluded``); a sidecar's ``exclude_flagged`` cuts the dataset to the rows the model's current
+    version does not flag (:func:`opt_ds_ops.retrain_data.exclude_flagged`, ``excluded``).
     When ``health`` names the GPU the gate chose,
     each epoch carries its NVML reading (:mod:`opt_ds_ops.gpustats`; a failing NVML never fails the
     job). Raises JobError naming the failed stage;
@@ -375,9 +381,11 @@ def run_job(
                                                spill_dir=scratch_dir, base_bytes=data_segment_bytes(),
                                                refuse_constant=True)
             ds = load_dataset(path, limits, options)
+            excluded, keep = (exclude_flagged(ds, cfg.models_dir, model_name, cfg.retrain.exclude_margin,  # issue 20
+                                              cfg.retrain.exclude_max_rows) if options.exclude_flagged else (None, None))
             names = named_metrics(ds, options)
             sha = sha256 or file_sha256(path)
-        except (DatasetError, SpillError) as e:
+        except (DatasetError, SpillError, ValueError) as e:
             raise JobError("dataset", str(e), e) from e
         try:
             plan = plan or plan_device(cfg.device, cfg.amp, tf32=cfg.tf32)
@@ -421,6 +429,7 @@ def run_job(
                 sampler.close()
         metadata = build_metadata(ds, sha, result, cfg, health, options)
         metadata["job_id"] = job_id
+        metadata.update(extra_metadata or {}, excluded=(extra_metadata or {}).get("excluded", excluded))
         metadata["metric_names"] = names  # issue 19: alerts, results and score name the metrics
         # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
         metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -439,6 +448,8 @@ def run_job(
         except Exception as e:  # noqa: BLE001 - a picture's data never fails a trained job
             metadata["validation_scores"] = None
             metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
+        if job_id is not None:  # issue 20: a daemon job's version becomes current only past the gate
+            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path, keep)
         stage("store")
         # issue 11: report.png is drawn into the version's hidden temporary directory, so it is
         # published with the version by the same rename (a kill leaves no partial picture behind); a

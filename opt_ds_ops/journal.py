@@ -65,6 +65,10 @@ MESSAGE_IDS = {
     "scored": "ea106cd2d0e8460dbd52a64a8af55cca",
     "score-reset": "a25b94c0f1a84ac0b75107a5f6d01c4b",
     "results-pruned": "3bf6754c0bcc476f9a68726f1e49a992",
+    # issue 20: retraining and promotion
+    "model-held": "ab1fd8270a2240c6b903f567f487a500",
+    "retrain-queued": "b79ac427389c43d5a69ed4988502186f",
+    "model-not-promoted": "a515b79e6a324719b5c77ded5882454e",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).

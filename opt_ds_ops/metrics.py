@@ -69,6 +69,8 @@ METRIC_NAMES = {
     "ds_ops_flagged_rows_total": "rows flagged as anomalous, per model",
     "ds_ops_anomaly_segments_total": "anomaly segments started, per model",
     "ds_ops_last_scored_timestamp_seconds": "Unix time the model's last file was scored",
+    # issue 20: the share flagged over retrain.drift_window over the design rate (opt_ds_ops.retrain)
+    "ds_ops_model_drift_ratio": "share of rows flagged over retrain.drift_window divided by the design rate, per model",
     "ds_ops_anomaly_top_metric_share": "share of the open anomaly's error by metric, its top 3 (rank 1-3), per model",
 }
 SCORE_COUNTERS = (("ds_ops_scored_rows_total", "rows_total"), ("ds_ops_flagged_rows_total", "flagged_total"),
@@ -245,14 +247,16 @@ class MetricsWriter:
         """Add the scoring spool's families (issue 19): one sample per model, the top metrics only
         for an open segment (3 at most: the label set stays bounded)."""
         gauges = {n: Gauge(n, METRIC_NAMES[n], ["model"], registry=reg) for n in (
-            "ds_ops_score_last", "ds_ops_score_threshold", "ds_ops_anomaly_active", "ds_ops_last_scored_timestamp_seconds")}
+            "ds_ops_score_last", "ds_ops_score_threshold", "ds_ops_anomaly_active", "ds_ops_last_scored_timestamp_seconds",
+            "ds_ops_model_drift_ratio")}
         counters = {n: Counter(n[: -len("_total")], METRIC_NAMES[n], ["model"], registry=reg) for n, _ in SCORE_COUNTERS}
         top = Gauge("ds_ops_anomaly_top_metric_share", METRIC_NAMES["ds_ops_anomaly_top_metric_share"],
                     ["model", "rank", "metric"], registry=reg)
         for name, v in sorted(self.scores.items()):
             for metric, value in (("ds_ops_score_last", v.get("last_score")), ("ds_ops_score_threshold", v.get("threshold")),
                                   ("ds_ops_anomaly_active", int(bool(v.get("active")))),
-                                  ("ds_ops_last_scored_timestamp_seconds", v.get("scored_at"))):
+                                  ("ds_ops_last_scored_timestamp_seconds", v.get("scored_at")),
+                                  ("ds_ops_model_drift_ratio", v.get("drift_ratio"))):
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     gauges[metric].labels(model=name).set(value)
             for metric, key in SCORE_COUNTERS:

@@ -147,6 +147,7 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
         "threshold": _first(st.get("threshold"), s.get("threshold")),
         "last_score": _first(st.get("last_score"), s.get("last_score")),
         "top_metrics": [t for t in top if isinstance(t, dict)][:3],
+        "drift_ratio": (s.get("drift") or {}).get("drift_ratio"),  # issue 20: the last scored file's
     }
 
 
@@ -403,6 +404,7 @@ class ScoreSlot:
 
         if kind == "scored":
             self._report(record, f["summary"])
+            self.d._guarded(lambda: self.d.retrainer.on_scored(f["summary"]))  # issue 20
             discard_job(self.d.spool, record["job_id"])  # the results are its record, not the bytes
             self.d._forget(record["job_id"])
             self.d._guarded(self.retention)

@@ -35,6 +35,8 @@ from .config import SIDECAR_MAX_BYTES, Config, ConfigError, DatasetConfig, parse
 from .dataset import DatasetError, DatasetLimits, dataset_stem, load_dataset
 from .dataset.core import iso_utc
 from .fsutil import fsync_dir, read_small, write_atomic
+from .history import chunk_drift, record_chunk
+from .promotion import design_rate
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
                      score_chunk)
 from .store import CURRENT, StoreError, load_model, safe_model_name
@@ -322,9 +324,14 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "replayed": False,
     }
+    summary["drift"] = chunk_drift(model_dir, job_id, result.flags, times, cfg.retrain.drift_window,  # issue 20
+                                   design_rate(stored.metadata))
     summary = json_safe(summary)
     os.makedirs(model_dir, DIR_MODE, exist_ok=True)
     _write_result(model_dir, job_id, summary, rows_csv(result, times))
+    note = record_chunk(model_dir, job_id, np.asarray(ds.data), ds.offset, result.flags, times,  # issue 20
+                        cfg.retrain.window, cfg.retrain.max_history_bytes)
+    summary["notes"] += [note] if note else []
     new.last_job, new.last_result = job_id, result_name
     new.scored_at, new.top_metrics = summary["scored_at"], summary["top_metrics"]
     write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True) + "\n").encode(), mode=FILE_MODE)

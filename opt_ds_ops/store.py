@@ -234,7 +234,8 @@ def _compact_time(iso: str) -> str:
 def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | None:
     """:func:`publish_job`'s body, under the name lock: a job's version does not become current
     over a version of a later claim (a job claimed later finished first; recovery replays an old
-    job), nor over an operator's promote, rollback or rm that came after the job was claimed."""
+    job), nor over an operator's promote, rollback or rm that came after the job was claimed, nor
+    while the operator's decision holds (:func:`operator_hold`)."""
     current = current_version(name_dir)
     if current == version:
         return None
@@ -248,7 +249,48 @@ def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | 
         taken = _owner_conflict(name_dir, current, version)
         if taken:
             return taken
+        held = operator_hold(name_dir, current, op)
+        if held:
+            return f"{HELD} {held}; ds-ops models promote {os.path.basename(name_dir)} {version} makes it current"
+        gated = _gate_refusal(name_dir, version)
+        if gated and current is not None:
+            return f"{GATED} {gated}; ds-ops models promote {os.path.basename(name_dir)} {version} makes it current"
     publish(name_dir, version)
+    return None
+
+
+HELD = "held by the operator's decision:"  # how a not_current reason of a hold begins (the daemon's model-held)
+
+
+GATED = "not promoted by the gate:"  # a not_current reason of store.promote (the daemon's model-not-promoted)
+
+
+def _gate_refusal(name_dir: str, version: str) -> str | None:
+    """Return the promotion gate's reason when version's metadata says it is not to be promoted
+    (``promotion.promote`` false, :mod:`opt_ds_ops.promotion`), else None."""
+    try:
+        gate = read_metadata(os.path.join(name_dir, version)).get("promotion")
+    except StoreError:
+        return None
+    if isinstance(gate, dict) and gate.get("promote") is False:
+        return f"{gate.get('failed') or gate.get('mode')}: {gate.get('reason')}"
+    return None
+
+
+def operator_hold(name_dir: str, current: str | None, op: dict | None) -> str | None:
+    """Return why no new version of a job may become current because an operator decided which
+    version is current (issue 20): ``current`` is pinned (until ``ds-ops models unpin``), or the
+    operator's last change was a rollback (until a ``promote`` or ``unpin``); else None."""
+    if current is None:
+        return None
+    try:
+        pinned = read_metadata(os.path.join(name_dir, current)).get("pinned")
+    except StoreError:
+        pinned = None
+    if isinstance(pinned, dict):
+        return f"current {current} is pinned (by {pinned.get('by')} at {pinned.get('at')}: {pinned.get('why') or '-'})"
+    if op is not None and op.get("action") == "rollback":
+        return f"current was rolled back to {op.get('version')} (by {op.get('by')} at {op.get('at')}: {op.get('why') or '-'})"
     return None
 
 
@@ -521,7 +563,17 @@ def version_summary(name_dir: str, version: str, current: str | None = None) -> 
         "trained_at": ended,
         "age_s": age_s,
         "error": md.get("error"),
+        "promotion": _gate_summary(md.get("promotion")),
     }
+
+
+def _gate_summary(gate) -> dict | None:
+    """The promotion gate's verdict of a version for ``ds-ops models`` (None: no gate ran)."""
+    if not isinstance(gate, dict):
+        return None
+    share = lambda side: (gate.get(side) or {}).get("flagged_share")  # noqa: E731
+    return {"mode": gate.get("mode"), "promote": gate.get("promote"), "failed": gate.get("failed"),
+            "reason": gate.get("reason"), "flagged_share": share("challenger"), "champion_flagged_share": share("champion")}
 
 
 def list_models(models_dir: str) -> list[dict]:
@@ -600,11 +652,18 @@ def rollback(models_dir: str, name: str, why: str | None = None) -> dict:
 
 def pin(models_dir: str, spec: str, pinned: bool = True, why: str | None = None) -> dict:
     """Pin (or unpin) ``NAME/VERSION`` (default: the current one): pruning never removes a pinned
-    version, nor does ``models rm`` until it is unpinned. Return the log entry. Raises StoreError."""
+    version, nor does ``models rm`` until it is unpinned, and while current is pinned no job's new
+    version becomes current (:func:`operator_hold`). Unpinning current also lifts the hold of a
+    rollback. Return the log entry. Raises StoreError."""
     name_dir, version = resolve(models_dir, spec if "/" in spec else f"{spec}/{CURRENT}")
     try:
         with _NameLock(name_dir):
-            return _record(os.path.join(name_dir, version), "pin" if pinned else "unpin", why)
+            entry = _record(os.path.join(name_dir, version), "pin" if pinned else "unpin", why)
+            if not pinned and version == current_version(name_dir):  # lifts a rollback's hold too
+                last = read_operator_action(name_dir) or {}  # its time still orders jobs claimed before it
+                _write_operator_action(name_dir, dict(entry, version=version, at=last.get("at", ""),
+                                                      unpinned_at=entry["at"]))
+            return entry
     except OSError as e:
         raise StoreError(f"cannot pin {spec}: {e.strerror} ({e.filename})") from None
 

@@ -202,6 +202,8 @@ def name_job(spool, job_id: str, record: dict, cfg):
     from .spool import SIDECAR_FILE
     from .store import StoreError, safe_model_name
 
+    if record.get("kind") == "retrain":  # issue 20: the daemon named the model, no sidecar
+        return safe_model_name(str(record["model"])), True, cfg.dataset
     if record.get("sidecar_error"):
         raise JobError("dataset", f"sidecar {record['sidecar_error']}")
     options, name = cfg.dataset, None
@@ -319,6 +321,14 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                 send("beat")
             return stop_event.is_set()
 
+        extra = None
+        if record.get("kind") == "retrain":  # issue 20: the history copy cut to its normal rows
+            from .retrain import job_dataset
+
+            try:
+                path, extra, name = job_dataset(spool, job_id, record, cfg)
+            except ValueError as e:
+                raise JobError("dataset", str(e)) from None
         try:
             job = run_job(path, cfg, name=model_name, plan=plan, health=decision.report,
                           on_epoch=throttled(lambda s: send("epoch", **s.as_dict()), cfg.train),  # issue 21
@@ -327,7 +337,7 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                           on_stage=on_stage, options=options, explicit_name=explicit,
                           scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True,
                           uploader_uid=record.get("uploader_uid"),
-                          on_resume_dropped=lambda why: send("resumed", epoch=1, why=why))
+                          on_resume_dropped=lambda why: send("resumed", epoch=1, why=why), extra_metadata=extra)
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             if ckpt is None:  # a distributed run keeps none: it trains again from epoch 1

@@ -310,7 +310,7 @@ def test_results_past_their_retention_are_removed_but_the_newest_and_state_json_
             d.wait_until(lambda i=i: events(tmp_path).count("scored") == i + 1, f"chunk {i} scored")
         d.wait_until(lambda: events(tmp_path).count("results-pruned") == 2, "two results pruned")
     left = [p.name for p in (tmp_path / "scores" / "m").iterdir()]
-    assert "state.json" in left and len(left) == 2
+    assert "state.json" in left and "history.npz" in left and len(left) == 3  # issue 20: the history is bounded apart
     assert results(tmp_path)[0]["source"] == "r2.csv"
     pruned = [e for e in journal(tmp_path) if EVENT[e["MESSAGE_ID"]] == "results-pruned"]
     assert all(e["DS_RESULTS"].startswith("m/") and e["PRIORITY"] == "6" for e in pruned)

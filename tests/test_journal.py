@@ -23,7 +23,7 @@ import pytest
 import systemd.journal
 
 from daemon_kit import Daemon, base_env, copy_smd, done_names, failed_names, spool_dir, write_config
-from opt_ds_ops import daemon, journal, scorer
+from opt_ds_ops import daemon, journal, retrain, scorer
 from opt_ds_ops.journal import MESSAGE_IDS, EventLog, field_name
 
 FIELD_RULE = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")  # journald: no leading '_' or digit, <= 64 chars
@@ -245,7 +245,8 @@ def _event_calls() -> dict[str, list[set[str]]]:
     test cannot know its keys.
     """
     tree = ast.parse(Path(daemon.__file__).read_text())
-    trees = [tree, ast.parse(Path(scorer.__file__).read_text())]  # issue 19: the scoring slot's events
+    trees = [tree, ast.parse(Path(scorer.__file__).read_text()),  # issue 19: the scoring slot's events
+             ast.parse(Path(retrain.__file__).read_text())]  # issue 20: retraining's
 
     def is_fields_call(node) -> bool:
         return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)

@@ -100,7 +100,8 @@ def test_chunks_dropped_one_after_another_score_as_the_whole_period(store, cfg, 
 def test_results_are_group_readable_and_nothing_hidden_is_left(store, cfg, tmp_path):
     summary = score_job(make_job(tmp_path, job_id(1), store["test"][:1000]), cfg)
     model_dir = tmp_path / "scores" / "m1"
-    assert sorted(os.listdir(model_dir)) == sorted([os.path.basename(summary["result_dir"]), "state.json"])
+    assert sorted(os.listdir(model_dir)) == sorted([os.path.basename(summary["result_dir"]), "state.json",
+                                                    "history.npz"])  # issue 20: the rows to retrain from
     assert stat.S_IMODE(os.stat(model_dir).st_mode) == 0o750
     assert stat.S_IMODE(os.stat(summary["result_dir"]).st_mode) == 0o750
     for f in ("rows.csv", "summary.json"):
@@ -162,7 +163,7 @@ def test_named_columns_must_match_the_models_and_are_listed(tmp_path, smd_rows):
         score_job(jdir, cfg)
     assert "lacks the model's columns 'c36', 'c37'" in str(e.value)
     assert "columns the model was not trained on: 'disk_util', 'fan_rpm'" in str(e.value)
-    assert state_file.read_bytes() == before and len(os.listdir(state_file.parent)) == 2
+    assert state_file.read_bytes() == before and len(os.listdir(state_file.parent)) == 3  # and history.npz (issue 20)
 
 
 def test_a_replayed_job_is_not_scored_twice(store, cfg, tmp_path):

@@ -54,8 +54,8 @@ def test_a_job_claimed_before_an_operators_rollback_does_not_undo_it(tmp_path, p
     v3, md = job_version(tmp_path, "m", running, payload)
     assert current_version(str(tmp_path / "m")) == v1
     assert "rollback" in md["not_current"] and "after job" in md["not_current"]
-    v4, _ = job_version(tmp_path, "m", new_job_id(), payload)  # claimed after the rollback
-    assert current_version(str(tmp_path / "m")) == v4
+    v4, md4 = job_version(tmp_path, "m", new_job_id(), payload)  # claimed after: the rollback holds (issue 20)
+    assert current_version(str(tmp_path / "m")) == v1 and "rolled back to" in md4["not_current"]
 
 
 def test_train_by_hand_publishes_whatever_the_order(tmp_path, payload):

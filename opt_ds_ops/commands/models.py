@@ -64,6 +64,17 @@ def _num(v, fmt: str = ".6g") -> str:
     return format(v, fmt) if isinstance(v, (int, float)) else "n/a"
 
 
+def _gate_note(gate: dict | None) -> str:
+    """``  gate: not promoted (pr-auc) flags 1.2% vs 3.4%``: the promotion gate's verdict, or nothing."""
+    if not gate:
+        return ""
+    verdict = "promoted" if gate.get("promote") else f"not promoted ({gate.get('failed') or gate.get('mode')})"
+    champ = gate.get("champion_flagged_share")
+    vs = f" vs current-then {champ:.2%}" if isinstance(champ, float) else ""
+    flags = f" flags {gate['flagged_share']:.2%}{vs}" if isinstance(gate.get("flagged_share"), float) else ""
+    return f"\n      gate: {verdict}{flags}"
+
+
 def _print_list(models: list[dict], models_dir: str) -> None:
     if not models:
         print(f"no models under {models_dir}")
@@ -73,7 +84,8 @@ def _print_list(models: list[dict], models_dir: str) -> None:
         for v in reversed(m["versions"]):
             mark = ("*" if v["current"] else " ") + ("P" if v["pinned"] else " ")
             print(f"  {mark} {v['version']}  {v['dataset'] or '?'}  loss {_num(v['final_train_loss'])}  "
-                  f"val {_num(v['final_val_loss'])}  threshold {_num(v['threshold'], '.4f')}  age {_age(v['age_s'])}")
+                  f"val {_num(v['final_val_loss'])}  threshold {_num(v['threshold'], '.4f')}  age {_age(v['age_s'])}"
+                  + _gate_note(v.get("promotion")))
     print("(* current, P pinned)")
 
 

@@ -68,8 +68,30 @@ def _model_line(v: dict) -> str:
     at = v.get("scored_at")
     when = datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "?"
     anomaly = f"ANOMALY ACTIVE: {top_text(v.get('top_metrics'))}" if v.get("active") else "no anomaly"
+    drift = f", drift ratio {v['drift_ratio']:.2f}" if isinstance(v.get("drift_ratio"), (int, float)) else ""
+    nxt = v.get("next_retrain_at")
+    retrain = (f", next retrain {datetime.fromtimestamp(nxt, timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}"
+               if isinstance(nxt, (int, float)) else "")
     return (f"  {safe_text(v['model'])}  last scored {when}, {v['rows_total']} rows scored ({v['flagged_total']} "
-            f"flagged, {v['segments_total']} segments), {anomaly}")
+            f"flagged, {v['segments_total']} segments), {anomaly}{drift}{retrain}")
+
+
+def next_retrains(args, views: dict) -> None:
+    """Add ``next_retrain_at`` (Unix seconds: current's training end + retrain.every) to each
+    scored model's view when retrain.every is set (issue 20)."""
+    from ..config import parse_window
+    from ..retrain import trained_at_s
+    from ..store import current_metadata
+
+    try:
+        cfg = load_cfg(args, {})
+    except ConfigError:
+        return
+    if not cfg.retrain.every:
+        return
+    for name, v in views.items():
+        trained = trained_at_s(current_metadata(cfg.models_dir, name))
+        v["next_retrain_at"] = trained + parse_window(cfg.retrain.every)[1] if trained is not None else None
 
 
 def _seconds_since(stamp) -> float | None:
@@ -167,6 +189,7 @@ def run(args) -> int:
             job["time_left_s"] = time_left_s(job) if job.get("daemon_alive") else None
         st["results_dir"] = _results_dir(args)
         st["scoring"] = model_views(st["results_dir"])
+        next_retrains(args, st["scoring"])  # issue 20
         if args.json:
             print(json.dumps(st, sort_keys=True), flush=True)
         else:

@@ -1,0 +1,210 @@
+"""Issue 20: an operator's decision holds (after ``ds-ops models rollback`` or ``pin`` no new
+version of that model becomes current until the operator promotes or unpins), and the promotion
+gate (``store.promote``) lets a challenger become current only if it is not worse."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from daemon_kit import Daemon, spool_dir, versions, write_config
+from opt_ds_ops.config import Config, StoreConfig, TrainConfig
+from opt_ds_ops.device import plan_device
+from opt_ds_ops.job import run_job
+from opt_ds_ops.spool import new_job_id
+from opt_ds_ops.store import (
+    GATED, HELD, current_version, model_payload, pin, promote, read_metadata, rollback, save_model,
+)
+from opt_ds_ops.train import train
+
+
+@pytest.fixture(scope="module")
+def payload(smd_rows):
+    return model_payload(train(smd_rows[:3000], TrainConfig(epochs=1), plan_device("cpu", "off")))
+
+
+def job_version(models_dir, name: str, payload) -> tuple[str, dict]:
+    """Save a version of model name as a daemon job claimed now does; return (version, metadata returned)."""
+    path, md = save_model(str(models_dir), name, payload, {"dataset": {"file": f"{name}.csv"}, "job_id": new_job_id()})
+    return os.path.basename(path), md
+
+
+def test_after_a_rollback_no_new_jobs_version_becomes_current_until_a_promote(tmp_path, payload):
+    v1, _ = job_version(tmp_path, "m", payload)
+    job_version(tmp_path, "m", payload)
+    rollback(str(tmp_path), "m", why="v2 alarms all night")
+    v3, md3 = job_version(tmp_path, "m", payload)  # claimed after the rollback
+    v4, md4 = job_version(tmp_path, "m", payload)
+    assert current_version(str(tmp_path / "m")) == v1
+    for md, v in ((md3, v3), (md4, v4)):
+        assert md["not_current"].startswith(HELD) and "rolled back to" in md["not_current"]
+        assert f"ds-ops models promote m {v}" in md["not_current"]
+    promote(str(tmp_path), "m", v4, why="checked it")
+    v5, md5 = job_version(tmp_path, "m", payload)  # the promote ended the hold
+    assert current_version(str(tmp_path / "m")) == v5 and md5["not_current"] is None
+
+
+def test_while_current_is_pinned_no_new_jobs_version_becomes_current_until_unpin(tmp_path, payload):
+    v1, _ = job_version(tmp_path, "m", payload)
+    pin(str(tmp_path), "m", why="known good")
+    _, md2 = job_version(tmp_path, "m", payload)
+    assert current_version(str(tmp_path / "m")) == v1
+    assert md2["not_current"].startswith(HELD) and "is pinned" in md2["not_current"] and "known good" in md2["not_current"]
+    pin(str(tmp_path), "m", pinned=False)
+    v3, md3 = job_version(tmp_path, "m", payload)
+    assert current_version(str(tmp_path / "m")) == v3 and md3["not_current"] is None
+
+
+def test_unpinning_a_rolled_back_current_lifts_the_rollbacks_hold_too(tmp_path, payload):
+    v1, _ = job_version(tmp_path, "m", payload)
+    job_version(tmp_path, "m", payload)
+    rollback(str(tmp_path), "m")
+    pin(str(tmp_path), "m")
+    assert job_version(tmp_path, "m", payload)[1]["not_current"].startswith(HELD)
+    pin(str(tmp_path), "m", pinned=False)
+    v4, md4 = job_version(tmp_path, "m", payload)
+    assert current_version(str(tmp_path / "m")) == v4 and md4["not_current"] is None
+
+
+def test_a_redrop_of_the_same_file_after_a_rollback_is_kept_not_current_and_the_journal_says_so(
+        tmp_path, smd_rows):
+    """As a new operator would: drop a file twice, roll back, drop it again, to a real daemon."""
+    data = tmp_path / "m.csv"
+    np.savetxt(data, smd_rows[:2000], delimiter=",", fmt="%.6f")
+    conf = write_config(tmp_path, scan_interval_s=0.5)
+    models = str(tmp_path / "models")
+
+    def drop_and_wait(n: int) -> None:
+        (spool_dir(tmp_path, "incoming") / "m.csv").write_bytes(data.read_bytes())
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == n and not any(
+            spool_dir(tmp_path, "processing").iterdir()), f"version {n} of m")
+
+    d = Daemon(conf)
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        drop_and_wait(1)
+        drop_and_wait(2)
+        v1, v2 = versions(tmp_path, "m")
+        assert current_version(os.path.join(models, "m")) == v2
+        r = run_cli("models", "--models-dir", models, "rollback", "m", "--why", "v2 is noisy")
+        assert r.returncode == 0, r.stderr
+        drop_and_wait(3)
+        v3 = versions(tmp_path, "m")[-1]
+        assert current_version(os.path.join(models, "m")) == v1
+        d.wait_until(lambda: "held by the operator" in d.log(), "the model-held entry")
+        log = d.log()
+        assert "rolled back to " + v1 in log and "v2 is noisy" in log and f"ds-ops models promote m {v3}" in log
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
+    listed = run_cli("models", "--models-dir", models)
+    assert v3 in listed.stdout and f"current {v1}" in listed.stdout
+
+
+# ---- the promotion gate (store.promote) -----------------------------------------------------------
+
+def gate_cfg(tmp_path, promote: str = "if-not-worse", epochs: int = 3) -> Config:
+    return Config(models_dir=str(tmp_path / "models"), device="cpu", amp="off",
+                  train=TrainConfig(epochs=epochs, batch_size=256),
+                  store=StoreConfig(promote=promote))
+
+
+def daemon_job(path, cfg: Config, name: str = "m"):
+    """Train and save as a daemon job does (a job id: the gate applies); return the JobResult."""
+    return run_job(str(path), cfg, name=name, explicit_name=True, plan=plan_device("cpu", "off"), job_id=new_job_id())
+
+
+def write_rows(path, rows: np.ndarray, labels: np.ndarray | None = None):
+    np.savetxt(path, rows, delimiter=",", fmt="%.6f")
+    if labels is not None:
+        np.savetxt(path.with_suffix(".labels"), labels.astype(int), fmt="%d")
+    return path
+
+
+def shifted(rows: np.ndarray, cols=slice(0, 12), by: float = 0.4) -> np.ndarray:
+    """A level shift: the same telemetry with some metrics moved up (a new workload)."""
+    out = rows.copy()
+    out[:, cols] += by
+    return out
+
+
+def test_after_a_level_shift_the_retrained_model_is_promoted_and_flags_little_of_the_new_regime(tmp_path, smd_rows):
+    cfg = gate_cfg(tmp_path)
+    old = daemon_job(write_rows(tmp_path / "old.csv", smd_rows[:3000]), cfg)
+    new = daemon_job(write_rows(tmp_path / "new.csv", shifted(smd_rows[3000:6000])), cfg)
+    gate = new.metadata["promotion"]
+    print(f"\nlevel shift: champion flags {gate['champion']['flagged_share']:.2%} of the new regime's held-back "
+          f"rows, challenger {gate['challenger']['flagged_share']:.2%} (design {gate['design_rate']:.2%})")
+    assert gate["promote"] and gate["failed"] is None, gate
+    assert gate["champion"]["version"] == os.path.basename(old.model_dir)
+    assert gate["champion"]["flagged_share"] > 0.5
+    assert gate["challenger"]["flagged_share"] <= gate["design_rate"] + cfg.store.promote_flag_tolerance
+    assert current_version(str(tmp_path / "models" / "m")) == os.path.basename(new.model_dir)
+
+
+def incident(rows: np.ndarray, every: int = 500, length: int = 60, by: float = 0.6) -> tuple[np.ndarray, np.ndarray]:
+    """rows with a recurring incident (some metrics up by ``by`` for ``length`` rows every ``every`` rows) and its labels."""
+    out, labels = rows.copy(), np.zeros(rows.shape[0], dtype=bool)
+    for start in range(every // 2, rows.shape[0] - length, every):
+        out[start : start + length, 0:10] += by
+        labels[start : start + length] = True
+    return out, labels
+
+
+def test_the_gate_refuses_a_challenger_that_learned_a_labelled_incident_and_says_which_test(tmp_path, smd_rows):
+    cfg = gate_cfg(tmp_path)
+    champion = daemon_job(write_rows(tmp_path / "clean.csv", smd_rows[:4000]), cfg)
+    rows, labels = incident(smd_rows[4000:8000])
+    challenger = daemon_job(write_rows(tmp_path / "incident.csv", rows, labels), cfg)
+    gate = challenger.metadata["promotion"]
+    print(f"\nincident: PR-AUC challenger {gate['challenger']['pr_auc']:.3f}, champion {gate['champion']['pr_auc']:.3f}; "
+          f"flagged {gate['challenger']['flagged_share']:.2%} vs {gate['champion']['flagged_share']:.2%}")
+    assert gate["labels"] and not gate["promote"] and gate["failed"] == "pr-auc", gate
+    assert "PR-AUC" in gate["reason"] and f"{gate['champion']['pr_auc']:.3f}" in gate["reason"]
+    assert current_version(str(tmp_path / "models" / "m")) == os.path.basename(champion.model_dir)
+    assert challenger.metadata["not_current"].startswith(GATED)
+    md = read_metadata(challenger.model_dir)  # the figures are in the version's metadata.json
+    assert md["promotion"]["failed"] == "pr-auc" and md["promotion"]["challenger"]["pr_auc"] == gate["challenger"]["pr_auc"]
+    listed = run_cli("models", "--models-dir", cfg.models_dir)
+    assert "not promoted (pr-auc)" in listed.stdout and os.path.basename(challenger.model_dir) in listed.stdout
+
+
+@pytest.mark.parametrize("mode", ["manual", "always"])
+def test_manual_keeps_every_challenger_and_always_promotes_each(tmp_path, smd_rows, mode):
+    cfg = gate_cfg(tmp_path, mode, epochs=1)
+    first = daemon_job(write_rows(tmp_path / "a.csv", smd_rows[:2000]), cfg)  # no champion yet: current
+    assert current_version(str(tmp_path / "models" / "m")) == os.path.basename(first.model_dir)
+    rows, labels = incident(smd_rows[2000:4000])
+    second = daemon_job(write_rows(tmp_path / "b.csv", rows, labels), cfg)
+    want = first if mode == "manual" else second
+    assert current_version(str(tmp_path / "models" / "m")) == os.path.basename(want.model_dir)
+    gate = second.metadata["promotion"]
+    assert gate["mode"] == mode and gate["promote"] is (mode == "always")
+    assert mode == "always" or "store.promote is manual" in gate["reason"]
+    promote(cfg.models_dir, "m", os.path.basename(second.model_dir))  # the operator's promote always works
+    assert current_version(str(tmp_path / "models" / "m")) == os.path.basename(second.model_dir)
+
+
+def test_a_daemon_under_store_promote_manual_keeps_the_second_version_and_the_journal_says_why(tmp_path, smd_rows):
+    data = write_rows(tmp_path / "m.csv", smd_rows[:2000])
+    conf = write_config(tmp_path, scan_interval_s=0.5, extra=["store:", "  promote: manual"])
+    d = Daemon(conf)
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        for n in (1, 2):
+            (spool_dir(tmp_path, "incoming") / "m.csv").write_bytes(data.read_bytes())
+            d.wait_until(lambda: len(versions(tmp_path, "m")) == n and not any(
+                spool_dir(tmp_path, "processing").iterdir()), f"version {n} of m")
+        d.wait_until(lambda: "not promoted by the gate" in d.log(), "the model-not-promoted entry")
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
+    v1, v2 = versions(tmp_path, "m")
+    assert current_version(str(tmp_path / "models" / "m")) == v1
+    assert "store.promote is manual" in d.log() and f"ds-ops models promote m {v2}" in d.log()
+    assert read_metadata(str(tmp_path / "models" / "m" / v2))["promotion"]["challenger"]["flagged_share"] >= 0
