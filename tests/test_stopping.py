@@ -65,6 +65,17 @@ def test_the_epochs_count_is_a_cap(rows):
     assert (r.stopping["reason"], r.stopping["steps"], len(r.history)) == ("epochs", 22, 2)
 
 
+@pytest.mark.parametrize("limits, last_step", [(dict(max_steps=100), 100), (dict(epochs=5), 55)])
+def test_the_weights_at_the_stop_are_evaluated_and_published_while_the_loss_still_falls(rows, limits, last_step):
+    # evaluations at steps 50 and 100 (max_steps) / 50 and 55 (the epochs cap, 11 steps an epoch):
+    # the loss still falls, so the last step's weights are the best and are the ones published
+    r = train(rows, TrainConfig(**dict(QUICK, **limits), eval_every_steps=50, patience=50), CPU)
+    st = r.stopping
+    assert (st["steps"], st["best_step"], st["evaluations"], st["restored_best"]) == (last_step, last_step, 2, False), st
+    assert val_loss_of(r, rows) == pytest.approx(st["best_val_loss"], rel=1e-5)
+    assert r.val_loss == pytest.approx(val_loss_of(r, rows), rel=1e-5)  # metadata's final_val_loss
+
+
 def test_stopping_epochs_runs_exactly_the_epochs_as_the_benchmark_does(rows):
     r = train(rows, TrainConfig(batch_size=512, epochs=3, stopping="epochs", max_steps=5, patience=1), CPU)
     assert len(r.history) == 3 and r.stopping == {"rule": "epochs", "reason": "epochs", "steps": 33}
