@@ -127,6 +127,15 @@ def test_a_clean_split_does_not_warn():
     assert split_warnings(r.split_check, 3.0, 6.0) == []
 
 
+def test_a_shift_warning_clips_long_header_names():
+    from opt_ds_ops.suspect import MAX_NAME_CHARS, MAX_WARNING_CHARS
+
+    check = {"train_loss": 1.0, "val_loss": 1.0, "shift_sd": [9.0] * 10}
+    (w,) = split_warnings(check, 3.0, 6.0, header=["x" * 10_000] * 10)
+    assert len(w) <= MAX_WARNING_CHARS and "x" * (MAX_NAME_CHARS + 1) not in w, len(w)
+    assert w.startswith("10 column(s) moved more than 6") and "column 1 ('xxx" in w
+
+
 def test_the_loss_ratio_bound_warns():
     check = {"train_loss": 0.38, "val_loss": 8.9, "shift_sd": [0.1, 0.2]}
     (w,) = split_warnings(check, 3.0, 6.0)
