@@ -335,6 +335,7 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
         duration_s=time.perf_counter() - t_start, data_placement="gpu" if device.type == "cuda" else "host",
         score_smoothing=cfg.score_smoothing, input_clip=cfg.input_clip, error_floor=cfg.error_floor,
         threshold_method=cfg.threshold_method, stopping=stopper.summary(restored), stopping_line=stopper.line(),
+        val_loss=float(sums.sum()) / (len(ref_rows) * sums.numel()) if n_val else None,
         extra={"world_size": group.world_size, "backend": group.backend})
 
 
@@ -613,7 +614,7 @@ def _save_result(r: TrainResult, path: str) -> None:
     fields = {k: getattr(r, k) for k in ("threshold", "threshold_quantile", "score_window", "rows_train", "rows_val",
                                          "skipped_steps", "started_at", "ended_at", "duration_s", "data_placement",
                                          "score_smoothing", "input_clip", "error_floor", "threshold_method", "extra",
-                                         "stopping", "stopping_line")}
+                                         "stopping", "stopping_line", "val_loss")}
     fields["history"] = [h.as_dict() for h in r.history]
     torch.save({"model_args": r.model.model_args(), "state_dict": r.model.state_dict(),
                 "mean": torch.from_numpy(np.asarray(r.mean, dtype=np.float64)),

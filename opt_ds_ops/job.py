@@ -206,7 +206,11 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
                                    ds.header, ds.feature_columns),
         "history": [h.as_dict() for h in result.history],
         "final_train_loss": result.history[-1].train_loss if result.history else None,
-        "final_val_loss": result.history[-1].val_loss if result.history else None,
+        # the published model's validation loss (a restored best's, not the last epoch's: that is
+        # history[-1].val_loss, and last_epoch_val_loss)
+        "final_val_loss": result.val_loss if result.val_loss is not None else (
+            result.history[-1].val_loss if result.history else None),
+        "last_epoch_val_loss": result.history[-1].val_loss if result.history else None,
         "samples_per_s": result.samples_per_s,
         "threshold": result.threshold,
         "threshold_quantile": result.threshold_quantile,

@@ -8,8 +8,9 @@ the rule is bounded by ``max_steps`` / ``eval_every_steps`` evaluations whatever
 size. An evaluation improves when its loss is below the reference by more than the relative
 ``min_delta``; after ``patience`` evaluations in a row without improvement, and at least
 ``min_steps`` steps, training stops ("plateau"). It stops at ``max_steps`` ("max_steps") or at the
-``epochs`` cap ("epochs") otherwise. The weights of the lowest evaluated loss (a state_dict copy)
-are put back at the end. ``train.stopping: epochs``: exactly ``epochs`` epochs, the seed's loop
+``epochs`` cap ("epochs") otherwise; the weights it stops with are evaluated too (at ``max_steps``
+and at the epochs cap, when that step was not an evaluation's), and the weights of the lowest
+evaluated loss (a state_dict copy), the last ones included, are put back at the end. ``train.stopping: epochs``: exactly ``epochs`` epochs, the seed's loop
 (the 500k x 32 benchmark runs so).
 
 The in-memory loop (:mod:`opt_ds_ops.train`) evaluates every ``eval_every_steps`` steps; the
@@ -53,6 +54,7 @@ class Stopper:
         self.best_loss = math.inf  # the lowest evaluated loss: its weights are restored
         self.best_step = 0
         self.best_state: dict | None = None
+        self.evaluated_step = -1  # the step of the last evaluation (the weights at the stop are evaluated once)
         self.ref_loss = math.inf  # the loss the next evaluation must beat by min_delta
         self.bad_evaluations = 0
         self.reason: str | None = None
@@ -61,8 +63,14 @@ class Stopper:
         self.steps += 1
 
     def due(self) -> bool:
-        """True when the in-memory loop should evaluate now (every ``eval_every_steps`` steps)."""
-        return self.enabled and self.steps % self.cfg.eval_every_steps == 0
+        """True when the in-memory loop should evaluate now: every ``eval_every_steps`` steps, and
+        at ``max_steps`` (the weights it stops with are evaluated, so they may be the best)."""
+        return self.enabled and (self.steps % self.cfg.eval_every_steps == 0 or self.steps >= self.cfg.max_steps)
+
+    def pending(self) -> bool:
+        """True when, under the plateau rule, the weights at the current step are not evaluated yet
+        (the epochs cap stopped the loop between two evaluations): evaluate them before :meth:`finish`."""
+        return self.enabled and self.evaluated_step != self.steps
 
     def at_max_steps(self) -> bool:
         """True (and the reason set) once ``max_steps`` steps are done under the plateau rule."""
@@ -76,6 +84,7 @@ class Stopper:
         the epochs cap apply); keep model's weights if it is the lowest; return True to stop."""
         if not self.enabled:
             return False
+        self.evaluated_step = self.steps
         if val_loss is not None and math.isfinite(val_loss):
             self.evaluations += 1
             if val_loss < self.best_loss:
@@ -119,7 +128,8 @@ class Stopper:
     def state_dict(self) -> dict:
         return {"steps": self.steps, "evaluations": self.evaluations, "best_loss": self.best_loss,
                 "best_step": self.best_step, "best_state": self.best_state, "ref_loss": self.ref_loss,
-                "bad_evaluations": self.bad_evaluations, "reason": self.reason}
+                "bad_evaluations": self.bad_evaluations, "reason": self.reason,
+                "evaluated_step": self.evaluated_step}
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():

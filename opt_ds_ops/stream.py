@@ -294,4 +294,5 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
         stopping=dict(stopper.summary(restored), split_check="not run on a streamed dataset (it reads the validation "
                       "split once more from disk; in-memory datasets only)"),
         stopping_line=stopper.line(),
+        val_loss=float(sums.sum()) / ((hi - lo) * d) if n_val else None,  # the published model's
     )

@@ -9,7 +9,8 @@ trusted without a look, in metadata.json's ``warnings``, the journal and report.
 * columns whose validation mean lies more than ``train.suspect_shift_sd`` training standard
   deviations from the training mean: a step change in the last ``val_fraction`` of the file
   (the error scale then mutes that column). Named, the largest shifts first, at most
-  :data:`MAX_NAMED`.
+  :data:`MAX_NAMED`, each header name cut to :data:`MAX_NAME_CHARS` characters and each warning
+  to :data:`MAX_WARNING_CHARS`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from __future__ import annotations
 import numpy as np
 
 MAX_NAMED = 8  # columns a shift warning names, at most
+MAX_NAME_CHARS = 80  # a header name in a warning is cut to this (a header is the user's bytes)
+MAX_WARNING_CHARS = 1200  # one warning (journal line, metadata.json, report.png) is cut to this
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def column_shift_sd(train_mean: np.ndarray, train_std: np.ndarray, val_rows: np.ndarray) -> np.ndarray:
@@ -35,7 +42,7 @@ def column_name(c: int, header: list[str] | None, feature_columns: list[int] | N
     1-based column number (the feature's position in the file when columns were left out)."""
     number = (feature_columns[c] + 1) if feature_columns is not None else c + 1
     name = header[c] if header is not None and c < len(header) else None
-    return f"column {number}" + (f" ({name!r})" if name else "")
+    return f"column {number}" + (f" ({_clip(name, MAX_NAME_CHARS)!r})" if name else "")
 
 
 def split_warnings(check: dict, loss_ratio: float, shift_sd: float, header: list[str] | None = None,
@@ -57,4 +64,4 @@ def split_warnings(check: dict, loss_ratio: float, shift_sd: float, header: list
         more = f" and {len(moved) - MAX_NAMED} more" if len(moved) > MAX_NAMED else ""
         out.append(f"{len(moved)} column(s) moved more than {shift_sd:g} training standard deviations in the "
                    f"validation split: {named}{more}")
-    return out
+    return [_clip(w, MAX_WARNING_CHARS) for w in out]

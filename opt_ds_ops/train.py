@@ -150,6 +150,9 @@ class TrainResult:
     stopping: dict = field(default_factory=dict)
     stopping_line: str = ""
     split_check: dict = field(default_factory=dict)
+    # the published model's validation loss (None: no validation split, or not computed here);
+    # history[-1].val_loss is the last epoch's, whose weights a restored best replaced
+    val_loss: float | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -436,7 +439,7 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
                 step_skipped[b] = skipped
             batch_loss[b] = loss
             stopper.step()
-            if stopper.at_max_steps() or (stopper.due() and _evaluate(stopper, model, x_eval)):
+            if stopper.due() and _evaluate(stopper, model, x_eval):  # due at max_steps too
                 done = b + 1
                 break
             if should_stop is not None and b + 1 < len(bounds) and should_stop():
@@ -468,7 +471,9 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         if stopper.reason is not None:
             break
 
-    restored = stopper.finish(model, device)  # the best evaluated weights
+    if stopper.pending():  # the epochs cap between two evaluations: the last weights may be the best
+        _evaluate(stopper, model, x_eval)
+    restored = stopper.finish(model, device)  # the best evaluated weights, the last ones included
     ref = x_val if x_val is not None else x_train
     cell = feature_errors(model, ref)
     error_scale = cell.mean(dim=0).clamp_min(cfg.error_floor)
@@ -503,6 +508,7 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         window_error=cfg.window_error,
         stopping=stopper.summary(restored),
         stopping_line=stopper.line(),
+        val_loss=float(cell.mean()) if x_val is not None else None,
         split_check=split_check(model, x_train, cell, mean, std, val_rows),
     )
 

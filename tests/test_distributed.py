@@ -70,6 +70,9 @@ def test_train_nproc_2_stops_on_a_plateau_of_its_epochs_like_every_rank(tmp_path
     stop = md["stopping"]
     assert (stop["reason"], stop["evaluated"], stop["steps"]) == ("plateau", "epoch", 2 * 3)
     assert stop["best_val_loss"] == min(h["val_loss"] for h in md["history"])
+    # final_val_loss: the published model's (the best evaluated epoch's); last_epoch_val_loss: the last epoch's
+    assert md["final_val_loss"] == pytest.approx(stop["best_val_loss"], rel=1e-5)
+    assert md["last_epoch_val_loss"] == md["history"][-1]["val_loss"]
     assert "stopped: plateau after 6 steps" in p.stdout
 
 

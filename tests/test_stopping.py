@@ -65,6 +65,17 @@ def test_the_epochs_count_is_a_cap(rows):
     assert (r.stopping["reason"], r.stopping["steps"], len(r.history)) == ("epochs", 22, 2)
 
 
+@pytest.mark.parametrize("limits, last_step", [(dict(max_steps=100), 100), (dict(epochs=5), 55)])
+def test_the_weights_at_the_stop_are_evaluated_and_published_while_the_loss_still_falls(rows, limits, last_step):
+    # evaluations at steps 50 and 100 (max_steps) / 50 and 55 (the epochs cap, 11 steps an epoch):
+    # the loss still falls, so the last step's weights are the best and are the ones published
+    r = train(rows, TrainConfig(**dict(QUICK, **limits), eval_every_steps=50, patience=50), CPU)
+    st = r.stopping
+    assert (st["steps"], st["best_step"], st["evaluations"], st["restored_best"]) == (last_step, last_step, 2, False), st
+    assert val_loss_of(r, rows) == pytest.approx(st["best_val_loss"], rel=1e-5)
+    assert r.val_loss == pytest.approx(val_loss_of(r, rows), rel=1e-5)  # metadata's final_val_loss
+
+
 def test_stopping_epochs_runs_exactly_the_epochs_as_the_benchmark_does(rows):
     r = train(rows, TrainConfig(batch_size=512, epochs=3, stopping="epochs", max_steps=5, patience=1), CPU)
     assert len(r.history) == 3 and r.stopping == {"rule": "epochs", "reason": "epochs", "steps": 33}
@@ -114,6 +125,15 @@ def test_a_clean_split_does_not_warn():
     r = train(x, TrainConfig(epochs=3, batch_size=512), CPU)
     assert r.split_check["val_loss"] > 0 and len(r.split_check["shift_sd"]) == 12
     assert split_warnings(r.split_check, 3.0, 6.0) == []
+
+
+def test_a_shift_warning_clips_long_header_names():
+    from opt_ds_ops.suspect import MAX_NAME_CHARS, MAX_WARNING_CHARS
+
+    check = {"train_loss": 1.0, "val_loss": 1.0, "shift_sd": [9.0] * 10}
+    (w,) = split_warnings(check, 3.0, 6.0, header=["x" * 10_000] * 10)
+    assert len(w) <= MAX_WARNING_CHARS and "x" * (MAX_NAME_CHARS + 1) not in w, len(w)
+    assert w.startswith("10 column(s) moved more than 6") and "column 1 ('xxx" in w
 
 
 def test_the_loss_ratio_bound_warns():

@@ -291,5 +291,6 @@ def test_a_streamed_run_stops_on_a_plateau_of_its_epochs_and_at_max_steps(tmp_pa
     assert r.stopping["best_step"] * 5 == r.stopping["steps"] * 3
     # the error scale is the restored (epoch 3) model's: its mean is epoch 3's validation loss
     assert float(r.error_scale.mean()) == pytest.approx(vals[2], rel=1e-5)
+    assert r.val_loss == pytest.approx(vals[2], rel=1e-5)  # metadata's final_val_loss: the published model's
     m = train(src, TrainConfig(epochs=50, batch_size=256, max_steps=30), plan)
     assert (m.stopping["reason"], len(m.history)) == ("max_steps", 1) and 30 <= m.stopping["steps"] < 48
