@@ -49,10 +49,21 @@ def put(spool, which: str, name: str, data: bytes = b"1,2\n3,4\n") -> str:
     return path
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python -m opt_ds_ops.cli ARGS`` as a real process; return the completed process."""
+# The conffile of CLI runs that give none (tests/cli-quick.yaml: the seed's 5 epochs, not a plateau).
+CLI_QUICK_CONFIG = Path(__file__).resolve().parent / "cli-quick.yaml"
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300,
+            shipped_defaults: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -m opt_ds_ops.cli ARGS`` as a real process; return the completed process.
+
+    Without ``--config`` among ARGS it reads :data:`CLI_QUICK_CONFIG` (``$DS_OPS_CONFIG``), unless
+    ``shipped_defaults``: then no conffile at all, the built-in defaults a new user gets.
+    """
     full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     full_env.pop("DS_OPS_CONFIG", None)
+    if not shipped_defaults and "--config" not in args:
+        full_env["DS_OPS_CONFIG"] = str(CLI_QUICK_CONFIG)
     return subprocess.run(
         [sys.executable, "-m", "opt_ds_ops.cli", *args],
         capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO,

@@ -151,7 +151,7 @@ def _has_nvidia_driver() -> bool:
 def test_the_quick_start_output_is_what_make_demo_prints(tmp_path):
     printed = []
     for args in _demo_commands(tmp_path / "models", tmp_path):
-        done = run_cli(*args)
+        done = run_cli(*args, shipped_defaults=True, timeout=900)  # trains to a plateau: minutes
         assert done.returncode == (3 if args[0] == "score" else 0), done.stderr  # 3: rows flagged
         printed += [_normal(line, str(tmp_path)) for line in done.stdout.splitlines()]
     shown = [_normal(line, "/root/ds-ops/build") for line in _readme_demo_block()]

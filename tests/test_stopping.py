@@ -147,7 +147,7 @@ def test_ds_ops_train_says_why_it_stopped_and_that_the_model_is_suspect(tmp_path
     path = tmp_path / "stepped.csv"
     np.savetxt(path, shifted(rows, 4, 20.0), delimiter=",", fmt="%.6f")
     models = tmp_path / "models"
-    p = run_cli("train", str(path), "--models-dir", str(models), "--epochs", "3")
+    p = run_cli("train", str(path), "--models-dir", str(models), "--epochs", "3", shipped_defaults=True)
     assert p.returncode == 0, p.stderr
     assert "stopped: epochs after 9 steps" in p.stdout
     assert "ds-ops: warning: suspect model:" in p.stderr and "column 5 " in p.stderr
