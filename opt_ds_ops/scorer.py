@@ -442,7 +442,8 @@ class ScoreSlot:
         """Journal and metrics from a scored file's summary (see the module docstring)."""
         model, version = str(s.get("model")), s.get("version")
         log, file = self.d.log, safe_text(record["dataset"])
-        for ev in s.get("events") or []:
+        replayed = bool(s.get("replayed"))  # journaled when it was scored, before a restart: not again
+        for ev in [] if replayed else s.get("events") or []:
             row, at = ev.get("row"), ev.get("time")
             when = f"row {row}" + (f" ({at})" if at is not None else "")
             if ev.get("event") == "anomaly-started":
@@ -453,19 +454,22 @@ class ScoreSlot:
                           threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top,
                           job_id=record["job_id"], dataset_file=record["dataset"])
             elif ev.get("event") == "anomaly-ended":
+                flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
                 log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {_num(ev.get('duration_s'))} s, "
-                          f"peak score {_num(ev.get('peak_score'))} (version {version}); in {file}",
-                          priority=LOG_WARNING, model=model, version=version, row=row, time=at,
+                          f"peak score {_num(ev.get('peak_score'))} (version {flagged_by}); in {file}",
+                          priority=LOG_WARNING, model=model, version=flagged_by, row=row, time=at,
                           duration_s=ev.get("duration_s"), peak_score=ev.get("peak_score"),
                           job_id=record["job_id"], dataset_file=record["dataset"])
-        for note in s.get("notes") or []:
+        for note in [] if replayed else s.get("resets") or []:
             log.event("score-reset", f"{model}: the carried series state was reset: {safe_text(str(note))}",
                       priority=LOG_NOTICE, model=model, version=version, reason=str(note),
                       job_id=record["job_id"], dataset_file=record["dataset"])
         flagged = s.get("flagged") or 0
+        notes = "".join(f"; {safe_text(str(n))}" for n in s.get("notes") or [])  # the file's own, e.g. rows sorted
         log.event("scored", f"{model}: {file} scored with version {version}: {s.get('rows')} rows, {flagged} "
                   f"flagged, last score {_num(s.get('last_score'))} (threshold {_num(s.get('threshold'))})"
-                  f"{', anomaly active' if s.get('active') else ''}", model=model, version=version,
+                  f"{', anomaly active' if s.get('active') else ''}{' (replayed)' if replayed else ''}{notes}",
+                  model=model, version=version,
                   rows=s.get("rows"), flagged_rows=flagged, job_id=record["job_id"], dataset_file=record["dataset"])
         self.d.metrics.score_done(model_view(model, read_model(self.d.cfg.scoring.results_dir, model)[0], s))
 
