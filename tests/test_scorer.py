@@ -157,3 +157,25 @@ def test_an_anomaly_ended_by_a_new_version_is_journaled_with_the_version_that_fl
     entries = report(tmp_path, SCORED)
     assert entries[0]["version"] == "v1" and "(version v1)" in entries[0]["message"]
     assert entries[1]["version"] == "v2"
+
+
+def test_a_scored_file_prunes_only_its_own_models_results(tmp_path):
+    from types import SimpleNamespace
+
+    from opt_ds_ops.config import Config, with_overrides
+    from opt_ds_ops.scorer import ScoreSlot
+
+    results = tmp_path / "scores"
+    old = time.time() - 40 * 86400
+    for name in ("a", "b"):
+        for k in range(3):
+            (results / name / f"2026110{k}T000000.000000Z-j{k}").mkdir(parents=True)
+            os.utime(results / name / f"2026110{k}T000000.000000Z-j{k}", (old, old))
+    cfg = with_overrides(Config(), {"scoring.results_dir": str(results), "models_dir": str(tmp_path)})
+    slot = ScoreSlot.__new__(ScoreSlot)
+    slot.d, slot._swept = SimpleNamespace(cfg=cfg, log=Journal()), time.monotonic()
+    slot.retention("a")  # the start's sweep was just done: only a's
+    assert len(os.listdir(results / "a")) == 1 and len(os.listdir(results / "b")) == 3
+    slot._swept = None
+    slot.retention("a")  # the sweep (start, then hourly): every model's
+    assert len(os.listdir(results / "a")) == 1 and len(os.listdir(results / "b")) == 1
