@@ -33,6 +33,9 @@ import traceback
 from .journal import LOG_ERR, LOG_INFO, LOG_NOTICE, LOG_WARNING, safe_text
 
 STAGE = "scoring"
+# the largest legal state.json: input_window 256 - 1 context rows x job.max_columns 4096 float32
+# values as JSON (~21 bytes each, 22 MB) plus the segment's sums: 64 MiB leaves room
+STATE_MAX_BYTES = 64 << 20
 SWEEP_S = 3600.0  # the retention of results walks every model's at start and then at most this often
 STATE_FILE, SUMMARY_FILE = "state.json", "summary.json"  # RESULTS/NAME/state.json, RESULTS/NAME/<result>/summary.json
 
@@ -111,7 +114,7 @@ def _read_json(path: str, max_bytes: int = 1 << 20) -> dict | None:
 def read_model(results_dir: str, name: str) -> tuple[dict | None, dict | None]:
     """Return (RESULTS/NAME/state.json, the summary.json of the result it names as ``last_result``),
     each None where missing or unreadable."""
-    state = _read_json(os.path.join(results_dir, name, STATE_FILE))
+    state = _read_json(os.path.join(results_dir, name, STATE_FILE), STATE_MAX_BYTES)
     last = (state or {}).get("last_result")
     ok = isinstance(last, str) and last and "/" not in last and not last.startswith(".")
     return state, _read_json(os.path.join(results_dir, name, last, SUMMARY_FILE)) if ok else None

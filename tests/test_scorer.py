@@ -179,3 +179,10 @@ def test_a_scored_file_prunes_only_its_own_models_results(tmp_path):
     slot._swept = None
     slot.retention("a")  # the sweep (start, then hourly): every model's
     assert len(os.listdir(results / "a")) == 1 and len(os.listdir(results / "b")) == 1
+
+
+def test_a_state_json_over_a_mebibyte_still_shows_its_model(tmp_path):
+    big = dict(STATE, context=[[0.123456789] * 4096] * 40)  # a windowed model with many columns
+    write_model(tmp_path, "m", big)
+    assert (tmp_path / "m" / "state.json").stat().st_size > 1 << 20
+    assert model_views(str(tmp_path))["m"]["rows_total"] == 3000
