@@ -16,7 +16,8 @@ scored file's bytes are not kept (its results are its record); a refused one goe
 its stage and reason. A job the daemon was handling when it died runs again at the next start
 (``score_job`` is idempotent by job id), with the same crash count and quarantine as training jobs.
 Results older than ``scoring.results_max_age_days`` or beyond ``scoring.results_max_bytes`` (per
-model) are removed after each job; ``state.json`` never is.
+model) are removed: every model's at start and hourly, the scored model's after each of its jobs;
+``state.json`` never is.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ import traceback
 from .journal import LOG_ERR, LOG_INFO, LOG_NOTICE, LOG_WARNING, safe_text
 
 STAGE = "scoring"
+# the largest legal state.json: input_window 256 - 1 context rows x job.max_columns 4096 float32
+# values as JSON (~21 bytes each, 22 MB) plus the segment's sums: 64 MiB leaves room
+STATE_MAX_BYTES = 64 << 20
+SWEEP_S = 3600.0  # the retention of results walks every model's at start and then at most this often
 STATE_FILE, SUMMARY_FILE = "state.json", "summary.json"  # RESULTS/NAME/state.json, RESULTS/NAME/<result>/summary.json
 
 
@@ -109,7 +114,7 @@ def _read_json(path: str, max_bytes: int = 1 << 20) -> dict | None:
 def read_model(results_dir: str, name: str) -> tuple[dict | None, dict | None]:
     """Return (RESULTS/NAME/state.json, the summary.json of the result it names as ``last_result``),
     each None where missing or unreadable."""
-    state = _read_json(os.path.join(results_dir, name, STATE_FILE))
+    state = _read_json(os.path.join(results_dir, name, STATE_FILE), STATE_MAX_BYTES)
     last = (state or {}).get("last_result")
     ok = isinstance(last, str) and last and "/" not in last and not last.startswith(".")
     return state, _read_json(os.path.join(results_dir, name, last, SUMMARY_FILE)) if ok else None
@@ -165,22 +170,27 @@ def model_views(results_dir: str) -> dict[str, dict]:
     return out
 
 
-def prune_results(results_dir: str, max_age_days: float, max_bytes: int, now: float | None = None) -> list[str]:
+def prune_results(results_dir: str, max_age_days: float, max_bytes: int, now: float | None = None,
+                  models: list[str] | None = None) -> list[str]:
     """Remove scored files' result directories (``RESULTS/NAME/<stamp>-<job>/``): those older than
     ``max_age_days`` (by the directory's mtime), then per model the oldest until its results total
     at most ``max_bytes``; 0 turns either rule off. ``state.json``, each model's newest result and
-    hidden entries (a result being written) are never removed; no link is followed. Return ``NAME/<dir>`` of each removed."""
+    hidden entries (a result being written) are never removed; no link is followed. ``models``: only
+    these models' directories (None: every model's). Return ``NAME/<dir>`` of each removed."""
     if max_age_days <= 0 and max_bytes <= 0:
         return []
     now = time.time() if now is None else now
     removed = []
     try:
-        models = sorted(n for n in os.listdir(results_dir) if not n.startswith("."))
+        names = sorted(n for n in os.listdir(results_dir) if not n.startswith(".")) if models is None else models
     except FileNotFoundError:
         return []
-    for name in models:
+    for name in names:
         mdir = os.path.join(results_dir, name)
-        if not stat.S_ISDIR(os.lstat(mdir).st_mode):
+        try:
+            if name.startswith(".") or "/" in name or not stat.S_ISDIR(os.lstat(mdir).st_mode):
+                continue
+        except FileNotFoundError:
             continue
         entries = []
         for e in os.scandir(mdir):
@@ -233,6 +243,7 @@ class ScoreSlot:
         self.pending: list[str] = []  # score jobs in processing/ to (re)run, oldest claim first
         self.job = None  # the running worker.JobProcess, or None
         self.record: dict = {}
+        self._swept: float | None = None  # time.monotonic() of the last sweep of every model's results
 
     def start(self) -> None:
         """Start watching score/ and read each model's counters back from its state.json."""
@@ -240,6 +251,7 @@ class ScoreSlot:
         self.d.log.event("watcher", f"watching {self.watcher.incoming} with {how}",
                          priority=LOG_WARNING if self.watcher.polling else LOG_INFO)
         self.d.metrics.scores = model_views(self.d.cfg.scoring.results_dir)
+        self.d._guarded(self.retention)  # the full sweep at start
 
     def stop(self) -> None:
         """Kill a running scoring job (it runs again at the next start) and stop watching."""
@@ -407,7 +419,7 @@ class ScoreSlot:
             self.d._guarded(lambda: self.d.retrainer.on_scored(f["summary"]))  # issue 20
             discard_job(self.d.spool, record["job_id"])  # the results are its record, not the bytes
             self.d._forget(record["job_id"])
-            self.d._guarded(self.retention)
+            self.d._guarded(lambda: self.retention(str(f["summary"].get("model"))))
             self.d._write_metrics()
             return
         if f.get("errno") in STORAGE_ERRNOS or f.get("transient"):
@@ -444,7 +456,8 @@ class ScoreSlot:
         """Journal and metrics from a scored file's summary (see the module docstring)."""
         model, version = str(s.get("model")), s.get("version")
         log, file = self.d.log, safe_text(record["dataset"])
-        for ev in s.get("events") or []:
+        replayed = bool(s.get("replayed"))  # journaled when it was scored, before a restart: not again
+        for ev in [] if replayed else s.get("events") or []:
             row, at = ev.get("row"), ev.get("time")
             when = f"row {row}" + (f" ({at})" if at is not None else "")
             if ev.get("event") == "anomaly-started":
@@ -455,26 +468,37 @@ class ScoreSlot:
                           threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top,
                           job_id=record["job_id"], dataset_file=record["dataset"])
             elif ev.get("event") == "anomaly-ended":
+                flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
                 log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {_num(ev.get('duration_s'))} s, "
-                          f"peak score {_num(ev.get('peak_score'))} (version {version}); in {file}",
-                          priority=LOG_WARNING, model=model, version=version, row=row, time=at,
+                          f"peak score {_num(ev.get('peak_score'))} (version {flagged_by}); in {file}",
+                          priority=LOG_WARNING, model=model, version=flagged_by, row=row, time=at,
                           duration_s=ev.get("duration_s"), peak_score=ev.get("peak_score"),
                           job_id=record["job_id"], dataset_file=record["dataset"])
-        for note in s.get("notes") or []:
+        for note in [] if replayed else s.get("resets") or []:
             log.event("score-reset", f"{model}: the carried series state was reset: {safe_text(str(note))}",
                       priority=LOG_NOTICE, model=model, version=version, reason=str(note),
                       job_id=record["job_id"], dataset_file=record["dataset"])
         flagged = s.get("flagged") or 0
+        notes = "".join(f"; {safe_text(str(n))}" for n in s.get("notes") or [])  # the file's own, e.g. rows sorted
         log.event("scored", f"{model}: {file} scored with version {version}: {s.get('rows')} rows, {flagged} "
                   f"flagged, last score {_num(s.get('last_score'))} (threshold {_num(s.get('threshold'))})"
-                  f"{', anomaly active' if s.get('active') else ''}", model=model, version=version,
+                  f"{', anomaly active' if s.get('active') else ''}{' (replayed)' if replayed else ''}{notes}",
+                  model=model, version=version,
                   rows=s.get("rows"), flagged_rows=flagged, job_id=record["job_id"], dataset_file=record["dataset"])
         self.d.metrics.score_done(model_view(model, read_model(self.d.cfg.scoring.results_dir, model)[0], s))
 
-    def retention(self) -> None:
-        """Remove result directories past scoring.results_max_age_days / results_max_bytes."""
-        sc = self.d.cfg.scoring
-        for old in prune_results(sc.results_dir, sc.results_max_age_days, sc.results_max_bytes):
+    def retention(self, model: str | None = None) -> None:
+        """Remove result directories past scoring.results_max_age_days / results_max_bytes: every
+        model's at the first call and then at most once per SWEEP_S, else only ``model``'s (the one
+        just scored), so a scored file never walks every model's results."""
+        sc, now = self.d.cfg.scoring, time.monotonic()
+        if self._swept is None or now - self._swept >= SWEEP_S:
+            self._swept, models = now, None
+        elif model is not None:
+            models = [model]
+        else:
+            return
+        for old in prune_results(sc.results_dir, sc.results_max_age_days, sc.results_max_bytes, models=models):
             self.d.log.event("results-pruned", f"{sc.results_dir}/{safe_text(old)} removed: past the retention of "
                              f"scoring results (scoring.results_max_age_days {sc.results_max_age_days:g}, "
                              f"scoring.results_max_bytes {sc.results_max_bytes})", results=old)

@@ -256,13 +256,14 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     name), ``data_file``, ``sidecar``, ``uploader_uid``), score it and return its summary (JSON
     types, bounded size; see docs/scoring.md): ``model``, ``version``, ``model_dir``, ``source``,
     ``job_id``, ``rows``, ``first_row``, ``last_row``, ``first_time``, ``last_time``, ``flagged``,
-    ``events``, ``events_left_out``, ``notes``, ``active``, ``top_metrics`` (the open segment's),
+    ``events``, ``events_left_out``, ``notes`` (the file's, e.g. rows sorted), ``resets`` (why the
+    carried state was reset), ``active``, ``top_metrics`` (the open segment's),
     ``threshold``, ``last_score``, ``rows_scored``, ``rows_flagged``, ``segments`` (the series'),
     ``result_dir``, ``scored_at``, ``replayed`` (True: the job had been scored before a restart).
 
     Raises ScoringError for a job without a record, a sidecar that is invalid, a model without a
     ``current`` version (or one the file's owner may not use), columns that do not match the
-    model's; DatasetError (the file's own faults, named by the file's name) or ScoreError; OSError
+    model's, a row whose score is not finite; DatasetError (the file's own faults, named by the file's name) or ScoreError; OSError
     when the results cannot be written. Nothing is written then and the series state stays as it was.
     """
     from .job import JobError, check_model_name
@@ -300,12 +301,18 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         raise ScoringError(f"model {name}: {e}") from None
     ds = load_chunk(job_dir, record, stored, cfg)
     names = [_clip(n) for n in model_metric_names(stored, ds.metric_labels())]
-    notes = ([state_note] if state_note else []) + list(ds.notes)
+    resets = [state_note] if state_note else []  # why the carried state was not continued (journaled)
+    notes = list(ds.notes)  # the file's own (rows sorted, repeated times): in the summary and the scored line
     state = state or fresh_state(name, stored)
     times = ds.time.seconds if ds.time is not None else None
     result = score_chunk(stored, np.asarray(ds.data), ds.offset, times, state, names=names,
                          max_gap_periods=cfg.scoring.max_gap_periods)
-    notes.extend(result.notes)
+    bad = np.flatnonzero(~np.isfinite(result.scores))
+    if bad.size:  # an inf would stay in the carried smoothing for good: refused before anything is written
+        raise ScoringError(f"{_clip(source)}: data row {int(bad[0]) + 1} scores {float(result.scores[bad[0]])} (not "
+                           "finite): its values are too far outside the training data's range (train.input_clip 0 "
+                           "does not bound them); the file is not scored and the series state is unchanged")
+    resets.extend(result.notes)
     events, left_out = _clip_events(result.events)
     now = datetime.now(timezone.utc)
     result_name = f"{now.strftime('%Y%m%dT%H%M%S.%fZ')}-{job_id}"
@@ -317,7 +324,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "first_time": iso_utc(float(times[0])) if times is not None and n else None,
         "last_time": iso_utc(float(times[-1])) if times is not None and n else None,
         "flagged": int(result.flags.sum()), "events": events, "events_left_out": left_out,
-        "notes": [_clip(x, 400) for x in notes[:20]], "active": result.active,
+        "notes": [_clip(x, 400) for x in notes[:20]], "resets": [_clip(x, 400) for x in resets[:20]],
+        "active": result.active,
         "top_metrics": active_top_metrics(new, names), "threshold": float(stored.threshold),
         "last_score": finite_or_none(new.last_score), "rows_scored": new.rows_scored,
         "rows_flagged": new.rows_flagged, "segments": new.segments,
@@ -334,7 +342,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     summary["notes"] += [note] if note else []
     new.last_job, new.last_result = job_id, result_name
     new.scored_at, new.top_metrics = summary["scored_at"], summary["top_metrics"]
-    write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True) + "\n").encode(), mode=FILE_MODE)
+    write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True, allow_nan=False) + "\n").encode(), mode=FILE_MODE)
     return summary
 
 

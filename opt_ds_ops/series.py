@@ -174,9 +174,11 @@ def _reset_reason(stored: StoredModel, state: SeriesState, times: np.ndarray | N
     return None
 
 
-def _ended(seg: dict, last_row: int, last_time: float | None, names: list[str], reason: str, top: int) -> dict:
+def _ended(seg: dict, last_row: int, last_time: float | None, names: list[str], reason: str, top: int,
+           version: str | None) -> dict:
     duration = (last_time - seg["start_time"]) if last_time is not None and seg["start_time"] is not None else None
-    return {"event": "anomaly-ended", "row": last_row, "time": _time(last_time), "started_row": seg["start_row"],
+    return {"event": "anomaly-ended", "version": version, "row": last_row, "time": _time(last_time),
+            "started_row": seg["start_row"],
             "started_time": _time(seg["start_time"]), "rows": seg["rows"], "duration_s": duration,
             "peak_score": seg["peak_score"], "peak_row": seg["peak_row"], "peak_time": _time(seg["peak_time"]),
             "top_metrics": _ranked(np.asarray(seg["sums"], dtype=np.float64), names, top), "reason": reason}
@@ -242,7 +244,8 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     "row", "time", "threshold", "score", "top_metrics"}`` for each segment of ``scores >
     threshold`` that starts here and ``{"event": "anomaly-ended", "row" (its last row), "time",
     "started_row", "started_time", "rows", "duration_s" (None without times), "peak_score",
-    "peak_row", "peak_time", "top_metrics", "reason" ("recovered" or "reset")}`` for each that ends
+    "peak_row", "peak_time", "top_metrics", "reason" ("recovered" or "reset"), "version" (the one
+    that flagged it)}`` for each that ends
     (known at the first row below the threshold, which may be this chunk's first); a segment
     spanning chunks is one of each. Rows are series rows, times ISO 8601 UTC (None without
     times); ``top_metrics`` ``[{"metric", "share"}]`` rank the segment's unsmoothed terms as
@@ -263,7 +266,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     if reason is not None:
         notes.append(reason)
         if st.segment is not None:
-            events.append(_ended(st.segment, st.next_row - 1, st.last_time, names, "reset", top))
+            events.append(_ended(st.segment, st.next_row - 1, st.last_time, names, "reset", top, st.version))
         counters = (st.rows_scored, st.rows_flagged, st.segments)
         st = fresh_state(st.model, stored)
         st.rows_scored, st.rows_flagged, st.segments = counters
@@ -280,7 +283,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     top_rows = [""] * n
     seg = st.segment
     if seg is not None and n and not flags[0]:
-        events.append(_ended(seg, row0 - 1, st.last_time, names, "recovered", top))
+        events.append(_ended(seg, row0 - 1, st.last_time, names, "recovered", top, st.version))
         seg = None
     d = np.diff(np.r_[0, flags.astype(np.int8), 0])
     for a, b in zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()):
@@ -302,7 +305,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
             seg.update(peak_score=float(scores[peak]), peak_row=row0 + peak, peak_time=at(peak))
         seg["sums"], seg["rows"] = running[-1].tolist(), seg["rows"] + (b - a)
         if b < n:
-            events.append(_ended(seg, row0 + b - 1, at(b - 1), names, "recovered", top))
+            events.append(_ended(seg, row0 + b - 1, at(b - 1), names, "recovered", top, st.version))
             seg = None
     st.segment = seg
     st.next_row = row0 + n

@@ -107,3 +107,82 @@ def test_a_state_json_that_names_its_top_metrics_and_time_needs_no_summary(tmp_p
     write_model(tmp_path, "m", dict(STATE, top_metrics=top, scored_at="2026-12-01T00:00:00.000000Z"))
     v = model_views(str(tmp_path))["m"]
     assert v["top_metrics"] == top and v["scored_at"] == 1796083200.0
+
+
+class Journal:
+    """Records what the scoring slot journals (event, priority, fields) as the daemon's EventLog is called."""
+
+    def __init__(self):
+        self.entries = []
+
+    def event(self, event, message, *, priority=6, **fields):
+        self.entries.append(dict(fields, event=event, message=message, priority=priority))
+
+
+def report(tmp_path, summary: dict) -> list[dict]:
+    """Run a scored file's summary through the daemon's ScoreSlot._report; return the journal's entries."""
+    from types import SimpleNamespace
+
+    from opt_ds_ops.config import Config, with_overrides
+    from opt_ds_ops.scorer import ScoreSlot
+
+    cfg = with_overrides(Config(), {"scoring.results_dir": str(tmp_path / "scores"), "models_dir": str(tmp_path)})
+    slot = ScoreSlot.__new__(ScoreSlot)
+    slot.d = SimpleNamespace(cfg=cfg, log=Journal(), metrics=MetricsWriter(str(tmp_path), str(tmp_path)))
+    slot._report({"job_id": "j1", "dataset": "m.csv"}, summary)
+    assert slot.d.metrics.scores["m"]["rows_total"] == summary["rows_scored"]  # the metrics are updated either way
+    return slot.d.log.entries
+
+
+EVENTS = [{"event": "anomaly-ended", "row": 9, "version": "v1", "duration_s": 60.0, "peak_score": 2.0},
+          {"event": "anomaly-started", "row": 12, "threshold": 0.5, "score": 0.9, "top_metrics": []}]
+SCORED = dict(SUMMARY, version="v2", rows=20, flagged=8, rows_scored=3020, rows_flagged=48, segments=3,
+              events=EVENTS, resets=["the model's current version changed from v1 to v2: the series starts again"],
+              notes=["rows sorted by time"], replayed=False)
+
+
+def test_a_replayed_summary_journals_no_anomaly_and_no_reset_again(tmp_path):
+    assert [e["event"] for e in report(tmp_path, SCORED)] == ["anomaly-ended", "anomaly-started", "score-reset",
+                                                             "scored"]
+    assert [e["event"] for e in report(tmp_path, dict(SCORED, replayed=True))] == ["scored"]
+
+
+def test_only_resets_are_journaled_as_score_reset_the_files_notes_go_in_the_scored_line(tmp_path):
+    entries = report(tmp_path, SCORED)
+    assert [e["reason"] for e in entries if e["event"] == "score-reset"] == [SCORED["resets"][0]]
+    assert "rows sorted by time" in entries[-1]["message"]
+
+
+def test_an_anomaly_ended_by_a_new_version_is_journaled_with_the_version_that_flagged_it(tmp_path):
+    entries = report(tmp_path, SCORED)
+    assert entries[0]["version"] == "v1" and "(version v1)" in entries[0]["message"]
+    assert entries[1]["version"] == "v2"
+
+
+def test_a_scored_file_prunes_only_its_own_models_results(tmp_path):
+    from types import SimpleNamespace
+
+    from opt_ds_ops.config import Config, with_overrides
+    from opt_ds_ops.scorer import ScoreSlot
+
+    results = tmp_path / "scores"
+    old = time.time() - 40 * 86400
+    for name in ("a", "b"):
+        for k in range(3):
+            (results / name / f"2026110{k}T000000.000000Z-j{k}").mkdir(parents=True)
+            os.utime(results / name / f"2026110{k}T000000.000000Z-j{k}", (old, old))
+    cfg = with_overrides(Config(), {"scoring.results_dir": str(results), "models_dir": str(tmp_path)})
+    slot = ScoreSlot.__new__(ScoreSlot)
+    slot.d, slot._swept = SimpleNamespace(cfg=cfg, log=Journal()), time.monotonic()
+    slot.retention("a")  # the start's sweep was just done: only a's
+    assert len(os.listdir(results / "a")) == 1 and len(os.listdir(results / "b")) == 3
+    slot._swept = None
+    slot.retention("a")  # the sweep (start, then hourly): every model's
+    assert len(os.listdir(results / "a")) == 1 and len(os.listdir(results / "b")) == 1
+
+
+def test_a_state_json_over_a_mebibyte_still_shows_its_model(tmp_path):
+    big = dict(STATE, context=[[0.123456789] * 4096] * 40)  # a windowed model with many columns
+    write_model(tmp_path, "m", big)
+    assert (tmp_path / "m" / "state.json").stat().st_size > 1 << 20
+    assert model_views(str(tmp_path))["m"]["rows_total"] == 3000

@@ -274,7 +274,7 @@ def test_an_unreadable_series_state_starts_the_series_again_with_a_note(store, c
     (tmp_path / "scores" / "m1").mkdir(parents=True)
     (tmp_path / "scores" / "m1" / "state.json").write_text(bad)
     summary = score_job(make_job(tmp_path, job_id(1), store["test"][:20]), cfg)
-    assert summary["first_row"] == 0 and "could not be read" in summary["notes"][0]
+    assert summary["first_row"] == 0 and "could not be read" in summary["resets"][0]
     assert json.loads((tmp_path / "scores" / "m1" / "state.json").read_text())["next_row"] == 20
 
 
@@ -295,3 +295,34 @@ def test_a_chunk_dropped_by_another_uid_than_the_models_owner_is_refused(tmp_pat
     with open(os.path.join(jdir, "job.json"), "w") as f:
         json.dump(dict(record, uploader_uid=4201), f)
     assert score_job(jdir, cfg)["rows"] == 20
+
+
+def test_a_chunk_that_scores_inf_is_refused_and_the_next_one_scores_normally(tmp_path, smd_rows):
+    """train.input_clip 0: a 1e30 cell would make the raw score inf and the carried EMA inf for good."""
+    np.savetxt(tmp_path / "m2.csv", smd_rows[:3000], delimiter=",", fmt="%.6f")
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
+                                    "train.input_clip": 0, "scoring.results_dir": str(tmp_path / "scores")})
+    run_job(str(tmp_path / "m2.csv"), cfg)
+    test = np.loadtxt(SMD_TEST, delimiter=",", dtype=np.float32)[4000:4300]
+    score_job(make_job(tmp_path, job_id(1), test[:100], "m2.csv"), cfg)
+    state_file = tmp_path / "scores" / "m2" / "state.json"
+    before, listing = state_file.read_bytes(), sorted(os.listdir(state_file.parent))
+    bad = test[100:200].copy()
+    bad[41, 3] = 1e30
+    with pytest.raises(ScoringError, match=r"m2.csv: data row \d+ scores inf \(not finite\)"):
+        score_job(make_job(tmp_path, job_id(2), bad, "m2.csv"), cfg)
+    assert state_file.read_bytes() == before and sorted(os.listdir(state_file.parent)) == listing
+    s = score_job(make_job(tmp_path, job_id(3), test[100:200], "m2.csv"), cfg)
+    assert s["first_row"] == 100 and "Infinity" not in state_file.read_text()
+    plain = with_overrides(cfg, {"scoring.results_dir": str(tmp_path / "plain")})  # the series without the bad chunk
+    score_job(make_job(tmp_path / "p", job_id(1), test[:100], "m2.csv"), plain)
+    p = score_job(make_job(tmp_path / "p", job_id(3), test[100:200], "m2.csv"), plain)
+    assert read_rows(s["result_dir"]) == read_rows(p["result_dir"]) and s["flagged"] == p["flagged"]
+
+
+def test_the_files_notes_are_not_resets(store, cfg, tmp_path):
+    s = score_job(make_job(tmp_path, job_id(1), store["test"][:50]), cfg)
+    assert s["resets"] == [] and s["notes"] == []
+    (tmp_path / "scores" / "m1" / "state.json").write_text("{broken")
+    s = score_job(make_job(tmp_path, job_id(2), store["test"][50:100]), cfg)
+    assert len(s["resets"]) == 1 and s["notes"] == []

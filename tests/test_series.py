@@ -151,6 +151,7 @@ def test_a_new_current_version_resets_the_series_and_ends_the_open_segment(model
     assert r.notes and "changed from v1 to v2" in r.notes[0]
     assert r.events[0]["event"] == "anomaly-ended" and r.events[0]["reason"] == "reset"
     assert r.events[0]["row"] == cut - 1 and r.first_row == 0 and r.state.version == "v2"
+    assert r.events[0]["version"] == "v1"  # the version that flagged it, not the new one
     fresh = score_with_cells(stored, test_period[cut:])[0]
     np.testing.assert_array_equal(r.scores, fresh)  # scored as a new series: no carried context
     assert r.state.rows_scored == test_period.shape[0]  # the counters are the model's, they go on
