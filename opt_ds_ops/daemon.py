@@ -67,6 +67,7 @@ from .journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from .metrics import MetricsWriter
 from .notify import Notifier
 from .sandbox import without_unusable
+from .scorer import ScoreSlot
 from .spool import (
     DONE, FAILED, INCOMING, Spool, SpoolError, boot_id, check_writable_dir, claim, discard_job, finish,
     STORAGE_ERRNOS, is_ignored, is_storage_error, job_ids, lock_job, lock_spool, migrate_legacy, open_spool, prune_failed,
@@ -187,6 +188,7 @@ class Daemon:
         self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
         self.breadcrumb = Breadcrumb(spool.root)  # issue 18: the job in hand, for a death's quarantine
         self.cfg = self._usable(cfg)
+        self.scorer = ScoreSlot(self)  # issue 19: score/ and its one scoring job (opt_ds_ops.scorer)
 
     @property
     def job(self) -> worker.JobProcess | None:
@@ -215,6 +217,7 @@ class Daemon:
         how = self.watcher.start()
         self.log.event("watcher", f"watching {self.spool.dir(INCOMING)} with {how}",
                        priority=LOG_WARNING if self.watcher.polling else LOG_INFO)
+        self.scorer.start()
         try:
             if self.mp_context is None and not self.stop_requested:
                 worker.warm_up()
@@ -248,6 +251,7 @@ class Daemon:
         finally:
             for job in self.jobs.values():
                 job.kill("the daemon is stopping", crash=False)
+            self.scorer.stop()
             self.breadcrumb.close()
             self._stopping()
             self.watcher.stop()
@@ -393,11 +397,13 @@ class Daemon:
         self.watcher.tick()
         if self.metrics.enabled and time.monotonic() - self.metrics_written_at > METRICS_REFRESH_S:
             self._write_metrics()  # ages stay current and `ds-ops models` changes show, even when idle
+        intake = not (self.stop_requested or time.monotonic() < self.paused_until)
+        scoring = self._guarded(lambda: self.scorer.step(0.0 if self.jobs else TICK_S, intake))  # never behind training
         if self.jobs and self._watch_jobs():  # waits up to a tick for a message from any of them
             return True  # a job ended: its slot is given again on the next tick
-        if self.stop_requested or time.monotonic() < self.paused_until:
-            return bool(self.jobs)
-        return self._start_next() or bool(self.jobs)
+        if not intake:
+            return bool(self.jobs) or scoring
+        return self._start_next() or bool(self.jobs) or scoring
 
     def _start_next(self) -> bool:
         """Start the first due job of the queue, else claim the oldest ready file, if a job slot
@@ -670,7 +676,8 @@ class Daemon:
             new = dataclasses.replace(new, metrics=self.cfg.metrics)
         changed = _changed_keys(self.cfg, new)  # issue 11: a good reload says what changed
         self.cfg = new
-        self.watcher.set_timing(new.spool.settle_s, new.spool.scan_interval_s, new.spool.quiet_s)
+        for w in (self.watcher, self.scorer.watcher):
+            w.set_timing(new.spool.settle_s, new.spool.scan_interval_s, new.spool.quiet_s)
         note = f" ({'; '.join(kept)})" if kept else ""
         note += f": {', '.join(changed)}" if changed else ": nothing changed"
         self.log.event("config-reloaded", f"configuration reloaded from {self.config_path}{note}")
@@ -851,7 +858,7 @@ class Daemon:
         """Wait up to a tick for a message from any running job, then look after each of them;
         return True if one of them ended."""
         try:
-            multiprocessing.connection.wait([j.conn for j in self.jobs.values()], TICK_S)
+            multiprocessing.connection.wait([j.conn for j in self.jobs.values()] + self.scorer.conns(), TICK_S)
         except OSError:
             pass
         before = len(self.jobs)
@@ -1071,7 +1078,7 @@ class Daemon:
         doc = {"job_id": record.get("job_id"), "dataset": record.get("dataset"), "stage": stage, "reason": reason,
                "exception_type": exception_type, "failed_at": utc_now(), "claimed_at": record.get("claimed_at"),
                "sha256": record.get("sha256"), "crashes": record.get("crashes", 0), "health": report,
-               "uploader_uid": record.get("uploader_uid")}
+               "uploader_uid": record.get("uploader_uid"), "drop": record.get("drop")}
         final = finish(self.spool, record["job_id"], record, FAILED, doc)
         self._forget(record["job_id"])
         self.log.event("job-failed", f"{safe_text(record.get('dataset', ''))}: failed in stage {stage}: {reason}; "
@@ -1143,7 +1150,7 @@ class Daemon:
             save_record(self.spool, record)
         self.log.event("job-claimed", f"{safe_text(record['dataset'])}: job {job_id} found in processing/ at "
                        "start-up; running it again", **self._fields(record))
-        self.pending.append(job_id)
+        (self.scorer.pending if record.get("kind") == "score" else self.pending).append(job_id)
 
 
 def start_daemon(cfg: Config, config_path: str, *, missing_ok: bool = False, log: EventLog | None = None) -> int:

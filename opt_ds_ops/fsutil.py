@@ -44,9 +44,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, prefix: str = ".tmp-") -> None:
-    """Write data to path through a hidden temporary file (``prefix`` + random) in the same
-    directory, fsync, rename."""
+def write_atomic(path: str, data: bytes, prefix: str = ".tmp-", mode: int = 0o644) -> None:
+    """Write data to path (file ``mode``) through a hidden temporary file (``prefix`` + random) in
+    the same directory, fsync, rename."""
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
     try:
@@ -54,7 +54,7 @@ def write_atomic(path: str, data: bytes, prefix: str = ".tmp-") -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         os.rename(tmp, path)
     except BaseException:
         try:

@@ -145,6 +145,20 @@ def columns_note(ds: dict) -> str:
     return "".join("; " + p for p in parts)
 
 
+def named_metrics(ds: Dataset, options: DatasetConfig) -> list[str] | None:
+    """Return the names of ds's features, stored with the model: the file's header names, else
+    ``dataset.metric_names`` (the conffile's or a sidecar's), else None. Raises DatasetError if
+    ``metric_names`` is used and its count differs from the features'."""
+    if ds.header is not None:
+        return [str(h) for h in ds.header]
+    if not options.metric_names:
+        return None
+    if len(options.metric_names) != ds.features:
+        raise DatasetError(f"{ds.path}: dataset.metric_names gives {len(options.metric_names)} names for "
+                           f"{ds.features} feature columns")
+    return [str(n).strip() for n in options.metric_names]
+
+
 def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, health: dict | None,
                    options: DatasetConfig | None = None) -> dict:
     """Return metadata.json's content for a trained model (all JSON types, times in UTC).
@@ -348,6 +362,7 @@ def run_job(
                                                spill_dir=scratch_dir, base_bytes=data_segment_bytes(),
                                                refuse_constant=True)
             ds = load_dataset(path, limits, options)
+            names = named_metrics(ds, options)
             sha = sha256 or file_sha256(path)
         except (DatasetError, SpillError) as e:
             raise JobError("dataset", str(e), e) from e
@@ -393,6 +408,7 @@ def run_job(
                 sampler.close()
         metadata = build_metadata(ds, sha, result, cfg, health, options)
         metadata["job_id"] = job_id
+        metadata["metric_names"] = names  # issue 19: alerts, results and score name the metrics
         # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
         metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         metadata["name_explicit"] = explicit_name

@@ -57,6 +57,12 @@ MESSAGE_IDS = {
     "sidecar-refused": "ead42fa0486f4585a2bab83feedd4f77",
     # issue 18
     "feature-refused": "0615d0ef11a546ed89164278f6df62ba",
+    # issue 19: the scoring spool (opt_ds_ops.scorer)
+    "anomaly-started": "17f35753feab4a35989826267ded2e62",
+    "anomaly-ended": "379debf1a65848c382272b9a47b8d1c5",
+    "scored": "ea106cd2d0e8460dbd52a64a8af55cca",
+    "score-reset": "a25b94c0f1a84ac0b75107a5f6d01c4b",
+    "results-pruned": "3bf6754c0bcc476f9a68726f1e49a992",
 }
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).

@@ -60,7 +60,19 @@ METRIC_NAMES = {
     "ds_ops_model_age_seconds": "seconds since each model's current version finished training",
     "ds_ops_model_versions": "versions kept of each model",
     "ds_ops_gpu_health": "last health verdict per GPU (1 for the verdict it has, 0 for the others)",
+    # issue 19: the scoring spool, per model (opt_ds_ops.scorer); the counters are the model's own
+    # (RESULTS/NAME/state.json), so they survive a restart of the daemon
+    "ds_ops_score_last": "anomaly score of the last row scored, per model",
+    "ds_ops_score_threshold": "anomaly-score threshold the last scored file was judged by, per model",
+    "ds_ops_anomaly_active": "1 while an anomaly segment of the model is open (its last row was flagged), else 0",
+    "ds_ops_scored_rows_total": "rows scored, per model",
+    "ds_ops_flagged_rows_total": "rows flagged as anomalous, per model",
+    "ds_ops_anomaly_segments_total": "anomaly segments started, per model",
+    "ds_ops_last_scored_timestamp_seconds": "Unix time the model's last file was scored",
+    "ds_ops_anomaly_top_metric_share": "share of the open anomaly's error by metric, its top 3 (rank 1-3), per model",
 }
+SCORE_COUNTERS = (("ds_ops_scored_rows_total", "rows_total"), ("ds_ops_flagged_rows_total", "flagged_total"),
+                  ("ds_ops_anomaly_segments_total", "segments_total"))
 VERDICTS = ("ok", "warn", "fail")
 
 
@@ -121,6 +133,7 @@ class MetricsWriter:
         self.last_success = self.last_failure = None
         self.last_job_s = self.last_training_s = self.last_samples_per_s = None
         self.gpus: dict[tuple[str, str], str] = {}  # (index, uuid) -> verdict
+        self.scores: dict[str, dict] = {}  # model -> opt_ds_ops.scorer.model_view (issue 19)
         self._last_error = ""
         if self.enabled:
             self.remove_leftovers()
@@ -152,6 +165,10 @@ class MetricsWriter:
         """A job was moved to failed/."""
         self.finished["failed"] += 1
         self.last_failure = time.time()
+
+    def score_done(self, view: dict) -> None:
+        """A file was scored: ``view`` is its model's :func:`opt_ds_ops.scorer.model_view`."""
+        self.scores[view["model"]] = view
 
     def health(self, report: dict | None) -> None:
         """Keep the verdict of each GPU of a health report (:func:`opt_ds_ops.health.health_report`)."""
@@ -217,11 +234,35 @@ class MetricsWriter:
                                   ("ds_ops_model_versions", n_versions)):
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     per_model[metric].labels(model=name).set(value)
+        self._score_families(reg)
         health = Gauge("ds_ops_gpu_health", METRIC_NAMES["ds_ops_gpu_health"], ["gpu", "uuid", "verdict"], registry=reg)
         for (index, uuid), verdict in sorted(self.gpus.items()):
             for v in VERDICTS:
                 health.labels(gpu=index, uuid=uuid, verdict=v).set(int(v == verdict))
         return reg
+
+    def _score_families(self, reg: CollectorRegistry) -> None:
+        """Add the scoring spool's families (issue 19): one sample per model, the top metrics only
+        for an open segment (3 at most: the label set stays bounded)."""
+        gauges = {n: Gauge(n, METRIC_NAMES[n], ["model"], registry=reg) for n in (
+            "ds_ops_score_last", "ds_ops_score_threshold", "ds_ops_anomaly_active", "ds_ops_last_scored_timestamp_seconds")}
+        counters = {n: Counter(n[: -len("_total")], METRIC_NAMES[n], ["model"], registry=reg) for n, _ in SCORE_COUNTERS}
+        top = Gauge("ds_ops_anomaly_top_metric_share", METRIC_NAMES["ds_ops_anomaly_top_metric_share"],
+                    ["model", "rank", "metric"], registry=reg)
+        for name, v in sorted(self.scores.items()):
+            for metric, value in (("ds_ops_score_last", v.get("last_score")), ("ds_ops_score_threshold", v.get("threshold")),
+                                  ("ds_ops_anomaly_active", int(bool(v.get("active")))),
+                                  ("ds_ops_last_scored_timestamp_seconds", v.get("scored_at"))):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    gauges[metric].labels(model=name).set(value)
+            for metric, key in SCORE_COUNTERS:
+                n = v.get(key)
+                if isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0:
+                    counters[metric].labels(model=name).inc(n)
+            if v.get("active"):
+                for rank, t in enumerate(v.get("top_metrics") or [], 1):
+                    if rank <= 3 and isinstance(t.get("share"), (int, float)):
+                        top.labels(model=name, rank=str(rank), metric=str(t.get("metric"))).set(t["share"])
 
     def write(self) -> str | None:
         """Write ``ds_ops.prom`` atomically if enabled. Return None on success or when off, else a

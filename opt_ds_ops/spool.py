@@ -4,6 +4,8 @@ Layout under ``spool.dir`` (default ``/var/spool/ds-ops``)::
 
     incoming/          group ds-ops drops datasets; '.NAME', NAME.part and NAME.tmp are ignored;
                        STEM.yaml (or .yml) is the sidecar of dataset STEM.<ext>, taken with it
+    score/             the same for telemetry to score (issue 19, :mod:`opt_ds_ops.scorer`): the
+                       same claim (``drop=SCORE``), a job of kind ``score``; no copy kept in done/
     processing/JOB/    one directory per job, the daemon's own (0750): job.json (the record),
                        dataset.<ext> (the daemon's 0600 copy of the bytes), sidecar.yaml, checkpoint.pt
     done/              NAME, NAME.result.json (model directory, sha256, losses, threshold, ...)
@@ -59,7 +61,8 @@ from .fsutil import (
 )
 
 INCOMING, PROCESSING, DONE, FAILED = "incoming", "processing", "done", "failed"
-SUBDIRS = (INCOMING, PROCESSING, DONE, FAILED)
+SCORE = "score"  # issue 19: the scoring drop directory, claimed exactly as incoming/ (jobs of kind "score")
+SUBDIRS = (INCOMING, SCORE, PROCESSING, DONE, FAILED)
 IGNORED_SUFFIXES = (".part", ".tmp")
 RESULT_SUFFIX, ERROR_SUFFIX, SIDECAR_SUFFIX = ".result.json", ".error.json", ".sidecar.yaml"
 JOB_FILE, CHECKPOINT_FILE, SOURCE_FILE, LOCK_FILE = "job.json", "checkpoint.pt", "source", "lock"
@@ -274,10 +277,10 @@ def kind_of(mode: int) -> str:
     return "not a regular file"
 
 
-def list_incoming(spool: Spool) -> list[str]:
-    """Return the names in incoming/ the daemon will consider, oldest modification first."""
+def list_incoming(spool: Spool, drop: str = INCOMING) -> list[str]:
+    """Return the names in incoming/ (or ``drop``) the daemon will consider, oldest modification first."""
     entries = []
-    with os.scandir(spool.dir(INCOMING)) as it:
+    with os.scandir(spool.dir(drop)) as it:
         for e in it:
             if is_ignored(e.name):
                 continue
@@ -315,8 +318,10 @@ def _content_sig(st: os.stat_result) -> tuple:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None) -> Claim:
-    """Claim incoming/NAME: rename it into a new job directory and copy its bytes (see the module
+def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None, drop: str = INCOMING,
+          kind: str | None = None) -> Claim:
+    """Claim incoming/NAME (or ``drop``/NAME: the scoring spool's score/, with ``kind`` "score" in the
+    record): rename it into a new job directory and copy its bytes (see the module
     docstring). ``max_bytes`` is ``spool.max_dataset_bytes``: a larger file is refused.
     ``on_job(job_id)`` is called once the job directory and its record exist (the daemon notes
     which job it is handling); ``progress()`` after each copied chunk (the daemon's watchdog ping).
@@ -326,7 +331,7 @@ def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None
     The record keeps ``uploader_uid``, the owner of the dropped inode (sidecars and model names
     are bound to it, see :func:`take_sidecar`).
     """
-    src = spool.path(INCOMING, name)
+    src = spool.path(drop, name)
     try:
         st = os.lstat(src)
     except FileNotFoundError:
@@ -352,6 +357,8 @@ def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None
         record = {"job_id": job_id, "dataset": name, "state": "claiming", "claimed_at": utc_now(),
                   "size_bytes": fst.st_size, "uploader_uid": fst.st_uid,
                   "source": {"dev": fst.st_dev, "ino": fst.st_ino}}
+        if drop != INCOMING:
+            record.update(drop=drop, kind=kind or drop)
         write_json(os.path.join(jdir, JOB_FILE), record)
         if on_job is not None:
             on_job(job_id)
@@ -365,11 +372,11 @@ def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None
             if is_storage_error(e):
                 raise
             return Claim("busy", reason=f"could not be claimed: {e.strerror}")
-        fsync_dir(spool.dir(INCOMING))
+        fsync_dir(spool.dir(drop))
         fsync_dir(jdir)
         moved = os.lstat(source)
         if _identity(moved) != _identity(fst):  # swapped between open and rename: not what we opened
-            _give_back(spool, jdir, name)
+            _give_back(spool, jdir, name, drop)
             return Claim("busy", reason="replaced while being claimed")
         return _copy_in(spool, job_id, record, fd, max_bytes, progress)
     finally:
@@ -377,8 +384,8 @@ def claim(spool: Spool, name: str, max_bytes: int, *, on_job=None, progress=None
             os.close(fd)
 
 
-def _put_back(spool: Spool, jdir: str, name: str) -> str | None:
-    """Return the user's file from jdir/source to incoming/ (never over a newer file of that
+def _put_back(spool: Spool, jdir: str, name: str, drop: str = INCOMING) -> str | None:
+    """Return the user's file from jdir/source to incoming/ (or ``drop``; never over a newer file of that
     name: then NAME.returned-N, and last NAME.returned-JOB, a name no one can have taken before);
     return the name it got, or None if there was nothing to return. Raises OSError if even that
     fails (the job directory then stays, ``claiming``: recovery takes the file from there)."""
@@ -388,20 +395,20 @@ def _put_back(spool: Spool, jdir: str, name: str) -> str | None:
     targets = [name] + [f"{name}.returned-{n}" for n in range(1, 100)] + [f"{name}.returned-{os.path.basename(jdir)}"]
     for target in targets:
         try:
-            rename_noreplace(source, spool.path(INCOMING, target))
-            fsync_dir(spool.dir(INCOMING))
+            rename_noreplace(source, spool.path(drop, target))
+            fsync_dir(spool.dir(drop))
             return target
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "no free name to put the file back under", source)
 
 
-def _give_back(spool: Spool, jdir: str, name: str) -> str | None:
+def _give_back(spool: Spool, jdir: str, name: str, drop: str = INCOMING) -> str | None:
     """:func:`_put_back`, then remove the job directory; where the file cannot be put back, the
     directory stays (``claiming``) and the next start's recovery takes the file from it: a user's
     file is never removed with it. Return the name it got in incoming/, or None."""
     try:
-        back = _put_back(spool, jdir, name)
+        back = _put_back(spool, jdir, name, drop)
     except OSError:
         return None
     shutil.rmtree(jdir, ignore_errors=True)
@@ -413,6 +420,7 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
     ``progress()`` is called after each chunk of COPY_CHUNK bytes."""
     jdir = spool.job_dir(job_id)
     name = record["dataset"]
+    drop = record.get("drop", INCOMING)
     source = os.path.join(jdir, SOURCE_FILE)
     if fd is None:
         st = os.lstat(source)
@@ -456,7 +464,7 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
         # the spool's file system failed (ENOSPC, EIO): the user's file goes back where it was
         try:
             os.unlink(dest)
-            if _put_back(spool, jdir, name) is not None:
+            if _put_back(spool, jdir, name, drop) is not None:
                 shutil.rmtree(jdir, ignore_errors=True)
         except OSError:
             pass  # still "claiming": recover_claim copies again from jdir/source
@@ -464,9 +472,9 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
     after = os.fstat(fd)
     if _content_sig(after) != _content_sig(before) or copied != before.st_size:
         os.unlink(dest)
-        back = _give_back(spool, jdir, name)
+        back = _give_back(spool, jdir, name, drop)
         return Claim("busy", reason="it changed while being copied (still being written?)"
-                     + (f"; put back as incoming/{back}" if back and back != name else ""))
+                     + (f"; put back as {drop}/{back}" if back and back != name else ""))
     record.update(state="claimed", data_file=data_name, sha256=h.hexdigest(), size_bytes=copied, copied_at=utc_now())
     record.pop("source", None)
     write_json(os.path.join(jdir, JOB_FILE), record)
@@ -495,11 +503,12 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
     jdir = spool.job_dir(job_id)
     taken = os.path.join(jdir, SIDECAR_SOURCE)
     owner = record.get("uploader_uid")
+    drop = record.get("drop", INCOMING)
     if not os.path.lexists(taken):
         for cand in sidecar_names(record["dataset"]):
             if len(os.fsencode(cand)) > NAME_MAX_BYTES:
                 continue  # a dataset name near NAME_MAX has no room for a sidecar's suffix
-            src = spool.path(INCOMING, cand)
+            src = spool.path(drop, cand)
             try:
                 st = os.lstat(src)
             except FileNotFoundError:
@@ -511,7 +520,7 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
                 continue
             record["sidecar"] = cand
             if not stat.S_ISREG(st.st_mode):
-                record["sidecar_error"] = f"incoming/{cand} is {kind_of(st.st_mode)}, not a regular file"
+                record["sidecar_error"] = f"{drop}/{cand} is {kind_of(st.st_mode)}, not a regular file"
                 break
             write_json(os.path.join(jdir, JOB_FILE), record)  # before the rename: recovery knows its name
             try:
@@ -519,7 +528,7 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
             except FileNotFoundError:
                 record.pop("sidecar")
                 continue
-            fsync_dir(spool.dir(INCOMING))
+            fsync_dir(spool.dir(drop))
             break
     if os.path.lexists(taken):
         record.setdefault("sidecar", dataset_stem(record["dataset"]) + SIDECAR_SUFFIXES[0])
@@ -529,7 +538,7 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
         except OSError as e:
             if is_storage_error(e):
                 raise
-            record["sidecar_error"] = f"incoming/{record.get('sidecar')}: cannot be read: {e.strerror or e}"
+            record["sidecar_error"] = f"{drop}/{record.get('sidecar')}: cannot be read: {e.strerror or e}"
         os.unlink(taken)
         fsync_dir(jdir)
     if "sidecar" in record or "sidecars_foreign" in record:
@@ -562,7 +571,7 @@ def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int, progr
         fd, _ = open_regular(source)
     except OSError as e:
         if e.errno != errno.EACCES:
-            _give_back(spool, jdir, record.get("dataset", "recovered"))
+            _give_back(spool, jdir, record.get("dataset", "recovered"), record.get("drop", INCOMING))
             return Claim("gone")
         fd = None
     try:
@@ -889,6 +898,7 @@ def spool_status(spool: Spool, last: int = 5) -> dict:
         "spool": spool.root,
         "daemon_pid": daemon,
         "queue": [n for n in queue if n not in skip],
+        "score_queue": list_incoming(spool, SCORE) if os.path.isdir(spool.dir(SCORE)) else [],  # issue 19
         "ignored": ignored,
         "processing": jobs,
         "done_count": n_done,
@@ -964,7 +974,8 @@ def prune_retention(spool: Spool, dest: str, max_age_days: float, max_bytes: int
 
 
 def requeue(spool: Spool, name: str) -> dict:
-    """Move failed/NAME back to incoming/NAME for the daemon to take again: its sidecar first (as
+    """Move failed/NAME back to incoming/NAME (score/NAME for a file that was to be scored) for the
+    daemon to take again: its sidecar first (as
     ``incoming/STEM.yaml``, taken with the dataset), then the dataset (a rename that never replaces
     a file of the same name in incoming/), then its ``.error.json`` is removed. Return
     ``{dataset, sidecar, error}`` (the error document, for the record). Raises SpoolError for a name
@@ -980,8 +991,9 @@ def requeue(spool: Spool, name: str) -> dict:
     original = (doc or {}).get("dataset") or name
     if not isinstance(original, str) or "/" in original or original.startswith("."):
         original = name
-    if os.path.lexists(spool.path(INCOMING, original)):
-        raise SpoolError(f"incoming/{original} exists already; remove or rename it first")
+    back = SCORE if (doc or {}).get("drop") == SCORE else INCOMING  # a file to score goes back to score/
+    if os.path.lexists(spool.path(back, original)):
+        raise SpoolError(f"{back}/{original} exists already; remove or rename it first")
     side_src = spool.path(FAILED, sidecar_name(name, SIDECAR_SUFFIX))
     uploader = (doc or {}).get("uploader_uid")
     if isinstance(uploader, int) and not isinstance(uploader, bool) and os.geteuid() == 0:
@@ -994,9 +1006,9 @@ def requeue(spool: Spool, name: str) -> dict:
     side_dst = None
     if os.path.lexists(side_src):
         side_dst = dataset_stem(original) + SIDECAR_SUFFIXES[0]
-        rename_noreplace(side_src, spool.path(INCOMING, side_dst))
-    rename_noreplace(src, spool.path(INCOMING, original))
-    fsync_dir(spool.dir(INCOMING))
+        rename_noreplace(side_src, spool.path(back, side_dst))
+    rename_noreplace(src, spool.path(back, original))
+    fsync_dir(spool.dir(back))
     try:
         os.unlink(err_path)
     except FileNotFoundError:

@@ -48,7 +48,9 @@ def context():
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
         # torch._dynamo: AdamW imports it lazily on first use, 1.5 s a job here when not preloaded
-        ctx.set_forkserver_preload(["opt_ds_ops.worker", "opt_ds_ops.job", "opt_ds_ops.health", "torch._dynamo"])
+        # opt_ds_ops.scorer/scoring: a scoring job (issue 19) starts with the model code already imported
+        ctx.set_forkserver_preload(["opt_ds_ops.worker", "opt_ds_ops.job", "opt_ds_ops.health", "torch._dynamo",
+                                    "opt_ds_ops.scorer", "opt_ds_ops.scoring"])
         _CONTEXT = ctx
     return _CONTEXT
 
@@ -83,11 +85,14 @@ class JobProcess:
     """The daemon's handle on one running job process.
 
     ``stage`` is the last stage the child reported; ``last_heard`` the monotonic time (seconds) of
-    its last message; ``final`` the final message once it came.
+    its last message; ``final`` the final message once it came. ``main`` is the function the
+    child runs (:func:`job_main`; :func:`opt_ds_ops.scorer.score_main` for a scoring job), called
+    with the same arguments.
     """
 
     def __init__(self, spool_root: str, job_id: str, record: dict, cfg, ctx=None, gate=None,
-                 gpu: dict | None = None, slot: int = 0, nproc: int = 1, gpus: list[dict] | None = None):
+                 gpu: dict | None = None, slot: int = 0, nproc: int = 1, gpus: list[dict] | None = None,
+                 main=None, stage: str = "health"):
         ctx = ctx or context()
         self.job_id = job_id
         self.gpu = gpu  # {"index": NVML index, "uuid": "GPU-..."} the job may use, or None (its gate chooses)
@@ -96,14 +101,14 @@ class JobProcess:
         self.gpus = gpus  # the GPUs such a job may use (one rank each), or None (CPU ranks)
         self._conn, child_conn = ctx.Pipe(duplex=False)
         self.stop_event = ctx.Event()
-        self.proc = ctx.Process(target=job_main, name=f"ds-ops job {job_id}",
+        self.proc = ctx.Process(target=main or job_main, name=f"ds-ops job {job_id}",
                                 args=(child_conn, self.stop_event, spool_root, job_id, record, cfg, gate, gpu,
                                       nproc, gpus))
         self.proc.start()
         child_conn.close()
         now = time.monotonic()
         self.started, self.last_heard, self.stage_since = now, now, now
-        self.stage = "health"
+        self.stage = stage
         self.final: tuple[str, dict] | None = None
         self.stop_sent = False
         self.killed_for = ""  # why the daemon killed it ("" if it did not)
@@ -125,7 +130,7 @@ class JobProcess:
                 self.last_heard = time.monotonic()
                 if kind == "stage":
                     self.stage, self.stage_since = fields["stage"], self.last_heard
-                if kind in ("saved", "failed", "deferred", "interrupted"):
+                if kind in ("saved", "failed", "deferred", "interrupted", "scored"):
                     self.final = (kind, fields)
                 out.append((kind, fields))
                 if not self._conn.poll(0):

@@ -334,7 +334,7 @@ def test_score_keeps_labels_with_their_rows_and_names_file_columns(capsys, tmp_p
     code = cli.main(["score", got["model_dir"], str(tmp_path / "later.csv"), "--labels", str(tmp_path / "labels.txt"),
                      "--output", str(tmp_path / "out.csv"), "--config", str(tmp_path / "none.yaml")])
     out = capsys.readouterr().out
-    assert code == 0 and "were sorted by column 1" in out and "row numbers below count rows in time order" in out
+    assert code == 3 and "were sorted by column 1" in out and "row numbers below count rows in time order" in out
     assert "column 4 " in out  # the spike's metric, numbered as the file numbers it (column 2 was left out)
     written = (tmp_path / "out.csv").read_text().splitlines()
     assert written[0] == "row,time,score,anomaly,label,top_metrics"

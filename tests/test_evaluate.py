@@ -74,7 +74,7 @@ def test_baseline_figures_match_scikit_learn_on_independently_computed_scores(ma
 def test_ds_ops_score_reproduces_evaluate_for_the_same_model(machine, tmp_path):
     out = tmp_path / "scores.csv"
     p = run_cli("score", machine["model_dir"], str(SMD_TEST), "--labels", str(SMD_LABELS), "--json", "--output", str(out))
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 3, p.stderr  # rows flagged
     ev = json.loads(p.stdout)["evaluation"]
     ours = machine["ds-ops"]
     assert (ev["roc_auc"], ev["pr_auc"], ev["f1"], ev["threshold"]) == (ours["roc_auc"], ours["pr_auc"], ours["f1"], ours["threshold"])
@@ -133,7 +133,7 @@ def test_ds_ops_score_reproduces_evaluate_for_a_windowed_model(tmp_path):
     files = smd_machines(str(SMD), ["machine-1-2"])[0]
     r = evaluate_machine(files, cfg, CPU, models_dir=str(tmp_path / "models"), keep_scores=True)
     p = run_cli("score", r["model_dir"], str(SMD_TEST), "--labels", str(SMD_LABELS), "--json")
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 3, p.stderr
     out = json.loads(p.stdout)
     ev, ours = out["evaluation"], r["ds-ops"]
     assert (out["input_window"], out["window_error"]) == (4, "last")
@@ -201,7 +201,7 @@ def test_a_segment_names_the_metric_that_jumped(tmp_path):
     model_dir = json.loads(p.stdout)["model_dir"]
     out = tmp_path / "out.csv"
     p = run_cli("score", model_dir, str(tmp_path / "test.csv"), "--json", "--output", str(out), "--top", "2")
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 3, p.stderr
     segs = json.loads(p.stdout)["segments"]
     jump = [g for g in segs if g["start"] <= 320 <= g["end"]]
     assert len(jump) == 1 and jump[0]["top_metrics"][0]["metric"] == "m4" and jump[0]["top_metrics"][0]["share"] > 0.5

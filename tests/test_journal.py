@@ -22,7 +22,7 @@ import pytest
 import systemd.journal
 
 from daemon_kit import Daemon, base_env, copy_smd, done_names, failed_names, spool_dir, write_config
-from opt_ds_ops import daemon, journal
+from opt_ds_ops import daemon, journal, scorer
 from opt_ds_ops.journal import MESSAGE_IDS, EventLog, field_name
 
 FIELD_RULE = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")  # journald: no leading '_' or digit, <= 64 chars
@@ -212,13 +212,15 @@ def parse_catalog(text: str) -> dict[str, dict]:
 
 
 def _event_calls() -> dict[str, list[set[str]]]:
-    """Return {event: [keyword names of each ``self.log.event(event, ...)`` call in daemon.py]}.
+    """Return {event: [keyword names of each ``self.log.event(event, ...)`` call in daemon.py and
+    scorer.py (there also ``self.d.log.event`` and ``log.event``)]}.
 
     ``**self._fields(record)`` (and ``**fields`` where every ``fields = `` is that call) counts as
     the keys of _fields's returned dict; ``priority`` is not a field. Any other ``**`` fails: the
     test cannot know its keys.
     """
     tree = ast.parse(Path(daemon.__file__).read_text())
+    trees = [tree, ast.parse(Path(scorer.__file__).read_text())]  # issue 19: the scoring slot's events
 
     def is_fields_call(node) -> bool:
         return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -232,9 +234,10 @@ def _event_calls() -> dict[str, list[set[str]]]:
                and any(isinstance(t, ast.Name) and t.id == "fields" for t in n.targets)]
     assert assigns and all(is_fields_call(v) for v in assigns), "'fields =' in daemon.py is not self._fields(...)"
     calls: dict[str, list[set[str]]] = {}
-    for node in ast.walk(tree):
+    for node in (n for t in trees for n in ast.walk(t)):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "event"
-                and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "log"):
+                and (isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "log"
+                     or isinstance(node.func.value, ast.Name) and node.func.value.id == "log")):
             continue
         event = node.args[0]
         assert isinstance(event, ast.Constant) and isinstance(event.value, str), f"line {node.lineno}: event name"

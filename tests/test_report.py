@@ -78,7 +78,7 @@ def test_score_plot_draws_the_score_with_threshold_and_labels(tmp_path, small_sm
     out = tmp_path / "score.png"
     p = run_cli("score", json.loads(p.stdout)["model_dir"], str(SMD_TEST), "--labels", str(SMD_LABELS),
                 "--plot", str(out))
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 3, p.stderr  # rows flagged
     assert f"plot: {out}" in p.stdout and png_size(out) == (1260, 324)
     p = run_cli("score", str(models / "machine-small"), str(SMD_TEST), "--plot", str(tmp_path / "no" / "x.png"))
     assert p.returncode == 1 and "cannot write plot" in p.stderr and "Traceback" not in p.stderr

@@ -1,4 +1,5 @@
-"""``ds-ops requeue NAME``: put failed/NAME back into incoming/ for the daemon to train again.
+"""``ds-ops requeue NAME``: put failed/NAME back into incoming/ for the daemon to train again (a file
+that was to be scored: back into score/).
 
 Who may run it: root or the service user ds-ops (``sudo ds-ops requeue NAME``): failed/ is
 written by the daemon only (mode 2750), so a member of group ds-ops cannot move files out of it.
@@ -42,5 +43,6 @@ def run(args) -> int:
         print(json.dumps({"requeued": moved["dataset"], "sidecar": moved["sidecar"]}, sort_keys=True))
     else:
         side = f" with its sidecar {moved['sidecar']}" if moved["sidecar"] else ""
-        print(f"failed/{args.name} -> incoming/{moved['dataset']}{side}; the daemon takes it next")
+        back = "score" if (moved.get("error") or {}).get("drop") == "score" else "incoming"  # issue 19
+        print(f"failed/{args.name} -> {back}/{moved['dataset']}{side}; the daemon takes it next")
     return 0

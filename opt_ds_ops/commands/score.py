@@ -8,17 +8,26 @@ import os
 
 import numpy as np
 
-from ..config import DEFAULT_CONFIG_PATH, DatasetConfig
-from ..dataset import DatasetLimits, load_dataset
-from ..score import evaluate, flagged_segments, fmt_metric, load_labels, metric_names, score_with_cells
+from ..config import DEFAULT_CONFIG_PATH
+from ..dataset import DatasetError, DatasetLimits, load_dataset
+from ..score import evaluate, fmt_metric, load_labels
+from ..scoring import ScoringError, match_columns, stored_options
+from ..series import active_top_metrics, fresh_state, model_metric_names, score_chunk
 from ..store import load_model, model_path
 from . import CliError, load_cfg
+
+FLAGGED_EXIT = 3  # ds-ops score's exit status when rows are flagged (0: none; 1: bad input; 2: usage)
+STDIN_FORMATS = ("csv", "tsv", "txt", "csv.gz", "tsv.gz", "txt.gz", "parquet", "feather", "arrow", "npy", "npz", "pt")
+STDIN = "standard input"
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("score", help="score a dataset with a trained model (per-row reconstruction error)")
     s.add_argument("model_dir", metavar="MODEL_DIR", help="a model version directory, its 'current' link, the model name's directory or a model name under models_dir")
-    s.add_argument("dataset", metavar="DATASET")
+    s.add_argument("dataset", metavar="DATASET", help="the file to score; - reads standard input (at most "
+                   "spool.max_dataset_bytes; its format from --format, else from its first bytes)")
+    s.add_argument("--format", choices=STDIN_FORMATS, help="the format of standard input (default: gzip, .npy, "
+                   ".npz, Parquet and Arrow by their magic bytes, else text)")
     s.add_argument("--labels", help="file of one 0/1 per row: also print ROC-AUC, PR-AUC, precision, recall, F1")
     s.add_argument("--output", help="write per-row CSV: row,score,anomaly[,label],top_metrics")
     s.add_argument("--top", type=int, default=3, metavar="N",
@@ -29,52 +38,101 @@ def add_parser(sub) -> None:
     s.set_defaults(func=run)
 
 
-def stored_options(stored, cfg) -> DatasetConfig:
-    """The column options the model's dataset was read with (metadata.json ``dataset.options``; a
-    sidecar's included), so new data is read the same way; models from before them: the conffile's."""
-    saved = (stored.metadata.get("dataset") or {}).get("options")
-    if not isinstance(saved, dict):
-        return cfg.dataset
-    try:
-        return DatasetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-    except TypeError:
-        return cfg.dataset
-
-
 def align_columns(stored, ds) -> None:
-    """Put ds's feature columns in the order of the model's, by header name, where both have names;
-    raise CliError naming the columns the model needs and the file lacks."""
+    """Put ds's feature columns in the order of the model's, by header name, where both have names
+    (columns the model was not trained on are left out); raise CliError naming the columns the
+    model needs and the file lacks (:func:`opt_ds_ops.scoring.match_columns`)."""
     names = (stored.metadata.get("dataset") or {}).get("header")
-    if not names or not ds.header or list(names) == list(ds.header):
+    if not names or not ds.header:
         return
-    missing = [n for n in names if n not in ds.header]
-    if missing:
-        shown = ", ".join(repr(n) for n in missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise CliError(f"{ds.path}: the model was trained on columns this file lacks: {shown}")
-    order = [ds.header.index(n) for n in names]
-    ds.data = np.ascontiguousarray(np.asarray(ds.data)[:, order])
-    ds.offset = ds.offset[order] if ds.offset is not None else None
-    ds.header = list(names)
+    try:
+        match_columns(stored, ds, extra_ok=True)
+    except ScoringError as e:
+        raise CliError(str(e)) from None
+
+
+def sniff_format(head: bytes) -> str:
+    """Return the suffix of a dataset from its first bytes: gzip (``csv.gz``), ``npy``, ``npz`` (a
+    zip: ``.pt`` files are zips too, give ``--format pt``), ``parquet``, ``arrow``, else ``csv``."""
+    for magic, fmt in ((b"\x1f\x8b", "csv.gz"), (b"\x93NUMPY", "npy"), (b"PK\x03\x04", "npz"), (b"PAR1", "parquet"),
+                       (b"ARROW1", "arrow")):
+        if head.startswith(magic):
+            return fmt
+    return "csv"
+
+
+def read_stdin(tmp_dir: str, fmt: str | None, max_bytes: int, stream=None) -> str:
+    """Copy standard input (or ``stream``, a binary file) into ``tmp_dir``/stdin.<fmt> and return
+    the path; ``fmt``: a :data:`STDIN_FORMATS` suffix or None (:func:`sniff_format`). Raises
+    CliError past ``max_bytes`` (``spool.max_dataset_bytes``)."""
+    import sys
+
+    src = stream if stream is not None else sys.stdin.buffer
+    head = src.read(min(max_bytes + 1, 1 << 20))
+    path = os.path.join(tmp_dir, f"stdin.{fmt or sniff_format(head)}")
+    total = len(head)
+    with open(path, "xb") as f:
+        while head:
+            f.write(head)
+            if total > max_bytes:
+                raise CliError(f"{STDIN}: more than spool.max_dataset_bytes ({max_bytes:,} bytes)")
+            head = src.read(min(max_bytes + 1 - total, 1 << 20)) if total <= max_bytes else b""
+            total += len(head)
+    return path
 
 
 def run(args) -> int:
-    """``ds-ops score MODEL_DIR DATASET``: per-row anomaly scores and flags; metrics with --labels."""
+    """``ds-ops score MODEL_DIR DATASET``: per-row anomaly scores and flags; metrics with --labels.
+    Returns 0, or :data:`FLAGGED_EXIT` when rows are flagged."""
+    import tempfile
+
     cfg = load_cfg(args, {})
     stored = load_model(model_path(args.model_dir, cfg.models_dir))  # issue 11: a bare model name too
-    ds = load_dataset(args.dataset, DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes),
-                      stored_options(stored, cfg))
-    align_columns(stored, ds)
     if args.top < 1:
         raise CliError(f"--top {args.top}: must be >= 1")
-    scores, cells = score_with_cells(stored, ds.data, offset=ds.offset)
-    flags = scores > stored.threshold
+    limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes)
+    if args.dataset != "-":
+        ds = load_dataset(args.dataset, limits, stored_options(stored, cfg))
+        return _scored(args, stored, ds)
+    with tempfile.TemporaryDirectory(prefix="ds-ops-score-") as tmp:
+        path = read_stdin(tmp, args.format, cfg.spool.max_dataset_bytes)
+        try:
+            ds = load_dataset(path, limits, stored_options(stored, cfg))
+        except DatasetError as e:
+            raise DatasetError(str(e).replace(path, STDIN)) from None
+        ds.path = STDIN
+        return _scored(args, stored, ds)
+
+
+def segments_of(events: list[dict], state) -> list[dict]:
+    """Return :func:`opt_ds_ops.score.flagged_segments`' dicts from a whole file's series events
+    and its final state (a segment open at the end of the file ends at its last row)."""
+    segs = [{"start": e["started_row"], "end": e["row"], "peak_row": e["peak_row"], "peak_score": e["peak_score"],
+             "top_metrics": e["top_metrics"]} for e in events if e["event"] == "anomaly-ended"]
+    if state.segment is not None:
+        seg = state.segment
+        segs.append({"start": seg["start_row"], "end": state.next_row - 1, "peak_row": seg["peak_row"],
+                     "peak_score": seg["peak_score"], "top_metrics": None})
+    return segs
+
+
+def _scored(args, stored, ds) -> int:
+    """Score the loaded dataset ds as a fresh series (the spool's scoring, :mod:`opt_ds_ops.series`),
+    print and write what ``run`` says; return the exit status."""
+    align_columns(stored, ds)
+    names = model_metric_names(stored, ds.metric_labels())
+    result = score_chunk(stored, np.asarray(ds.data), ds.offset, None, fresh_state(ds.name, stored), names=names,
+                         max_gap_periods=0, top=args.top)
+    scores, flags = result.scores, result.flags
     labels = load_labels(args.labels, ds.rows) if args.labels else None
     order = ds.time.order if ds.time is not None else None
     if labels is not None and order is not None:
         labels = labels[order]  # the labels follow the file's rows; the rows were sorted by time
-    names = metric_names(ds.header, ds.features, ds.feature_columns)
-    segs = flagged_segments(scores, stored.threshold, cells, names, args.top)
-    del cells
+    segs = segments_of(result.events, result.state)
+    if segs and segs[-1]["top_metrics"] is None:
+        segs[-1]["top_metrics"] = active_top_metrics(result.state, names, args.top)
+    named = bool(stored.metadata.get("metric_names") or (stored.metadata.get("dataset") or {}).get("header")
+                 or ds.header)
     if args.output:
         write_rows(args.output, scores, flags, labels, segs, ds)
     if args.plot:  # issue 11
@@ -82,7 +140,7 @@ def run(args) -> int:
 
         try:
             write_score_plot(scores, stored.threshold, args.plot, labels=labels,
-                             title=f"{os.path.basename(args.dataset)} scored with {stored.path}")
+                             title=f"{os.path.basename(ds.path)} scored with {stored.path}")
         except ReportError as e:
             raise CliError(str(e)) from None
     summary = {
@@ -103,9 +161,11 @@ def run(args) -> int:
     }
     if labels is not None:
         summary["evaluation"] = evaluate(scores, labels, stored.threshold).as_dict()
+    code = FLAGGED_EXIT if summary["flagged"] else 0
+    summary["exit_status"] = code
     if args.json:
         print(json.dumps(summary, sort_keys=True))
-        return 0
+        return code
     print(f"scored {ds.rows} rows with {stored.path}")
     for note in ds.notes:
         print(f"note: {note}{'; row numbers below count rows in time order' if 'sorted' in note else ''}")
@@ -119,14 +179,14 @@ def run(args) -> int:
         top = sorted(segs, key=lambda g: -g["peak_score"])[:5]
         print(f"{len(segs)} flagged segment(s); highest peaks (rows, peak score, top metrics by share of the score):")
         for g in top:
-            col = "" if ds.header else "column "
-            named = ", ".join(f"{col}{m['metric']} {100 * m['share']:.0f}%" for m in g["top_metrics"])
-            print(f"  rows {g['start']}-{g['end']}  peak {g['peak_score']:.4f}  {named}")
+            col = "" if named else "column "
+            shown = ", ".join(f"{col}{m['metric']} {100 * m['share']:.0f}%" for m in g["top_metrics"])
+            print(f"  rows {g['start']}-{g['end']}  peak {g['peak_score']:.4f}  {shown}")
     if args.output:
         print(f"per-row scores: {args.output}")
     if args.plot:
         print(f"plot: {args.plot}")
-    return 0
+    return code
 
 
 def write_rows(path: str, scores: np.ndarray, flags: np.ndarray, labels: np.ndarray | None, segs: list[dict],

@@ -1,4 +1,5 @@
-"""``ds-ops status``: the spool's queue, every running job with its GPU, stage and epoch, the latest results.
+"""``ds-ops status``: the spool's queue, every running job with its GPU, stage and epoch, the latest results,
+and per scored model (issue 19) its last scored time, rows scored and whether an anomaly is open.
 
 Read from the spool directory alone, so it works whether or not the daemon runs (and as any user
 who can read the spool), and with a broken conffile (it says so and reads ``spool.dir`` from the
@@ -14,8 +15,9 @@ from datetime import datetime, timezone
 
 import yaml
 
-from ..config import DEFAULT_CONFIG_PATH, ConfigError, SpoolConfig
+from ..config import DEFAULT_CONFIG_PATH, ConfigError, ScoringConfig, SpoolConfig
 from ..journal import safe_text
+from ..scorer import model_views, top_text
 from ..spool import Spool, spool_status
 from . import CliError, load_cfg
 
@@ -51,6 +53,23 @@ def _spool_root(args) -> str:
             pass
         print(f"ds-ops: warning: {e}; showing spool {root} (ds-ops check-config)", file=sys.stderr)
         return root
+
+
+def _results_dir(args) -> str:
+    """Return scoring.results_dir from the conffile (the default where it does not validate)."""
+    try:
+        return load_cfg(args, {}).scoring.results_dir
+    except ConfigError:
+        return ScoringConfig().results_dir
+
+
+def _model_line(v: dict) -> str:
+    """One scored model: ``  NAME  last scored ..., N rows scored (F flagged, S segments), ...``."""
+    at = v.get("scored_at")
+    when = datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "?"
+    anomaly = f"ANOMALY ACTIVE: {top_text(v.get('top_metrics'))}" if v.get("active") else "no anomaly"
+    return (f"  {safe_text(v['model'])}  last scored {when}, {v['rows_total']} rows scored ({v['flagged_total']} "
+            f"flagged, {v['segments_total']} segments), {anomaly}")
 
 
 def _seconds_since(stamp) -> float | None:
@@ -123,6 +142,13 @@ def _print(st: dict) -> None:
         print("latest failed (fix the file, then: sudo ds-ops requeue NAME):")
         for d in st["recent_failed"]:
             print(f"  {safe_text(d.get('dataset_file') or '?')}  [{d.get('stage')}] {safe_text(str(d.get('reason')))}")
+    print(f"score/: {len(st.get('score_queue', []))} queued")
+    for name in st.get("score_queue", []):
+        print(f"  queued  {safe_text(name)}")
+    if st.get("scoring"):
+        print(f"scored models (results in {st.get('results_dir')}):")
+        for v in st["scoring"].values():
+            print(_model_line(v))
 
 
 def run(args) -> int:
@@ -139,6 +165,8 @@ def run(args) -> int:
                            "members of group ds-ops may read it") from None
         for job in st["processing"]:
             job["time_left_s"] = time_left_s(job) if job.get("daemon_alive") else None
+        st["results_dir"] = _results_dir(args)
+        st["scoring"] = model_views(st["results_dir"])
         if args.json:
             print(json.dumps(st, sort_keys=True), flush=True)
         else:

@@ -110,8 +110,9 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
         raise DatasetError(f"{path}: cannot read: {clip(str(getattr(e, 'strerror', None) or e))}") from None
     if plan is not None:
         header, left_out, feature_columns = plan.feature_names(), plan.left_out, list(plan.features)
-    if data.shape[0] < 2:
-        raise DatasetError(f"{path}: {data.shape[0]} row(s); at least 2 are needed to train")
+    if data.shape[0] < limits.min_rows:
+        raise DatasetError(f"{path}: {data.shape[0]} row(s); at least {limits.min_rows} "
+                           f"{'are needed to train' if limits.min_rows > 1 else 'is needed'}")
     if data.shape[1] < 1:
         raise DatasetError(f"{path}: no columns")
     if time is not None:

@@ -72,6 +72,8 @@ class DatasetLimits:
     # issue 18: a dataset whose feature columns are all constant is refused (nothing to learn) and
     # constant columns among others are noted; training jobs set it, scoring (flat new data) does not
     refuse_constant: bool = False
+    # issue 19: the fewest rows accepted: 2 to train (BatchNorm), 1 for a chunk of a scored series
+    min_rows: int = 2
 
     @classmethod
     def from_config(cls, job_cfg: JobConfig, max_dataset_bytes: int | None = None, *,

@@ -178,10 +178,13 @@ def test_account_and_directories(box):
     assert box.run(["getent", "passwd", "ds-ops"]).stdout.split(":")[6].strip() == "/usr/sbin/nologin"
     box.run(["getent", "group", "ds-ops"])
     stat = {line.split()[0]: line.split()[1:] for line in box.run(
-        ["stat", "-c", "%n %a %U %G", SPOOL, *(f"{SPOOL}/{d}" for d in ("incoming", "processing", "done", "failed")),
-         MODELS, "/etc/ds-ops/trainer.yaml", "/opt/ds-ops"]).stdout.splitlines()}
+        ["stat", "-c", "%n %a %U %G", SPOOL, *(f"{SPOOL}/{d}" for d in ("incoming", "score", "processing", "done",
+                                                                          "failed")),
+         MODELS, "/etc/ds-ops/trainer.yaml", "/opt/ds-ops", "/var/lib/ds-ops/scores"]).stdout.splitlines()}
     assert stat[SPOOL] == ["750", "ds-ops", "ds-ops"]
-    assert stat[f"{SPOOL}/incoming"] == ["3770", "ds-ops", "ds-ops"]
+    assert stat[f"{SPOOL}/incoming"] == stat[f"{SPOOL}/score"] == ["3770", "ds-ops", "ds-ops"]  # issue 19: score/
+    assert stat["/var/lib/ds-ops/scores"] == ["2750", "ds-ops", "ds-ops"]
+    box.run(["test", "-f", "/usr/share/doc/ds-ops/examples/ds-ops.rules.yml"])
     for d in ("processing", "done", "failed"):
         assert stat[f"{SPOOL}/{d}"] == ["2750", "ds-ops", "ds-ops"]
     assert stat[MODELS] == ["2750", "ds-ops", "ds-ops"]
@@ -696,7 +699,7 @@ def test_purge_leaves_no_unit_user_conffile_or_spool(box):
     assert r.returncode != 0 and "enabled" not in r.stdout.split()
     for path in ("/lib/systemd/system/ds-trainer.service", f"/lib/systemd/system/{NVIDIA_UNIT}",
                  "/etc/systemd/system/multi-user.target.wants/ds-trainer.service",
-                 "/etc/ds-ops", SPOOL, "/opt/ds-ops", "/usr/bin/ds-ops", "/usr/lib/sysusers.d/ds-ops.conf",
+                 "/etc/ds-ops", SPOOL, "/var/lib/ds-ops", "/opt/ds-ops", "/usr/bin/ds-ops", "/usr/lib/sysusers.d/ds-ops.conf",
                  "/usr/lib/tmpfiles.d/ds-ops.conf", "/usr/lib/systemd/catalog/ds-ops.catalog"):
         box.run(["test", "!", "-e", path, "-a", "!", "-L", path])
     assert box.run(["getent", "passwd", "ds-ops"], check=False).returncode == 2
