@@ -201,11 +201,14 @@ def shipped_alert(rules: dict, series: str) -> dict:
 
 def test_installs_ds_ops_then_debians_prometheus_and_node_exporter_offline(box, deb):
     assert box.run(["ls", "/sys/class/net"]).stdout.split() == ["lo"], "the container must have no network"
+    # dpkg without an fsync per file (Dpkg::Options --force-unsafe-io, as image builds do): test_deb_e2e.py
+    # checks the install as documented; here it is set-up, and fsyncing the venv's files took ~100 s
+    apt = "apt-get install -y -q --no-install-recommends -o Dpkg::Options::=--force-unsafe-io"
     started = time.monotonic()
-    box.run(f"cd /srv/debs && apt-get install -y -q --no-install-recommends ./{deb.name}", timeout=900)
+    box.run(f"cd /srv/debs && {apt} ./{deb.name}", timeout=900)
     took_ds_ops = time.monotonic() - started
     # docs/INSTALL.md, "Prometheus metrics": the node exporter, its textfile directory to ds-ops, a restart
-    box.run(f"apt-get install -y -q --no-install-recommends {TOOLS_DIR}/*.deb", timeout=600)
+    box.run(f"{apt} {TOOLS_DIR}/*.deb", timeout=600)
     print(f"apt install: ds-ops {took_ds_ops:.1f} s, the tools {time.monotonic() - started - took_ds_ops:.1f} s; "
           + box.run(["dpkg-query", "-W", "-f", "${Package} ${Version}  ", "prometheus", "prometheus-node-exporter"]).stdout)
     box.run(["setfacl", "-m", "u:ds-ops:rwx", TEXTFILE_DIR])
@@ -344,16 +347,19 @@ def test_the_shipped_anomaly_alert_fires_for_the_anomaly_and_resolves_after_it(b
              lambda: value(box, f'ds_ops_scored_rows_total{{model="{MODEL}"}}') == total)
         active = value(box, f'ds_ops_anomaly_active{{model="{MODEL}"}}')
         assert active == (k == hot), f"after chunk {k} (rows {lo}..{hi - 1}): ds_ops_anomaly_active {active}"
-        if k == hot:
+        if k < hot:
+            assert alerts(box, name) == [], f"{name} pending or firing before the anomaly"
+        elif k == hot:
             firing = wait(f"{name} firing", FOR_S + ALERT_TIMEOUT_S,
                           lambda: [a for a in alerts(box, name) if a["state"] == "firing"])
             print(f"{name} firing {time.monotonic() - started:.1f} s after the first chunk: {firing[0]['labels']}")
             top = query(box, f'ds_ops_anomaly_top_metric_share{{model="{MODEL}"}}')
             assert {s["metric"]["rank"] for s in top} >= {"1"}, top
+        elif k == hot + 1:                       # the anomaly ended in this chunk: resolved at the next evaluation
+            wait(f"{name} resolved", ALERT_TIMEOUT_S, lambda: alerts(box, name) == [])
         else:
-            assert [a for a in alerts(box, name) if a["state"] == "firing"] == []
-    wait(f"{name} resolved", ALERT_TIMEOUT_S, lambda: alerts(box, name) == [])
-    print(f"{len(chunks)} chunks, {total} rows: first drop -> alert resolved {time.monotonic() - started:.1f} s")
+            assert alerts(box, name) == [], f"{name} again after the anomaly"
+    print(f"{len(chunks)} chunks, {total} rows scored and the alert resolved in {time.monotonic() - started:.1f} s")
     # through the query API too: it fired (in the TSDB), and fires no more
     assert query(box, f'ALERTS{{alertname="{name}",model="{MODEL}"}}') == []
     assert value(box, f'max_over_time(ALERTS{{alertname="{name}",model="{MODEL}",alertstate="firing"}}[10m])') == 1
