@@ -49,8 +49,6 @@ if [ ! -s "$TARBALL" ]; then
          "downloaded in $(( $(date +%s) - tools_start )) s" >&2
     rm -rf "$work"/root/var/lib/apt/lists/* "$work"/root/var/cache/apt/*.bin "$work"/root/var/log/*.log
     rm -f "$work/root/usr/sbin/policy-rc.d"        # a deny-all one would keep the unit from starting
-    # localhost resolves, as on an installed system (debian-installer writes this; debootstrap does not)
-    printf '127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' >"$work/root/etc/hosts"
     printf '%s\n' "$PACKAGES" "tools: $TOOLS" >"$work/root/etc/ds-ops-e2e-packages"
     tar -C "$work/root" --numeric-owner --xattrs --acls -cf - . | zstd -q -T0 -10 >"$TARBALL.tmp"
     mv "$TARBALL.tmp" "$TARBALL"
