@@ -763,7 +763,7 @@ class Daemon:
         save_record(self.spool, record)
         for f in foreign:
             side = f["name"]
-            why = (f"incoming/{side} belongs to {user_name(f['uid'])}, {f['kind']}; {record['dataset']} was dropped "
+            why = (f"{f.get('drop', INCOMING)}/{side} belongs to {user_name(f['uid'])}, {f['kind']}; {record['dataset']} was dropped "
                    f"by {user_name(record.get('uploader_uid'))}: a sidecar applies only to a dataset of the same uploader")
             self.log.event("sidecar-refused", f"{safe_text(record['dataset'])}: {safe_text(why)}; it trains without "
                            "it", priority=LOG_WARNING, **self._fields(record))
@@ -772,19 +772,20 @@ class Daemon:
     def _move_foreign_sidecar(self, f: dict, why: str) -> None:
         """Move one foreign sidecar (``{"name", "uid", "ino"}`` as seen) to failed/, if that same
         file is still there; report it and leave it if it is not a regular file."""
+        drop = f.get("drop", INCOMING)  # score/ for a file to score (issue 19)
         try:
-            st = os.lstat(self.spool.path(INCOMING, f["name"]))
+            st = os.lstat(self.spool.path(drop, f["name"]))
         except FileNotFoundError:
             return
         if (st.st_uid, st.st_ino) != (f["uid"], f["ino"]):
             return  # replaced since it was seen: not the file this is about
-        c = claim(self.spool, f["name"], SIDECAR_MAX_BYTES)
+        c = claim(self.spool, f["name"], SIDECAR_MAX_BYTES, drop=drop)
         if c.outcome in ("claimed", "refused"):
             self._fail(c.record, "spool", f"{why}; not applied, moved aside", "SidecarForeign")
         elif c.outcome == "empty":
             discard_job(self.spool, c.job_id)
         elif c.outcome == "ignored":  # not a regular file: left where it is, listed by ds-ops status
-            self.log.event("entry-ignored", f"incoming/{safe_text(f['name'])} is {c.reason}; left where it is "
+            self.log.event("entry-ignored", f"{drop}/{safe_text(f['name'])} is {c.reason}; left where it is "
                            "(its owner can remove it)", priority=LOG_WARNING, dataset_file=f["name"])
 
     # ---- one job -------------------------------------------------------------------------------

@@ -128,16 +128,18 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
     return what the metrics and ``ds-ops status`` show: ``model``, ``version``, ``scored_at``
     (Unix seconds), ``rows_total``, ``flagged_total``, ``segments_total`` (the series' counters,
     state.json's ``rows_scored``, ``rows_flagged``, ``segments``: they survive a restart),
-    ``active``, ``threshold``, ``last_score``, ``top_metrics`` ([{metric, share}], the open segment's)."""
+    ``active``, ``threshold``, ``last_score``, ``top_metrics`` ([{metric, share}], the open segment's).
+    state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
     from .metrics import _utc_seconds
 
     st, s = state or {}, summary or {}
     active = (st["segment"] is not None) if "segment" in st else bool(s.get("active"))
-    top = s.get("top_metrics") if active and isinstance(s.get("top_metrics"), list) else []
+    top = _first(st.get("top_metrics"), s.get("top_metrics")) if active else []
+    top = top if isinstance(top, list) else []
     return {
         "model": name,
         "version": _first(st.get("version"), s.get("version")),
-        "scored_at": _utc_seconds(s.get("scored_at")),
+        "scored_at": _utc_seconds(_first(st.get("scored_at"), s.get("scored_at"))),
         "rows_total": _count(_first(st.get("rows_scored"), s.get("rows_scored"))),
         "flagged_total": _count(_first(st.get("rows_flagged"), s.get("rows_flagged"))),
         "segments_total": _count(_first(st.get("segments"), s.get("segments"))),

@@ -91,7 +91,8 @@ def match_columns(stored, ds, *, extra_ok: bool = False) -> None:
         extra = [] if extra_ok else [n for n in ds.header if n not in names]
         if missing or extra:
             def shown(cols):
-                return ", ".join(repr(_clip(n, 60)) for n in cols[:5]) + (f", ... ({len(cols)} in all)" if len(cols) > 5 else "")
+                more = f", ... ({len(cols)} in all)" if len(cols) > 5 else ""
+                return ", ".join(repr(_clip(n, 60)) for n in cols[:5]) + more
             parts = ([f"lacks the model's columns {shown(missing)}"] if missing else []) + \
                     ([f"has columns the model was not trained on: {shown(extra)}"] if extra else [])
             raise ScoringError(f"{ds.path}: the columns do not match the model's: this file {'; and '.join(parts)}")
@@ -179,6 +180,17 @@ def rows_csv(result, times: np.ndarray | None) -> bytes:
     return buf.getvalue().encode("utf-8")
 
 
+def json_safe(obj):
+    """Return obj with every NaN or infinite float replaced by None (strict JSON)."""
+    if isinstance(obj, float):
+        return finite_or_none(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def _clip_events(events: list[dict]) -> tuple[list[dict], int]:
     if len(events) <= MAX_EVENTS:
         return events, 0
@@ -228,7 +240,7 @@ def _write_result(model_dir: str, job_id: str, summary: dict, rows: bytes) -> No
     try:
         os.chmod(tmp, DIR_MODE)
         _write_file(os.path.join(tmp, ROWS_FILE), rows)
-        _write_file(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=1, sort_keys=True) + "\n").encode())
+        _write_file(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=1, sort_keys=True, allow_nan=False) + "\n").encode())
         fsync_dir(tmp)
         os.rename(tmp, summary["result_dir"])
     except BaseException:
@@ -310,6 +322,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "replayed": False,
     }
+    summary = json_safe(summary)
     os.makedirs(model_dir, DIR_MODE, exist_ok=True)
     _write_result(model_dir, job_id, summary, rows_csv(result, times))
     new.last_job, new.last_result = job_id, result_name

@@ -85,7 +85,8 @@ class SeriesState:
         numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.segments)
         if (not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
                 or not isinstance(state.context, list) or not isinstance(state.recent, list)
-                or not (state.segment is None or isinstance(state.segment, dict) and isinstance(state.segment.get("sums"), list))
+                or not (state.segment is None
+                        or isinstance(state.segment, dict) and isinstance(state.segment.get("sums"), list))
                 or not (state.last_time is None or isinstance(state.last_time, (int, float)))):
             raise ValueError("series state: a field of the wrong type")
         return state
@@ -153,7 +154,8 @@ def _ranked(sums: np.ndarray, names: list[str], top: int) -> list[dict]:
     return [{"metric": names[j], "share": float(sums[j] / denom) if denom > 0 else 0.0} for j in order]
 
 
-def _reset_reason(stored: StoredModel, state: SeriesState, times: np.ndarray | None, max_gap_periods: float) -> str | None:
+def _reset_reason(stored: StoredModel, state: SeriesState, times: np.ndarray | None,
+                  max_gap_periods: float) -> str | None:
     """Return why the carried state does not continue into this chunk, or None."""
     version = model_version(stored)
     if state.version is not None and state.version != version:

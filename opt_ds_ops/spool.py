@@ -516,7 +516,8 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
             if owner is not None and (st.st_uid != owner or st.st_nlink > 1):  # a hard link: anyone's
                 record.setdefault("sidecars_foreign", []).append(
                     {"name": cand, "uid": st.st_uid, "ino": st.st_ino,
-                     "kind": "a regular file" if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode)})
+                     "kind": "a regular file" if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode),
+                     **({"drop": drop} if drop != INCOMING else {})})
                 continue
             record["sidecar"] = cand
             if not stat.S_ISREG(st.st_mode):

@@ -9,6 +9,7 @@ missing promtool fails these tests instead of skipping them).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -35,12 +36,12 @@ def promtool() -> str:
 def test_promtool_accepts_the_shipped_rules(promtool):
     r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 2 rules found" in r.stdout
+    assert "SUCCESS: 3 rules found" in r.stdout
 
 
 def test_the_rules_use_only_series_the_daemon_writes():
     exprs = " ".join(rule["expr"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"])
-    used = {w for w in exprs.replace("(", " ").replace(")", " ").split() if w.startswith("ds_ops_")}
+    used = set(re.findall(r"\bds_ops_[a-z_]+", exprs))
     assert used and used <= set(METRIC_NAMES), used - set(METRIC_NAMES)
 
 
@@ -70,6 +71,23 @@ tests:
                 The top metrics are in ds_ops_anomaly_top_metric_share{{model="m"}}, in
                 `journalctl -u ds-trainer -p warning` and in `ds-ops status`.
       - {{eval_time: 14m, alertname: DsOpsAnomalyActive, exp_alerts: []}}
+  - interval: 1m
+    input_series:
+      # one segment counted at minute 5 (it began and ended inside one scored file)
+      - series: 'ds_ops_anomaly_segments_total{{model="m", instance="h:9100", job="node"}}'
+        values: '2x4 3x40'
+    alert_rule_test:
+      - {{eval_time: 4m, alertname: DsOpsAnomalySeen, exp_alerts: []}}
+      - eval_time: 10m
+        alertname: DsOpsAnomalySeen
+        exp_alerts:
+          - exp_labels: {{severity: info, model: m, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "Anomaly segment(s) in m on h:9100 in the last 15 minutes"
+              description: >-
+                ds-ops model m flagged about 1 anomaly segment(s) in the last 15 minutes;
+                `journalctl -u ds-trainer -p warning` has their start, end and top metrics.
+      - {{eval_time: 30m, alertname: DsOpsAnomalySeen, exp_alerts: []}}
   - interval: 1m
     input_series:
       # model m scored at minute 0 (Unix time 0 in promtool's clock) and never again; model new

@@ -257,6 +257,13 @@ def test_hostile_entries_in_score_are_handled_as_in_incoming(tmp_path):
         assert "unreadable" in read_json(spool_dir(tmp_path, "failed") / "secret.csv.error.json")["reason"]
         assert "hard links" in read_json(spool_dir(tmp_path, "failed") / "linked.csv.error.json")["reason"]
         assert (score / "pipe.csv").exists() and elsewhere.read_bytes() == b"1,2\n"
+        drop(score, "squat.yaml", b"model: bobs\n", uid=BOB)  # BOB's sidecar for ALICE's file: never applied
+        drop(score, "squat.csv", b"1,2\n", uid=ALICE)
+        d.wait_until(lambda: {"squat.yaml", "squat.csv"} <= failed_names(tmp_path), "the squatted pair refused")
+        side = read_json(spool_dir(tmp_path, "failed") / "squat.yaml.error.json")
+        assert "score/squat.yaml belongs to" in side["reason"] and side["drop"] == "score"
+        assert "model squat has no current version" in read_json(
+            spool_dir(tmp_path, "failed") / "squat.csv.error.json")["reason"]  # its stem, not BOB's model:
         assert d.proc.pid == pid
     (ignored,) = [e for e in journal(tmp_path) if EVENT[e["MESSAGE_ID"]] == "entry-ignored"]
     assert "score/pipe.csv is a FIFO" in ignored["MESSAGE"] and ignored["PRIORITY"] == "4"

@@ -100,3 +100,10 @@ def test_results_beyond_the_byte_limit_go_oldest_first_per_model(tmp_path):
 
 def test_top_metrics_read_as_names_with_their_shares():
     assert top_text(SUMMARY["top_metrics"][:2]) == "disk_util 60%, cpu 30%" and top_text([]) == "none"
+
+
+def test_a_state_json_that_names_its_top_metrics_and_time_needs_no_summary(tmp_path):
+    top = [{"metric": "disk_util", "share": 0.7}]
+    write_model(tmp_path, "m", dict(STATE, top_metrics=top, scored_at="2026-12-01T00:00:00.000000Z"))
+    v = model_views(str(tmp_path))["m"]
+    assert v["top_metrics"] == top and v["scored_at"] == 1796083200.0

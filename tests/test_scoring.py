@@ -147,20 +147,22 @@ def test_named_columns_must_match_the_models_and_are_listed(tmp_path, smd_rows):
     cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
                                     "scoring.results_dir": str(tmp_path / "scores")})
     assert run_job(str(train_file), cfg).metadata["metric_names"] == header
-    wrong = header[:36] + ["disk_util", "fan_rpm"]
-    jdir = make_job(tmp_path, job_id(1), smd_rows[2000:2100], "named.csv", header=",".join(wrong))
-    with pytest.raises(ScoringError) as e:
-        score_job(jdir, cfg)
-    assert "lacks the model's columns 'c36', 'c37'" in str(e.value)
-    assert "columns the model was not trained on: 'disk_util', 'fan_rpm'" in str(e.value)
-    assert not (tmp_path / "scores" / "named" / "state.json").exists()
     order = list(range(37, -1, -1))
-    jdir = make_job(tmp_path, job_id(2), smd_rows[2000:2100][:, order], "named.csv",
+    jdir = make_job(tmp_path, job_id(1), smd_rows[2000:2100][:, order], "named.csv",
                     header=",".join(header[j] for j in order))
     reordered = score_job(jdir, cfg)
     stored = load_model(str(tmp_path / "models" / "named" / "current"))
     np.testing.assert_allclose([float(r["score"]) for r in read_rows(reordered["result_dir"])],
                                score_rows(stored, smd_rows[2000:2100]), rtol=1e-5, atol=1e-6)
+    state_file = tmp_path / "scores" / "named" / "state.json"
+    before = state_file.read_bytes()
+    wrong = header[:36] + ["disk_util", "fan_rpm"]
+    jdir = make_job(tmp_path, job_id(2), smd_rows[2100:2200], "named.csv", header=",".join(wrong))
+    with pytest.raises(ScoringError) as e:
+        score_job(jdir, cfg)
+    assert "lacks the model's columns 'c36', 'c37'" in str(e.value)
+    assert "columns the model was not trained on: 'disk_util', 'fan_rpm'" in str(e.value)
+    assert state_file.read_bytes() == before and len(os.listdir(state_file.parent)) == 2
 
 
 def test_a_replayed_job_is_not_scored_twice(store, cfg, tmp_path):
@@ -273,3 +275,22 @@ def test_an_unreadable_series_state_starts_the_series_again_with_a_note(store, c
     summary = score_job(make_job(tmp_path, job_id(1), store["test"][:20]), cfg)
     assert summary["first_row"] == 0 and "could not be read" in summary["notes"][0]
     assert json.loads((tmp_path / "scores" / "m1" / "state.json").read_text())["next_row"] == 20
+
+
+def test_a_chunk_dropped_by_another_uid_than_the_models_owner_is_refused(tmp_path, smd_rows):
+    """The model name belongs to the uid that first trained it (issue 18): another member of
+    group ds-ops can neither feed its series nor reset it."""
+    np.savetxt(tmp_path / "owned.csv", smd_rows[:500], delimiter=",", fmt="%.6f")
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
+                                    "scoring.results_dir": str(tmp_path / "scores")})
+    run_job(str(tmp_path / "owned.csv"), cfg, uploader_uid=4201)
+    jdir = make_job(tmp_path, job_id(1), smd_rows[500:520], "owned.csv")
+    record = json.loads(open(os.path.join(jdir, "job.json")).read())
+    with open(os.path.join(jdir, "job.json"), "w") as f:
+        json.dump(dict(record, uploader_uid=4202), f)
+    with pytest.raises(ScoringError, match="model 'owned' belongs to uid 4201"):
+        score_job(jdir, cfg)
+    assert not (tmp_path / "scores" / "owned").exists()
+    with open(os.path.join(jdir, "job.json"), "w") as f:
+        json.dump(dict(record, uploader_uid=4201), f)
+    assert score_job(jdir, cfg)["rows"] == 20
