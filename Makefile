@@ -83,7 +83,9 @@ lintian:
 	lintian --fail-on error,warning --info $(DEB)
 
 # End-to-end: boots Debian 12 with systemd in systemd-nspawn and runs the install section of
-# docs/INSTALL.md against the built package (root; root file system cached in /var/cache/ds-ops-e2e).
+# docs/INSTALL.md against the built package (root; root file system cached in /var/cache/ds-ops-e2e);
+# and, in a container of its own, Debian's prometheus scrapes ds-ops through prometheus-node-exporter
+# and the shipped alert fires for a scored anomaly (tests/e2e/test_alerts_e2e.py, prints its wall time).
 e2e: venv
 	test -f $(DEB) || $(MAKE) deb
 	DS_OPS_DEB=$(CURDIR)/$(DEB) $(BIN)/python -m pytest -v -m e2e tests/e2e

@@ -143,6 +143,7 @@ class Container:
 
     def stop(self) -> None:
         """Halt the container (SIGTERM to systemd-nspawn = clean shutdown) and delete its files."""
+        started = time.monotonic()
         if self.nspawn.poll() is None:
             self.nspawn.send_signal(signal.SIGTERM)
             try:
@@ -151,4 +152,6 @@ class Container:
                 os.killpg(self.nspawn.pid, signal.SIGKILL)
                 self.nspawn.wait(timeout=30)
         self.console.close()
+        self.timings["halt_s"] = time.monotonic() - started
         shutil.rmtree(self.work, ignore_errors=True)
+        self.timings["remove_s"] = time.monotonic() - started - self.timings["halt_s"]

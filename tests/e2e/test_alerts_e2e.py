@@ -1,0 +1,419 @@
+"""End-to-end: ds-ops's anomaly alerts through Debian 12's own Prometheus (issue 19, ``make e2e``).
+
+A container of its own (test_deb_e2e.py's upgrades and purge stay out of the way): ds-ops from
+DS_OPS_DEB, then Debian's prometheus-node-exporter and prometheus from the .debs that rootfs.sh
+keeps in the root file system (the container has no network), wired as docs/INSTALL.md says.
+Prometheus scrapes the node exporter on localhost:9100 and evaluates the rules ds-ops ships every
+SCRAPE_S seconds. A member of group ds-ops drops SMD machine-1-2's training file into incoming/,
+then a labelled stretch of its test period, in chunks, into score/. Checked through Prometheus's
+HTTP API on localhost: the ds_ops series come through the node exporter, the shipped anomaly
+alert fires while the anomaly is open and resolves after it; and ``journalctl -u ds-trainer -p
+warning`` holds one started and one ended entry per segment, with their catalog text (``-x``).
+
+Keeping it honest: the shipped rules file passes ``promtool check rules`` as it is. Its ``for:``
+durations (minutes) are too long to wait for, so Prometheus loads a copy in which only the rules'
+``for:`` (and a group's ``interval:``, if set) are cut to FOR_S; every expression, label and
+annotation is the shipped one. Where the chunks end is planned from ``ds-ops score`` of the
+whole stretch (the chunked series scores as the whole file does, issue 19): every chunk but one
+ends on a row clearly under the threshold, that one inside the anomaly, so the alert can only
+fire there, and does only if the daemon carries the anomaly across files.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import time
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+import yaml
+
+from nspawn import Container, ContainerError, cached_rootfs
+from opt_ds_ops.journal import MESSAGE_IDS
+from test_deb_e2e import catalog_entry
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = "ds-trainer.service"
+SPOOL = "/var/spool/ds-ops"
+MODELS = "/var/models"
+MODEL = "machine-1-2"                    # bundled real SMD data, bound read-only at /srv/smd
+USER = "alice"                           # a member of group ds-ops, not root
+HOME = f"/home/{USER}"
+TOOLS_DIR = "/var/local/ds-ops-e2e-tools"   # rootfs.sh: the test tools' .debs, not installed
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+SHIPPED_RULES = "/usr/share/doc/ds-ops/examples/ds-ops.rules.yml"
+TEST_RULES = "/etc/prometheus/ds-ops-e2e.rules.yml"
+PROM_CONFIG = "/etc/prometheus/ds-ops-e2e.yml"
+PROM_DROP_IN = "/etc/systemd/system/prometheus.service.d/ds-ops-e2e.conf"
+PROM = "http://localhost:9090"
+SCRAPE_S = 2                             # Prometheus's scrape and evaluation interval here
+FOR_S = 4                                # the test copy's for: (the shipped file's are minutes)
+TRAIN_TIMEOUT_S = 300
+SCORED_TIMEOUT_S = 60                    # a chunk dropped -> its rows counted in Prometheus
+ALERT_TIMEOUT_S = 60                     # the anomaly open in Prometheus -> its alert firing / gone
+PRE_ROWS, POST_ROWS = 500, 300           # rows of the test period around the anomaly
+CALM, HOT = 0.8, 1.2                     # a chunk ends on a row under CALM x threshold, or over HOT x
+
+PROM_CONFIG_TEXT = f"""\
+# ds-ops e2e: Prometheus scrapes the node exporter and evaluates ds-ops's rules every {SCRAPE_S} s
+global:
+  scrape_interval: {SCRAPE_S}s
+  evaluation_interval: {SCRAPE_S}s
+scrape_configs:
+  - job_name: node
+    static_configs:
+      - targets: ["localhost:9100"]
+"""
+PROM_RULE_FILES = f"rule_files:\n  - {TEST_RULES}\n"
+PROM_DROP_IN_TEXT = f"[Service]\nExecStart=\nExecStart=/usr/bin/prometheus --config.file={PROM_CONFIG}\n"
+GET = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+@pytest.fixture(scope="module")
+def deb() -> Path:
+    """The .deb under test (make e2e passes the one make deb built)."""
+    if os.geteuid() != 0:
+        pytest.fail("the end-to-end test boots a container: run it as root")
+    path = Path(os.environ.get("DS_OPS_DEB", "")).resolve()
+    if not path.is_file():
+        pytest.fail(f"DS_OPS_DEB={os.environ.get('DS_OPS_DEB')!r} is not a built .deb (make deb)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def box(deb, pytestconfig):
+    """A booted Debian 12 container with the .deb's directory at /srv/debs and SMD at /srv/smd;
+    prints the module's wall time at the end (make e2e's output)."""
+    started = time.monotonic()
+    c = Container(cached_rootfs(deb), {deb.parent: "/srv/debs", REPO / "data/smd": "/srv/smd"},
+                  log_dir=REPO / "build/e2e-alerts")
+    print(f"container {c.name}: extracted in {c.timings['extract_s']:.1f} s, booted in {c.timings['boot_s']:.1f} s")
+    yield c
+    c.save_journal()
+    c.stop()
+    with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():  # as capsys.disabled()
+        print(f"\ntest_alerts_e2e.py: {time.monotonic() - started:.0f} s wall time in all ("
+              + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in c.timings.items()) + ")")
+
+
+@pytest.fixture(autouse=True)
+def diagnostics_on_failure(request, box):
+    """After a failed test, print the journals and what Prometheus says (tests/e2e/conftest.py)."""
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print(diagnostics(box))
+
+
+def diagnostics(box: Container) -> str:
+    """Return the units' journals, ds_ops.prom and Prometheus's targets, rules and alerts."""
+    parts = []
+    for title, argv in (
+            ("journalctl -u ds-trainer", f"journalctl -u {UNIT} -n 80 --no-pager -o short-precise"),
+            ("journalctl -u prometheus -u prometheus-node-exporter",
+             "journalctl -u prometheus -u prometheus-node-exporter -n 40 --no-pager -o short-precise"),
+            ("ds_ops.prom (score and anomaly series)", f"grep -E 'score|anomal|scored|flagged' {TEXTFILE_DIR}/ds_ops.prom"),
+            ("score/ and results", f"ls -la {SPOOL}/score {SPOOL}/failed; ls -laR /var/lib/ds-ops/scores | tail -n 30")):
+        r = box.run(argv, check=False, timeout=60)
+        parts.append(f"---- {title}\n{r.stdout}{r.stderr}")
+    for path in ("targets", "rules", "alerts"):
+        try:
+            parts.append(f"---- Prometheus /api/v1/{path}\n{json.dumps(api(box, path), indent=1)[:6000]}")
+        except Exception as e:  # a diagnostic must not hide the test's own failure
+            parts.append(f"---- Prometheus /api/v1/{path}: {e}")
+    return "\n".join(parts)
+
+
+def api(box: Container, path: str, **params) -> dict | list:
+    """GET Prometheus's HTTP API (/api/v1/PATH?PARAMS) from inside the container; return its data.
+    Raise ContainerError if it cannot be reached or answers an error."""
+    url = f"{PROM}/api/v1/{path}" + (f"?{urlencode(params)}" if params else "")
+    r = box.run(["python3", "-c", GET, url], check=False, timeout=30)
+    if r.returncode != 0:
+        raise ContainerError(f"GET {url}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    doc = json.loads(r.stdout)
+    if doc.get("status") != "success":
+        raise ContainerError(f"GET {url}: {doc}")
+    return doc["data"]
+
+
+def query(box: Container, expr: str) -> list[dict]:
+    """Return the instant vector of a PromQL expression: [{"metric": {...}, "value": [t, "v"]}, ...]."""
+    return api(box, "query", query=expr)["result"]
+
+
+def value(box: Container, expr: str) -> float | None:
+    """Return the value of a PromQL expression of one sample, None if it has none."""
+    result = query(box, expr)
+    assert len(result) <= 1, (expr, result)
+    return float(result[0]["value"][1]) if result else None
+
+
+def wait(what: str, timeout_s: float, probe, interval_s: float = 0.5):
+    """Call probe() until it returns a true value; return that. Raise ContainerError after
+    timeout_s, with probe's last answer (a ContainerError it raised counts as a no)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got = probe()
+        except ContainerError as e:
+            got = e
+        if got and not isinstance(got, ContainerError):
+            return got
+        if time.monotonic() > deadline:
+            raise ContainerError(f"timed out after {timeout_s:.0f} s waiting for {what}; last: {got!r}")
+        time.sleep(interval_s)
+
+
+def alerts(box: Container, name: str) -> list[dict]:
+    """Return Prometheus's active (pending or firing) alerts named name, of MODEL."""
+    return [a for a in api(box, "alerts")["alerts"]
+            if a["labels"].get("alertname") == name and a["labels"].get("model") == MODEL]
+
+
+def shortened(rules: dict) -> dict:
+    """Return a copy of a Prometheus rules document with each rule's for: and each group's
+    interval: (where set) cut to FOR_S seconds; nothing else changes."""
+    copy = json.loads(json.dumps(rules))
+    for group in copy["groups"]:
+        if "interval" in group:
+            group["interval"] = f"{SCRAPE_S}s"
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = f"{FOR_S}s"
+    return copy
+
+
+def shipped_alert(rules: dict, series: str) -> dict:
+    """Return the shipped alerting rule whose expression uses the series."""
+    found = [r for g in rules["groups"] for r in g["rules"] if "alert" in r and series in r["expr"]]
+    assert len(found) == 1, f"{SHIPPED_RULES}: {len(found)} alerting rules on {series}: {found}"
+    return found[0]
+
+
+def test_installs_ds_ops_then_debians_prometheus_and_node_exporter_offline(box, deb):
+    assert box.run(["ls", "/sys/class/net"]).stdout.split() == ["lo"], "the container must have no network"
+    # localhost resolves, as on an installed Debian (debian-installer writes /etc/hosts; the minimal
+    # root file system has none, which test_deb_e2e.py keeps on purpose: docs/operating.md, torchrun)
+    box.run("test ! -e /etc/hosts && cat > /etc/hosts", input="127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n")
+    # dpkg without an fsync per file (Dpkg::Options --force-unsafe-io, as image builds do): test_deb_e2e.py
+    # checks the install as documented; here it is set-up, and fsyncing the venv's files took ~100 s
+    apt = "apt-get install -y -q --no-install-recommends -o Dpkg::Options::=--force-unsafe-io"
+    started = time.monotonic()
+    box.run(f"cd /srv/debs && {apt} ./{deb.name}", timeout=900)
+    took_ds_ops = time.monotonic() - started
+    # docs/INSTALL.md, "Prometheus metrics": the node exporter, its textfile directory to ds-ops, a restart
+    box.run(f"{apt} {TOOLS_DIR}/*.deb", timeout=600)
+    print(f"apt install: ds-ops {took_ds_ops:.1f} s, the tools {time.monotonic() - started - took_ds_ops:.1f} s; "
+          + box.run(["dpkg-query", "-W", "-f", "${Package} ${Version}  ", "prometheus", "prometheus-node-exporter"]).stdout)
+    box.run(["setfacl", "-m", "u:ds-ops:rwx", TEXTFILE_DIR])
+    box.run(["systemctl", "restart", UNIT], timeout=300)
+    for unit in (UNIT, "prometheus-node-exporter.service", "prometheus.service"):
+        box.wait_for(["systemctl", "is-active", "-q", unit], 60, f"{unit} active")
+    box.run(["useradd", "--create-home", USER])
+    box.run(["usermod", "-aG", "ds-ops", USER])
+
+
+def test_prometheus_scrapes_the_node_exporter(box):
+    """Our configuration, by a drop-in for Debian's unit (the rules come later)."""
+    box.run(f"cat > {PROM_CONFIG}", input=PROM_CONFIG_TEXT)
+    box.run(["promtool", "check", "config", PROM_CONFIG])
+    box.run(f"mkdir -p {os.path.dirname(PROM_DROP_IN)} && cat > {PROM_DROP_IN} && systemctl daemon-reload",
+            input=PROM_DROP_IN_TEXT)
+    box.run(["systemctl", "restart", "prometheus.service"], timeout=120)
+
+    def node_up():
+        targets = api(box, "targets")["activeTargets"]
+        return [t for t in targets if t["labels"].get("job") == "node" and t["health"] == "up"]
+    wait("Prometheus to scrape the node exporter", 60, node_up)
+    assert [t["scrapeUrl"] for t in api(box, "targets")["activeTargets"]] == ["http://localhost:9100/metrics"]
+
+
+def test_the_node_exporter_serves_the_ds_ops_series_of_a_training_job(box):
+    started = time.monotonic()
+    box.run(f"cp /srv/smd/train/{MODEL}.txt.gz {SPOOL}/incoming/{MODEL}.txt.gz.part && "
+            f"mv {SPOOL}/incoming/{MODEL}.txt.gz.part {SPOOL}/incoming/{MODEL}.txt.gz", user=USER)
+    box.wait_for(f"test -f {MODELS}/{MODEL}/current/metadata.json", TRAIN_TIMEOUT_S, f"model {MODEL}")
+    print(f"dataset dropped -> model: {time.monotonic() - started:.1f} s")
+    threshold = json.loads(box.run(["cat", f"{MODELS}/{MODEL}/current/metadata.json"], user=USER).stdout)["threshold"]
+    got = wait("the model's threshold in Prometheus", 60,
+               lambda: query(box, f'ds_ops_model_threshold{{model="{MODEL}"}}'))
+    # the daemon's textfile, through the node exporter's textfile collector, as Prometheus stored it
+    assert [(s["metric"]["job"], s["metric"]["instance"]) for s in got] == [("node", "localhost:9100")], got
+    assert float(got[0]["value"][1]) == threshold, (got, threshold)
+    assert value(box, 'node_textfile_scrape_error{job="node"}') == 0
+    version = box.run(["ds-ops", "--version"]).stdout.split()[1]
+    assert query(box, "ds_ops_build_info")[0]["metric"]["version"] == version
+    assert value(box, 'ds_ops_jobs_finished_total{result="done"}') >= 1
+
+
+def test_prometheus_loads_the_shipped_rules(box):
+    box.run(["promtool", "check", "rules", SHIPPED_RULES])            # the shipped file, as it is
+    shipped = yaml.safe_load(box.run(["cat", SHIPPED_RULES]).stdout)
+    anomaly = shipped_alert(shipped, "ds_ops_anomaly_active")
+    stalled = shipped_alert(shipped, "ds_ops_last_scored_timestamp_seconds")
+    print(f"shipped rules: {anomaly['alert']} for {anomaly.get('for', '0s')}, {stalled['alert']} for "
+          f"{stalled.get('for', '0s')}; the test copy's for: {FOR_S}s")
+    box.run(f"cat > {TEST_RULES}", input=yaml.safe_dump(shortened(shipped), sort_keys=False))
+    box.run(f"cat > {PROM_CONFIG}", input=PROM_CONFIG_TEXT + PROM_RULE_FILES)
+    box.run(["promtool", "check", "config", PROM_CONFIG])               # and the copy, through the config
+    box.run(["systemctl", "reload", "prometheus.service"])
+
+    def rules_evaluated():
+        rules = {r["name"]: r for g in api(box, "rules")["groups"] for r in g["rules"]}
+        names = (anomaly["alert"], stalled["alert"])
+        return all(rules.get(n, {}).get("health") == "ok" for n in names) and rules
+    rules = wait("Prometheus to evaluate the ds-ops rules", 60, rules_evaluated)
+    assert rules[anomaly["alert"]]["duration"] == FOR_S, rules[anomaly["alert"]]
+
+
+def read_period(box: Container, first: int, rows: int, name: str) -> None:
+    """As USER, write HOME/name.txt and HOME/name.labels: rows of the SMD test period from row first."""
+    for sub, ext in (("test", "txt"), ("test_label", "labels")):
+        box.run(f"zcat /srv/smd/{sub}/{MODEL}.txt.gz | tail -n +{first + 1} | head -n {rows} > {HOME}/{name}.{ext}",
+                user=USER)
+
+
+def score_whole(box: Container, name: str) -> tuple[dict, list[dict]]:
+    """As USER, ``ds-ops score`` HOME/name.txt whole with its labels; return (the JSON summary,
+    the per-row CSV rows)."""
+    r = box.run(["ds-ops", "score", MODEL, f"{HOME}/{name}.txt", "--labels", f"{HOME}/{name}.labels",
+                 "--output", f"{HOME}/{name}.scores.csv", "--json"], user=USER, timeout=300, check=False)
+    assert r.returncode in (0, 3), (r.returncode, r.stderr)       # 3: rows were flagged (ds-ops(1))
+    rows = list(csv.DictReader(io.StringIO(box.run(["cat", f"{HOME}/{name}.scores.csv"], user=USER).stdout)))
+    return json.loads(r.stdout), rows
+
+
+def labelled(rows: list[dict], seg: dict) -> bool:
+    return any(r["label"] == "1" for r in rows[seg["start"]: seg["end"] + 1])
+
+
+def plan(box: Container) -> tuple[list[tuple[int, int]], int, list[dict]]:
+    """Choose the stretch of the test period and its chunks: return ([(first, end) rows of each
+    chunk], the index of the chunk that ends inside the anomaly, the stretch's flagged segments).
+    The anomaly is the longest flagged segment over labelled rows of the whole period."""
+    summary, rows = score_whole(box, "test-period")
+    segs = [g for g in summary["segments"] if labelled(rows, g)]
+    assert segs, f"ds-ops score flags no labelled anomaly of the test period: {summary['segments']}"
+    g = max(segs, key=lambda s: s["end"] - s["start"])
+    first = max(0, g["start"] - PRE_ROWS)
+    read_period(box, first, g["end"] + 1 + POST_ROWS - first, "stretch")
+    summary, rows = score_whole(box, "stretch")                  # scored cold from the stretch's first row
+    threshold = summary["threshold"]
+    score = [float(r["score"]) for r in rows]
+    calm = [s < CALM * threshold for s in score]
+    g = max((s for s in summary["segments"] if labelled(rows, s)), key=lambda s: s["end"] - s["start"])
+    inside = [i for i in range(g["start"], g["end"]) if score[i] > HOT * threshold]  # not its last row
+    assert inside, f"no row of the anomaly {g} is over {HOT} x the threshold {threshold}"
+    m = inside[len(inside) // 2]
+    end = max(i for i in range(len(rows)) if calm[i]) + 1       # the stretch ends calm: trim after that
+    assert end > g["end"] + 10, (end, g)
+
+    def cuts(lo: int, hi: int, k: int) -> list[int]:
+        """Return the ends of k chunks of rows lo..hi-1: hi, and k-1 ends after calm rows near equal parts."""
+        ends = {hi}
+        for j in range(1, k):
+            ideal = lo + (hi - lo) * j // k
+            ends.add(min((i + 1 for i in range(lo + 1, hi - 1) if calm[i]), key=lambda c: abs(c - ideal), default=hi))
+        return sorted(ends)
+
+    before = cuts(0, max(i + 1 for i in range(g["start"]) if calm[i]), 2)
+    ends = before + [m + 1] + cuts(m + 1, end, 3)
+    assert all(calm[e - 1] for e in ends if e != m + 1), (ends, g)
+    chunks = list(zip([0] + ends[:-1], ends))
+    print(f"stretch: test rows {first}..{first + end - 1}, threshold {threshold:.4f}, anomaly rows {g} "
+          f"(labelled), chunks {chunks}, chunk {len(before)} ends inside it (row {m}, score {score[m]:.4f})")
+    return chunks, len(before), [s for s in summary["segments"] if s["start"] < end]
+
+
+def test_the_shipped_anomaly_alert_fires_for_the_anomaly_and_resolves_after_it(box):
+    shipped = yaml.safe_load(box.run(["cat", SHIPPED_RULES]).stdout)
+    name = shipped_alert(shipped, "ds_ops_anomaly_active")["alert"]
+    read_period(box, 0, 1 << 30, "test-period")
+    chunks, hot, segs = plan(box)
+    started = time.monotonic()
+    total = 0
+    for k, (lo, hi) in enumerate(chunks):
+        box.run(f"sed -n '{lo + 1},{hi}p' {HOME}/stretch.txt > {HOME}/chunk.txt && "
+                f"cp {HOME}/chunk.txt {SPOOL}/score/{MODEL}.txt.part && mv {SPOOL}/score/{MODEL}.txt.part "
+                f"{SPOOL}/score/{MODEL}.txt", user=USER)
+        total += hi - lo
+        wait(f"chunk {k}'s rows counted in Prometheus ({total} in all)", SCORED_TIMEOUT_S,
+             lambda: value(box, f'ds_ops_scored_rows_total{{model="{MODEL}"}}') == total)
+        active = value(box, f'ds_ops_anomaly_active{{model="{MODEL}"}}')
+        assert active == (k == hot), f"after chunk {k} (rows {lo}..{hi - 1}): ds_ops_anomaly_active {active}"
+        if k < hot:
+            assert alerts(box, name) == [], f"{name} pending or firing before the anomaly"
+        elif k == hot:
+            firing = wait(f"{name} firing", FOR_S + ALERT_TIMEOUT_S,
+                          lambda: [a for a in alerts(box, name) if a["state"] == "firing"])
+            print(f"{name} firing {time.monotonic() - started:.1f} s after the first chunk: {firing[0]['labels']}")
+            top = query(box, f'ds_ops_anomaly_top_metric_share{{model="{MODEL}"}}')
+            assert {s["metric"]["rank"] for s in top} >= {"1"}, top
+        elif k == hot + 1:                       # the anomaly ended in this chunk: resolved at the next evaluation
+            wait(f"{name} resolved", ALERT_TIMEOUT_S, lambda: alerts(box, name) == [])
+        else:
+            assert alerts(box, name) == [], f"{name} again after the anomaly"
+    print(f"{len(chunks)} chunks, {total} rows scored and the alert resolved in {time.monotonic() - started:.1f} s")
+    # the segments counter's alert sees the segments that begin and end inside one file too (never
+    # in ds_ops_anomaly_active), where its first sample is 0 (increase() counts from there)
+    seen = shipped_alert(shipped, "ds_ops_anomaly_segments_total")["alert"]
+    if all(s["start"] >= chunks[0][1] for s in segs):
+        wait(f"{seen} firing", ALERT_TIMEOUT_S, lambda: [a for a in alerts(box, seen) if a["state"] == "firing"])
+    # through the query API too: it fired (in the TSDB), and fires no more
+    assert query(box, f'ALERTS{{alertname="{name}",model="{MODEL}"}}') == []
+    assert value(box, f'max_over_time(ALERTS{{alertname="{name}",model="{MODEL}",alertstate="firing"}}[10m])') == 1
+    assert value(box, f'ds_ops_flagged_rows_total{{model="{MODEL}"}}') == sum(s["end"] + 1 - s["start"] for s in segs)
+    assert value(box, f'ds_ops_anomaly_segments_total{{model="{MODEL}"}}') == len(segs)
+    assert query(box, f'ds_ops_anomaly_top_metric_share{{model="{MODEL}"}}') == []
+    check_journal(box, segs)
+
+
+def warnings(box: Container) -> list[dict]:
+    """Return ds-trainer's journal entries at priority warning or above."""
+    out = box.run(["journalctl", "-u", UNIT, "-p", "warning", "-o", "json", "--no-pager"]).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def check_journal(box: Container, segs: list[dict]) -> None:
+    """One anomaly-started and one anomaly-ended entry per flagged segment of the stretch, at
+    priority warning, however many chunks a segment spans; nothing routine at that priority; and
+    each entry's catalog text, filled with its fields, in ``journalctl -x``."""
+    ids = {MESSAGE_IDS["anomaly-started"]: "started", MESSAGE_IDS["anomaly-ended"]: "ended"}
+    def all_ended():
+        found = warnings(box)
+        return found if sum(e.get("MESSAGE_ID") == MESSAGE_IDS["anomaly-ended"] for e in found) >= len(segs) else None
+    entries = wait("the anomaly entries in the journal (journald writes asynchronously)", 30, all_ended)
+    mine = [e for e in entries if e.get("MESSAGE_ID") in ids and e.get("DS_MODEL") == MODEL]
+    assert [int(e["DS_ROW"]) for e in mine if ids[e["MESSAGE_ID"]] == "started"] == [s["start"] for s in segs], mine
+    assert [int(e["DS_ROW"]) for e in mine if ids[e["MESSAGE_ID"]] == "ended"] == [s["end"] for s in segs], mine
+    assert {e["PRIORITY"] for e in mine} == {"4"}, mine
+    routine = {MESSAGE_IDS[k] for k in ("scored", "job-saved", "job-claimed")}
+    assert [e["MESSAGE"] for e in entries if e.get("MESSAGE_ID") in routine] == []
+    out = box.run(["journalctl", "-x", "-u", UNIT, "-p", "warning", "--no-pager"]).stdout
+    for event in ("anomaly-started", "anomaly-ended"):
+        entry = next(e for e in mine if e["MESSAGE_ID"] == MESSAGE_IDS[event])
+        filled = [re.sub(r"@([A-Z0-9_]+)@", lambda m: entry.get(m.group(1), m.group(0)), line)
+                  for line in catalog_entry(event)]
+        missing = [line for line in filled if line.split(": ", 1)[0] not in ("Defined-By", "Support") and line not in out]
+        assert not missing, (event, missing, [line for line in out.splitlines() if MODEL in line][-20:])
+    print("journalctl -u ds-trainer -p warning:\n" + box.run(
+        ["journalctl", "-u", UNIT, "-p", "warning", "--no-pager", "-o", "cat"]).stdout)
+
+
+def test_the_shipped_rules_stay_healthy_and_scoring_stalled_does_not_fire(box):
+    rules = {r["name"]: r for g in api(box, "rules")["groups"] for r in g["rules"]}
+    shipped = yaml.safe_load(box.run(["cat", SHIPPED_RULES]).stdout)
+    for rule in (r for g in shipped["groups"] for r in g["rules"]):
+        name = rule.get("alert") or rule.get("record")
+        assert rules[name]["health"] == "ok" and rules[name].get("lastError", "") == "", rules[name]
+    stalled = shipped_alert(shipped, "ds_ops_last_scored_timestamp_seconds")["alert"]
+    assert rules[stalled]["state"] == "inactive", rules[stalled]
+    assert [a for a in api(box, "alerts")["alerts"] if a["labels"]["alertname"] == stalled] == []
