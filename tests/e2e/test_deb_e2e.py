@@ -258,6 +258,10 @@ def test_nvidia_modprobe_runs_as_root_before_each_start_and_its_failure_is_harml
 def test_group_member_drops_a_dataset_and_a_model_appears(box):
     box.run(["useradd", "--create-home", USER])                  # an existing user ...
     box.run(["usermod", "-aG", "ds-ops", USER])                  # ... joins group ds-ops (docs/INSTALL.md)
+    # the shipped plateau rule (issue 21), its max_steps cut from 10,000 to 600 so that the first
+    # job takes seconds here, not minutes: about 55 epochs of machine-1-2's 11 steps
+    box.run(f"sed -i 's/^  max_steps: 10000$/  max_steps: 600/' {CONF} && grep -q '^  max_steps: 600$' {CONF}")
+    box.run(["systemctl", "reload", UNIT])
     started = time.monotonic()
     drop(box, f"/srv/smd/{DATASET}", DATASET)
     wait_model(box, MODEL, 1)
@@ -289,6 +293,14 @@ def test_journal_has_the_jobs_structured_fields(box):
     # issue 21 (trainer.yaml: stopping: plateau, min_steps 500: at least 45 epochs of SMD's 11 steps):
     # one line for each of the first 10 epochs, then at most one a second, none per batch
     assert len(epochs) >= 10 and len({e["DS_EPOCH"] for e in epochs}) == len(epochs)
+
+
+def test_a_reload_to_the_seeds_five_epochs_applies_to_the_next_jobs(box):
+    # the rest of this file trains the seed's 5 epochs (stopping: epochs): its tests count epochs
+    box.run(f"sed -i 's/^  stopping: plateau$/  stopping: epochs/; s/^  epochs: 1000$/  epochs: 5/' {CONF}")
+    box.run(["systemctl", "reload", UNIT])
+    box.wait_for(f"journalctl -u {UNIT} --no-pager | grep -F 'configuration reloaded' | grep -q -F \"train.stopping 'plateau' -> 'epochs'\"",
+                 30, "the reload to say the stopping rule changed")
 
 
 def test_bad_file_goes_to_failed_and_the_unit_stays_active(box):
@@ -555,7 +567,7 @@ def test_first_hour_requeue_status_reload_models_rm_and_retention(box):
     box.run(f"cp /root/trainer.yaml.good {conf}")
     # status shows the running job alive, with its epoch (liveness by pid and its start time); 40
     # epochs so the job outlasts a few `ds-ops status` runs
-    box.run(f"sed -i 's/^  epochs: 1000/  epochs: 40/; s/^  stopping: plateau/  stopping: epochs/' {conf}")
+    box.run(f"sed -i 's/^  epochs: 5$/  epochs: 40/' {conf} && grep -q '^  epochs: 40$' {conf}")
     box.run(["systemctl", "reload", UNIT])
     drop(box, BIG, "alive.txt.gz")
     wait_training(box, "alive.txt.gz")
@@ -660,7 +672,7 @@ def test_upgrade_stops_the_daemon_before_dpkg_replaces_opt_under_a_running_job(b
     """Before: dh_installsystemd's default restarted the unit after the unpack, so a running job
     ran on with /opt/ds-ops replaced under it (late imports of the new code, or of half-written files)."""
     new = next_version(deb, "+e2e2")
-    box.run(f"cp {CONF} /root/trainer.yaml.before-upgrade && sed -i 's/^  epochs: 1000/  epochs: 40/; s/^  stopping: plateau/  stopping: epochs/' {CONF}")
+    box.run(f"cp {CONF} /root/trainer.yaml.before-upgrade && sed -i 's/^  epochs: 5$/  epochs: 40/' {CONF} && grep -q '^  epochs: 40$' {CONF}")
     box.run(["systemctl", "reload", UNIT])          # 40 epochs: the job outlasts apt's preparations
     try:
         drop(box, BIG, "upgraded.txt.gz")
