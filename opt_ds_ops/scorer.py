@@ -218,6 +218,8 @@ def top_text(top) -> str:
     parts = []
     for t in top or []:
         share = t.get("share")
+        if isinstance(share, (int, float)) and share < 0.005:
+            continue  # "34 0%": no part of the score worth naming
         parts.append(f"{t.get('metric')} {share:.0%}" if isinstance(share, (int, float)) else str(t.get("metric")))
     return ", ".join(parts) or "none"
 
@@ -469,7 +471,9 @@ class ScoreSlot:
                           job_id=record["job_id"], dataset_file=record["dataset"])
             elif ev.get("event") == "anomaly-ended":
                 flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
-                log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {_num(ev.get('duration_s'))} s, "
+                lasted = f"{ev.get('rows')} rows" + (f", {_num(ev.get('duration_s'))} s" if ev.get("duration_s") is not None
+                                                       else "")  # headerless data has no time: rows only
+                log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {lasted}, "
                           f"peak score {_num(ev.get('peak_score'))} (version {flagged_by}); in {file}",
                           priority=LOG_WARNING, model=model, version=flagged_by, row=row, time=at,
                           duration_s=ev.get("duration_s"), peak_score=ev.get("peak_score"),

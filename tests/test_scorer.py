@@ -186,3 +186,15 @@ def test_a_state_json_over_a_mebibyte_still_shows_its_model(tmp_path):
     write_model(tmp_path, "m", big)
     assert (tmp_path / "m" / "state.json").stat().st_size > 1 << 20
     assert model_views(str(tmp_path))["m"]["rows_total"] == 3000
+
+
+def test_an_anomaly_of_headerless_data_ends_after_its_rows_and_names_only_metrics_with_a_share(tmp_path):
+    untimed = dict(SCORED, events=[{"event": "anomaly-ended", "row": 570, "rows": 44, "duration_s": None,
+                                    "peak_score": 69.4}])
+    (ended, *_rest) = report(tmp_path / "untimed", untimed)
+    assert "after 44 rows," in ended["message"] and "?" not in ended["message"], ended["message"]
+    timed = dict(SCORED, events=[dict(untimed["events"][0], duration_s=2640.0)])
+    assert "after 44 rows, 2640 s," in report(tmp_path / "timed", timed)[0]["message"]
+    shares = [{"metric": "30", "share": 0.99}, {"metric": "34", "share": 0.001}, {"metric": "5", "share": 0.0}]
+    assert top_text(shares) == "30 99%"
+    assert top_text([{"metric": "5", "share": 0.0}]) == "none"
