@@ -68,3 +68,14 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300,
         [sys.executable, "-m", "opt_ds_ops.cli", *args],
         capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO,
     )
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item (``item.rep_call``), so a fixture can print
+    diagnostics after a failed test (tests/e2e/test_alerts_e2e.py; the pattern of pytest's docs,
+    "Making test result information available in fixtures"). Here and not in a tests/e2e/conftest.py:
+    the tests import this file as ``conftest``, and a second module of that name would shadow it."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep

@@ -105,7 +105,7 @@ def box(deb, pytestconfig):
 
 @pytest.fixture(autouse=True)
 def diagnostics_on_failure(request, box):
-    """After a failed test, print the journals and what Prometheus says (tests/e2e/conftest.py)."""
+    """After a failed test, print the journals and what Prometheus says (tests/conftest.py keeps the reports)."""
     yield
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
