@@ -170,7 +170,8 @@ def test_a_daemon_job_whose_dataset_hit_cuda_out_of_memory_says_so_when_saved(tm
     assert done_names(tmp_path) == {"gpu.csv"}, sent
     (saved,) = [e for e in sent if e["MESSAGE_ID"] == MESSAGE_IDS["job-saved"]]
     assert saved["DS_DEVICE"] == "cuda:0" and "; CUDA out of memory placing the dataset (1 MiB) on cuda:0" in saved["MESSAGE"]
-    assert saved["MESSAGE"].endswith("retried with the dataset in pinned host memory")
+    # issue 21: the saved line then says why training stopped
+    assert saved["MESSAGE"].endswith("retried with the dataset in pinned host memory; stopped: epochs after 2 steps")
     result = read_json(spool_dir(tmp_path, "done") / "gpu.csv.result.json")
     md = json.loads(open(os.path.join(result["model_dir"], "metadata.json")).read())
     assert md["data_placement"] == "pinned-host" and md["data_placement_note"] in saved["MESSAGE"]
