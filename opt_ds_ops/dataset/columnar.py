@@ -167,6 +167,8 @@ def load_columnar(path: str, fmt: str, limits: DatasetLimits, opts: DatasetConfi
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
         raise DatasetError(f"{path}: cannot read {fmt}: {clip(str(e))}") from None
+    except KeyError as e:  # pyarrow has no array class for a crafted type id (fuzz: KeyError 21)
+        raise DatasetError(f"{path}: cannot read {fmt}: a column of an unknown Arrow type (type id {clip(str(e))})") from None
 
 
 def _read(pa, path, limits, plan: ColumnPlan, names, rows, batches, read):
