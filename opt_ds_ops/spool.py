@@ -629,8 +629,8 @@ def finish(spool: Spool, job_id: str, record: dict, dest: str, doc: dict) -> str
         side = spool.path(dest, sidecar_name(final, suffix))
         taken = os.path.lexists(spool.path(dest, final))
         old = read_json(side) if os.path.lexists(side) else None
-        if old is not None and old.get("job_id") == doc.get("job_id") and (taken or not os.path.lexists(data)):
-            break  # this job already got here (killed after the move)
+        if old is not None and old.get("job_id") == doc.get("job_id") and not (taken and os.path.lexists(data)):
+            break  # this job already got here: killed after writing its JSON, or after the move too
         if not taken and not os.path.lexists(side):
             break
         n += 1

@@ -213,6 +213,22 @@ def test_finish_of_a_job_killed_after_its_move_reuses_its_json(spool):
     assert os.listdir(spool.dir(PROCESSING)) == []
 
 
+def test_finish_of_a_job_killed_between_its_json_and_its_move_reuses_the_name(spool):
+    # found by the CI fuzz soak (seed 18): the replay moved the dataset to done/m.csv.1 beside a stale
+    # m.csv.result.json, so one dataset had two results and none under its own name
+    c = claimed(spool, "m.csv")
+    sp.write_json(os.path.join(spool.dir(DONE), "m.csv.result.json"), {"job_id": c.job_id, "partial": True})
+    assert sp.finish(spool, c.job_id, c.record, DONE, {"job_id": c.job_id}) == "m.csv"
+    assert sorted(os.listdir(spool.dir(DONE))) == ["m.csv", "m.csv.result.json"]
+    assert "partial" not in sp.read_json(os.path.join(spool.dir(DONE), "m.csv.result.json"))
+
+
+def test_finish_does_not_take_the_name_of_another_jobs_json(spool):
+    c = claimed(spool, "m.csv")
+    sp.write_json(os.path.join(spool.dir(DONE), "m.csv.result.json"), {"job_id": "another"})
+    assert sp.finish(spool, c.job_id, c.record, DONE, {"job_id": c.job_id}) == "m.csv.1"
+
+
 def test_odd_names_survive_the_whole_lifecycle_literally(spool):
     names = ["-rf --no-preserve-root.csv", "a  b.csv", "données ü 日本.csv", os.fsdecode(b"bad-\xff-utf8.csv"),
              "new\nline.csv", "job.json", "lock", "v.error.json"]
