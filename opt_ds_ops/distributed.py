@@ -5,7 +5,7 @@ single-process run does, writes the float32 matrix to a private temporary ``.npy
 ``python -m torch.distributed.run --nproc-per-node N ... -m opt_ds_ops.distributed ...``
 (:func:`train_distributed`). Each rank (:func:`main`) memory-maps the matrix and trains with
 :func:`train_ddp`; rank 0 writes the result, which the launching process turns back into a
-:class:`opt_ds_ops.train.TrainResult` and stores through the same code as a single-process run.
+:class:`opt_ds_ops.training_common.TrainResult` and stores through the same code as a single-process run.
 Backend: nccl on CUDA GPUs (rank r on ``cuda:LOCAL_RANK``), gloo on the CPU.
 
 The numerics follow :func:`opt_ds_ops.train.train` so that the stored model equals what one
@@ -64,8 +64,9 @@ from .fsutil import pid_alive, utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
 from .threshold import pick_threshold
 from .stopping import Stopper
-from .train import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, _blocks, batch_bounds, begin_run,
-                    clip_inputs, make_optimizer, split_sizes, standardise)
+from .scaling import clip_inputs, float64_blocks, standardise
+from .training_common import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, batch_bounds, begin_run,
+                              make_optimizer, split_sizes)
 
 EPOCH_MARK = "ds-ops-epoch "  # rank 0's stdout line per epoch: the mark, then EpochStats as JSON
 RESULT_FILE = "result.pt"
@@ -100,7 +101,7 @@ def shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def ddp_batch_bounds(n: int, batch_size: int, world_size: int) -> list[tuple[int, int]]:
-    """Return the global batches' [start, end) over n rows, as :func:`opt_ds_ops.train.batch_bounds`,
+    """Return the global batches' [start, end) over n rows, as :func:`opt_ds_ops.training_common.batch_bounds`,
     with a last batch too small to give every rank 2 rows (BatchNorm1d's minimum) joined to the one
     before. Equals batch_bounds for world_size 1. Raises TrainingError if n or batch_size is
     below 2 * world_size."""
@@ -125,17 +126,17 @@ def all_reduce_sum(values: np.ndarray, device: torch.device) -> np.ndarray:
 
 
 def fit_scaler_sharded(rows: np.ndarray, group: ProcessGroupInfo, device: torch.device) -> tuple[np.ndarray, np.ndarray]:
-    """Return the (mean, std) float64 (D,) of all of rows (N, D), as :func:`opt_ds_ops.train.fit_scaler`
+    """Return the (mean, std) float64 (D,) of all of rows (N, D), as :func:`opt_ds_ops.scaling.fit_scaler`
     computes them, each rank reading only its contiguous shard: float64 block sums all-reduced,
     then the squared deviations from the global mean all-reduced. A zero std becomes 1."""
     lo, hi = shard(rows.shape[0], group.rank, group.world_size)
     mine = rows[lo:hi]
     total = np.zeros(rows.shape[1], dtype=np.float64)
-    for _, block in _blocks(mine):
+    for _, block in float64_blocks(mine):
         total += block.sum(axis=0)
     mean = all_reduce_sum(total, device) / rows.shape[0]
     squares = np.zeros_like(mean)
-    for _, block in _blocks(mine):
+    for _, block in float64_blocks(mine):
         block -= mean
         squares += np.einsum("ij,ij->j", block, block)
     std = np.sqrt(all_reduce_sum(squares, device) / rows.shape[0])

@@ -37,9 +37,12 @@ from .config import TrainConfig
 from .device import DevicePlan
 from .fsutil import utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth
+from .scaling import clip_inputs, standardise
 from .step import TrainStep
 from .stopping import Stopper
 from .threshold import pick_threshold
+from .training_common import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, batch_bounds, begin_run,
+                              checkpoint_dict, load_resume, make_optimizer, split_sizes)
 
 CHUNK_BYTES = 16 * 1024**2  # float32 bytes of one chunk read from disk
 WINDOW_CHUNKS = 4  # chunks shuffled together: the shuffle buffer is CHUNK_BYTES x WINDOW_CHUNKS
@@ -120,7 +123,7 @@ def streaming_scaler(source: NpyRows, n_rows: int) -> tuple[np.ndarray, np.ndarr
     """Return per-column (mean, std) float64 (D,) of rows [0, n_rows) in one pass of chunks.
 
     Chan et al.'s pairwise merge of each chunk's float64 (count, mean, sum of squared deviations);
-    agrees with :func:`opt_ds_ops.train.fit_scaler` to float64 rounding. A std of 0 becomes 1.
+    agrees with :func:`opt_ds_ops.scaling.fit_scaler` to float64 rounding. A std of 0 becomes 1.
     """
     d = source.shape[1]
     count, mean, m2 = 0, np.zeros(d), np.zeros(d)
@@ -142,9 +145,7 @@ def streaming_scaler(source: NpyRows, n_rows: int) -> tuple[np.ndarray, np.ndarr
 
 
 def _standardised(source: NpyRows, start: int, stop: int, mean, std, clip: float) -> torch.Tensor:
-    """Rows [start, stop) as :func:`opt_ds_ops.train.standardise` and ``clip_inputs`` make them in memory."""
-    from .train import clip_inputs, standardise
-
+    """Rows [start, stop) as :func:`opt_ds_ops.scaling.standardise` and ``clip_inputs`` make them in memory."""
     return clip_inputs(standardise(source.read(start, stop), mean, std), clip)
 
 
@@ -180,9 +181,6 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
     ``result.extra["validation_scores"]`` holds the validation rows' scores, (rows_val,) float32.
     Raises TrainingError as train() does; OSError if the file shrinks while it is read.
     """
-    from .train import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, _checkpoint, batch_bounds,
-                        begin_run, load_resume, make_optimizer, split_sizes)
-
     started, t_start = begin_run(cfg, plan)
     device = plan.device
     n_all, d = source.shape
@@ -248,7 +246,7 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
                 break
             if should_stop is not None and w + 1 < len(windows) and should_stop():
                 partial = dict(sums, seconds=sums["seconds"] + time.perf_counter() - t0)
-                raise TrainingInterrupted(dict(_checkpoint(model, optimizer, scaler, n, epoch, w + 1, history, partial),
+                raise TrainingInterrupted(dict(checkpoint_dict(model, optimizer, scaler, n, epoch, w + 1, history, partial),
                                                streamed=True, stopping=stopper.state_dict()))
         seconds = sums["seconds"] + time.perf_counter() - t0
         start_window, carried = 0, {k: 0.0 if k in ("loss_sum", "seconds") else 0 for k in carried}

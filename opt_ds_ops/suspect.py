@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .scaling import fit_scaler
+
 MAX_NAMED = 8  # columns a shift warning names, at most
 MAX_NAME_CHARS = 80  # a header name in a warning is cut to this (a header is the user's bytes)
 MAX_WARNING_CHARS = 1200  # one warning (journal line, metadata.json, report.png) is cut to this
@@ -30,9 +32,7 @@ def column_shift_sd(train_mean: np.ndarray, train_std: np.ndarray, val_rows: np.
     """Return |validation mean - training mean| / training std per column, (D,) float64.
 
     val_rows: (n >= 1, D), any real dtype (a memmap is read in place, in float64 blocks); the
-    training std is :func:`opt_ds_ops.train.fit_scaler`'s (a constant column's is 1)."""
-    from .train import fit_scaler
-
+    training std is :func:`opt_ds_ops.scaling.fit_scaler`'s (a constant column's is 1)."""
     val_mean, _ = fit_scaler(val_rows)
     return np.abs(val_mean - np.asarray(train_mean, dtype=np.float64)) / np.asarray(train_std, dtype=np.float64)
 

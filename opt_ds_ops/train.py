@@ -6,235 +6,41 @@ float16. The whole dataset is one tensor (on the GPU when it fits in free memory
 memory copied with ``non_blocking=True``), shuffled with one permutation per epoch and cut into
 batches; losses are summed on the device and read once per epoch (no ``.item()`` per batch).
 
-Standardisation is computed in float64 block by block and only its result is float32: a column of
+Standardisation (:mod:`opt_ds_ops.scaling`) is computed in float64 block by block and only its result is float32: a column of
 1e8 + N(0, 1) keeps its signal, a memory-mapped dataset is read in place (the training and
 validation splits are views, not copies). With a dataset's float64 ``offset`` (see
 :class:`opt_ds_ops.dataset.Dataset`) the stored scaler mean is ``offset`` + the mean of the centred
 data, exact in float64. Host memory while training: the dataset, its standardised training split
 and the epoch's shuffled copy of it; measured (peak RSS, 750,000 x 32 rows, one CPU epoch) 2.4x the
 float32 matrix beyond the dataset itself, 2.8x before the split became a view and the std a pass
-over blocks.
+over blocks. What the streamed and distributed trainers share with this loop (errors, records,
+split, batches, optimizer, checkpoint) is in :mod:`opt_ds_ops.training_common`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
-from torch import nn
 
 from .config import TrainConfig
 from .device import DevicePlan
 from .fsutil import utc_now
 from .model import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth, window_rows
+from .scaling import clip_inputs, fit_scaler, standardise
 from .step import TrainStep
 from .stopping import Stopper, eval_subset
+from .stream import train_streaming
 from .suspect import column_shift_sd
 from .threshold import pick_threshold
+from .training_common import (EpochStats, TrainingError, TrainingInterrupted, TrainResult, batch_bounds, begin_run,
+                              checkpoint_dict, load_resume, make_optimizer, split_rows)
+from .training_common import CheckpointMismatch  # noqa: F401 - re-exported: job.py and the tests catch it here
 
 # Keep this much GPU memory free beyond the dataset tensors (bytes): activations, optimizer, CUDA context.
 GPU_HEADROOM_BYTES = 512 * 1024**2
-
-
-class TrainingError(RuntimeError):
-    """Training could not produce a usable model (non-finite loss, every fp16 step skipped, ...)."""
-
-
-class CheckpointMismatch(TrainingError):
-    """A checkpoint passed as ``resume`` does not fit this dataset and configuration (rows, shapes,
-    in memory or streamed, or state_dicts that do not load); the job trains from epoch 1 instead."""
-
-
-def load_resume(resume: dict, n: int, model, optimizer, scaler, *, streamed: bool) -> None:
-    """Given a checkpoint of :func:`_checkpoint`, check it fits ``n`` training rows, the model's
-    shape and the streaming decision, and load its state_dicts into model, optimizer and scaler.
-    Raises CheckpointMismatch naming what does not fit (nothing is half-loaded that the caller keeps)."""
-    if resume.get("rows_train") != n:
-        raise CheckpointMismatch(f"the checkpoint has {resume.get('rows_train')} training rows, this run {n}")
-    if resume.get("model_args") != model.model_args():
-        raise CheckpointMismatch(f"the checkpoint's model is {resume.get('model_args')}, this run's {model.model_args()}")
-    if bool(resume.get("streamed")) != streamed:
-        raise CheckpointMismatch("the checkpoint was made " + ("in memory" if streamed else "streaming")
-                                 + ", this run " + ("streams" if streamed else "holds the data in memory"))
-    try:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scaler.load_state_dict(resume["grad_scaler"])
-    except (KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise CheckpointMismatch(f"the checkpoint's state does not load ({type(e).__name__}: "
-                                 f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-
-
-class TrainingInterrupted(Exception):
-    """Raised when ``should_stop()`` turned true; ``checkpoint`` resumes the job exactly (see
-    :func:`train`), or is None (a distributed run, :func:`opt_ds_ops.distributed.train_distributed`,
-    keeps none)."""
-
-    def __init__(self, checkpoint: dict | None):
-        super().__init__("training interrupted" if checkpoint is None else
-                         f"training interrupted at epoch {checkpoint['epoch'] + 1}, batch {checkpoint['batch']}")
-        self.checkpoint = checkpoint
-
-
-@dataclass
-class EpochStats:
-    """One epoch: mean train and validation MSE (standardised units), throughput (samples/s).
-
-    ``gpu``: the job's GPU read through NVML at the epoch's end (:meth:`opt_ds_ops.gpustats.GpuSampler.read`:
-    °C, W, MHz, MiB, %, throttle reasons), None on the CPU."""
-
-    epoch: int
-    train_loss: float
-    val_loss: float | None
-    samples_per_s: float
-    seconds: float
-    skipped_steps: int = 0
-    gpu: dict | None = None
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    def line(self, epochs: int) -> str:
-        """One human line: ``epoch 2/5 loss=0.843029 val_loss=1.013831 1,312,349 samples/s``."""
-        val = f" val_loss={self.val_loss:.6f}" if self.val_loss is not None else ""
-        skipped = f" skipped_steps={self.skipped_steps}" if self.skipped_steps else ""
-        return f"epoch {self.epoch}/{epochs} loss={self.train_loss:.6f}{val} {self.samples_per_s:,.0f} samples/s{skipped}"
-
-
-@dataclass
-class TrainResult:
-    """A trained model with what scoring needs: scaler, per-feature error scale and threshold.
-
-    ``mean``/``std``: (D,) float64 column statistics of the training split, in the units of the
-    file's values (the dataset's offset included; a zero std is 1).
-    ``error_scale``: (D,) float32 mean squared validation error per feature, at least
-    ``error_floor`` (score normaliser).
-    ``threshold``: set by ``threshold_method`` (:func:`opt_ds_ops.threshold.pick_threshold`) from
-    the validation rows' anomaly scores, computed exactly as scoring does: inputs clipped to
-    +-``input_clip`` (0: not clipped), smoothed over ``score_window`` rows by ``score_smoothing``.
-    ``input_window``: rows per model input (:func:`opt_ds_ops.model.window_rows`; the model's
-    n_features is D * input_window, ``error_scale`` (D * input_window,)); ``window_error``: which
-    rows of the window make a row's score (:func:`opt_ds_ops.model.fold_window`).
-    """
-
-    model: TelemetryAutoencoder
-    mean: np.ndarray
-    std: np.ndarray
-    error_scale: np.ndarray
-    threshold: float
-    threshold_quantile: float
-    score_window: int
-    history: list[EpochStats]
-    plan: DevicePlan
-    rows_train: int
-    rows_val: int
-    skipped_steps: int
-    started_at: str
-    ended_at: str
-    duration_s: float
-    data_placement: str = ""
-    placement_note: str = ""
-    step_mode: str = "eager"
-    extra: dict = field(default_factory=dict)
-    score_smoothing: str = "ema"
-    input_clip: float = 0.0
-    error_floor: float = 1e-6
-    threshold_method: str = "quantile"
-    input_window: int = 1
-    window_error: str = "last"
-    # issue 21: why and when training stopped (Stopper.summary), the human line, and the split
-    # check's figures (opt_ds_ops.suspect: eval-mode train/validation loss, per-column mean shift)
-    stopping: dict = field(default_factory=dict)
-    stopping_line: str = ""
-    split_check: dict = field(default_factory=dict)
-    # the published model's validation loss (None: no validation split, or not computed here);
-    # history[-1].val_loss is the last epoch's, whose weights a restored best replaced
-    val_loss: float | None = None
-
-    @property
-    def samples_per_s(self) -> float:
-        """Training throughput over all epochs (samples/s, validation excluded)."""
-        secs = sum(h.seconds for h in self.history)
-        return sum(h.samples_per_s * h.seconds for h in self.history) / secs if secs else 0.0
-
-
-def split_sizes(n: int, val_fraction: float) -> tuple[int, int]:
-    """Return (training rows, validation rows) of n rows: :func:`split_rows`'s sizes, without its
-    index arrays (a streamed dataset of 16 M rows would spend 128 MiB on them)."""
-    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
-    if n - n_val < 2:
-        n_val = 0
-    return n - n_val, n_val
-
-
-def split_rows(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Return (train_idx, val_idx) int64 arrays: the last round(n * val_fraction) rows validate.
-
-    Telemetry rows are a time series, so the validation split is the most recent stretch (a
-    time-ordered holdout, as in forecasting practice) rather than random rows: its scores are
-    contiguous, which the trailing-mean threshold needs, and it measures drift honestly. At least
-    1 row validates when val_fraction > 0, none if that would leave fewer than 2 training rows
-    (BatchNorm1d needs 2).
-    """
-    n_train, _n_val = split_sizes(n, val_fraction)
-    return np.arange(n_train, dtype=np.int64), np.arange(n_train, n, dtype=np.int64)
-
-
-_BLOCK_BYTES = 8 * 1024**2  # float64 temporaries of fit_scaler and standardise (bytes)
-
-
-def _blocks(rows: np.ndarray):
-    """Yield (start row, a float64 copy of the block) over rows (N, D), blocks of about _BLOCK_BYTES."""
-    step = max(1, _BLOCK_BYTES // (8 * max(rows.shape[1], 1)))
-    for start in range(0, rows.shape[0], step):
-        yield start, np.array(rows[start : start + step], dtype=np.float64)  # a copy: callers modify it
-
-
-def fit_scaler(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return per-column (mean, std) of rows (N >= 1, D), any real dtype, as float64 (D,).
-
-    Two passes over float64 blocks (the mean, then the squared deviations from it): no temporary
-    the size of rows, and a memmap is read in place. A std of 0 (a constant column) becomes 1, so
-    the column passes through centred, not divided by 0.
-    """
-    total = np.zeros(rows.shape[1], dtype=np.float64)
-    for _, block in _blocks(rows):
-        total += block.sum(axis=0)
-    mean = total / rows.shape[0]
-    squares = np.zeros_like(mean)
-    for _, block in _blocks(rows):
-        block -= mean
-        squares += np.einsum("ij,ij->j", block, block)
-    std = np.sqrt(squares / rows.shape[0])
-    std[std == 0] = 1.0
-    return mean, std
-
-
-def standardise(rows: np.ndarray, mean: np.ndarray, std: np.ndarray) -> torch.Tensor:
-    """Return (rows - mean) / std as a new (N, D) float32 CPU tensor (the one copy of rows).
-
-    rows: (N, D) any real dtype (a memmap is read in place); mean, std: (D,). Computed in float64
-    block by block, then cast.
-    """
-    mean, std = np.asarray(mean, dtype=np.float64), np.asarray(std, dtype=np.float64)
-    out = np.empty(rows.shape, dtype=np.float32)
-    for start, block in _blocks(rows):
-        block -= mean
-        block /= std
-        out[start : start + len(block)] = block
-    return torch.from_numpy(out)
-
-
-def clip_inputs(x: torch.Tensor, clip: float) -> torch.Tensor:
-    """Return standardised rows x (N, D) clipped in place to [-clip, clip] (clip 0: unchanged).
-
-    Robust clipping: one value of 1e6 standard deviations neither dominates a training batch nor a
-    row's score. ds-ops's default 20 was chosen on five SMD machines (README, detection quality).
-    """
-    return x.clamp_(-clip, clip) if clip > 0 else x
 
 
 def threshold_at(scores: torch.Tensor | np.ndarray, quantile: float) -> float:
@@ -247,19 +53,6 @@ def threshold_at(scores: torch.Tensor | np.ndarray, quantile: float) -> float:
     if isinstance(scores, torch.Tensor):
         scores = scores.detach().cpu().double().numpy()
     return float(np.quantile(np.asarray(scores, dtype=np.float64), quantile))
-
-
-def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
-    """Return [start, end) pairs covering n rows; a last batch of 1 row joins the one before.
-
-    BatchNorm1d raises in training mode on a batch of one row ("Expected more than 1 value per
-    channel"), so n = k * batch_size + 1 gives k batches, the last one batch_size + 1 rows.
-    """
-    bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
-        bounds[-2] = (bounds[-2][0], n)
-        bounds.pop()
-    return bounds
 
 
 def _place(x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, str, str]:
@@ -306,30 +99,6 @@ def out_of_memory_reason(device: torch.device, placement: str, need_bytes: int, 
             f"({_first_line(e)}); another process may hold the GPU's memory (nvidia-smi lists them)")
 
 
-def begin_run(cfg: TrainConfig, plan: DevicePlan) -> tuple[str, float]:
-    """Start a training run: fp32 matmul precision on CUDA (``plan.tf32``), the seed for the
-    weights; return (UTC start stamp, ``time.perf_counter()`` at the start, seconds)."""
-    if plan.device.type == "cuda":
-        torch.set_float32_matmul_precision(plan.matmul_precision)
-    torch.manual_seed(cfg.seed)
-    return utc_now(), time.perf_counter()
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """Return AdamW(lr, weight_decay), fused where this torch supports it on the device, else foreach.
-
-    On CUDA it is ``capturable`` (step counter and bias corrections on the GPU, no host sync), so
-    :class:`opt_ds_ops.step.TrainStep` can record its update in a CUDA graph; eager and captured
-    runs then use the same kernels."""
-    capturable = device.type == "cuda"
-    try:
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True,
-                                 capturable=capturable)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True,
-                                 capturable=capturable)
-
-
 def train(
     data: np.ndarray,
     cfg: TrainConfig,
@@ -368,8 +137,6 @@ def train(
     if offset is not None and np.shape(offset) != (data.shape[1],):
         raise ValueError(f"offset has shape {np.shape(offset)}, data has {data.shape[1]} columns")
     if hasattr(data, "read") and not isinstance(data, np.ndarray):  # opt_ds_ops.stream.NpyRows
-        from .stream import train_streaming
-
         if cfg.input_window > 1:
             raise TrainingError(f"train.input_window is {cfg.input_window}: windowed inputs need the dataset in memory, "
                                 f"and this one ({data.nbytes:,} bytes as float32) is over the job's budget and streams; "
@@ -445,7 +212,7 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
             if should_stop is not None and b + 1 < len(bounds) and should_stop():
                 partial = _sums(batch_loss, step_skipped, sizes, start_batch, b + 1, carried,
                                 carried["seconds"] + time.perf_counter() - t0)
-                raise TrainingInterrupted(dict(_checkpoint(model, optimizer, scaler, n, epoch, b + 1, history, partial),
+                raise TrainingInterrupted(dict(checkpoint_dict(model, optimizer, scaler, n, epoch, b + 1, history, partial),
                                                stopping=stopper.state_dict()))
         sums = _sums(batch_loss, step_skipped, sizes, start_batch, done, carried,
                      carried["seconds"] + time.perf_counter() - t0)
@@ -548,19 +315,4 @@ def _sums(batch_loss, step_skipped, sizes, lo: int, hi: int, carried: dict, seco
         "nonfinite": carried["nonfinite"] + int((~finite).sum()),
         "skipped": carried["skipped"] + int(step_skipped[lo:hi].sum()),
         "seconds": seconds,
-    }
-
-
-def _checkpoint(model, optimizer, scaler, n, epoch, batch, history, partial: dict) -> dict:
-    """Return a checkpoint dict of plain tensors and numbers (loads with weights_only=True)."""
-    return {
-        "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        "grad_scaler": scaler.state_dict(),
-        "model_args": model.model_args(),
-        "rows_train": n,
-        "epoch": epoch,
-        "batch": batch,
-        "history": [h.as_dict() for h in history],
-        "partial": partial,
     }
