@@ -321,7 +321,8 @@ def test_a_dataset_name_of_255_bytes_is_claimed(spool):
 def test_a_file_is_put_back_under_a_name_no_member_can_have_taken(spool):
     """With NAME and NAME.returned-1..99 taken by another member, put-back gave up and the job
     directory was removed with the user's file in it."""
-    from opt_ds_ops.spool import INCOMING, SOURCE_FILE, _give_back, new_job_id
+    from opt_ds_ops.spool import INCOMING, SOURCE_FILE, new_job_id
+    from opt_ds_ops.spool.claiming import _give_back
 
     for n in [""] + [f".returned-{i}" for i in range(1, 100)]:
         Path(spool.path(INCOMING, "v.csv" + n)).write_bytes(b"bob\n")

@@ -15,6 +15,7 @@ import pytest
 from conftest import put
 
 from opt_ds_ops import spool as sp
+from opt_ds_ops.fsutil import utc_now
 from opt_ds_ops.spool import DONE, FAILED, INCOMING, PROCESSING, SpoolError
 
 
@@ -157,7 +158,7 @@ def test_a_file_that_changes_while_it_is_copied_is_put_back_untouched(spool, mon
     def job_dirs():
         return sp.job_ids(spool)
 
-    monkeypatch.setattr(sp.os, "read", read_then_append)
+    monkeypatch.setattr(os, "read", read_then_append)  # the copy in opt_ds_ops.spool.claiming reads with os.read
     c = sp.claim(spool, "grow.csv", 10**6)
     monkeypatch.undo()
     assert c.outcome == "busy" and "changed while being copied" in c.reason
@@ -170,7 +171,7 @@ def test_a_claim_cut_by_sigkill_is_finished_or_undone_at_recovery(spool):
     put(spool, INCOMING, "k.csv")
     job = sp.new_job_id()
     os.mkdir(spool.job_dir(job))
-    record = {"job_id": job, "dataset": "k.csv", "state": "claiming", "claimed_at": sp.utc_now()}
+    record = {"job_id": job, "dataset": "k.csv", "state": "claiming", "claimed_at": utc_now()}
     sp.write_json(spool.job_path(job, sp.JOB_FILE), record)
     os.rename(spool.path(INCOMING, "k.csv"), spool.job_path(job, sp.SOURCE_FILE))
     c = sp.recover_claim(spool, job, record, 1000)

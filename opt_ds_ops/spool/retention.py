@@ -1,0 +1,107 @@
+"""Retention of ``done/`` and ``failed/`` (issue 11): ``spool.max_failed``, and the age and size
+limits of each directory. A finished dataset goes with its JSON and sidecar, the JSON last.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..fsutil import fsync_dir
+from .layout import DONE, ERROR_SUFFIX, FAILED, RESULT_SUFFIX, SIDECAR_SUFFIX, Spool, read_json, sidecar_name
+
+
+def _attachments(names: set[str]) -> set[str]:
+    """Return the names among names that belong to another one: its ``.result.json``,
+    ``.error.json`` or ``.sidecar.yaml`` (:func:`sidecar_name`), not datasets of their own."""
+    return {side for n in names for suffix in (RESULT_SUFFIX, ERROR_SUFFIX, SIDECAR_SUFFIX)
+            if (side := sidecar_name(n, suffix)) in names}
+
+
+def prune_failed(spool: Spool, keep: int) -> list[str]:
+    """Keep the newest ``keep`` datasets in failed/ (``spool.max_failed``); remove the older ones
+    with their error JSON and sidecar; return the names removed. A JSON or sidecar is never
+    counted as a dataset of its own."""
+    entries = []
+    with os.scandir(spool.dir(FAILED)) as it:
+        found = {e.name: e for e in it if not e.name.startswith(".")}
+    for name in set(found) - _attachments(set(found)):
+        try:
+            entries.append((found[name].stat(follow_symlinks=False).st_mtime_ns, name))
+        except FileNotFoundError:
+            continue
+    if len(entries) <= keep:
+        return []
+    entries.sort()
+    removed = []
+    for _, name in entries[: len(entries) - keep]:
+        for path in (spool.path(FAILED, name), spool.path(FAILED, sidecar_name(name, SIDECAR_SUFFIX)),
+                     spool.path(FAILED, sidecar_name(name, ERROR_SUFFIX))):
+            try:
+                os.unlink(path)
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+        removed.append(name)
+    return removed
+
+
+def _finished_entries(spool: Spool, dest: str) -> list[tuple[float, int, list[str], str]]:
+    """Return (mtime of the JSON in seconds, bytes, [paths: dataset, sidecar, JSON], dataset name)
+    per finished dataset of dest (DONE or FAILED), oldest first. The JSON (``NAME.result.json``,
+    ``NAME.error.json``) anchors each entry: it is written first by :func:`opt_ds_ops.spool.finishing.finish` and removed
+    last by :func:`prune_retention`."""
+    suffix = RESULT_SUFFIX if dest == DONE else ERROR_SUFFIX
+    entries = []
+    with os.scandir(spool.dir(dest)) as it:
+        found = list(it)
+        owner = {sidecar_name(e.name, suffix): e.name for e in found}  # a JSON's dataset, by its name alone
+        for e in found:
+            if e.name.startswith(".") or not e.name.endswith(suffix):
+                continue
+            doc = read_json(e.path) or {}  # {}: over read_json's 1 MiB or not JSON; its name says whose it is
+            name = doc.get("dataset_file") if isinstance(doc.get("dataset_file"), str) else owner.get(e.name)
+            paths = []
+            if name and "/" not in name and name not in (".", ".."):
+                paths = [spool.path(dest, name), spool.path(dest, sidecar_name(name, SIDECAR_SUFFIX))]
+            paths.append(e.path)
+            size, mtime = 0, 0.0
+            for p in paths:
+                try:
+                    st = os.lstat(p)
+                except FileNotFoundError:
+                    continue
+                size += st.st_size
+                if p == e.path:
+                    mtime = st.st_mtime
+            entries.append((mtime, size, paths, name or e.name))
+    entries.sort()
+    return entries
+
+
+def prune_retention(spool: Spool, dest: str, max_age_days: float, max_bytes: int, now: float | None = None) -> list[str]:
+    """Remove finished datasets of dest (DONE or FAILED) with their JSON and sidecar: those older
+    than ``max_age_days`` (days, by the JSON's mtime: when the job finished), then the oldest until
+    the directory's datasets total at most ``max_bytes``; 0 turns either rule off. Return the
+    dataset names removed, oldest first. The JSON goes last, so a kill midway leaves an entry the
+    next call finds again. Raises OSError if the directory cannot be read or a file removed."""
+    if max_age_days <= 0 and max_bytes <= 0:
+        return []
+    entries = _finished_entries(spool, dest)
+    now = time.time() if now is None else now
+    total = sum(size for _, size, _, _ in entries)
+    removed = []
+    for mtime, size, paths, name in entries:
+        too_old = max_age_days > 0 and now - mtime > max_age_days * 86400
+        too_big = max_bytes > 0 and total > max_bytes
+        if not (too_old or too_big):
+            break  # oldest first: nothing newer is older, and the total already fits
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        total -= size
+        removed.append(name)
+    if removed:
+        fsync_dir(spool.dir(dest))
+    return removed
