@@ -6,17 +6,20 @@ renamed to its version name and the parent fsync'ed; then ``current`` is replace
 symlink over it. A reader, or a SIGKILL at any instant, sees either the previous complete version or
 the new complete one, never a partial directory. Hidden ``.tmp-*`` leftovers of a killed writer are
 removed by the next save of the same name.
+
+This module saves and loads versions and decides whether a job's new version becomes ``current``
+(claim order, the operator's hold, the owner of the name, the promotion gate). A model's directory
+itself (names, lock, ``current``, metadata) is :mod:`opt_ds_ops.model_dir`; what an operator
+changes (``ds-ops models``) is :mod:`opt_ds_ops.model_admin`. Their names are importable from
+here too.
 """
 
 from __future__ import annotations
 
-import fcntl
 import io
 import json
 import os
 import pickle
-import pwd
-import re
 import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -24,24 +27,18 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from .fsutil import fsync_dir, pid_alive, utc_now, write_atomic
+from .fsutil import fsync_dir, pid_alive
 from .model import WINDOW_ERRORS, TelemetryAutoencoder
+from .model_admin import (  # noqa: F401 - re-exported: the daemon, ds-ops models and the tests import them here
+    DEFAULT_KEEP_VERSIONS, RM_PREFIX, is_pinned, list_models, pin, promote, prune, remove, resolve, rollback,
+    version_summary, who,
+)
+from .model_dir import (  # noqa: F401 - some re-exported, as above
+    CURRENT, METADATA_FILE, MODEL_FILE, OPERATOR_FILE, NameLock, StoreError, current_version, list_versions,
+    name_dir_of, publish, read_metadata, read_operator_action, safe_model_name, write_operator_action,
+)
 
-MODEL_FILE = "model.pt"
-METADATA_FILE = "metadata.json"
-CURRENT = "current"
-OPERATOR_FILE = ".operator.json"  # the operator's last change of current, read by publish_job
 FORMAT_VERSION = 1
-_NAME_OK = re.compile(r"[^A-Za-z0-9._+-]")
-
-
-class StoreError(RuntimeError):
-    """The model store could not be written or a stored model could not be read.
-
-    ``errno`` is the OS error number when a file system error caused it, else None.
-    """
-
-    errno: int | None = None
 
 
 @dataclass
@@ -76,17 +73,6 @@ class StoredModel:
     def n_features(self) -> int:
         """D: the columns of one data row (the model's input width over ``input_window``)."""
         return self.model.n_features // self.input_window
-
-
-def safe_model_name(name: str) -> str:
-    """Return name made safe as one directory name: only ``[A-Za-z0-9._+-]``, no leading dot or dash.
-
-    Raises StoreError if nothing usable is left (an empty name).
-    """
-    cleaned = _NAME_OK.sub("_", name).lstrip(".-")
-    if not cleaned:
-        raise StoreError(f"model name {name!r} has no usable characters")
-    return cleaned[:200]
 
 
 def new_version(existing: set[str]) -> str:
@@ -171,7 +157,7 @@ def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, bef
         fsync_dir(tmp)
         if before_publish is not None:
             before_publish(tmp)
-        with _NameLock(name_dir):  # the lock ``ds-ops models`` takes: a rollback never interleaves
+        with NameLock(name_dir):  # the lock ``ds-ops models`` takes: a rollback never interleaves
             os.rename(tmp, final)
             tmp = None
             fsync_dir(name_dir)
@@ -185,26 +171,10 @@ def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, bef
     return final, dict(metadata, not_current=not_current)
 
 
-def publish(name_dir: str, version: str) -> None:
-    """Point ``name_dir/current`` at version: a new symlink renamed over the old one, then the
-    directory fsync'ed. Idempotent, so crash recovery replays it. Raises OSError."""
-    link_tmp = os.path.join(name_dir, f".current-{os.getpid()}")
-    if os.path.lexists(link_tmp):
-        os.unlink(link_tmp)
-    os.symlink(version, link_tmp)
-    os.replace(link_tmp, os.path.join(name_dir, CURRENT))
-    fsync_dir(name_dir)
+HELD = "held by the operator's decision:"  # how a not_current reason of a hold begins (the daemon's model-held)
 
 
-def current_metadata(models_dir: str, name: str) -> dict | None:
-    """Return the metadata.json of model name's ``current`` version, or None if there is no such
-    model or it cannot be read."""
-    try:
-        with open(os.path.join(models_dir, safe_model_name(name), CURRENT, METADATA_FILE), encoding="utf-8") as f:
-            md = json.load(f)
-    except (OSError, ValueError, StoreError):
-        return None
-    return md if isinstance(md, dict) else None
+GATED = "not promoted by the gate:"  # a not_current reason of store.promote (the daemon's model-not-promoted)
 
 
 def publish_job(name_dir: str, version: str, job_id: str | None) -> str | None:
@@ -212,23 +182,8 @@ def publish_job(name_dir: str, version: str, job_id: str | None) -> str | None:
     make it ``current`` under the lock ``ds-ops models`` takes, in claim order; return None if
     ``current`` points at it now, else why ``current`` stays where it is. The daemon's recovery
     replays a saved job's publish with it. Raises OSError."""
-    with _NameLock(name_dir):
+    with NameLock(name_dir):
         return _publish_in_order(name_dir, version, job_id)
-
-
-def _order_key(name_dir: str, version: str) -> str:
-    """Return what orders a version among its model's: the job id that saved it (ids sort by claim
-    time, :func:`opt_ds_ops.spool.new_job_id`), else its version name (its save time, same format)."""
-    try:
-        job_id = read_metadata(os.path.join(name_dir, version)).get("job_id")
-    except StoreError:
-        job_id = None
-    return job_id if isinstance(job_id, str) and job_id else version
-
-
-def _compact_time(iso: str) -> str:
-    """``2026-11-30T01:42:42.123456Z`` -> ``20261130T014242.123456Z``, the job ids' time format."""
-    return iso.replace("-", "").replace(":", "")
 
 
 def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | None:
@@ -259,39 +214,19 @@ def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | 
     return None
 
 
-HELD = "held by the operator's decision:"  # how a not_current reason of a hold begins (the daemon's model-held)
-
-
-GATED = "not promoted by the gate:"  # a not_current reason of store.promote (the daemon's model-not-promoted)
-
-
-def _gate_refusal(name_dir: str, version: str) -> str | None:
-    """Return the promotion gate's reason when version's metadata says it is not to be promoted
-    (``promotion.promote`` false, :mod:`opt_ds_ops.promotion`), else None."""
+def _order_key(name_dir: str, version: str) -> str:
+    """Return what orders a version among its model's: the job id that saved it (ids sort by claim
+    time, :func:`opt_ds_ops.spool.new_job_id`), else its version name (its save time, same format)."""
     try:
-        gate = read_metadata(os.path.join(name_dir, version)).get("promotion")
+        job_id = read_metadata(os.path.join(name_dir, version)).get("job_id")
     except StoreError:
-        return None
-    if isinstance(gate, dict) and gate.get("promote") is False:
-        return f"{gate.get('failed') or gate.get('mode')}: {gate.get('reason')}"
-    return None
+        job_id = None
+    return job_id if isinstance(job_id, str) and job_id else version
 
 
-def operator_hold(name_dir: str, current: str | None, op: dict | None) -> str | None:
-    """Return why no new version of a job may become current because an operator decided which
-    version is current (issue 20): ``current`` is pinned (until ``ds-ops models unpin``), or the
-    operator's last change was a rollback (until a ``promote`` or ``unpin``); else None."""
-    if current is None:
-        return None
-    try:
-        pinned = read_metadata(os.path.join(name_dir, current)).get("pinned")
-    except StoreError:
-        pinned = None
-    if isinstance(pinned, dict):
-        return f"current {current} is pinned (by {pinned.get('by')} at {pinned.get('at')}: {pinned.get('why') or '-'})"
-    if op is not None and op.get("action") == "rollback":
-        return f"current was rolled back to {op.get('version')} (by {op.get('by')} at {op.get('at')}: {op.get('why') or '-'})"
-    return None
+def _compact_time(iso: str) -> str:
+    """``2026-11-30T01:42:42.123456Z`` -> ``20261130T014242.123456Z``, the job ids' time format."""
+    return iso.replace("-", "").replace(":", "")
 
 
 def _owner_conflict(name_dir: str, current: str | None, version: str) -> str | None:
@@ -311,22 +246,44 @@ def _owner_conflict(name_dir: str, current: str | None, version: str) -> str | N
     return f"the model belongs to uid {owner} (current is {current}); this version's file was dropped by uid {by}"
 
 
-def read_operator_action(name_dir: str) -> dict | None:
-    """Return the last change of ``current`` an operator made (``ds-ops models promote``,
-    ``rollback``, ``rm``): ``{action, by, at, version, previous}`` from ``name_dir/.operator.json``,
-    or None if there is none or it cannot be read."""
-    try:
-        with open(os.path.join(name_dir, OPERATOR_FILE), encoding="utf-8") as f:
-            op = json.load(f)
-    except (OSError, ValueError):
+def operator_hold(name_dir: str, current: str | None, op: dict | None) -> str | None:
+    """Return why no new version of a job may become current because an operator decided which
+    version is current (issue 20): ``current`` is pinned (until ``ds-ops models unpin``), or the
+    operator's last change was a rollback (until a ``promote`` or ``unpin``); else None."""
+    if current is None:
         return None
-    return op if isinstance(op, dict) else None
+    try:
+        pinned = read_metadata(os.path.join(name_dir, current)).get("pinned")
+    except StoreError:
+        pinned = None
+    if isinstance(pinned, dict):
+        return f"current {current} is pinned (by {pinned.get('by')} at {pinned.get('at')}: {pinned.get('why') or '-'})"
+    if op is not None and op.get("action") == "rollback":
+        return f"current was rolled back to {op.get('version')} (by {op.get('by')} at {op.get('at')}: {op.get('why') or '-'})"
+    return None
 
 
-def _write_operator_action(name_dir: str, entry: dict) -> None:
-    """Write entry as ``name_dir/.operator.json`` (mode 0644: the daemon reads what root wrote),
-    atomically, under the name lock. Raises OSError."""
-    write_atomic(os.path.join(name_dir, OPERATOR_FILE), (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+def _gate_refusal(name_dir: str, version: str) -> str | None:
+    """Return the promotion gate's reason when version's metadata says it is not to be promoted
+    (``promotion.promote`` false, :mod:`opt_ds_ops.promotion`), else None."""
+    try:
+        gate = read_metadata(os.path.join(name_dir, version)).get("promotion")
+    except StoreError:
+        return None
+    if isinstance(gate, dict) and gate.get("promote") is False:
+        return f"{gate.get('failed') or gate.get('mode')}: {gate.get('reason')}"
+    return None
+
+
+def current_metadata(models_dir: str, name: str) -> dict | None:
+    """Return the metadata.json of model name's ``current`` version, or None if there is no such
+    model or it cannot be read."""
+    try:
+        with open(os.path.join(models_dir, safe_model_name(name), CURRENT, METADATA_FILE), encoding="utf-8") as f:
+            md = json.load(f)
+    except (OSError, ValueError, StoreError):
+        return None
+    return md if isinstance(md, dict) else None
 
 
 def dataset_file_of(models_dir: str, name: str) -> str | None:
@@ -335,14 +292,6 @@ def dataset_file_of(models_dir: str, name: str) -> str | None:
     try:
         return (current_metadata(models_dir, name) or {})["dataset"]["file"]
     except (KeyError, TypeError):
-        return None
-
-
-def current_version(name_dir: str) -> str | None:
-    """Return the version ``current`` points at, or None if there is no ``current`` link."""
-    try:
-        return os.readlink(os.path.join(name_dir, CURRENT))
-    except OSError:
         return None
 
 
@@ -363,15 +312,6 @@ def find_job_version(models_dir: str, name: str, job_id: str) -> dict | None:
         if isinstance(md, dict) and md.get("job_id") == job_id:
             return md
     return None
-
-
-def list_versions(name_dir: str) -> list[str]:
-    """Return the complete versions of one model name, oldest first (hidden entries excluded)."""
-    try:
-        entries = os.listdir(name_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(e for e in entries if not e.startswith(".") and e != CURRENT and os.path.isdir(os.path.join(name_dir, e)))
 
 
 def model_path(spec: str, models_dir: str) -> str:
@@ -427,306 +367,3 @@ def load_model(path: str) -> StoredModel:
         input_window=window,
         window_error=window_error,
     )
-
-
-# ---- model versions an operator controls (ds-ops models) -------------------------------------
-# Every change below is one atomic rename (metadata.json rewritten through a temporary file; a
-# version removed by renaming it to a hidden ``.rm-<version>-<pid>`` first, then deleting that),
-# under an exclusive flock on the model's directory, so two changes never interleave and a SIGKILL
-# at any instant leaves every version either complete or hidden (a leftover ``.rm-*`` is deleted
-# by the next change of the same name).
-
-RM_PREFIX = ".rm-"
-DEFAULT_KEEP_VERSIONS = 10
-
-
-def name_dir_of(models_dir: str, name: str) -> str:
-    """Return ``models_dir/<name>`` for an existing model name. Raises StoreError if it is absent."""
-    path = os.path.join(models_dir, safe_model_name(name))
-    if not os.path.isdir(path):
-        raise StoreError(f"no model named {name!r} under {models_dir}")
-    return path
-
-
-class _NameLock:
-    """Exclusive ``flock`` on a model's directory (blocking); released when the fd closes, so a
-    killed holder never leaves it held. A directory fd needs only read access, so the daemon's
-    user and root share it without a lock file of either's ownership."""
-
-    def __init__(self, name_dir: str):
-        self.name_dir = name_dir
-        self.fd = -1
-
-    def __enter__(self):
-        self.fd = os.open(self.name_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        os.close(self.fd)
-
-
-def who() -> str:
-    """Return who runs this process, for the metadata: the user name, ``root (sudo by alice)``."""
-    try:
-        user = pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        user = str(os.getuid())
-    sudo = os.environ.get("SUDO_USER")
-    return f"{user} (sudo by {sudo})" if sudo and sudo != user else user
-
-
-def read_metadata(version_dir: str) -> dict:
-    """Return a version's metadata.json. Raises StoreError if it is missing or not JSON."""
-    try:
-        with open(os.path.join(version_dir, METADATA_FILE), encoding="utf-8") as f:
-            md = json.load(f)
-    except FileNotFoundError:
-        raise StoreError(f"{version_dir}: not a model version ({METADATA_FILE} missing)") from None
-    except (OSError, ValueError) as e:
-        raise StoreError(f"{version_dir}: cannot read {METADATA_FILE}: {e}") from None
-    if not isinstance(md, dict):
-        raise StoreError(f"{version_dir}: {METADATA_FILE} is not a JSON object")
-    return md
-
-
-def _write_metadata(version_dir: str, md: dict) -> None:
-    write_atomic(os.path.join(version_dir, METADATA_FILE), (json.dumps(md, indent=2, sort_keys=True) + "\n").encode())
-
-
-def _record(version_dir: str, action: str, why: str | None, **extra) -> dict:
-    """Append ``{action, by, at, why, ...}`` to the version's ``operator_log`` and return the entry."""
-    md = read_metadata(version_dir)
-    entry = dict(action=action, by=who(), at=utc_now(), why=why or "", **extra)
-    md.setdefault("operator_log", []).append(entry)
-    if action == "pin":
-        md["pinned"] = {"by": entry["by"], "at": entry["at"], "why": entry["why"]}
-    elif action == "unpin":
-        md.pop("pinned", None)
-    _write_metadata(version_dir, md)
-    return entry
-
-
-def is_pinned(version_dir: str) -> bool:
-    """Return True if the version's metadata says it is pinned (``ds-ops models pin``)."""
-    try:
-        return bool(read_metadata(version_dir).get("pinned"))
-    except StoreError:
-        return False
-
-
-def _clean_removed(name_dir: str) -> None:
-    """Delete ``.rm-*`` directories in name_dir (a model's directory, or models_dir for whole
-    models) whose remover is gone (a kill between the rename and the delete). Raises OSError."""
-    for entry in os.listdir(name_dir):
-        if entry.startswith(RM_PREFIX):
-            pid = entry.rsplit("-", 1)[-1]
-            if not (pid.isdigit() and pid_alive(int(pid)) and int(pid) != os.getpid()):
-                shutil.rmtree(os.path.join(name_dir, entry), ignore_errors=True)
-
-
-def _remove_version(name_dir: str, version: str, hook=None) -> None:
-    """Hide a version by one rename (a reader then no longer finds it), fsync, then delete it."""
-    hidden = os.path.join(name_dir, f"{RM_PREFIX}{version}-{os.getpid()}")
-    os.rename(os.path.join(name_dir, version), hidden)
-    fsync_dir(name_dir)
-    if hook is not None:
-        hook(version, hidden)
-    shutil.rmtree(hidden)
-
-
-def version_summary(name_dir: str, version: str, current: str | None = None) -> dict:
-    """Return one version's row for ``ds-ops models``: dataset, losses, threshold, age (seconds)."""
-    vdir = os.path.join(name_dir, version)
-    try:
-        md = read_metadata(vdir)
-    except StoreError as e:
-        md = {"error": str(e)}
-    ended = md.get("ended_at") or md.get("started_at")
-    age_s = None
-    if isinstance(ended, str):
-        try:
-            t = datetime.strptime(ended, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
-            age_s = round(datetime.now(timezone.utc).timestamp() - t.timestamp(), 1)
-        except ValueError:
-            pass
-    return {
-        "name": os.path.basename(name_dir),
-        "version": version,
-        "path": vdir,
-        "current": version == current,
-        "pinned": bool(md.get("pinned")),
-        "dataset": (md.get("dataset") or {}).get("file"),
-        "final_train_loss": md.get("final_train_loss"),
-        "final_val_loss": md.get("final_val_loss"),
-        "threshold": md.get("threshold"),
-        "trained_at": ended,
-        "age_s": age_s,
-        "error": md.get("error"),
-        "promotion": _gate_summary(md.get("promotion")),
-    }
-
-
-def _gate_summary(gate) -> dict | None:
-    """The promotion gate's verdict of a version for ``ds-ops models`` (None: no gate ran)."""
-    if not isinstance(gate, dict):
-        return None
-    share = lambda side: (gate.get(side) or {}).get("flagged_share")  # noqa: E731
-    return {"mode": gate.get("mode"), "promote": gate.get("promote"), "failed": gate.get("failed"),
-            "reason": gate.get("reason"), "flagged_share": share("challenger"), "champion_flagged_share": share("champion")}
-
-
-def list_models(models_dir: str) -> list[dict]:
-    """Return every model name under models_dir with its versions (oldest first) and ``current``.
-
-    Raises StoreError if models_dir cannot be read.
-    """
-    try:
-        names = sorted(e for e in os.listdir(models_dir) if not e.startswith(".")
-                       and os.path.isdir(os.path.join(models_dir, e)))
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise StoreError(f"cannot read the models directory {models_dir}: {e.strerror}") from None
-    out = []
-    for name in names:
-        name_dir = os.path.join(models_dir, name)
-        current = current_version(name_dir)
-        out.append({"name": name, "current": current,
-                    "versions": [version_summary(name_dir, v, current) for v in list_versions(name_dir)]})
-    return out
-
-
-def resolve(models_dir: str, spec: str) -> tuple[str, str | None]:
-    """Given ``NAME`` or ``NAME/VERSION`` (VERSION may be ``current``), return (name_dir, version
-    or None). Raises StoreError for an unknown name or version."""
-    name, _, version = spec.partition("/")
-    name_dir = name_dir_of(models_dir, name)
-    if not version:
-        return name_dir, None
-    if version == CURRENT:
-        version = current_version(name_dir)
-        if version is None:
-            raise StoreError(f"model {name!r} has no current version")
-    if version not in list_versions(name_dir):
-        raise StoreError(f"model {name!r} has no version {version!r} (see ds-ops models)")
-    return name_dir, version
-
-
-def promote(models_dir: str, name: str, version: str, why: str | None = None, action: str = "promote") -> dict:
-    """Make version the ``current`` of model name and record who and why in its metadata.json
-    (``operator_log``) and in the model's ``.operator.json`` (so that a job claimed before now
-    does not undo it, :func:`publish_job`); return the log entry (with ``previous``). Raises
-    StoreError for an unknown name or version or an OSError."""
-    name_dir, version = resolve(models_dir, f"{name}/{version}")
-    try:
-        with _NameLock(name_dir):
-            return _set_current(name_dir, version, why, action)
-    except OSError as e:
-        raise StoreError(f"cannot {action} {name}/{version}: {e.strerror} ({e.filename})") from None
-
-
-def _set_current(name_dir: str, version: str, why: str | None, action: str) -> dict:
-    """Point current at version for an operator, under the name lock; return the log entry. Raises OSError."""
-    entry = _record(os.path.join(name_dir, version), action, why, previous=current_version(name_dir))
-    _write_operator_action(name_dir, dict(entry, version=version))
-    publish(name_dir, version)
-    return entry
-
-
-def rollback(models_dir: str, name: str, why: str | None = None) -> dict:
-    """Point ``current`` of model name at the newest version older than the current one and record
-    it (``action: rollback``) as :func:`promote` does; return the entry. Raises StoreError if
-    there is no older version."""
-    name_dir = name_dir_of(models_dir, name)
-    try:
-        with _NameLock(name_dir):  # chosen and set under one lock: a job's publish cannot come between
-            current = current_version(name_dir)
-            older = [v for v in list_versions(name_dir) if current is None or v < current]
-            if not older:
-                raise StoreError(f"model {name!r} has no version older than {current} to roll back to")
-            return _set_current(name_dir, older[-1], why, "rollback")
-    except OSError as e:
-        raise StoreError(f"cannot roll back {name}: {e.strerror} ({e.filename})") from None
-
-
-def pin(models_dir: str, spec: str, pinned: bool = True, why: str | None = None) -> dict:
-    """Pin (or unpin) ``NAME/VERSION`` (default: the current one): pruning never removes a pinned
-    version, nor does ``models rm`` until it is unpinned, and while current is pinned no job's new
-    version becomes current (:func:`operator_hold`). Unpinning current also lifts the hold of a
-    rollback. Return the log entry. Raises StoreError."""
-    name_dir, version = resolve(models_dir, spec if "/" in spec else f"{spec}/{CURRENT}")
-    try:
-        with _NameLock(name_dir):
-            entry = _record(os.path.join(name_dir, version), "pin" if pinned else "unpin", why)
-            if not pinned and version == current_version(name_dir):  # lifts a rollback's hold too
-                last = read_operator_action(name_dir) or {}  # its time still orders jobs claimed before it
-                _write_operator_action(name_dir, dict(entry, version=version, at=last.get("at", ""),
-                                                      unpinned_at=entry["at"]))
-            return entry
-    except OSError as e:
-        raise StoreError(f"cannot pin {spec}: {e.strerror} ({e.filename})") from None
-
-
-def remove(models_dir: str, spec: str, why: str | None = None) -> dict:
-    """Remove ``NAME/VERSION`` or every version of ``NAME``; ``current`` stays valid: removing the
-    current version first points ``current`` at the newest other version (recorded as a
-    promote), and a model's last version goes only with ``rm NAME``. A pinned version is refused.
-    Return ``{removed: [...], current: ...}``. Raises StoreError."""
-    name_dir, version = resolve(models_dir, spec)
-    try:
-        _clean_removed(models_dir)  # a whole model whose removal was killed midway
-        with _NameLock(name_dir):
-            _clean_removed(name_dir)
-            versions = list_versions(name_dir)
-            targets = [version] if version else versions
-            pinned = [v for v in targets if is_pinned(os.path.join(name_dir, v))]
-            if pinned:
-                raise StoreError(f"{os.path.basename(name_dir)}/{pinned[0]} is pinned; "
-                                 "ds-ops models unpin it first")
-            current = current_version(name_dir)
-            if version is None:
-                parent = os.path.dirname(name_dir)
-                hidden = os.path.join(parent, f"{RM_PREFIX}{os.path.basename(name_dir)}-{os.getpid()}")
-                os.rename(name_dir, hidden)
-                fsync_dir(parent)
-                shutil.rmtree(hidden)
-                return {"removed": targets, "current": None}
-            new_current = current
-            if version == current:
-                others = [v for v in versions if v != version]
-                if not others:
-                    raise StoreError(f"{spec} is the only version; remove the model with ds-ops models rm "
-                                     f"{os.path.basename(name_dir)}")
-                new_current = others[-1]
-                entry = _record(os.path.join(name_dir, new_current), "promote",
-                                f"{version} removed: {why or ''}".strip(), previous=version)
-                _write_operator_action(name_dir, dict(entry, action="rm", version=new_current))
-                publish(name_dir, new_current)
-            _remove_version(name_dir, version)
-    except OSError as e:
-        raise StoreError(f"cannot remove {spec}: {e.strerror} ({e.filename})") from None
-    return {"removed": [version], "current": new_current}
-
-
-def prune(models_dir: str, name: str, keep: int, *, hook=None) -> list[str]:
-    """Remove the versions of model name beyond the newest ``keep``, never ``current`` or a pinned
-    one; return the versions removed, oldest first. Each goes by a rename to a hidden ``.rm-*``
-    first, so a SIGKILL midway leaves every kept version whole (the leftover is deleted next time).
-    ``hook(version, hidden_path)`` is a test hook called between that rename and the delete.
-    ``keep`` <= 0 keeps everything. Raises StoreError on an OSError."""
-    if keep <= 0:
-        return []
-    try:
-        name_dir = os.path.join(models_dir, safe_model_name(name))
-        with _NameLock(name_dir):
-            _clean_removed(name_dir)
-            versions = list_versions(name_dir)
-            current = current_version(name_dir)
-            keep_set = set(versions[-keep:]) | {current}
-            victims = [v for v in versions if v not in keep_set and not is_pinned(os.path.join(name_dir, v))]
-            for v in victims:
-                _remove_version(name_dir, v, hook)
-    except OSError as e:
-        raise StoreError(f"cannot prune model {name}: {e.strerror} ({e.filename})") from None
-    return victims

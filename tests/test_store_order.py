@@ -92,8 +92,8 @@ def test_the_daemons_publish_waits_for_the_lock_the_models_commands_take(tmp_pat
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from opt_ds_ops.store import _NameLock
-            with _NameLock({str(tmp_path / "m")!r}):
+            from opt_ds_ops.model_dir import NameLock
+            with NameLock({str(tmp_path / "m")!r}):
                 print("held", flush=True)
                 sys.stdin.readline()
         """)], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdin=subprocess.PIPE,
