@@ -180,8 +180,9 @@ def test_a_reload_says_what_changed_and_check_config_refuses_a_broken_conffile(t
     conf.write_text(conf.read_text().replace("epochs: 3", "epochs: twenty"))
     r = run_cli("check-config", "--config", str(conf))
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip() == (f"ds-ops: error: {conf}: key 'train.epochs' must be an integer >= 1 (int), "
-                                "got 'twenty'")
+    line = conf.read_text().splitlines().index("  epochs: twenty") + 1  # the README promises line and column
+    assert r.stderr.strip() == (f"ds-ops: error: {conf}: line {line}, column 3: key 'train.epochs' must be an integer "
+                                ">= 1 (int), got 'twenty'")
 
 
 def test_status_works_with_a_broken_conffile(tmp_path):
