@@ -185,6 +185,37 @@ def test_a_reload_says_what_changed_and_check_config_refuses_a_broken_conffile(t
                                 ">= 1 (int), got 'twenty'")
 
 
+def test_requeue_takes_the_model_name_as_every_other_command_does(tmp_path):
+    failed, incoming = spool_dir(tmp_path, "failed"), spool_dir(tmp_path, "incoming")
+    for d in (failed, incoming, spool_dir(tmp_path, "score")):
+        d.mkdir(parents=True)
+
+    def failure(name: str, dropped: str, sidecar: str | None = None) -> None:  # as the daemon leaves them
+        (failed / name).write_text("1,2\n")
+        (failed / f"{name}.error.json").write_text(json.dumps({"job_id": "j", "dataset": dropped, "stage": "dataset"}))
+        if sidecar is not None:
+            (failed / f"{name}.sidecar.yaml").write_text(sidecar)
+
+    failure("machine-1-2.txt.gz", "machine-1-2.txt.gz")
+    failure("bad.csv", "bad.csv", "name: disk-latency\n")
+    failure("twice.csv", "twice.csv")
+    failure("twice.csv.1", "twice.csv")
+    spool = ["--spool-dir", str(tmp_path / "spool")]
+    r = run_cli("requeue", "machine-1-2", *spool)  # the stem, as ds-ops models and score take it
+    assert (r.returncode, r.stdout.strip()) == (0, "failed/machine-1-2.txt.gz -> incoming/machine-1-2.txt.gz; "
+                                                   "the daemon takes it next"), r.stderr
+    r = run_cli("requeue", "disk-latency", *spool)  # the name its sidecar gave the model
+    assert (r.returncode, r.stdout.strip()) == (0, "failed/bad.csv -> incoming/bad.csv with its sidecar bad.yaml; "
+                                                   "the daemon takes it next"), r.stderr
+    r = run_cli("requeue", "twice", *spool)
+    assert (r.returncode, r.stderr.strip()) == (1, "ds-ops: error: 2 files in failed/ are of model twice: twice.csv, "
+                                                   "twice.csv.1; requeue one by its file name")
+    r = run_cli("requeue", "twice.csv.1", *spool)  # the file name still works
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(incoming)) == ["bad.csv", "bad.yaml", "machine-1-2.txt.gz", "twice.csv"]
+    assert sorted(os.listdir(failed)) == ["twice.csv", "twice.csv.error.json"]
+
+
 def test_status_works_with_a_broken_conffile(tmp_path):
     conf = write_config(tmp_path, extra=["bogus_key: 1"])
     spool_dir(tmp_path, "incoming").mkdir(parents=True)
