@@ -130,9 +130,12 @@ def test_requeue_after_a_fix_trains_it_and_a_later_success_clears_latest_failed(
     assert failed_names(tmp_path) == {"again.csv"}
     r = run_cli("status", "--config", str(conf), "--json")
     st = json.loads(r.stdout)
-    assert st["recent_failed"] == [] and st["failed_count"] == 1
+    assert st["recent_failed"] == [] and (st["failed_count"], st["failed_open"]) == (1, 0)
     r = run_cli("status", "--config", str(conf))
     assert "latest failed" not in r.stdout
+    for last in ([], ["--last", "0"]):  # the headline counts what needs an operator, past --last too
+        r = run_cli("status", "--config", str(conf), *last)
+        assert r.stdout.splitlines()[0].endswith("2 done, 0 failed (1 more in failed/, trained since)"), r.stdout
     r = run_cli("requeue", "nope.csv", "--config", str(conf))
     assert r.returncode == 1
     assert r.stderr.strip() == "ds-ops: error: failed/nope.csv does not exist (ds-ops status lists the latest failures)"
