@@ -86,6 +86,35 @@ def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     assert sorted(os.listdir(prom)) == ["ds_ops.prom"], "no temporary file is left beside it"
 
 
+def test_the_last_results_survive_a_restart_for_staleness_alerts(tmp_path):
+    prom = tmp_path / "node-exporter"
+    prom.mkdir()
+    conf = write_config(tmp_path, extra=["metrics:", f"  textfile_dir: {prom}"])
+    last = [name for name in METRIC_NAMES if name.startswith("ds_ops_last_") and "scored" not in name]
+    d = Daemon(conf)
+    try:
+        started(d)
+        copy_smd(spool_dir(tmp_path, "incoming") / "m.txt.gz")
+        (spool_dir(tmp_path, "incoming") / "bad.csv").write_text("1,2\n")
+        d.wait_until(lambda: all((n, ()) in samples(prom / "ds_ops.prom") for n in last) or None,
+                     "a success and a failure in the metrics", timeout_s=120)
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    before = samples(prom / "ds_ops.prom")
+    d = Daemon(conf)  # a restart: no job since
+    try:
+        started(d)
+        d.wait_until(lambda: samples(prom / "ds_ops.prom")[("ds_ops_daemon_start_time_seconds", ())]
+                     > before[("ds_ops_daemon_start_time_seconds", ())] or None, "the new daemon's metrics")
+        after = samples(prom / "ds_ops.prom")
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    assert len(last) == 5 and {n: after.get((n, ())) for n in last} == {n: before[(n, ())] for n in last}
+    assert after[("ds_ops_jobs_finished_total", (("result", "done"),))] == 0  # counters count since the start
+
+
 def test_metrics_are_off_with_one_line_when_the_directory_is_absent(tmp_path):
     conf = write_config(tmp_path, extra=["metrics:", f"  textfile_dir: {tmp_path / 'absent'}"])
     d = Daemon(conf)
