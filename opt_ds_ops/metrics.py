@@ -305,7 +305,7 @@ class MetricsWriter:
         try:
             write_atomic(self.path, generate_latest(self.registry()), prefix=TEMP_PREFIX)
         except OSError as e:
-            hint = (" (the daemon's user ds-ops needs write access: setfacl -m u:ds-ops:rwx "
+            hint = (" (the daemon's user ds-ops needs write access: apt install acl; setfacl -m u:ds-ops:rwx "
                     f"{self.dir}, then systemctl restart ds-trainer)" if e.errno in (errno.EACCES, errno.EROFS) else "")
             message = f"cannot write {self.path}: {e.strerror or e}{hint}"
             first = message != self._last_error
