@@ -36,6 +36,14 @@ def samples(prom_path) -> dict[tuple, float]:
     return out
 
 
+def smd_without_rows(dest, n: int) -> None:
+    """Write the bundled SMD file less its first n rows to dest (gzip): other bytes, the same model."""
+    import gzip
+
+    lines = gzip.decompress(SMD_TRAIN.read_bytes()).splitlines(keepends=True)
+    dest.write_bytes(gzip.compress(b"".join(lines[n:]), mtime=0))
+
+
 def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     prom = tmp_path / "node-exporter"
     prom.mkdir()
@@ -46,8 +54,8 @@ def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     d = Daemon(conf)
     try:
         started(d)
-        for n in range(1, 4):  # the same model three times
-            copy_smd(spool_dir(tmp_path, "incoming") / "m.txt.gz")
+        for n in range(1, 4):  # the same model three times, from three files (the same bytes train once)
+            smd_without_rows(spool_dir(tmp_path, "incoming") / "m.txt.gz", n)
             d.wait_until(lambda: f"{n} versions" if len(versions(tmp_path, "m")) == min(n, 2) and
                          (prom / "ds_ops.prom").exists() and
                          samples(prom / "ds_ops.prom").get(("ds_ops_jobs_finished_total", (("result", "done"),))) == n
@@ -84,6 +92,39 @@ def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     assert [k for k in got if k[0] == "ds_ops_build_info"][0][1][2] == ("version", "0.1.0")
     assert oct((prom / "ds_ops.prom").stat().st_mode & 0o777) == "0o644"
     assert sorted(os.listdir(prom)) == ["ds_ops.prom"], "no temporary file is left beside it"
+
+
+def test_the_same_bytes_dropped_again_are_noticed_and_not_trained_twice(tmp_path):
+    conf = write_config(tmp_path)
+    incoming = spool_dir(tmp_path, "incoming")
+    d = Daemon(conf)
+    try:
+        started(d)
+        copy_smd(incoming / "m.txt.gz")
+        d.wait_until(lambda: done_names(tmp_path) == {"m.txt.gz"}, "the first job")
+        (v1,) = versions(tmp_path, "m")
+        copy_smd(incoming / "m.txt.gz")  # the same bytes again
+        d.wait_until(lambda: "not trained again" in d.log() and not any(spool_dir(tmp_path, "processing").iterdir()),
+                     "the duplicate noticed")
+        write_config(tmp_path, epochs=2)  # another train: configuration: the same bytes train again
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_until(lambda: "configuration reloaded" in d.log(), "the reload")
+        copy_smd(incoming / "m.txt.gz")
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 2 and not any(spool_dir(tmp_path, "processing").iterdir()),
+                     "a version of the new configuration")
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    sha = json.loads((spool_dir(tmp_path, "done") / "m.txt.gz.result.json").read_text())["sha256"]
+    line = [x for x in d.log().splitlines() if "not trained again" in x]
+    assert len(line) == 1 and line[0].endswith(
+        f"notice: m.txt.gz: the same bytes (sha256 {sha[:12]}), dataset options and train: configuration as "
+        f"{tmp_path / 'models' / 'm' / v1} (trained from m.txt.gz at "
+        f"{json.loads((tmp_path / 'models' / 'm' / v1 / 'metadata.json').read_text())['ended_at']}); not trained "
+        "again, the copy is removed. To train it again, change train: or the sidecar, or remove that version "
+        "(ds-ops models rm)")
+    assert done_names(tmp_path) == {"m.txt.gz", "m.txt.gz.1"}, "done/ has no copy of the duplicate"
+    assert failed_names(tmp_path) == set()
 
 
 def test_the_last_results_survive_a_restart_for_staleness_alerts(tmp_path):

@@ -23,7 +23,7 @@ import pytest
 import systemd.journal
 
 from daemon_kit import Daemon, base_env, copy_smd, done_names, failed_names, spool_dir, write_config
-from opt_ds_ops import daemon, journal, retrain, scorer
+from opt_ds_ops import daemon, duplicate, journal, retrain, scorer
 from opt_ds_ops.journal import MESSAGE_IDS, ROUTINE, EventLog, field_name
 
 FIELD_RULE = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")  # journald: no leading '_' or digit, <= 64 chars
@@ -246,7 +246,8 @@ def _event_calls() -> dict[str, list[set[str]]]:
     """
     tree = ast.parse(Path(daemon.__file__).read_text())
     trees = [tree, ast.parse(Path(scorer.__file__).read_text()),  # issue 19: the scoring slot's events
-             ast.parse(Path(retrain.__file__).read_text())]  # issue 20: retraining's
+             ast.parse(Path(retrain.__file__).read_text()),  # issue 20: retraining's
+             ast.parse(Path(duplicate.__file__).read_text())]  # issue 22: the same bytes again
 
     def is_fields_call(node) -> bool:
         return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
