@@ -296,7 +296,8 @@ def test_status_works_with_a_broken_conffile(tmp_path):
     r = run_cli("status", "--config", str(conf))
     assert r.returncode == 0, r.stderr
     assert "queued  waiting.csv" in r.stdout and f"spool {tmp_path / 'spool'}:" in r.stdout
-    assert r.stderr.startswith(f"ds-ops: warning: {conf}: unknown key 'bogus_key'")
+    line = conf.read_text().splitlines().index("bogus_key: 1") + 1
+    assert r.stderr.startswith(f"ds-ops: warning: {conf}: line {line}, column 1: unknown key 'bogus_key'")
 
 
 def test_status_follow_prints_again_until_interrupted(tmp_path):
