@@ -21,6 +21,11 @@ from .config import Config, DatasetConfig, config_to_dict
 from .store import StoreError, list_versions, read_metadata, safe_model_name
 
 
+def _as_stored(d: dict) -> dict:
+    """Return d as metadata.json holds it (JSON: a tuple is a list)."""
+    return json.loads(json.dumps(d))
+
+
 def same_bytes_version(cfg: Config, model_name: str, record: dict, options: DatasetConfig) -> dict | None:
     """Given a daemon job's record (``sha256``, ``uploader_uid``), its model name and dataset options,
     return ``{model_dir, version, sha256, trained_from, trained_at}`` of the newest version of that
@@ -35,18 +40,19 @@ def same_bytes_version(cfg: Config, model_name: str, record: dict, options: Data
         name_dir = os.path.join(cfg.models_dir, safe_model_name(model_name))
     except StoreError:
         return None
-    def as_stored(d: dict) -> dict:  # as metadata.json holds it (JSON: a tuple is a list)
-        return json.loads(json.dumps(d))
-
-    train, wanted = as_stored(config_to_dict(cfg)["train"]), as_stored(dataclasses.asdict(options))
-    for version in reversed(list_versions(name_dir)):
+    train, wanted = _as_stored(config_to_dict(cfg)["train"]), _as_stored(dataclasses.asdict(options))
+    try:
+        versions = list_versions(name_dir)
+    except OSError:  # an unreadable store: the job goes on, and its own store check says why
+        return None
+    for version in reversed(versions):
         try:
             md = read_metadata(os.path.join(name_dir, version))
-        except StoreError:
+        except StoreError:  # a version being removed, or one that is not whole
             continue
-        ds = md.get("dataset") or {}
+        ds, conf = (md.get(k) if isinstance(md.get(k), dict) else {} for k in ("dataset", "config"))
         owner = md.get("uploader_uid")
-        if (ds.get("sha256") == sha and ds.get("options") == wanted and (md.get("config") or {}).get("train") == train
+        if (ds.get("sha256") == sha and ds.get("options") == wanted and conf.get("train") == train
                 and (owner is None or owner == record.get("uploader_uid"))):
             return {"model_dir": os.path.join(name_dir, version), "version": version, "sha256": sha,
                     "trained_from": ds.get("file"), "trained_at": md.get("ended_at")}
