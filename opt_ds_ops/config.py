@@ -17,11 +17,18 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from .yamlpos import key_position, yaml_problem
+
 DEFAULT_CONFIG_PATH = "/etc/ds-ops/trainer.yaml"
 
 
 class ConfigError(ValueError):
-    """A configuration file or override that cannot be used; the message names file, key and rule."""
+    """A configuration file or override that cannot be used; the message names file, key and rule;
+    ``key``: the mapping keys down to the one at fault (``("train", "epochs")``), () if none."""
+
+    def __init__(self, message: str = "", key: tuple = ()):
+        super().__init__(message)
+        self.key = key
 
 
 def _field(default: Any, check: Callable[[Any], bool] | None = None, allowed: str = "", help: str = ""):
@@ -434,25 +441,26 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     if typ is tuple and isinstance(value, (list, tuple)):
         return tuple(value)
     if typ in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {_shown(value)}")
+        raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {_shown(value)}", tuple(key.split(".")))
     if not isinstance(value, typ):
         raise ConfigError(
             f"{where}: key '{key}' must be {allowed or typ.__name__} ({'list' if typ is tuple else typ.__name__}), "
-            f"got {_shown(value)}"
+            f"got {_shown(value)}", tuple(key.split("."))  # known keys: identifiers, no dot of their own
         )
     return value
 
 
 def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
     """Given a mapping, return an instance of the dataclass cls; raise ConfigError on any bad key."""
+    parts = tuple(prefix.rstrip(".").split(".")) if prefix else ()
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {_shown(raw)}")
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {_shown(raw)}", parts)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     unknown = _sorted_keys(set(raw) - set(fields))
     if unknown:
         raise ConfigError(
-            f"{where}: unknown key '{prefix}{unknown[0]}' (allowed: {', '.join(prefix + k for k in fields)})"
-        )
+            f"{where}: unknown key '{prefix}{unknown[0]}' (allowed: {', '.join(prefix + k for k in fields)})",
+            (*parts, unknown[0]))
     values = {}
     hints = {f.name: f.type for f in dataclasses.fields(cls)}
     for name, value in raw.items():
@@ -465,7 +473,7 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
         value = _coerce(value, typ, where, key, meta.get("allowed", ""))
         check = meta.get("check")
         if check is not None and not check(value):
-            raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {_shown(value)}")
+            raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {_shown(value)}", (*parts, name))
         values[name] = value
     return cls(**values)
 
@@ -491,20 +499,14 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: invalid YAML: a value cannot be read ({type(e).__name__}: {_shown(str(e))})") from None
 
 
-def _build_guarded(cls, raw: Any, where: str):
-    """:func:`_build`, with a value nested too deeply to validate or name refused as ConfigError."""
+def _build_guarded(cls, raw: Any, where: str, text: str = ""):
+    """:func:`_build`; a value nested too deeply is a ConfigError, a key's names its line in ``text``."""
     try:
         return _build(cls, raw, where)
     except RecursionError:
         raise ConfigError(f"{where}: a value is nested too deeply") from None
-
-
-def yaml_problem(e: Exception) -> str:
-    """One line for a YAML error: ``line 3, column 7: expected ',' or ']', but got '<stream end>'``."""
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + " ".join(str(problem).split())
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(f"{where}: ", f"{where}: {key_position(text, e.key)}", 1), e.key) from None
 
 
 def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = False) -> Config:
@@ -530,7 +532,7 @@ def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = Fa
         raise ConfigError(f"{path}: cannot read configuration: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
-    cfg = _build_guarded(Config, _parse_yaml(text, path) or {}, path)
+    cfg = _build_guarded(Config, _parse_yaml(text, path) or {}, path, text)
     return dataclasses.replace(cfg, source=path)
 
 

@@ -59,6 +59,7 @@ from . import EARLY_STOP, gpustats, nvml, worker
 from .budget import job_config, job_processes, this_process_budget
 from .config import DEFAULT_CONFIG_PATH, SIDECAR_MAX_BYTES, Config, ConfigError, load_config
 from .dataset import dataset_stem
+from .duplicate import end_duplicate
 from .fsutil import user_name, utc_now
 from .health import gate_job, judge_gpu, summary_line
 from .handling import QUARANTINE_AFTER, Breadcrumb
@@ -993,6 +994,8 @@ class Daemon:
             self._backoff = BACKOFF_S[0]
         elif kind == "deferred":
             self._defer(record, f["reason"])
+        elif kind == "duplicate":  # issue 22: the same bytes again, not trained (opt_ds_ops.duplicate)
+            end_duplicate(self, record, f)
         elif kind == "interrupted" and f.get("checkpoint") is False:
             for stale in ("loss", "val_loss", "samples_per_s"):  # of an epoch the next start does again
                 record.pop(stale, None)

@@ -69,7 +69,13 @@ MESSAGE_IDS = {
     "model-held": "ab1fd8270a2240c6b903f567f487a500",
     "retrain-queued": "b79ac427389c43d5a69ed4988502186f",
     "model-not-promoted": "a515b79e6a324719b5c77ded5882454e",
+    # issue 22: the same bytes dropped again (opt_ds_ops.duplicate)
+    "job-duplicate": "0c578f2a949b4dcc8d0bd5b1b8ddbc2f",
 }
+
+# Routine progress: no catalog entry, so `journalctl -x` prints nothing under each of these lines
+# (one a second of training); debian/ds-ops.catalog explains every other MESSAGE_ID.
+ROUTINE = frozenset({"job-epoch"})
 
 # DS_STAGE of each job event (claimed/health/training/saved/failed, as the issue names them).
 STAGES = {

@@ -13,7 +13,9 @@ so :func:`opt_ds_ops.fsutil.write_atomic` is used instead.
 Names follow Prometheus's rules (base units, ``_seconds``, ``_total`` for counters,
 ``_timestamp_seconds`` for Unix times, ``_info`` for build information; see ``METRIC_NAMES``).
 Counters count since the daemon started (``ds_ops_daemon_start_time_seconds``); Prometheus's
-``rate()``/``increase()`` handle the reset at a restart.
+``rate()``/``increase()`` handle the reset at a restart. The last results (``ds_ops_last_*``) are
+taken back from the file the previous run wrote, so a restart does not empty them until the next
+job (an alert on ``time() - ds_ops_last_success_timestamp_seconds`` holds across it).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from . import __version__
-from .fsutil import write_atomic
+from .fsutil import read_small, write_atomic
 
 TEXTFILE = "ds_ops.prom"
 TEMP_PREFIX = f".{TEXTFILE}.tmp-"  # the temporary file of a write: ours alone in a directory others write too
@@ -109,6 +113,14 @@ def _current_models(models_dir: str) -> list[tuple[str, dict, int]]:
     return out
 
 
+# the last results, kept across a restart (MetricsWriter.restore_last): metric -> attribute
+LAST_RESULTS = {"ds_ops_last_success_timestamp_seconds": "last_success",
+                "ds_ops_last_failure_timestamp_seconds": "last_failure",
+                "ds_ops_last_job_duration_seconds": "last_job_s",
+                "ds_ops_last_training_duration_seconds": "last_training_s",
+                "ds_ops_last_training_samples_per_second": "last_samples_per_s"}
+
+
 class MetricsWriter:
     """The daemon's metrics: what it knows (counters, the running job, the last results, GPU
     verdicts) plus the model store's current versions, written to ``textfile_dir/ds_ops.prom``.
@@ -139,6 +151,23 @@ class MetricsWriter:
         self._last_error = ""
         if self.enabled:
             self.remove_leftovers()
+            self.restore_last()
+
+    def restore_last(self) -> list[str]:
+        """Take the last results (:data:`LAST_RESULTS`) from the ``ds_ops.prom`` the previous run
+        wrote (this daemon's own file), so that they do not vanish at a restart until the next job;
+        return the metrics restored. A file that is missing, over 4 MiB or does not parse restores nothing."""
+        try:
+            families = list(text_string_to_metric_families(read_small(self.path, 4 << 20).decode("utf-8")))
+        except Exception:  # noqa: BLE001 - OSError, UnicodeDecodeError or the parser's: no history, not a failure
+            return []
+        restored = []
+        for sample in (s for f in families for s in f.samples):
+            attr = LAST_RESULTS.get(sample.name)
+            if attr and not sample.labels and math.isfinite(sample.value):
+                setattr(self, attr, sample.value)
+                restored.append(sample.name)
+        return restored
 
     def remove_leftovers(self) -> list[str]:
         """Remove the temporary files of writes that were killed before their rename (``.ds_ops.prom.tmp-*``;
@@ -276,7 +305,7 @@ class MetricsWriter:
         try:
             write_atomic(self.path, generate_latest(self.registry()), prefix=TEMP_PREFIX)
         except OSError as e:
-            hint = (" (the daemon's user ds-ops needs write access: setfacl -m u:ds-ops:rwx "
+            hint = (" (the daemon's user ds-ops needs write access: apt install acl; setfacl -m u:ds-ops:rwx "
                     f"{self.dir}, then systemctl restart ds-trainer)" if e.errno in (errno.EACCES, errno.EROFS) else "")
             message = f"cannot write {self.path}: {e.strerror or e}{hint}"
             first = message != self._last_error

@@ -130,7 +130,7 @@ class JobProcess:
                 self.last_heard = time.monotonic()
                 if kind == "stage":
                     self.stage, self.stage_since = fields["stage"], self.last_heard
-                if kind in ("saved", "failed", "deferred", "interrupted", "scored"):
+                if kind in ("saved", "failed", "deferred", "interrupted", "scored", "duplicate"):
                     self.final = (kind, fields)
                 out.append((kind, fields))
                 if not self._conn.poll(0):
@@ -240,6 +240,7 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
 
     from .config import config_to_dict
     from .dataset import dataset_stem
+    from .duplicate import same_bytes_version
     from .health import gate_job
     from .job import JobError, run_job
     from .fsutil import utc_now
@@ -277,6 +278,9 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
             # in claim order, under the store's lock: never over a later job's version or an operator's change
             done["not_current"] = publish_job(os.path.dirname(done["model_dir"]), done["version"], job_id)
             send("saved", metadata=done, recovered=True)
+            return
+        if (same := same_bytes_version(cfg, model_name, record, options)) is not None:  # issue 22: not trained twice
+            send("duplicate", **same)
             return
         on_stage("health")
         import torch

@@ -130,6 +130,25 @@ def test_sidecar_nested_20000_deep_is_refused():
             parse_sidecar(text, "x.yaml", DatasetConfig())
 
 
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("# the conffile\ntrain:\n  epochs: 3\n  lr: fast\n", "line 4, column 3: key 'train.lr'"),
+        ("train:\n  epochs: 3\nspool:\n    dir: /x\n    bogus: 1\n", "line 5, column 5: unknown key 'spool.bogus'"),
+        ("train: {epochs: 2, epochs: zero}\n", "line 1, column 20: key 'train.epochs'"),  # the last of repeated keys
+        ("amp: fp8\n", "line 1, column 1: key 'amp'"),
+        ("\n\ntrain: 5\n", "line 3, column 1: 'train' must be a mapping"),
+        ("train:\n  1: a\n", "line 2, column 3: unknown key 'train.1'"),
+    ],
+)
+def test_a_bad_key_is_named_with_its_line_and_column(tmp_path, text, where):
+    path = tmp_path / "trainer.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value).startswith(f"{path}: {where}")
+
+
 def test_conffile_with_keys_of_mixed_types_or_nested_too_deeply_is_refused(tmp_path):
     path = tmp_path / "trainer.yaml"
     for text, message in ((b"1: a\nfoo: b\n", "unknown key 'foo'"), (b"train:\n  1: a\n  epochs: 2\n", "unknown key 'train.1'"),

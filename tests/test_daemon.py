@@ -413,7 +413,8 @@ def test_sighup_reloads_the_config_and_keeps_the_old_one_when_the_new_is_invalid
         assert d.stop()[0] == 0
     finally:
         d.kill()
-    assert "'train.epochs' must be an integer >= 1" in d.log()
+    line = conf.read_text().splitlines().index("  epochs: -4") + 1
+    assert f"{conf}: line {line}, column 3: key 'train.epochs' must be an integer >= 1" in d.log()
     done = spool_dir(tmp_path, "done")
     assert read_json(done / "after-reload.txt.gz.result.json")["epochs"] == 2
     assert read_json(done / "after-bad-reload.txt.gz.result.json")["epochs"] == 2

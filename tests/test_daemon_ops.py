@@ -36,6 +36,14 @@ def samples(prom_path) -> dict[tuple, float]:
     return out
 
 
+def smd_without_rows(dest, n: int) -> None:
+    """Write the bundled SMD file less its first n rows to dest (gzip): other bytes, the same model."""
+    import gzip
+
+    lines = gzip.decompress(SMD_TRAIN.read_bytes()).splitlines(keepends=True)
+    dest.write_bytes(gzip.compress(b"".join(lines[n:]), mtime=0))
+
+
 def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     prom = tmp_path / "node-exporter"
     prom.mkdir()
@@ -46,8 +54,8 @@ def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     d = Daemon(conf)
     try:
         started(d)
-        for n in range(1, 4):  # the same model three times
-            copy_smd(spool_dir(tmp_path, "incoming") / "m.txt.gz")
+        for n in range(1, 4):  # the same model three times, from three files (the same bytes train once)
+            smd_without_rows(spool_dir(tmp_path, "incoming") / "m.txt.gz", n)
             d.wait_until(lambda: f"{n} versions" if len(versions(tmp_path, "m")) == min(n, 2) and
                          (prom / "ds_ops.prom").exists() and
                          samples(prom / "ds_ops.prom").get(("ds_ops_jobs_finished_total", (("result", "done"),))) == n
@@ -84,6 +92,68 @@ def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     assert [k for k in got if k[0] == "ds_ops_build_info"][0][1][2] == ("version", "0.1.0")
     assert oct((prom / "ds_ops.prom").stat().st_mode & 0o777) == "0o644"
     assert sorted(os.listdir(prom)) == ["ds_ops.prom"], "no temporary file is left beside it"
+
+
+def test_the_same_bytes_dropped_again_are_noticed_and_not_trained_twice(tmp_path):
+    conf = write_config(tmp_path)
+    incoming = spool_dir(tmp_path, "incoming")
+    d = Daemon(conf)
+    try:
+        started(d)
+        copy_smd(incoming / "m.txt.gz")
+        d.wait_until(lambda: done_names(tmp_path) == {"m.txt.gz"}, "the first job")
+        (v1,) = versions(tmp_path, "m")
+        copy_smd(incoming / "m.txt.gz")  # the same bytes again
+        d.wait_until(lambda: "not trained again" in d.log() and not any(spool_dir(tmp_path, "processing").iterdir()),
+                     "the duplicate noticed")
+        write_config(tmp_path, epochs=2)  # another train: configuration: the same bytes train again
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_until(lambda: "configuration reloaded" in d.log(), "the reload")
+        copy_smd(incoming / "m.txt.gz")
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 2 and not any(spool_dir(tmp_path, "processing").iterdir()),
+                     "a version of the new configuration")
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    sha = json.loads((spool_dir(tmp_path, "done") / "m.txt.gz.result.json").read_text())["sha256"]
+    line = [x for x in d.log().splitlines() if "not trained again" in x]
+    assert len(line) == 1 and line[0].endswith(
+        f"notice: m.txt.gz: the same bytes (sha256 {sha[:12]}), dataset options and train: configuration as "
+        f"{tmp_path / 'models' / 'm' / v1} (trained from m.txt.gz at "
+        f"{json.loads((tmp_path / 'models' / 'm' / v1 / 'metadata.json').read_text())['ended_at']}); not trained "
+        "again, the copy is removed. To train it again, change train: or the sidecar, or remove that version "
+        "(ds-ops models rm)")
+    assert done_names(tmp_path) == {"m.txt.gz", "m.txt.gz.1"}, "done/ has no copy of the duplicate"
+    assert failed_names(tmp_path) == set()
+
+
+def test_the_last_results_survive_a_restart_for_staleness_alerts(tmp_path):
+    prom = tmp_path / "node-exporter"
+    prom.mkdir()
+    conf = write_config(tmp_path, extra=["metrics:", f"  textfile_dir: {prom}"])
+    last = [name for name in METRIC_NAMES if name.startswith("ds_ops_last_") and "scored" not in name]
+    d = Daemon(conf)
+    try:
+        started(d)
+        copy_smd(spool_dir(tmp_path, "incoming") / "m.txt.gz")
+        (spool_dir(tmp_path, "incoming") / "bad.csv").write_text("1,2\n")
+        d.wait_until(lambda: all((n, ()) in samples(prom / "ds_ops.prom") for n in last) or None,
+                     "a success and a failure in the metrics", timeout_s=120)
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    before = samples(prom / "ds_ops.prom")
+    d = Daemon(conf)  # a restart: no job since
+    try:
+        started(d)
+        d.wait_until(lambda: samples(prom / "ds_ops.prom")[("ds_ops_daemon_start_time_seconds", ())]
+                     > before[("ds_ops_daemon_start_time_seconds", ())] or None, "the new daemon's metrics")
+        after = samples(prom / "ds_ops.prom")
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    assert len(last) == 5 and {n: after.get((n, ())) for n in last} == {n: before[(n, ())] for n in last}
+    assert after[("ds_ops_jobs_finished_total", (("result", "done"),))] == 0  # counters count since the start
 
 
 def test_metrics_are_off_with_one_line_when_the_directory_is_absent(tmp_path):
@@ -130,9 +200,12 @@ def test_requeue_after_a_fix_trains_it_and_a_later_success_clears_latest_failed(
     assert failed_names(tmp_path) == {"again.csv"}
     r = run_cli("status", "--config", str(conf), "--json")
     st = json.loads(r.stdout)
-    assert st["recent_failed"] == [] and st["failed_count"] == 1
+    assert st["recent_failed"] == [] and (st["failed_count"], st["failed_open"]) == (1, 0)
     r = run_cli("status", "--config", str(conf))
     assert "latest failed" not in r.stdout
+    for last in ([], ["--last", "0"]):  # the headline counts what needs an operator, past --last too
+        r = run_cli("status", "--config", str(conf), *last)
+        assert r.stdout.splitlines()[0].endswith("2 done, 0 failed (1 more in failed/, trained since)"), r.stdout
     r = run_cli("requeue", "nope.csv", "--config", str(conf))
     assert r.returncode == 1
     assert r.stderr.strip() == "ds-ops: error: failed/nope.csv does not exist (ds-ops status lists the latest failures)"
@@ -180,8 +253,40 @@ def test_a_reload_says_what_changed_and_check_config_refuses_a_broken_conffile(t
     conf.write_text(conf.read_text().replace("epochs: 3", "epochs: twenty"))
     r = run_cli("check-config", "--config", str(conf))
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.strip() == (f"ds-ops: error: {conf}: key 'train.epochs' must be an integer >= 1 (int), "
-                                "got 'twenty'")
+    line = conf.read_text().splitlines().index("  epochs: twenty") + 1  # the README promises line and column
+    assert r.stderr.strip() == (f"ds-ops: error: {conf}: line {line}, column 3: key 'train.epochs' must be an integer "
+                                ">= 1 (int), got 'twenty'")
+
+
+def test_requeue_takes_the_model_name_as_every_other_command_does(tmp_path):
+    failed, incoming = spool_dir(tmp_path, "failed"), spool_dir(tmp_path, "incoming")
+    for d in (failed, incoming, spool_dir(tmp_path, "score")):
+        d.mkdir(parents=True)
+
+    def failure(name: str, dropped: str, sidecar: str | None = None) -> None:  # as the daemon leaves them
+        (failed / name).write_text("1,2\n")
+        (failed / f"{name}.error.json").write_text(json.dumps({"job_id": "j", "dataset": dropped, "stage": "dataset"}))
+        if sidecar is not None:
+            (failed / f"{name}.sidecar.yaml").write_text(sidecar)
+
+    failure("machine-1-2.txt.gz", "machine-1-2.txt.gz")
+    failure("bad.csv", "bad.csv", "name: disk-latency\n")
+    failure("twice.csv", "twice.csv")
+    failure("twice.csv.1", "twice.csv")
+    spool = ["--spool-dir", str(tmp_path / "spool")]
+    r = run_cli("requeue", "machine-1-2", *spool)  # the stem, as ds-ops models and score take it
+    assert (r.returncode, r.stdout.strip()) == (0, "failed/machine-1-2.txt.gz -> incoming/machine-1-2.txt.gz; "
+                                                   "the daemon takes it next"), r.stderr
+    r = run_cli("requeue", "disk-latency", *spool)  # the name its sidecar gave the model
+    assert (r.returncode, r.stdout.strip()) == (0, "failed/bad.csv -> incoming/bad.csv with its sidecar bad.yaml; "
+                                                   "the daemon takes it next"), r.stderr
+    r = run_cli("requeue", "twice", *spool)
+    assert (r.returncode, r.stderr.strip()) == (1, "ds-ops: error: 2 files in failed/ are of model twice: twice.csv, "
+                                                   "twice.csv.1; requeue one by its file name")
+    r = run_cli("requeue", "twice.csv.1", *spool)  # the file name still works
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(incoming)) == ["bad.csv", "bad.yaml", "machine-1-2.txt.gz", "twice.csv"]
+    assert sorted(os.listdir(failed)) == ["twice.csv", "twice.csv.error.json"]
 
 
 def test_status_works_with_a_broken_conffile(tmp_path):
@@ -191,7 +296,8 @@ def test_status_works_with_a_broken_conffile(tmp_path):
     r = run_cli("status", "--config", str(conf))
     assert r.returncode == 0, r.stderr
     assert "queued  waiting.csv" in r.stdout and f"spool {tmp_path / 'spool'}:" in r.stdout
-    assert r.stderr.startswith(f"ds-ops: warning: {conf}: unknown key 'bogus_key'")
+    line = conf.read_text().splitlines().index("bogus_key: 1") + 1
+    assert r.stderr.startswith(f"ds-ops: warning: {conf}: line {line}, column 1: unknown key 'bogus_key'")
 
 
 def test_status_follow_prints_again_until_interrupted(tmp_path):

@@ -10,6 +10,7 @@ the same daemon process still serving.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -44,11 +45,12 @@ def drop(incoming: Path, name: str, data: bytes, uid: int, mode: int = 0o640) ->
     return incoming / name
 
 
-def good(d: Daemon, tmp_path, name: str, uid: int = ALICE, done_as: str | None = None) -> dict:
-    """Drop a real SMD training file as uid and wait for its model (done/``done_as``, default
-    NAME); return its result.json."""
+def good(d: Daemon, tmp_path, name: str, uid: int = ALICE, done_as: str | None = None,
+         data: bytes | None = None) -> dict:
+    """Drop a real SMD training file (or ``data``) as uid and wait for its model (done/``done_as``,
+    default NAME); return its result.json."""
     done_as = done_as or name
-    drop(spool_dir(tmp_path, "incoming"), name, SMD_TRAIN.read_bytes(), uid)
+    drop(spool_dir(tmp_path, "incoming"), name, SMD_TRAIN.read_bytes() if data is None else data, uid)
     d.wait_until(lambda: done_as in done_names(tmp_path), f"{done_as} to become a model")
     return read_json(spool_dir(tmp_path, "done") / f"{done_as}.result.json")
 
@@ -134,7 +136,8 @@ def test_row7_a_model_name_belongs_to_the_uid_that_first_trained_it(tmp_path):
         for name in ("gpu01.txt.gz", "mine.txt.gz"):
             assert f"belongs to uid {ALICE}" in error_of(tmp_path, name)["reason"]
         assert versions(tmp_path, "gpu01") == [os.path.basename(first["model_dir"])]
-        again = good(d, tmp_path, "gpu01.txt.gz", uid=ALICE, done_as="gpu01.txt.gz.1")  # hers: a new current
+        newer = gzip.compress(gzip.decompress(SMD_TRAIN.read_bytes()).split(b"\n", 1)[1])  # other bytes: a new version
+        again = good(d, tmp_path, "gpu01.txt.gz", uid=ALICE, done_as="gpu01.txt.gz.1", data=newer)  # hers: current
         assert again["version"] != first["version"]
         md = json.loads((tmp_path / "models" / "gpu01" / "current" / "metadata.json").read_text())
         assert md["uploader_uid"] == ALICE

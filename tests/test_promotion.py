@@ -71,14 +71,13 @@ def test_unpinning_a_rolled_back_current_lifts_the_rollbacks_hold_too(tmp_path, 
 
 def test_a_redrop_of_the_same_file_after_a_rollback_is_kept_not_current_and_the_journal_says_so(
         tmp_path, smd_rows):
-    """As a new operator would: drop a file twice, roll back, drop it again, to a real daemon."""
-    data = tmp_path / "m.csv"
-    np.savetxt(data, smd_rows[:2000], delimiter=",", fmt="%.6f")
+    """As a new operator would: drop a file twice, roll back, drop it again, to a real daemon (each
+    time with a row more: the same bytes again would not train, opt_ds_ops.duplicate)."""
     conf = write_config(tmp_path, scan_interval_s=0.5)
     models = str(tmp_path / "models")
 
     def drop_and_wait(n: int) -> None:
-        (spool_dir(tmp_path, "incoming") / "m.csv").write_bytes(data.read_bytes())
+        np.savetxt(spool_dir(tmp_path, "incoming") / "m.csv", smd_rows[:2000 + n], delimiter=",", fmt="%.6f")
         d.wait_until(lambda: len(versions(tmp_path, "m")) == n and not any(
             spool_dir(tmp_path, "processing").iterdir()), f"version {n} of m")
 
@@ -190,13 +189,12 @@ def test_manual_keeps_every_challenger_and_always_promotes_each(tmp_path, smd_ro
 
 
 def test_a_daemon_under_store_promote_manual_keeps_the_second_version_and_the_journal_says_why(tmp_path, smd_rows):
-    data = write_rows(tmp_path / "m.csv", smd_rows[:2000])
     conf = write_config(tmp_path, scan_interval_s=0.5, extra=["store:", "  promote: manual"])
     d = Daemon(conf)
     try:
         d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
         for n in (1, 2):
-            (spool_dir(tmp_path, "incoming") / "m.csv").write_bytes(data.read_bytes())
+            write_rows(spool_dir(tmp_path, "incoming") / "m.csv", smd_rows[:2000 + n])  # other bytes: both train
             d.wait_until(lambda: len(versions(tmp_path, "m")) == n and not any(
                 spool_dir(tmp_path, "processing").iterdir()), f"version {n} of m")
         d.wait_until(lambda: "not promoted by the gate" in d.log(), "the model-not-promoted entry")

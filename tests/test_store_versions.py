@@ -164,3 +164,24 @@ def test_score_takes_a_model_name_under_models_dir(tmp_path, payload, smd_rows):
     assert json.loads(p.stdout)["rows"] == 500
     p = run_cli("score", "machine-9-9", str(data), "--config", str(conf))
     assert p.returncode == 1 and "machine-9-9: not a model directory" in p.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to stand in for a member of group ds-ops")
+def test_a_user_who_may_not_write_the_store_is_told_in_one_line_who_may(tmp_path, payload):
+    from daemon_kit import as_service_user  # root without DAC override: a member who does not own the store
+
+    v = make_versions(tmp_path, "m", 2, payload)
+    for root, dirs, files in os.walk(tmp_path):
+        for entry in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            os.lchown(entry, 12345, 0)  # the store is another user's (ds-ops's), readable by our group
+    os.chmod(tmp_path, 0o2750)  # as /var/models
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("DS_OPS_CONFIG", None)
+    for action in (["rollback", "m"], ["promote", "m", v[0]], ["pin", "m"], ["rm", f"m/{v[0]}"]):
+        p = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "models", *action, "--models-dir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, preexec_fn=as_service_user, cwd=REPO, env=env)
+        assert p.returncode == 1, p.stderr
+        assert p.stderr.splitlines() == [
+            f"ds-ops: error: cannot {action[0]} {action[1]}: Permission denied; only root and the service user ds-ops "
+            f"may change {tmp_path} (members of group ds-ops may read it): sudo ds-ops models {action[0]} ..."]
+    assert current_version(str(tmp_path / "m")) == v[1] and list_versions(str(tmp_path / "m")) == v

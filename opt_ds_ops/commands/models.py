@@ -18,7 +18,7 @@ from ..store import (
     METADATA_FILE, StoreError, current_version, list_models, pin, promote, read_metadata, remove, resolve,
     rollback, version_summary,
 )
-from . import load_cfg
+from . import CliError, load_cfg
 
 
 def add_parser(sub) -> None:
@@ -91,7 +91,8 @@ def _print_list(models: list[dict], models_dir: str) -> None:
 
 def run(args) -> int:
     """``ds-ops models [ACTION]``: exit 0; 1 for an unknown name or version, a pinned version to
-    remove, or a store that cannot be written (one ``ds-ops: error:`` line)."""
+    remove, or a store that cannot be written (one ``ds-ops: error:`` line; for a user who may not
+    write it, one that says who may)."""
     models_dir = args.models_dir or load_cfg(args, {}).models_dir
     action = args.action or "list"
     why = getattr(args, "why", None)
@@ -120,19 +121,32 @@ def run(args) -> int:
                 print(f"{e.get('at')} {e.get('action')} by {e.get('by')}: {e.get('why') or '-'}")
             print(f"(everything: {os.path.join(name_dir, version, METADATA_FILE)}, or --json)")
         return 0
+    try:
+        doc, text = _change(action, args, models_dir, why)
+    except StoreError as e:
+        denied = e.__context__  # the store's OSError, behind its one-line StoreError
+        if not isinstance(denied, PermissionError):
+            raise
+        target = args.name if action in ("promote", "rollback") else args.spec
+        who = (f"only root and the service user ds-ops may change {models_dir} (members of group ds-ops may read "
+               f"it): sudo ds-ops models {action} ...")
+        raise CliError(f"cannot {action} {target}: {denied.strerror}; {who}") from None
+    print(json.dumps(doc, sort_keys=True) if args.json else text)
+    return 0
+
+
+def _change(action: str, args, models_dir: str, why: str | None) -> tuple[dict, str]:
+    """Given a changing action (promote, rollback, pin, unpin, rm) and its arguments, do it; return
+    (the JSON document, the line to print). Raises StoreError (:mod:`opt_ds_ops.store`)."""
     if action in ("promote", "rollback"):
         entry = (promote(models_dir, args.name, args.version, why) if action == "promote"
                  else rollback(models_dir, args.name, why))
         name_dir = os.path.join(models_dir, os.path.basename(args.name))
         doc = dict(entry, name=args.name, current=current_version(name_dir))
-        text = f"{args.name}: current {doc['previous']} -> {doc['current']} ({action} by {doc['by']})"
-    elif action in ("pin", "unpin"):
+        return doc, f"{args.name}: current {doc['previous']} -> {doc['current']} ({action} by {doc['by']})"
+    if action in ("pin", "unpin"):
         entry = pin(models_dir, args.spec, action == "pin", why)
-        doc = dict(entry, spec=args.spec)
-        text = f"{args.spec}: {action}ned by {entry['by']}"
-    else:  # rm
-        doc = remove(models_dir, args.spec, why)
-        moved = f"; current is now {doc['current']}" if doc["current"] else ""
-        text = f"removed {args.spec} ({len(doc['removed'])} version(s)){moved}"
-    print(json.dumps(doc, sort_keys=True) if args.json else text)
-    return 0
+        return dict(entry, spec=args.spec), f"{args.spec}: {action}ned by {entry['by']}"
+    doc = remove(models_dir, args.spec, why)  # rm
+    moved = f"; current is now {doc['current']}" if doc["current"] else ""
+    return doc, f"removed {args.spec} ({len(doc['removed'])} version(s)){moved}"

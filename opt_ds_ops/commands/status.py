@@ -140,9 +140,21 @@ def _job_line(job: dict) -> str:
     return f"  {safe_text(job.get('dataset') or '?')}  job {job.get('job_id', '?')}: {what}"
 
 
+def open_failures(spool: Spool, st: dict, last: int) -> int:
+    """Return how many datasets in failed/ no later success of the same name superseded: the
+    ``N failed`` that still needs an operator. ``st``: :func:`opt_ds_ops.spool.spool_status` ``(spool,
+    last)``, whose ``recent_failed`` are the newest ``last`` failures that were not superseded."""
+    if st["failed_count"] <= last:
+        return len(st["recent_failed"])
+    every = spool_status(spool, last=st["failed_count"])  # failed/ is kept short (spool.max_failed)
+    return len(every["recent_failed"])
+
+
 def _print(st: dict) -> None:
+    fixed = st["failed_count"] - st.get("failed_open", st["failed_count"])
     print(f"spool {st['spool']}: {len(st['queue'])} queued, {len(st['processing'])} in processing, "
-          f"{st['done_count']} done, {st['failed_count']} failed")
+          f"{st['done_count']} done, {st.get('failed_open', st['failed_count'])} failed"
+          + (f" ({fixed} more in failed/, trained since)" if fixed > 0 else ""))
     daemon = st.get("daemon_pid")
     running = sum(1 for job in st["processing"] if job.get("daemon_alive") and job.get("state") == "running")
     print(f"daemon: running, pid {daemon}, {running} job{'' if running == 1 else 's'} running" if daemon
@@ -180,6 +192,7 @@ def run(args) -> int:
     while True:
         try:
             st = spool_status(Spool(root), last=max(args.last, 0))
+            st["failed_open"] = open_failures(Spool(root), st, max(args.last, 0))
         except FileNotFoundError:
             raise CliError(f"spool directory {root} does not exist (is ds-trainer installed? see spool.dir)") from None
         except PermissionError as e:

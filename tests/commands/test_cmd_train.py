@@ -47,7 +47,7 @@ def test_config_file_and_overrides(tmp_path, small_smd_csv):
     conf.write_text("train:\n  epochs: 0\n")
     p = run_cli("train", str(small_smd_csv), "--config", str(conf))
     assert p.returncode == 1
-    assert p.stderr.strip() == f"ds-ops: error: {conf}: key 'train.epochs' must be an integer >= 1, got 0"
+    assert p.stderr.strip() == f"ds-ops: error: {conf}: line 2, column 3: key 'train.epochs' must be an integer >= 1, got 0"
 
 
 BAD = {
