@@ -72,6 +72,13 @@ class Daemon(JobLife, JobEndings, Recovery, Duties):
     with :func:`start_daemon`, which checks the directories first. ``mp_context`` is the
     multiprocessing context jobs start in (None: the forkserver of :mod:`opt_ds_ops.worker`);
     ``gate`` replaces the health gate in the job processes (tests only, see worker.job_main).
+
+    Its roles are its parts, each in a module named for it (see the module docstring): a job's
+    claim, start and messages (:class:`opt_ds_ops.jobs.JobLife`), its end
+    (:class:`opt_ds_ops.endings.JobEndings`), recovery at start-up
+    (:class:`opt_ds_ops.recovery.Recovery`) and the periodic duties
+    (:class:`opt_ds_ops.duties.Duties`); the job slots are an object of their own (``slots``,
+    :class:`opt_ds_ops.slots.Slots`).
     """
 
     def __init__(self, cfg: Config, spool: Spool, log: EventLog, notifier: Notifier,

@@ -57,10 +57,10 @@ class JobLife:
                 "gpu_uuid": record.get("gpu_uuid")}
 
     def _take(self, name: str, gpu: dict | None = None) -> bool:
-        """Claim incoming/NAME and start its job (on ``gpu``, see :meth:`_free_slot`), refuse it
-        to failed/, or report it and leave it; return True if something was done. The copy pings
-        the watchdog as it goes (a file near spool.max_dataset_bytes takes minutes); an exception
-        is that file's failure (:meth:`_job_exception`), never the daemon's."""
+        """Claim incoming/NAME and start its job (on ``gpu``, see :meth:`opt_ds_ops.slots.Slots.free_slot`),
+        refuse it to failed/, or report it and leave it; return True if something was done. The copy
+        pings the watchdog as it goes (a file near spool.max_dataset_bytes takes minutes); an
+        exception is that file's failure (``Daemon._job_exception``), never the daemon's."""
         box: dict = {}
 
         def on_job(job_id: str) -> None:
