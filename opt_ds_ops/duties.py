@@ -106,6 +106,7 @@ class Duties:
                                f"of {dest}/ (spool.{dest}_max_age_days {days:g}, spool.{dest}_max_bytes "
                                f"{max_bytes})", dataset_file=old)
 
+    # ---- STATUS= lines -----------------------------------------------------------------------
     def _idle_status(self) -> str:
         queued = self.watcher.queued()
         ignored = self.watcher.ignored()
@@ -122,6 +123,23 @@ class Duties:
         mode = " (polling)" if self.watcher.polling else ""
         return f"idle; {queued} in incoming/{mode}{tail}"
 
+    def _busy_status(self) -> str:
+        """The STATUS= line while jobs run: how many, and per job its dataset, stage or epoch and GPU."""
+        parts = []
+        for job in self.jobs.values():
+            r = self.records.get(job.job_id, {})
+            if r.get("epoch"):
+                what = f"epoch {r['epoch']}/{self.cfg.train.epochs} loss {r.get('loss', float('nan')):.4g}"
+            else:
+                what = "health check" if job.stage == "health" else job.stage
+            where = (f" on GPU {job.gpu['index']}" if job.gpu else
+                     f" on {job.nproc} processes" + (f" (GPUs {r.get('gpu_index')})" if job.gpus else "")
+                     if job.nproc > 1 else "")
+            parts.append(f"training {safe_text(r.get('dataset', ''))} ({job.job_id}): {what}{where}")
+        n = len(self.jobs)
+        return f"{n} job{'' if n == 1 else 's'} running: {'; '.join(parts)}; {self.watcher.queued()} queued"
+
+    # ---- health at start-up --------------------------------------------------------------------
     def _log_health(self) -> None:
         """Run the health gate once at start-up, in a thread that is given up on after
         HEALTH_LOG_TIMEOUT_S (a hung NVML call), and log its verdict (warning unless ok)."""
@@ -189,19 +207,3 @@ class Duties:
         self.metrics.models_dir = new.models_dir
         self.notifier.ready(self._idle_status())
         self._write_metrics()
-
-    def _busy_status(self) -> str:
-        """The STATUS= line while jobs run: how many, and per job its dataset, stage or epoch and GPU."""
-        parts = []
-        for job in self.jobs.values():
-            r = self.records.get(job.job_id, {})
-            if r.get("epoch"):
-                what = f"epoch {r['epoch']}/{self.cfg.train.epochs} loss {r.get('loss', float('nan')):.4g}"
-            else:
-                what = "health check" if job.stage == "health" else job.stage
-            where = (f" on GPU {job.gpu['index']}" if job.gpu else
-                     f" on {job.nproc} processes" + (f" (GPUs {r.get('gpu_index')})" if job.gpus else "")
-                     if job.nproc > 1 else "")
-            parts.append(f"training {safe_text(r.get('dataset', ''))} ({job.job_id}): {what}{where}")
-        n = len(self.jobs)
-        return f"{n} job{'' if n == 1 else 's'} running: {'; '.join(parts)}; {self.watcher.queued()} queued"

@@ -148,7 +148,7 @@ class JobLife:
             self.log.event("entry-ignored", f"{drop}/{safe_text(f['name'])} is {c.reason}; left where it is "
                            "(its owner can remove it)", priority=LOG_WARNING, dataset_file=f["name"])
 
-    # ---- one job -------------------------------------------------------------------------------
+    # ---- starting and watching a job -----------------------------------------------------------
     def _start(self, job_id: str, gpu: dict | None = None) -> None:
         """Start the job's process (limited to ``gpu`` if given), or finish it at once if its model
         is already in the store."""

@@ -98,7 +98,7 @@ class Slots:
             if down is not None:
                 del self.gpu_down[g["uuid"]]
                 self.d.log.event("health", f"GPU {g['index']} ({g['uuid']}) passes its health check again; it takes "
-                               "jobs", gpu_index=g["index"], gpu_uuid=g["uuid"], verdict=g["verdict"])
+                                 "jobs", gpu_index=g["index"], gpu_uuid=g["uuid"], verdict=g["verdict"])
             healthy.append(g)
         return healthy
 
@@ -134,7 +134,8 @@ class Slots:
         """issue 18: cfg without the features this process's sandbox refuses, each logged with why."""
         cfg, why = without_unusable(cfg)
         if why:
-            self.d.log.event("feature-refused", f"{why}; datasets of any size train in one process", priority=LOG_WARNING)
+            self.d.log.event("feature-refused", f"{why}; datasets of any size train in one process",
+                             priority=LOG_WARNING)
         return cfg
 
     def line(self) -> str:
@@ -181,11 +182,12 @@ class Slots:
         if t.is_alive():
             self.hung_read = t
             self.d.log.event("health", f"the GPU check for job slots did not answer within {timeout_s:.0f} s (a hung "
-                           "NVML call?); jobs start without a GPU of their own, one at a time", priority=LOG_WARNING)
+                             "NVML call?); jobs start without a GPU of their own, one at a time", priority=LOG_WARNING)
         elif "host" in box:
             host = box["host"]
             gpus = self.slot_gpus({"host": {"status": host.status}, "gpus": [
-                dict(g.as_dict(), findings=[dataclasses.asdict(f) for f in judge_gpu(g, self.d.cfg.health, GPU_HEADROOM_BYTES)])
+                dict(g.as_dict(), findings=[dataclasses.asdict(f)
+                                            for f in judge_gpu(g, self.d.cfg.health, GPU_HEADROOM_BYTES)])
                 for g in host.gpus]})
         self.reading = (time.monotonic(), gpus)
         return gpus
@@ -213,8 +215,8 @@ class Slots:
             return
         self.gpu_down[uuid] = (time.monotonic() + self.d.cfg.health.retry_s, why)
         self.d.log.event("health", f"GPU {index} ({uuid}) fails its health check: {why}; it takes no jobs for "
-                       f"{self.d.cfg.health.retry_s:.0f} s (health.retry_s), the other GPUs go on", priority=LOG_WARNING,
-                       gpu_index=index, gpu_uuid=uuid, verdict="fail")
+                         f"{self.d.cfg.health.retry_s:.0f} s (health.retry_s), the other GPUs go on",
+                         priority=LOG_WARNING, gpu_index=index, gpu_uuid=uuid, verdict="fail")
 
     def judge_job_gpu(self, record: dict, f: dict) -> None:
         """A job's own health gate found the GPU it was given failing (a failed CUDA smoke test, a
@@ -222,5 +224,6 @@ class Slots:
         uuid = record.get("gpu_uuid")
         g = next((g for g in (f.get("report") or {}).get("gpus") or [] if uuid and g.get("uuid") == uuid), None)
         if g is not None and g.get("verdict") == "fail":
-            why = "; ".join(f"{x['check']}: {x['message']}" for x in g.get("findings") or [] if x.get("level") == "fail")
+            why = "; ".join(f"{x['check']}: {x['message']}"
+                            for x in g.get("findings") or [] if x.get("level") == "fail")
             self.gpu_failed(g.get("index"), uuid, f"its job's health gate: {why}")
