@@ -318,7 +318,7 @@ class ScoreSlot:
 
     def _take(self, name: str) -> bool:
         """Claim score/NAME as incoming/ files are claimed, then start its job or refuse it."""
-        from .daemon import STEP_BUDGET_S
+        from .pacing import STEP_BUDGET_S
         from .spool import SCORE, claim, discard_job
 
         box: dict = {}
@@ -385,7 +385,7 @@ class ScoreSlot:
             return
         os.close(lock)
         self.job = worker.JobProcess(self.d.spool.root, job_id, record,
-                                     job_config(self.d.cfg, self.d._memory_budget()), self.d.mp_context,
+                                     job_config(self.d.cfg, self.d.slots.memory_budget()), self.d.mp_context,
                                      main=score_main, stage=STAGE)
         self.record = record
         record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()),

@@ -348,6 +348,8 @@ def test_row11_empty_drops_leave_nothing_behind(tmp_path):
             drop(incoming, f"empty-{i}.csv", b"")
         d.wait_until(lambda: d.log().count("an empty file (0 bytes); removed") == 50, "the empty drops")
         then_a_good_dataset_is_trained(d, tmp_path)
+        # done/ shows the dataset before finish() removes its job directory; the job-saved line comes after
+        d.wait_until(lambda: "good.txt.gz: model saved to" in d.log(), "the good job's end")
         assert failed_names(tmp_path) == set() and sorted(os.listdir(spool_dir(tmp_path, "failed"))) == []
         assert os.listdir(spool_dir(tmp_path, "processing")) == []
 

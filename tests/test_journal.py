@@ -2,7 +2,7 @@
 
 The real journal is checked by the packaging issue's end-to-end test (it boots systemd); here the
 library boundary is replaced, in-process and inside a real daemon process. The message catalog
-(debian/ds-ops.catalog, ``journalctl -x``) is checked against MESSAGE_IDS and the fields daemon.py
+(debian/ds-ops.catalog, ``journalctl -x``) is checked against MESSAGE_IDS and the fields the daemon
 sends with each event, and by journalctl itself where it is installed.
 """
 
@@ -23,7 +23,7 @@ import pytest
 import systemd.journal
 
 from daemon_kit import Daemon, base_env, copy_smd, done_names, failed_names, spool_dir, write_config
-from opt_ds_ops import daemon, duplicate, journal, retrain, scorer
+from opt_ds_ops import daemon, duplicate, duties, endings, jobs, journal, recovery, retrain, scorer, slots
 from opt_ds_ops.journal import MESSAGE_IDS, ROUTINE, EventLog, field_name
 
 FIELD_RULE = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")  # journald: no leading '_' or digit, <= 64 chars
@@ -237,29 +237,30 @@ def parse_catalog(text: str) -> dict[str, dict]:
 
 
 def _event_calls() -> dict[str, list[set[str]]]:
-    """Return {event: [keyword names of each ``self.log.event(event, ...)`` call in daemon.py and
-    scorer.py (there also ``self.d.log.event`` and ``log.event``)]}.
+    """Return {event: [keyword names of each ``self.log.event(event, ...)`` call in the daemon's
+    modules (daemon.py and the roles it is made of) and scorer.py (there also ``self.d.log.event``
+    and ``log.event``)]}.
 
     ``**self._fields(record)`` (and ``**fields`` where every ``fields = `` is that call) counts as
     the keys of _fields's returned dict; ``priority`` is not a field. Any other ``**`` fails: the
     test cannot know its keys.
     """
-    tree = ast.parse(Path(daemon.__file__).read_text())
-    trees = [tree, ast.parse(Path(scorer.__file__).read_text()),  # issue 19: the scoring slot's events
-             ast.parse(Path(retrain.__file__).read_text()),  # issue 20: retraining's
-             ast.parse(Path(duplicate.__file__).read_text())]  # issue 22: the same bytes again
+    own = [ast.parse(Path(m.__file__).read_text()) for m in (daemon, slots, jobs, endings, recovery, duties)]
+    trees = own + [ast.parse(Path(scorer.__file__).read_text()),  # issue 19: the scoring slot's events
+                   ast.parse(Path(retrain.__file__).read_text()),  # issue 20: retraining's
+                   ast.parse(Path(duplicate.__file__).read_text())]  # issue 22: the same bytes again
 
     def is_fields_call(node) -> bool:
         return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and node.func.attr == "_fields")
 
-    (fields_fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_fields"]
+    (fields_fn,) = [n for tree in own for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_fields"]
     returns = [n.value for n in ast.walk(fields_fn) if isinstance(n, ast.Return)]
     assert len(returns) == 1 and isinstance(returns[0], ast.Dict), "Daemon._fields must return a dict literal"
     record_keys = {k.value for k in returns[0].keys}
-    assigns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+    assigns = [n.value for tree in own for n in ast.walk(tree) if isinstance(n, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == "fields" for t in n.targets)]
-    assert assigns and all(is_fields_call(v) for v in assigns), "'fields =' in daemon.py is not self._fields(...)"
+    assert assigns and all(is_fields_call(v) for v in assigns), "a 'fields =' of the daemon is not self._fields(...)"
     calls: dict[str, list[set[str]]] = {}
     for node in (n for t in trees for n in ast.walk(t)):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "event"
@@ -274,7 +275,7 @@ def _event_calls() -> dict[str, list[set[str]]]:
                 if is_fields_call(kw.value) or (isinstance(kw.value, ast.Name) and kw.value.id == "fields"):
                     keys |= record_keys
                 else:
-                    raise AssertionError(f"daemon.py line {node.lineno}: unknown fields **{ast.unparse(kw.value)}")
+                    raise AssertionError(f"line {node.lineno}: unknown fields **{ast.unparse(kw.value)}")
             elif kw.arg != "priority":
                 keys.add(kw.arg)
         calls.setdefault(event.value, []).append(keys)
@@ -284,7 +285,7 @@ def _event_calls() -> dict[str, list[set[str]]]:
 def sent_fields() -> dict[str, set[str]]:
     """Return {event: journal fields sent with every one of its events}: what EventLog.event really
     sends (MESSAGE, MESSAGE_ID, PRIORITY, SYSLOG_IDENTIFIER, CODE_*, DS_STAGE for job events) given
-    the keywords that every call of that event in daemon.py passes. A field passed by only some
+    the keywords that every call of that event in the daemon's modules passes. A field passed by only some
     calls is left out: where it is missing journalctl prints the placeholder's bare name. (A keyword
     whose value is None at run time is left out by EventLog too, which this cannot see: the catalog
     names such fields in plain text, without @...@.)"""
@@ -335,7 +336,7 @@ def test_the_catalog_explains_every_message_id_with_fields_the_daemon_sends():
 
 def test_the_catalog_check_finds_a_missing_entry_a_missing_subject_and_an_unsent_field():
     allowed = sent_fields()
-    # the derivation sees daemon.py's calls: _fields's keys, per-call keywords, DS_STAGE of job events
+    # the derivation sees the daemon's calls: _fields's keys, per-call keywords, DS_STAGE of job events
     assert {"DS_JOB_ID", "DS_DATASET", "DS_DATASET_FILE", "DS_FAILED_STAGE", "DS_STAGE"} <= allowed["job-failed"]
     assert {"DS_EPOCH", "DS_EPOCHS", "DS_LOSS"} <= allowed["job-epoch"]
     assert {"DS_SPOOL", "DS_MODEL_DIR"} <= allowed["daemon-started"]

@@ -1,0 +1,82 @@
+"""Recovery at start-up: every job found in processing/ is run again, or quarantined.
+
+A death of the daemon (SIGKILL, OOM kill, power loss) counts against no dataset: at start-up every
+job in processing/ is run again, resumed from its checkpoint if it has one, and an interrupted
+claim is finished (:func:`opt_ds_ops.spool.recover_claim`). Only a job the daemon was handling at
+two deaths in a row is quarantined to failed/ (:mod:`opt_ds_ops.handling`).
+
+**Recovery by identity.** A job's model version records the job id in metadata.json. When a job
+(re)starts, its process first asks the store for a version with its job id
+(:func:`opt_ds_ops.store.find_job_version`): if there is one, publishing ``current`` is replayed in
+claim order (:func:`opt_ds_ops.store.publish_job`) and the job finishes in done/ without training
+again, whatever the clocks say.
+"""
+
+from __future__ import annotations
+
+from .handling import QUARANTINE_AFTER
+from .journal import safe_text
+from .pacing import STEP_BUDGET_S
+from .spool import discard_job, job_ids, migrate_legacy, read_record, recover_claim, remove_stale_temps, save_record
+
+
+class Recovery:
+    """What :class:`opt_ds_ops.daemon.Daemon` does with processing/ at start-up (a part of that
+    class): it fills the queues (``pending``, the scoring slot's) and the daemon's copies of the
+    job records; a job to quarantine or refuse ends through :class:`opt_ds_ops.endings.JobEndings`.
+    """
+
+    def _recover(self, quarantine: tuple[str, int] = ("", 0)) -> None:
+        """Queue every job found in processing/ at start-up; finish interrupted claims. A daemon's
+        death counts against no dataset (``restarts`` counts them, for the record), except that a
+        job the daemon was handling when it died, twice in a row (``quarantine``: the job id and
+        deaths in a row, from :meth:`opt_ds_ops.handling.Breadcrumb.deaths`), is quarantined to
+        failed/ instead: no dataset can hold the service in a restart loop."""
+        remove_stale_temps(self.spool)
+        for name in migrate_legacy(self.spool):
+            self.log.event("job-claimed", f"{safe_text(name)}: left in processing/ by an older ds-ops; "
+                           "back in incoming/", dataset_file=name)
+        for job_id in job_ids(self.spool):
+            self._for_job(job_id, self._recover_job, job_id, quarantine, hold=False)
+
+    def _recover_job(self, job_id: str, quarantine: tuple[str, int]) -> None:
+        """:meth:`_recover` for one job directory. Only copying an interrupted claim in again
+        holds the job (:mod:`opt_ds_ops.handling`): the rest reads the daemon's own record, and a
+        kill then (a restart loop of the harness or of systemd) must not count against it. A job
+        whose model is saved is never quarantined: its process replays the publish and it is done."""
+        record = read_record(self.spool, job_id)
+        if record is None or not record.get("dataset"):
+            discard_job(self.spool, job_id)  # killed before its record was written: nothing of a user's
+            return
+        self.records[job_id] = record
+        if quarantine[0] == job_id and quarantine[1] >= QUARANTINE_AFTER and record.get("state") != "saved":
+            stage = record.get("stage") or ("spool" if record.get("state") == "claiming" else "daemon")
+            self._fail(record, stage, f"the daemon died {quarantine[1]} times in a row while handling this job "
+                       f"(state {record.get('state')}, stage {stage}); quarantined so that it cannot stop the service "
+                       "again. ds-ops requeue NAME runs it once more", "Quarantined")
+            return
+        with self.breadcrumb.holding(job_id if record.get("state") == "claiming" else None):
+            c = recover_claim(self.spool, job_id, record, self.cfg.spool.max_dataset_bytes,
+                              progress=lambda: self.notifier.keepalive(STEP_BUDGET_S))
+        if c.outcome in ("gone", "busy"):
+            self._forget(job_id)
+            return
+        if c.outcome == "empty":
+            discard_job(self.spool, job_id)
+            self._forget(job_id)
+            return
+        if c.outcome == "refused":
+            self._fail(record, "spool", c.reason, "SpoolRefused")
+            return
+        if record.get("sidecars_foreign"):
+            self._refuse_foreign_sidecars(record)
+        for stale in ("gpu_index", "gpu_uuid"):  # the GPU of the last run; the next start chooses again
+            record.pop(stale, None)
+        if record.get("state") in ("running", "claimed", "interrupted", "deferred"):
+            if record.get("state") == "running":
+                record["restarts"] = record.get("restarts", 0) + 1
+            record["state"] = "claimed"
+            save_record(self.spool, record)
+        self.log.event("job-claimed", f"{safe_text(record['dataset'])}: job {job_id} found in processing/ at "
+                       "start-up; running it again", **self._fields(record))
+        (self.scorer.pending if record.get("kind") == "score" else self.pending).append(job_id)
