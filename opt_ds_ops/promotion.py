@@ -11,11 +11,7 @@ Given ``store.promote``:
 
   1. ``finite-losses``: its final training and validation losses are finite;
   2. ``flagged-vs-champion``: its flagged share there is not above the champion's by more than
-     ``store.promote_flag_tolerance`` (an absolute share, 0.01 = one point). Where the rows were
-     cut to those the model did not flag (a retraining from the scoring history, a sidecar's
-     ``exclude_flagged``), the champion flags next to none of them by that choice, and the
-     challenger's threshold is set on them to flag the design rate: the champion's share counts
-     as at least the design rate there (else every such challenger fails by rounding);
+     ``store.promote_flag_tolerance`` (an absolute share, 0.01 = one point);
   3. ``flagged-vs-design``: its flagged share there is not above the design rate (the share the
      threshold was set for: :func:`design_rate`) by more than the same tolerance;
   4. ``pr-auc`` (only where labels for those rows exist: ``NAME.labels`` beside the data, one
@@ -103,9 +99,7 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "design_rate": design,
            "labels": bool(labels is not None), "challenger": chal, "champion": champ,
            "tolerances": {"flag": flag_tolerance, "pr_auc": pr_auc_tolerance}, "note": champ_note}
-    chosen = bool((metadata.get("excluded") or {}).get("rows_left_out"))  # rows cut by the champion's flags
-    doc["rows_chosen_by_flags"] = chosen
-    failed, reason = _verdict(chal, champ, design, flag_tolerance, pr_auc_tolerance, chosen)
+    failed, reason = _verdict(chal, champ, design, flag_tolerance, pr_auc_tolerance)
     if mode == "always":
         promote, reason = True, (f"store.promote is always (the gate would have said: {reason})" if failed else reason)
     elif mode == "manual":
@@ -115,27 +109,21 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     return dict(doc, promote=promote, failed=failed, reason=reason)
 
 
-def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol: float,
-             chosen: bool = False) -> tuple[str | None, str]:
-    """Return (the first test failed or None, the figures in words). ``chosen``: the rows are
-    those left after the flagged ones were cut, so the champion's share counts as at least the
-    design rate."""
+def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol: float) -> tuple[str | None, str]:
+    """Return (the first test failed or None, the figures in words)."""
     losses = [chal.get("final_train_loss"), chal.get("final_val_loss")]
     if not all(v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in losses):
         return "finite-losses", f"a loss is not finite (train {losses[0]}, validation {losses[1]})"
     c = chal["flagged_share"]
-    base = max(champ["flagged_share"], design) if champ is not None and chosen else (champ or {}).get("flagged_share")
-    held = (f", counted as the design rate {design:.2%}: the rows are those it did not flag"
-            if champ is not None and chosen and base > champ["flagged_share"] else "")
-    if champ is not None and c > base + tol:
+    if champ is not None and c > champ["flagged_share"] + tol:
         return "flagged-vs-champion", (f"it flags {c:.2%} of the held-back rows, the champion "
-                                       f"{champ['flagged_share']:.2%}{held} (tolerance {tol:.2%})")
+                                       f"{champ['flagged_share']:.2%} (tolerance {tol:.2%})")
     if c > design + tol:
         return "flagged-vs-design", f"it flags {c:.2%} of the held-back rows, design rate {design:.2%} (tolerance {tol:.2%})"
     ca, pa = chal.get("pr_auc"), (champ or {}).get("pr_auc")
     if isinstance(ca, float) and isinstance(pa, float) and ca < pa - auc_tol:
         return "pr-auc", f"its PR-AUC on the labelled held-back rows is {ca:.3f}, the champion's {pa:.3f} (tolerance {auc_tol:.3f})"
-    vs = f", champion {champ['flagged_share']:.2%}{held}" if champ is not None else ""
+    vs = f", champion {champ['flagged_share']:.2%}" if champ is not None else ""
     auc = f"; PR-AUC {ca:.3f} vs {pa:.3f}" if isinstance(ca, float) and isinstance(pa, float) else ""
     return None, f"not worse: flags {c:.2%} of the held-back rows{vs}, design rate {design:.2%}{auc}"
 
