@@ -27,7 +27,7 @@ from .fsutil import fsync_dir, utc_now
 from .history import history_path
 from .journal import LOG_NOTICE, safe_text
 from .spool import new_job_id, save_record
-from .store import StoreError
+from .store import StoreError, current_metadata
 
 KIND = "retrain"
 DATA_FILE = "dataset.npz"
@@ -131,6 +131,16 @@ class Retrainer:
                          f"{safe_text(why)}", priority=LOG_NOTICE, model=name, trigger=trigger, reason=why,
                          job_id=job_id, dataset_file=record["dataset"])
         return job_id
+
+
+def job_options(cfg, name: str):
+    """In the job process: the dataset options of a retraining job of model ``name``: the
+    conffile's, with the current version's metric names (the history has no header, and a version
+    without them names its metrics by column number in alerts and the journal)."""
+    import dataclasses
+
+    names = (current_metadata(cfg.models_dir, name) or {}).get("metric_names")
+    return dataclasses.replace(cfg.dataset, metric_names=tuple(names)) if names else cfg.dataset
 
 
 def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str]:

@@ -203,7 +203,9 @@ def name_job(spool, job_id: str, record: dict, cfg):
     from .store import StoreError, safe_model_name
 
     if record.get("kind") == "retrain":  # issue 20: the daemon named the model, no sidecar
-        return safe_model_name(str(record["model"])), True, cfg.dataset
+        from .retrain import job_options
+
+        return safe_model_name(str(record["model"])), True, job_options(cfg, str(record["model"]))
     if record.get("sidecar_error"):
         raise JobError("dataset", f"sidecar {record['sidecar_error']}")
     options, name = cfg.dataset, None

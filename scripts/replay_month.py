@@ -25,8 +25,9 @@ Checks (exit 1, one line per failure): ``current`` names one whole version after
 at the end; every version directory loads (opt_ds_ops.store.load_model) and no ``.tmp-*`` is
 left; the history file reads back, in time order, within the window; every retraining's
 ``excluded`` record is what the flags of the history it was given (its copy in done/) say, those
-flags are the ones the scoring results gave the same rows, and no row it trained on lies in or
-within the margin of a flagged segment (a segment kept as a change of regime excepted, counted);
+flags are the ones the scoring results gave the same rows, no row it trained on lies in or
+within the margin of a flagged segment (a segment kept as a change of regime excepted, counted),
+and it names its metrics as the first version does;
 no chunk failed; the daemon stops with 0 on SIGTERM.
 
     python3 scripts/replay_month.py                    # the whole month (about 5-7 minutes, 2 cores)
@@ -331,6 +332,9 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
             continue
         fig = check_retrain(name_dir, md, copies.get(md.get("job_id")), flags_by_time, rcfg.exclude_margin,
                             rcfg.exclude_max_rows, failures)
+        if md.get("metric_names") != mds[0].get("metric_names"):
+            failures.append(f"{md['version']}: metric names {str(md.get('metric_names'))[:60]}, the first version's "
+                            f"{str(mds[0].get('metric_names'))[:60]}")
         gate = md.get("promotion") or {}
         retrains.append(dict(fig, version=md["version"], trigger=md["retrain"].get("trigger"),
                              promoted=gate.get("failed") is None and not md.get("not_current"),
