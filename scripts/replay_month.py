@@ -31,7 +31,7 @@ and it names its metrics as the first version does;
 no chunk failed; the daemon stops with 0 on SIGTERM.
 
     python3 scripts/replay_month.py                    # the whole month (about 5-7 minutes, 2 cores)
-    python3 scripts/replay_month.py --days 3 --every 8s --max-steps 300   # a small one (the test)
+    python3 scripts/replay_month.py --days 3 --every 6s --max-steps 300   # a small one (the test)
 """
 
 from __future__ import annotations
