@@ -17,7 +17,7 @@ the journal, and whether the retraining kept its promises.
   (opt_ds_ops/retrain.py), not the data's clock, so a replay that runs a day of data in 8 s sets
   it in seconds: 20 s there is about 2.5 days of data.
 * At the end (the queue empty, the last retraining finished) it prints ``ds-ops status``,
-  ``ds-ops models MACHINE``, the daemon's journal lines about retraining, promotion and anomalies,
+  ``ds-ops models list``, the daemon's journal lines about retraining, promotion and anomalies,
   and a summary: chunks, rows scored, retrains, promotions, refusals with the gate's figures, and
   the segments flagged in the test period against its labelled ones.
 
@@ -26,7 +26,8 @@ at the end; every version directory loads (opt_ds_ops.store.load_model) and no `
 left; the history file reads back, in time order, within the window; every retraining's
 ``excluded`` record is what the flags of the history it was given (its copy in done/) say, those
 flags are the ones the scoring results gave the same rows, no row it trained on lies in or
-within the margin of a flagged segment (a segment kept as a change of regime excepted, counted),
+within the margin of a flagged segment (the bytes it trained on, metadata dataset.sha256, are the
+history's rows outside them; a segment kept as a change of regime excepted, counted),
 and it names its metrics as the first version does;
 no chunk failed; the daemon stops with 0 on SIGTERM.
 
@@ -79,7 +80,8 @@ def load_machine(smd: Path, machine: str) -> tuple[np.ndarray, np.ndarray, np.nd
     """Return (train rows, test rows, test labels (bool)) of one SMD machine."""
     train = np.loadtxt(smd / "train" / f"{machine}.txt.gz", delimiter=",")
     test = np.loadtxt(smd / "test" / f"{machine}.txt.gz", delimiter=",")
-    lab = next(p for p in (smd / "test_label" / f"{machine}.txt", smd / "test_label" / f"{machine}.txt.gz") if p.exists())
+    labels = smd / "test_label"
+    lab = next(p for p in (labels / f"{machine}.txt", labels / f"{machine}.txt.gz") if p.exists())
     return train, test, np.loadtxt(lab, dtype=int).astype(bool)
 
 
@@ -194,35 +196,55 @@ def result_flags(results: Path) -> dict[int, bool]:
     return flags
 
 
-def check_retrain(name_dir: Path, md: dict, history_copy: Path | None, flags_by_time: dict, margin: int,
-                  max_rows: int, failures: list[str]) -> dict:
-    """Check one retrained version's ``excluded`` against the history copy it was given; return figures."""
+def normal_rows_mask(flags: np.ndarray, margin: int, max_rows: int) -> tuple[np.ndarray, int, int]:
+    """Written apart from opt_ds_ops.retrain_data: (the rows a retraining may train on: none of a
+    flagged run of at most max_rows rows (0: any) nor margin rows either side; runs, runs kept)."""
+    keep, i, n, runs, kept = np.ones(flags.size, dtype=bool), 0, flags.size, 0, 0
+    while i < n:
+        if not flags[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and flags[j]:
+            j += 1
+        runs += 1
+        if max_rows and j - i > max_rows:
+            kept += 1
+        else:
+            keep[max(0, i - margin) : j + margin] = False
+        i = j
+    return keep, runs, kept
+
+
+def check_retrain(md: dict, history_copy: Path | None, flags_by_time: dict, margin: int, max_rows: int,
+                  failures: list[str]) -> dict:
+    """Check one retrained version against the history copy it was given: its flags are those the
+    scoring results gave, its ``excluded`` record adds up, and the bytes it trained on
+    (metadata ``dataset.sha256``) are the history's rows without the flagged runs and their margin."""
+    import hashlib
+    import io
+
     from opt_ds_ops.history import read_history
-    from opt_ds_ops.retrain_data import exclusion_mask
 
     v, ex = md["version"], md.get("excluded") or {}
     if history_copy is None:
         failures.append(f"{v}: no copy of the history it trained on in done/")
         return {}
     h = read_history(str(history_copy))
-    keep, counts = exclusion_mask(h.flags, margin, max_rows)
-    if (ex.get("rows_in"), ex.get("rows_left_out"), ex.get("segments")) != (h.flags.size, int((~keep).sum()),
-                                                                             counts["segments"]):
+    keep, runs, kept = normal_rows_mask(h.flags, margin, max_rows)
+    left = int((~keep).sum())
+    if (ex.get("rows_in"), ex.get("rows_left_out"), ex.get("segments")) != (h.flags.size, left, runs):
         failures.append(f"{v}: excluded says {ex.get('rows_in')} in, {ex.get('rows_left_out')} left out, "
-                        f"{ex.get('segments')} segments; its history: {h.flags.size}, {int((~keep).sum())}, "
-                        f"{counts['segments']}")
-    given = np.array([flags_by_time.get(int(t)) for t in h.times], dtype=object)
-    if any(g is None for g in given) or not np.array_equal(given.astype(bool), h.flags):
+                        f"{ex.get('segments')} segments; its history: {h.flags.size}, {left}, {runs}")
+    given = [flags_by_time.get(int(t)) for t in h.times]
+    if None in given or not np.array_equal(np.array(given, dtype=bool), h.flags):
         failures.append(f"{v}: the history's flags are not those the scoring results gave the same rows")
-    near = np.zeros_like(keep)  # rows in or within the margin of any flagged segment
-    near[:] = ~exclusion_mask(h.flags, margin, 0)[0]
-    trained_near = int((keep & near).sum())
-    if trained_near and not counts["segments_kept_as_regime"]:
-        failures.append(f"{v}: {trained_near} rows it trained on are in or beside a flagged segment")
-    if md["rows_trained"] != ex.get("rows_kept"):
-        failures.append(f"{v}: trained on {md['rows_trained']} rows, excluded.rows_kept says {ex.get('rows_kept')}")
-    return {"rows_in": h.flags.size, "left_out": int((~keep).sum()), "segments": counts["segments"],
-            "kept_as_regime": counts["segments_kept_as_regime"], "trained_near_flags": trained_near}
+    buf = io.BytesIO()
+    np.save(buf, h.rows()[keep], allow_pickle=False)
+    if hashlib.sha256(buf.getvalue()).hexdigest() != (md.get("dataset") or {}).get("sha256"):
+        failures.append(f"{v}: the rows it trained on are not the history's rows outside its flagged runs")
+    return {"rows_in": h.flags.size, "left_out": left, "segments": runs, "kept_as_regime": kept,
+            "trained_flagged": int(h.flags[keep].sum())}
 
 
 def history_copies(done: Path) -> dict[str, Path]:
@@ -310,7 +332,6 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
         try:
             load_model(str(name_dir / v))
             md = read_metadata(str(name_dir / v))
-            md["rows_trained"] = (md.get("dataset") or {}).get("rows")
             mds.append(md)
         except Exception as e:  # any fault of a version directory is a failure here, named
             failures.append(f"version {v} does not load: {e}")
@@ -330,7 +351,7 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
     for md in mds:
         if not md.get("retrain"):
             continue
-        fig = check_retrain(name_dir, md, copies.get(md.get("job_id")), flags_by_time, rcfg.exclude_margin,
+        fig = check_retrain(md, copies.get(md.get("job_id")), flags_by_time, rcfg.exclude_margin,
                             rcfg.exclude_max_rows, failures)
         if md.get("metric_names") != mds[0].get("metric_names"):
             failures.append(f"{md['version']}: metric names {str(md.get('metric_names'))[:60]}, the first version's "
@@ -378,7 +399,8 @@ def print_report(status: str, models: str, log: str, figures: dict) -> None:
         share = (f"flags {x['challenger']:.2%} vs champion {x['champion']:.2%} (design {x['design']:.2%}) on "
                  f"{x['rows_gate']} held-back rows" if isinstance(x.get("challenger"), float)
                  and isinstance(x.get("champion"), float) else str(x.get("reason")))
-        print(f"  {x['version']} ({x['trigger']}): {verdict}: {share}; trained on {x.get('rows_in', 0) - x.get('left_out', 0)}"
+        trained = x.get("rows_in", 0) - x.get("left_out", 0)
+        print(f"  {x['version']} ({x['trigger']}): {verdict}: {share}; trained on {trained}"
               f" of {x.get('rows_in')} history rows ({x.get('left_out')} left out, {x.get('segments')} flagged "
               f"segments, {x.get('kept_as_regime')} kept as a change of regime)")
     e = figures["test_period"]

@@ -25,5 +25,5 @@ def test_a_replay_retrains_by_retrain_every_judges_each_challenger_and_keeps_the
     assert len(retrains) >= 2, retrains  # retrain.every fires again after the first challenger, kept or refused
     for x in retrains:
         assert x["trigger"] == "every" and isinstance(x["challenger"], float) and isinstance(x["champion"], float), x
-        assert x["left_out"] > 0 and x["trained_near_flags"] == 0, x  # the flagged segments stayed out
+        assert x["left_out"] > 0 and x["trained_flagged"] == 0, x  # the flagged segments stayed out
     assert "ds-ops status" in r.stdout and "next retrain 20" in r.stdout and "gate: " in r.stdout
