@@ -27,3 +27,4 @@ def test_a_replay_retrains_by_retrain_every_judges_each_challenger_and_keeps_the
         assert x["trigger"] == "every" and isinstance(x["challenger"], float) and isinstance(x["champion"], float), x
         assert x["left_out"] > 0 and x["trained_flagged"] == 0, x  # the flagged segments stayed out
     assert "ds-ops status" in r.stdout and "next retrain 20" in r.stdout and "gate: " in r.stdout
+    assert "      retrained (every): " in r.stdout and " history rows, " in r.stdout  # ds-ops models list says so
