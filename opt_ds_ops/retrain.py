@@ -31,6 +31,7 @@ from .store import StoreError, current_metadata
 
 KIND = "retrain"
 DATA_FILE = "dataset.npz"
+HELD_FILE = "held_back.npy"  # the history's newest rows, for the promotion gate only
 
 
 def trained_at_s(md: dict | None) -> float | None:
@@ -143,17 +144,20 @@ def job_options(cfg, name: str):
     return dataclasses.replace(cfg.dataset, metric_names=tuple(names)) if names else cfg.dataset
 
 
-def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str]:
+def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, str]:
     """In the job process: cut a retraining job's history copy to its normal rows as
-    ``processing/JOB/normal.npy``; return (its path, the metadata to add: ``retrain``,
-    ``excluded``; the dataset file name the version keeps: current's, so that files named after
-    it still score and train as that model). Raises ValueError for a history that leaves too
-    little to train on."""
+    ``processing/JOB/normal.npy``, its newest tenth held back first, whole, as
+    ``processing/JOB/held_back.npy`` (:func:`opt_ds_ops.retrain_data.write_history_dataset`);
+    return (the dataset's path, the metadata to add: ``retrain``, ``excluded`` with its
+    ``held_back`` range; the dataset file name the version keeps: current's, so that files named
+    after it still score and train as that model; the held-back rows' path, for the gate). Raises
+    ValueError for a history that leaves too little to train on."""
     from .retrain_data import write_history_dataset
     from .store import dataset_file_of
 
-    out = spool.job_path(job_id, "normal.npy")
+    out, held = spool.job_path(job_id, "normal.npy"), spool.job_path(job_id, HELD_FILE)
     info = write_history_dataset(spool.job_path(job_id, DATA_FILE), out, cfg.retrain.exclude_margin,
-                                 cfg.retrain.exclude_max_rows)
+                                 cfg.retrain.exclude_max_rows, held_path=held)
     meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at")}, "excluded": info}
-    return out, json.loads(json.dumps(meta)), dataset_file_of(cfg.models_dir, record["model"]) or record["dataset"]
+    name = dataset_file_of(cfg.models_dir, record["model"]) or record["dataset"]
+    return out, json.loads(json.dumps(meta)), name, held

@@ -323,12 +323,12 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                 send("beat")
             return stop_event.is_set()
 
-        extra = None
+        extra = held = None
         if record.get("kind") == "retrain":  # issue 20: the history copy cut to its normal rows
             from .retrain import job_dataset
 
             try:
-                path, extra, name = job_dataset(spool, job_id, record, cfg)
+                path, extra, name, held = job_dataset(spool, job_id, record, cfg)
             except ValueError as e:
                 raise JobError("dataset", str(e)) from None
         try:
@@ -339,7 +339,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                           on_stage=on_stage, options=options, explicit_name=explicit,
                           scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True,
                           uploader_uid=record.get("uploader_uid"),
-                          on_resume_dropped=lambda why: send("resumed", epoch=1, why=why), extra_metadata=extra)
+                          on_resume_dropped=lambda why: send("resumed", epoch=1, why=why), extra_metadata=extra,
+                          held_back_path=held)
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             if ckpt is None:  # a distributed run keeps none: it trains again from epoch 1

@@ -231,20 +231,28 @@ def check_retrain(md: dict, history_copy: Path | None, flags_by_time: dict, marg
         failures.append(f"{v}: no copy of the history it trained on in done/")
         return {}
     h = read_history(str(history_copy))
-    keep, runs, kept = normal_rows_mask(h.flags, margin, max_rows)
+    n = h.flags.size
+    cut = n - min(max(1, int(round(n * 0.1))), n - 2)  # the newest tenth is held back for the gate, before the cut
+    held = ex.get("held_back") or {}
+    if (held.get("from_row"), held.get("to_row"), held.get("flagged_by_current")) != (cut, n, int(h.flags[cut:].sum())):
+        failures.append(f"{v}: held_back says rows {held.get('from_row')}..{held.get('to_row')} "
+                        f"({held.get('flagged_by_current')} flagged); its history: {cut}..{n} ({int(h.flags[cut:].sum())})")
+    keep, runs, kept = normal_rows_mask(h.flags[:cut], margin, max_rows)
     left = int((~keep).sum())
-    if (ex.get("rows_in"), ex.get("rows_left_out"), ex.get("segments")) != (h.flags.size, left, runs):
+    if (ex.get("rows_in"), ex.get("rows_left_out"), ex.get("segments")) != (cut, left, runs):
         failures.append(f"{v}: excluded says {ex.get('rows_in')} in, {ex.get('rows_left_out')} left out, "
-                        f"{ex.get('segments')} segments; its history: {h.flags.size}, {left}, {runs}")
+                        f"{ex.get('segments')} segments; its history before the held-back rows: {cut}, {left}, {runs}")
     given = [flags_by_time.get(int(t)) for t in h.times]
     if None in given or not np.array_equal(np.array(given, dtype=bool), h.flags):
         failures.append(f"{v}: the history's flags are not those the scoring results gave the same rows")
     buf = io.BytesIO()
-    np.save(buf, h.rows()[keep], allow_pickle=False)
+    np.save(buf, h.rows()[:cut][keep], allow_pickle=False)
     if hashlib.sha256(buf.getvalue()).hexdigest() != (md.get("dataset") or {}).get("sha256"):
-        failures.append(f"{v}: the rows it trained on are not the history's rows outside its flagged runs")
-    return {"rows_in": h.flags.size, "left_out": left, "segments": runs, "kept_as_regime": kept,
-            "trained_flagged": int(h.flags[keep].sum())}
+        failures.append(f"{v}: the rows it trained on are not the history's rows outside its flagged runs "
+                        "and its held-back rows")
+    return {"rows_in": cut, "left_out": left, "segments": runs, "kept_as_regime": kept,
+            "trained_flagged": int(h.flags[:cut][keep].sum()), "held_back": n - cut,
+            "held_flagged": int(h.flags[cut:].sum())}
 
 
 def history_copies(done: Path) -> dict[str, Path]:
@@ -362,6 +370,7 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
                              failed=gate.get("failed"), reason=gate.get("reason"),
                              challenger=(gate.get("challenger") or {}).get("flagged_share"),
                              champion=(gate.get("champion") or {}).get("flagged_share"),
+                             of_normal=(gate.get("challenger") or {}).get("flagged_share_of_normal"),
                              design=gate.get("design_rate"), rows_gate=gate.get("rows")))
     # the test period's flags against its labels
     test_from = train.shape[0]
@@ -396,12 +405,13 @@ def print_report(status: str, models: str, log: str, figures: dict) -> None:
           f"{len(r) - len(promoted)} refused; current {figures['current']}; history {figures['history_rows']} rows")
     for x in r:
         verdict = "promoted" if x["promoted"] else f"refused ({x['failed']})"
-        share = (f"flags {x['challenger']:.2%} vs champion {x['champion']:.2%} (design {x['design']:.2%}) on "
-                 f"{x['rows_gate']} held-back rows" if isinstance(x.get("challenger"), float)
+        share = (f"flags {x['challenger']:.2%} vs champion {x['champion']:.2%} of {x['rows_gate']} held-back rows "
+                 f"({x.get('held_flagged')} flagged by the champion when scored), {x.get('of_normal') or 0:.2%} of "
+                 f"those the champion did not flag (design {x['design']:.2%})" if isinstance(x.get("challenger"), float)
                  and isinstance(x.get("champion"), float) else str(x.get("reason")))
         trained = x.get("rows_in", 0) - x.get("left_out", 0)
         print(f"  {x['version']} ({x['trigger']}): {verdict}: {share}; trained on {trained}"
-              f" of {x.get('rows_in')} history rows ({x.get('left_out')} left out, {x.get('segments')} flagged "
+              f" of the {x.get('rows_in')} older history rows ({x.get('left_out')} left out, {x.get('segments')} flagged "
               f"segments, {x.get('kept_as_regime')} kept as a change of regime)")
     e = figures["test_period"]
     if e:

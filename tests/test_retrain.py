@@ -238,7 +238,8 @@ def test_a_level_shift_fires_the_drift_trigger_and_the_retrained_model_is_promot
         gate = md["promotion"]
         print(f"retrained: trigger {md['retrain']['trigger']} ({md['retrain']['why']}); excluded {md['excluded']['reason']}; "
               f"gate: champion {gate['champion']['flagged_share']:.2%}, challenger {gate['challenger']['flagged_share']:.2%}")
-        assert md["retrain"]["trigger"] == "drift" and md["excluded"]["rows_in"] == 2000
+        assert md["retrain"]["trigger"] == "drift" and md["excluded"]["rows_in"] == 1800  # the older nine tenths
+        assert md["excluded"]["held_back"]["rows"] == 200 == gate["rows"]  # the newest tenth: the gate's
         assert current_version(str(tmp_path / "models" / "m")) == second != first, gate
         after = score(new_regime[2000:2500])
         share = after["flagged"] / after["rows"]
