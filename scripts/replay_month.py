@@ -24,10 +24,12 @@ the journal, and whether the retraining kept its promises.
 Checks (exit 1, one line per failure): ``current`` names one whole version after every chunk and
 at the end; every version directory loads (opt_ds_ops.store.load_model) and no ``.tmp-*`` is
 left; the history file reads back, in time order, within the window; every retraining's
-``excluded`` record is what the flags of the history it was given (its copy in done/) say, those
+``excluded.held_back`` is the newest tenth of the history it was given (its copy in done/) and
+its ``excluded`` record is what the flags of the older rows say, those
 flags are the ones the scoring results gave the same rows, no row it trained on lies in or
 within the margin of a flagged segment (the bytes it trained on, metadata dataset.sha256, are the
-history's rows outside them; a segment kept as a change of regime excepted, counted),
+older rows outside them, none of the held-back tenth; a segment kept as a change of regime
+excepted, counted),
 and it names its metrics as the first version does;
 no chunk failed; the daemon stops with 0 on SIGTERM.
 
