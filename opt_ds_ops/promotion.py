@@ -79,7 +79,8 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     data's ``offset``), their ``labels`` (n,) bool or None, return the ``promotion`` record:
     ``{mode, promote, failed, reason, rows, rows_from, design_rate, challenger: {...}, champion:
     {...} or None, tolerances, held_back: held_range}``; the challenger's ``flagged_share_of_normal``
-    is its share of the ``normal_rows`` the champion did not flag (test 3). ``promote`` False says the version is kept, not made current;
+    is its share of the ``normal_rows`` the champion did not flag (test 3). ``promote`` False
+    says the version is kept, not made current;
     ``failed`` names the first test it failed (None if none). A champion that cannot score these
     rows (other columns, unreadable) is no obstacle: the reason says so. Raises nothing for bad
     models; ScoreError only for rows of the wrong shape for the challenger."""
@@ -110,7 +111,8 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
         chal["pr_auc"] = average_precision(c_scores, labels)
         if champ is not None and s is not None:
             champ["pr_auc"] = average_precision(s, labels)
-    doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "held_back": held_range, "design_rate": design,
+    doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "held_back": held_range,
+           "design_rate": design,
            "labels": bool(labels is not None), "challenger": chal, "champion": champ,
            "tolerances": {"flag": flag_tolerance, "pr_auc": pr_auc_tolerance}, "note": champ_note}
     failed, reason = _verdict(chal, champ, design, flag_tolerance, pr_auc_tolerance)

@@ -98,8 +98,10 @@ def held_back_range(h, fraction: float = HOLD_BACK_FRACTION) -> dict:
     k = min(max(1, int(round(n * fraction))), max(0, n - 2))
     times = h.times[n - k:] if k else h.times[:0]
     known = times[np.isfinite(times)]
-    return {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n, "flagged_by_current": int(h.flags[n - k:].sum()),
-            "from_time_s": float(known[0]) if known.size else None, "to_time_s": float(known[-1]) if known.size else None}
+    return {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n,
+            "flagged_by_current": int(h.flags[n - k:].sum()),
+            "from_time_s": float(known[0]) if known.size else None,
+            "to_time_s": float(known[-1]) if known.size else None}
 
 
 def write_history_dataset(history_path: str, out_path: str, margin: int, max_rows: int,
