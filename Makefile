@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test fuzz bench soak fuzz-soak eval clean deb deb-deps lintian e2e
+.PHONY: venv demo test fuzz bench soak fuzz-soak replay eval clean deb deb-deps lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -55,6 +55,12 @@ fuzz-soak: venv
 EVAL_SMD ?= $(if $(wildcard ../shared/data/smd/train),../shared/data/smd,$(SMD))
 eval: venv
 	$(BIN)/python -m opt_ds_ops.cli evaluate $(EVAL_SMD)
+
+# A month of one SMD machine replayed through the real daemon with retrain.every on: what status,
+# models and the journal say, and the retraining's invariants (scripts/replay_month.py,
+# docs/retraining.md "A month, replayed"). REPLAY_ARGS: e.g. --machine machine-2-3 --keep.
+replay: venv
+	$(BIN)/python scripts/replay_month.py --smd $(EVAL_SMD) $(REPLAY_ARGS)
 
 clean:
 	rm -rf build $(VENV) *.egg-info

@@ -332,6 +332,7 @@ def run_job(
     uploader_uid: int | None = None,
     on_resume_dropped: Callable[[str], None] | None = None,
     extra_metadata: dict | None = None,
+    held_back_path: str | None = None,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -364,6 +365,8 @@ def run_job(
     ``extra_metadata`` is merged into metadata.json (a retraining job's ``retrain`` and
     ``excluded``); a sidecar's ``exclude_flagged`` cuts the dataset to the rows the model's current
     version does not flag (:func:`opt_ds_ops.retrain_data.exclude_flagged`, ``excluded``).
+    ``held_back_path``: a ``.npy`` of rows the promotion gate judges on instead of the dataset's
+    validation split (a retraining job's newest history rows, :func:`opt_ds_ops.retrain.job_dataset`).
     When ``health`` names the GPU the gate chose,
     each epoch carries its NVML reading (:mod:`opt_ds_ops.gpustats`; a failing NVML never fails the
     job). Raises JobError naming the failed stage;
@@ -453,7 +456,7 @@ def run_job(
             metadata["validation_scores"] = None
             metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
         if job_id is not None:  # issue 20: a daemon job's version becomes current only past the gate
-            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path, keep)
+            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path, keep, held_back_path)
         stage("store")
         # issue 11: report.png is drawn into the version's hidden temporary directory, so it is
         # published with the version by the same rename (a kill leaves no partial picture behind); a

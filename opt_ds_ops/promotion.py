@@ -5,15 +5,23 @@ Given ``store.promote``:
 
 * ``always``: every new version becomes current (as before issue 20); the figures are still
   measured and recorded.
-* ``if-not-worse`` (the default): the challenger and the champion score the same held-back rows
-  (a dropped training file's validation split: its most recent rows, which the challenger's
-  weights never saw). It is promoted only if
+* ``if-not-worse`` (the default): the challenger and the champion score the same held-back rows.
+  For a retraining these are the newest tenth of the model's scoring history, held back BEFORE
+  its flagged segments are cut (:func:`opt_ds_ops.retrain_data.write_history_dataset`): neither
+  model trained on them, the challenger's threshold was fit on its own validation rows, not on
+  these, and they keep the rows the champion flagged. For a dropped training file they are its
+  validation split (its most recent rows, which the challenger's weights never saw). It is
+  promoted only if
 
   1. ``finite-losses``: its final training and validation losses are finite;
-  2. ``flagged-vs-champion``: its flagged share there is not above the champion's by more than
-     ``store.promote_flag_tolerance`` (an absolute share, 0.01 = one point);
-  3. ``flagged-vs-design``: its flagged share there is not above the design rate (the share the
-     threshold was set for: :func:`design_rate`) by more than the same tolerance;
+  2. ``flagged-vs-champion``: its flagged share of all the held-back rows is not above the
+     champion's by more than ``store.promote_flag_tolerance`` (an absolute share, 0.01 = one point);
+  3. ``flagged-vs-design``: its flagged share of the held-back rows the champion did NOT flag
+     (all of them without a champion) is not above the design rate (the share the threshold was
+     set for: :func:`design_rate`) by more than the same tolerance. A real incident in the
+     held-back rows that both models flag is no reason to refuse: it counts in test 2 for both,
+     and test 3 asks only whether the challenger flags the champion's normal rows at about the
+     rate it was designed for;
   4. ``pr-auc`` (only where labels for those rows exist: ``NAME.labels`` beside the data, one
      0/1 per row of the file, SMD's test_label format): its PR-AUC is not lower than the
      champion's by more than ``store.promote_pr_auc_tolerance``.
@@ -66,11 +74,13 @@ def _share(scores: np.ndarray, threshold: float) -> float:
 
 def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np.ndarray,
          offset: np.ndarray | None, labels: np.ndarray | None, *, flag_tolerance: float,
-         pr_auc_tolerance: float, rows_from: str) -> dict:
+         pr_auc_tolerance: float, rows_from: str, held_range: dict | None = None) -> dict:
     """Given the challenger (a TrainResult and its metadata), the held-back ``rows`` (n, D; the
     data's ``offset``), their ``labels`` (n,) bool or None, return the ``promotion`` record:
     ``{mode, promote, failed, reason, rows, rows_from, design_rate, challenger: {...}, champion:
-    {...} or None, tolerances}``. ``promote`` False says the version is kept, not made current;
+    {...} or None, tolerances, held_back: held_range}``; the challenger's ``flagged_share_of_normal``
+    is its share of the ``normal_rows`` the champion did not flag (test 3). ``promote`` False
+    says the version is kept, not made current;
     ``failed`` names the first test it failed (None if none). A champion that cannot score these
     rows (other columns, unreadable) is no obstacle: the reason says so. Raises nothing for bad
     models; ScoreError only for rows of the wrong shape for the challenger."""
@@ -81,6 +91,7 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
                               threshold_quantile=result.threshold_quantile, score_window=result.score_window))
     challenger = in_memory_model(result)
     c_scores = score_rows(challenger, rows, offset=offset)
+    c_flags = c_scores > challenger.threshold
     chal = {"flagged_share": _share(c_scores, challenger.threshold), "threshold": challenger.threshold,
             "final_train_loss": metadata.get("final_train_loss"), "final_val_loss": metadata.get("final_val_loss")}
     champ, champ_note = None, None
@@ -89,14 +100,19 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
         s = score_rows(stored, rows, offset=offset)
         champ = {"version": stored.metadata.get("version"), "flagged_share": _share(s, stored.threshold),
                  "threshold": stored.threshold}
+        normal = s <= stored.threshold
     except (StoreError, ScoreError, OSError) as e:
         champ_note = f"no champion to compare with ({str(e).splitlines()[0][:200]})"
-        s = None
+        s, normal = None, np.ones(rows.shape[0], dtype=bool)
+    # test 3's figure: the challenger's share of the rows the champion did not flag
+    chal["flagged_share_of_normal"] = float(c_flags[normal].mean()) if normal.any() else 0.0
+    chal["normal_rows"] = int(normal.sum())
     if labels is not None and labels.any():
         chal["pr_auc"] = average_precision(c_scores, labels)
         if champ is not None and s is not None:
             champ["pr_auc"] = average_precision(s, labels)
-    doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "design_rate": design,
+    doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "held_back": held_range,
+           "design_rate": design,
            "labels": bool(labels is not None), "challenger": chal, "champion": champ,
            "tolerances": {"flag": flag_tolerance, "pr_auc": pr_auc_tolerance}, "note": champ_note}
     failed, reason = _verdict(chal, champ, design, flag_tolerance, pr_auc_tolerance)
@@ -118,14 +134,17 @@ def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol:
     if champ is not None and c > champ["flagged_share"] + tol:
         return "flagged-vs-champion", (f"it flags {c:.2%} of the held-back rows, the champion "
                                        f"{champ['flagged_share']:.2%} (tolerance {tol:.2%})")
-    if c > design + tol:
-        return "flagged-vs-design", f"it flags {c:.2%} of the held-back rows, design rate {design:.2%} (tolerance {tol:.2%})"
+    cn = chal.get("flagged_share_of_normal", c)
+    if cn > design + tol:
+        return "flagged-vs-design", (f"it flags {cn:.2%} of the {chal.get('normal_rows')} held-back rows the champion "
+                                     f"did not flag, design rate {design:.2%} (tolerance {tol:.2%})")
     ca, pa = chal.get("pr_auc"), (champ or {}).get("pr_auc")
     if isinstance(ca, float) and isinstance(pa, float) and ca < pa - auc_tol:
         return "pr-auc", f"its PR-AUC on the labelled held-back rows is {ca:.3f}, the champion's {pa:.3f} (tolerance {auc_tol:.3f})"
     vs = f", champion {champ['flagged_share']:.2%}" if champ is not None else ""
     auc = f"; PR-AUC {ca:.3f} vs {pa:.3f}" if isinstance(ca, float) and isinstance(pa, float) else ""
-    return None, f"not worse: flags {c:.2%} of the held-back rows{vs}, design rate {design:.2%}{auc}"
+    return None, (f"not worse: flags {c:.2%} of the held-back rows{vs}; {cn:.2%} of those the champion did not "
+                  f"flag, design rate {design:.2%}{auc}")
 
 
 def held_back(data: np.ndarray, rows_val: int, labels_path: str | None,
@@ -143,18 +162,40 @@ def held_back(data: np.ndarray, rows_val: int, labels_path: str | None,
                                               else "the dataset's last tenth (no validation split)")
 
 
-def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, keep=None) -> dict:
+def held_back_file(path: str) -> np.ndarray:
+    """Return the held-back rows a retraining job wrote (a float64 ``.npy``, (k, D)). Raises
+    ScoreError for a file that is not a 2-D matrix of rows, OSError if it cannot be read."""
+    try:
+        rows = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise ScoreError(f"{path}: not a matrix of held-back rows ({e})") from None
+    if rows.ndim != 2 or rows.shape[0] < 1:
+        raise ScoreError(f"{path}: not a matrix of held-back rows (shape {rows.shape})")
+    return rows
+
+
+def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, keep=None,
+                     held_back_path: str | None = None) -> dict:
     """Return the ``promotion`` record of a daemon job's new version (:func:`gate` on the held-back
     rows of dataset ``ds`` loaded from ``data_path``, whose labels are ``NAME.labels`` beside it;
-    ``keep``: the rows of the file ``ds`` kept, when flagged rows were left out, to cut the labels).
-    A gate that cannot run (labels that do not fit, rows it cannot score) keeps the version
-    without promoting it, unless ``store.promote`` is always; the reason says why. Raises nothing."""
+    ``keep``: the rows of the file ``ds`` kept, when flagged rows were left out, to cut the labels;
+    ``held_back_path``: a retraining job's held-back history rows, judged on instead, their range
+    from metadata's ``excluded.held_back``). A gate that cannot run (labels that do not fit, rows it
+    cannot score) keeps the version without promoting it, unless ``store.promote`` is always; the
+    reason says why. Raises nothing."""
     mode = cfg.store.promote
     try:
-        rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), find_labels(data_path), keep)
-        return gate(mode, result, metadata, cfg.models_dir, name, rows, ds.offset, labels,
+        held_range, offset = None, ds.offset
+        if held_back_path is not None and os.path.isfile(held_back_path):
+            rows, labels, offset = held_back_file(held_back_path), None, None  # the rows' values as they are
+            held_range = (metadata.get("excluded") or {}).get("held_back")
+            where = "the newest rows of the scoring history, held back before the flagged segments were cut"
+        else:
+            rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0),
+                                            find_labels(data_path), keep)
+        return gate(mode, result, metadata, cfg.models_dir, name, rows, offset, labels,
                     flag_tolerance=cfg.store.promote_flag_tolerance,
-                    pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where)
+                    pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where, held_range=held_range)
     except (ScoreError, ValueError, MemoryError, OSError) as e:
         return {"mode": mode, "promote": mode == "always", "failed": "gate-error",
                 "reason": f"the gate could not run: {str(e).splitlines()[0][:300]}"}

@@ -8,8 +8,10 @@ The daemon never parses data: the figures come from the scoring job's summary (`
 the history is copied as bytes into ``processing/JOB/dataset.npz``, and the job process
 (:func:`opt_ds_ops.worker.job_main`) cuts it to its normal rows
 (:func:`opt_ds_ops.retrain_data.write_history_dataset`) and trains it through the normal path,
-promotion gate included. One retraining per model and current version: a model is not queued
-again until its current version changed or its job ended.
+promotion gate included. One retraining of a model at a time (none is queued while one is in
+the queue or running); ``every`` counts from the newest version's training, promoted or not, so
+a challenger the gate refused is followed by another one ``every`` later; ``drift`` fires once
+per current version (a refused challenger does not start another until current changes).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from .fsutil import fsync_dir, utc_now
 from .history import history_path
 from .journal import LOG_NOTICE, safe_text
 from .spool import new_job_id, save_record
-from .store import current_metadata
+from .store import StoreError, current_metadata
 
 KIND = "retrain"
 DATA_FILE = "dataset.npz"
+HELD_FILE = "held_back.npy"  # the history's newest rows, for the promotion gate only
 
 
 def trained_at_s(md: dict | None) -> float | None:
@@ -38,6 +41,28 @@ def trained_at_s(md: dict | None) -> float | None:
         return datetime.strptime(ended, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
     except (TypeError, ValueError):
         return None
+
+
+def last_trained_s(models_dir: str, name: str) -> float | None:
+    """The UTC seconds the newest version of model ``name`` finished training (promoted or not:
+    a challenger the gate refused counts), or None without one; what ``retrain.every`` counts from."""
+    from .store import list_versions, name_dir_of, read_metadata
+
+    try:
+        name_dir = name_dir_of(models_dir, name)
+        ends = [trained_at_s(read_metadata(os.path.join(name_dir, v))) for v in list_versions(name_dir)]
+    except (OSError, ValueError, StoreError):
+        return None
+    ends = [e for e in ends if e is not None]
+    return max(ends) if ends else None
+
+
+def ago(seconds: float) -> str:
+    """``42 s``, ``17.5 min``, ``3.2 h``, ``2.0 d``: a duration for a journal line."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def due(rcfg, summary: dict, trained_s: float | None, now_s: float) -> tuple[str, str] | None:
@@ -53,7 +78,7 @@ def due(rcfg, summary: dict, trained_s: float | None, now_s: float) -> tuple[str
     if rcfg.every and trained_s is not None:
         every_s = parse_window(rcfg.every)[1]
         if now_s - trained_s >= every_s:
-            return "every", f"current was trained {(now_s - trained_s) / 3600:.1f} h ago (retrain.every {rcfg.every})"
+            return "every", f"the newest version was trained {ago(now_s - trained_s)} ago (retrain.every {rcfg.every})"
     return None
 
 
@@ -62,7 +87,7 @@ class Retrainer:
 
     def __init__(self, daemon):
         self.d = daemon
-        self.queued: dict[str, str] = {}  # model -> the current version a retraining was queued for
+        self.drift_for: dict[str, str] = {}  # model -> the current version a drift retraining was queued for
         self.drift: dict[str, float] = {}  # model -> the last drift ratio (metrics)
 
     def on_scored(self, summary: dict) -> str | None:
@@ -72,15 +97,17 @@ class Retrainer:
         if isinstance(ratio, (int, float)):
             self.drift[name] = float(ratio)
         cfg = self.d.cfg
-        if not name or self.queued.get(name) == version:
-            return None
-        md = current_metadata(cfg.models_dir, name)
-        why = due(cfg.retrain, summary, trained_at_s(md), time.time())
+        if not name or any(r.get("kind") == KIND and r.get("model") == name for r in self.d.records.values()):
+            return None  # its retraining is queued or running (also one recovered from processing/)
+        if self.drift_for.get(name) == version:
+            summary = {k: v for k, v in summary.items() if k != "drift"}  # drift tried for this current
+        why = due(cfg.retrain, summary, last_trained_s(cfg.models_dir, name), time.time())
         hist = history_path(cfg.scoring.results_dir, name)
         if why is None or not os.path.isfile(hist):
             return None
         job_id = self.queue(name, hist, *why)
-        self.queued[name] = version
+        if why[0] == "drift":
+            self.drift_for[name] = version
         return job_id
 
     def queue(self, name: str, hist: str, trigger: str, why: str) -> str:
@@ -107,17 +134,30 @@ class Retrainer:
         return job_id
 
 
-def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str]:
+def job_options(cfg, name: str):
+    """In the job process: the dataset options of a retraining job of model ``name``: the
+    conffile's, with the current version's metric names (the history has no header, and a version
+    without them names its metrics by column number in alerts and the journal)."""
+    import dataclasses
+
+    names = (current_metadata(cfg.models_dir, name) or {}).get("metric_names")
+    return dataclasses.replace(cfg.dataset, metric_names=tuple(names)) if names else cfg.dataset
+
+
+def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, str]:
     """In the job process: cut a retraining job's history copy to its normal rows as
-    ``processing/JOB/normal.npy``; return (its path, the metadata to add: ``retrain``,
-    ``excluded``; the dataset file name the version keeps: current's, so that files named after
-    it still score and train as that model). Raises ValueError for a history that leaves too
-    little to train on."""
+    ``processing/JOB/normal.npy``, its newest tenth held back first, whole, as
+    ``processing/JOB/held_back.npy`` (:func:`opt_ds_ops.retrain_data.write_history_dataset`);
+    return (the dataset's path, the metadata to add: ``retrain``, ``excluded`` with its
+    ``held_back`` range; the dataset file name the version keeps: current's, so that files named
+    after it still score and train as that model; the held-back rows' path, for the gate). Raises
+    ValueError for a history that leaves too little to train on."""
     from .retrain_data import write_history_dataset
     from .store import dataset_file_of
 
-    out = spool.job_path(job_id, "normal.npy")
+    out, held = spool.job_path(job_id, "normal.npy"), spool.job_path(job_id, HELD_FILE)
     info = write_history_dataset(spool.job_path(job_id, DATA_FILE), out, cfg.retrain.exclude_margin,
-                                 cfg.retrain.exclude_max_rows)
+                                 cfg.retrain.exclude_max_rows, held_path=held)
     meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at")}, "excluded": info}
-    return out, json.loads(json.dumps(meta)), dataset_file_of(cfg.models_dir, record["model"]) or record["dataset"]
+    name = dataset_file_of(cfg.models_dir, record["model"]) or record["dataset"]
+    return out, json.loads(json.dumps(meta)), name, held

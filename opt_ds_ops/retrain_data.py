@@ -86,19 +86,52 @@ def history_dataset(history, margin: int, max_rows: int) -> tuple[np.ndarray, di
     return history.rows()[keep], info
 
 
-def write_history_dataset(history_path: str, out_path: str, margin: int, max_rows: int) -> dict:
+HOLD_BACK_FRACTION = 0.1  # the newest tenth of a history is held back for the promotion gate
+
+
+def held_back_range(h, fraction: float = HOLD_BACK_FRACTION) -> dict:
+    """Given a History, return metadata's ``held_back``: the newest ``fraction`` of its rows
+    (``from_row`` inclusive, ``to_row`` exclusive, at least 1 row, at most all but 2), taken
+    BEFORE the flagged segments are cut, so they keep the rows the model flagged; their UTC
+    times where the history has them; how many the model of the time flagged."""
+    n = int(h.flags.shape[0])
+    k = min(max(1, int(round(n * fraction))), max(0, n - 2))
+    times = h.times[n - k:] if k else h.times[:0]
+    known = times[np.isfinite(times)]
+    return {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n,
+            "flagged_by_current": int(h.flags[n - k:].sum()),
+            "from_time_s": float(known[0]) if known.size else None,
+            "to_time_s": float(known[-1]) if known.size else None}
+
+
+def write_history_dataset(history_path: str, out_path: str, margin: int, max_rows: int,
+                          held_path: str | None = None) -> dict:
     """Write the normal rows of the scoring history at history_path as a float64 ``.npy`` at
     out_path (the dataset of a retraining job, trained through :func:`opt_ds_ops.job.run_job`);
-    return the ``excluded`` record. Raises ValueError for a missing, unreadable or too small
-    history, OSError if out_path cannot be written."""
-    from .history import read_history
+    return the ``excluded`` record. With ``held_path``, the newest rows of the history
+    (:func:`held_back_range`, flagged rows included) are written there instead, for the promotion
+    gate: neither the cut, the training nor the challenger's threshold sees them; ``excluded``
+    then counts the older rows only and says the held-back range (``held_back``). Raises
+    ValueError for a missing, unreadable or too small history, OSError if a file cannot be written."""
+    from .history import History, read_history
 
     h = read_history(history_path)
     if h is None:
         raise ValueError(f"{history_path}: no scoring history to retrain from")
+    held = None
+    if held_path is not None:
+        held = held_back_range(h)
+        if held["rows"]:
+            _save(held_path, h.rows()[held["from_row"]:])
+        cut = held["from_row"]
+        h = History(values=h.values[:cut], offset=h.offset, flags=h.flags[:cut], times=h.times[:cut])
     rows, info = history_dataset(h, margin, max_rows)
-    with open(out_path, "wb") as f:
+    _save(out_path, rows)
+    return dict(info, held_back=held) if held is not None else info
+
+
+def _save(path: str, rows: np.ndarray) -> None:
+    with open(path, "wb") as f:
         np.save(f, rows, allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())
-    return info

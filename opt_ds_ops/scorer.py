@@ -213,6 +213,11 @@ def _num(v) -> str:
     return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "?"
 
 
+def _seconds(v: float) -> str:
+    """``2640 s``; from two hours on with hours beside it: ``10320 s (2.9 h)`` (not ``1.032e+04 s``)."""
+    return f"{v:.0f} s" + (f" ({v / 3600:.1f} h)" if v >= 7200 else "")
+
+
 def top_text(top) -> str:
     """``disk_util 42%, cpu 30%`` from [{metric, share}] (share 0..1)."""
     parts = []
@@ -471,8 +476,8 @@ class ScoreSlot:
                           job_id=record["job_id"], dataset_file=record["dataset"])
             elif ev.get("event") == "anomaly-ended":
                 flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
-                lasted = f"{ev.get('rows')} rows" + (f", {_num(ev.get('duration_s'))} s" if ev.get("duration_s") is not None
-                                                       else "")  # headerless data has no time: rows only
+                lasted = f"{ev.get('rows')} rows" + (f", {_seconds(ev['duration_s'])}" if isinstance(
+                    ev.get("duration_s"), (int, float)) else "")  # headerless data has no time: rows only
                 log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {lasted}, "
                           f"peak score {_num(ev.get('peak_score'))} (version {flagged_by}); in {file}",
                           priority=LOG_WARNING, model=model, version=flagged_by, row=row, time=at,

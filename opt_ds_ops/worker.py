@@ -203,7 +203,9 @@ def name_job(spool, job_id: str, record: dict, cfg):
     from .store import StoreError, safe_model_name
 
     if record.get("kind") == "retrain":  # issue 20: the daemon named the model, no sidecar
-        return safe_model_name(str(record["model"])), True, cfg.dataset
+        from .retrain import job_options
+
+        return safe_model_name(str(record["model"])), True, job_options(cfg, str(record["model"]))
     if record.get("sidecar_error"):
         raise JobError("dataset", f"sidecar {record['sidecar_error']}")
     options, name = cfg.dataset, None
@@ -325,12 +327,12 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                 send("beat")
             return stop_event.is_set()
 
-        extra = None
+        extra = held = None
         if record.get("kind") == "retrain":  # issue 20: the history copy cut to its normal rows
             from .retrain import job_dataset
 
             try:
-                path, extra, name = job_dataset(spool, job_id, record, cfg)
+                path, extra, name, held = job_dataset(spool, job_id, record, cfg)
             except ValueError as e:
                 raise JobError("dataset", str(e)) from None
         try:
@@ -341,7 +343,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                           on_stage=on_stage, options=options, explicit_name=explicit,
                           scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True,
                           uploader_uid=record.get("uploader_uid"),
-                          on_resume_dropped=lambda why: send("resumed", epoch=1, why=why), extra_metadata=extra)
+                          on_resume_dropped=lambda why: send("resumed", epoch=1, why=why), extra_metadata=extra,
+                          held_back_path=held)
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             if ckpt is None:  # a distributed run keeps none: it trains again from epoch 1

@@ -4,6 +4,7 @@ gate (``store.promote``) lets a challenger become current only if it is not wors
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -206,3 +207,98 @@ def test_a_daemon_under_store_promote_manual_keeps_the_second_version_and_the_jo
     assert current_version(str(tmp_path / "models" / "m")) == v1
     assert "store.promote is manual" in d.log() and f"ds-ops models promote m {v2}" in d.log()
     assert read_metadata(str(tmp_path / "models" / "m" / v2))["promotion"]["challenger"]["flagged_share"] >= 0
+
+
+# ---- the gate on a retraining: the history's newest rows, held back before the flagged-segment cut ----
+
+def steady(n: int, seed: int = 1, d: int = 12) -> np.ndarray:
+    """A steady regime: a daily cycle (one row a minute) per metric, phases apart, plus noise."""
+    rng, t = np.random.default_rng(seed), np.arange(n)[:, None]
+    return (0.5 + 0.3 * np.sin(2 * np.pi * t / 1440 + np.linspace(0, np.pi, d)[None, :])
+            + 0.05 * rng.standard_normal((n, d))).astype(np.float32)
+
+
+def retrain_from_history(tmp_path, cfg: Config, history_rows: np.ndarray):
+    """Score history_rows with current m as the scoring spool does (its flags kept), then run a
+    retraining job as the worker does (:func:`opt_ds_ops.retrain.job_dataset`, :func:`run_job`);
+    return the JobResult."""
+    from opt_ds_ops.history import History, write_history
+    from opt_ds_ops.retrain import DATA_FILE, job_dataset
+    from opt_ds_ops.score import score_rows
+    from opt_ds_ops.spool import Spool
+    from opt_ds_ops.store import CURRENT, load_model
+
+    stored = load_model(os.path.join(cfg.models_dir, "m", CURRENT))
+    rows = history_rows.astype(np.float64)
+    flags = score_rows(stored, rows) > stored.threshold
+    spool, job_id = Spool(str(tmp_path / "spool")), new_job_id()
+    os.makedirs(spool.job_dir(job_id))
+    offset = rows.mean(axis=0)
+    write_history(spool.job_path(job_id, DATA_FILE), History(values=(rows - offset).astype(np.float32), offset=offset,
+                                                             flags=flags, times=np.full(rows.shape[0], np.nan)))
+    record = {"model": "m", "dataset": "m.history.npz", "trigger": "every", "why": "a test", "window": "7d"}
+    path, extra, name, held = job_dataset(spool, job_id, record, cfg)
+    return run_job(path, cfg, name="m", explicit_name=True, plan=plan_device("cpu", "off"), job_id=job_id,
+                   source_name=name, extra_metadata=extra, held_back_path=held)
+
+
+def test_a_retraining_on_normal_history_is_promoted_not_refused_by_rounding(tmp_path):
+    """Before: the held-back rows were the challenger's validation split of the history's rows left
+    after the flagged-segment cut, rows the champion had not flagged: it scored 0 % there by
+    construction and the challenger's threshold, fit on the same rows, flagged about 1 % of them,
+    so flagged-vs-champion refused every retraining (1.07 % vs 0.00 % + 1 % here)."""
+    cfg = gate_cfg(tmp_path, epochs=10)
+    rows = steady(13_000)
+    daemon_job(write_rows(tmp_path / "m.csv", rows[:3000]), cfg)
+    job = retrain_from_history(tmp_path, cfg, rows[3000:])
+    gate, held = job.metadata["promotion"], job.metadata["excluded"]["held_back"]
+    print(f"\nsteady regime: {gate['reason']}; held back rows {held['from_row']}..{held['to_row']} of "
+          f"{held['history_rows']} ({held['flagged_by_current']} flagged when scored)")
+    assert (held["from_row"], held["to_row"], held["rows"]) == (9000, 10_000, 1000) and gate["rows"] == 1000
+    assert job.metadata["excluded"]["rows_in"] == 9000  # the cut and the training saw only the older rows
+    assert "held back before the flagged segments were cut" in gate["rows_from"] and gate["held_back"] == held
+    assert gate["promote"] and gate["failed"] is None, gate
+    assert current_version(str(tmp_path / "models" / "m")) == os.path.basename(job.model_dir)
+    md = read_metadata(job.model_dir)
+    assert md["promotion"]["champion"]["flagged_share"] == gate["champion"]["flagged_share"]
+    assert md["excluded"]["held_back"]["rows"] == 1000
+
+
+def test_a_retraining_worse_on_the_held_back_rows_is_refused_with_the_figures(tmp_path):
+    """The held-back rows are the newest of the history, flags included: a challenger trained on
+    an older regime (the history shifted back after its first 9,000 rows, as if a change were
+    undone) flags most of them, the champion few; flagged-vs-champion refuses it."""
+    cfg = gate_cfg(tmp_path, epochs=10)
+    rows = steady(13_000)
+    daemon_job(write_rows(tmp_path / "m.csv", rows[:3000]), cfg)
+    history = rows[3000:].copy()
+    history[:9000, 0:6] += 0.8  # the older rows of the history: another regime; the held-back rows: the champion's
+    champion = current_version(str(tmp_path / "models" / "m"))
+    cfg = dataclasses.replace(cfg, retrain=dataclasses.replace(cfg.retrain, exclude_max_rows=500))  # a regime, kept
+    job = retrain_from_history(tmp_path, cfg, history)
+    gate = job.metadata["promotion"]
+    print(f"\nworse challenger: {gate['reason']}")
+    assert not gate["promote"] and gate["failed"] == "flagged-vs-champion", gate
+    assert gate["challenger"]["flagged_share"] > gate["champion"]["flagged_share"] + 0.2
+    assert f"{gate['champion']['flagged_share']:.2%}" in gate["reason"]
+    assert current_version(str(tmp_path / "models" / "m")) == champion
+    assert job.metadata["not_current"].startswith(GATED)
+
+
+def test_an_incident_in_the_held_back_rows_that_both_models_flag_does_not_refuse_the_retraining(tmp_path):
+    """flagged-vs-design is judged on the held-back rows the champion did not flag: an incident in
+    the newest rows, flagged by both, counts for both in flagged-vs-champion and is no reason to
+    refuse (on all the held-back rows the challenger's share is far above the design rate)."""
+    cfg = gate_cfg(tmp_path, epochs=10)
+    rows = steady(13_000)
+    daemon_job(write_rows(tmp_path / "m.csv", rows[:3000]), cfg)
+    history = rows[3000:].copy()
+    history[9400:9500, 0:6] += 1.0  # an incident among the held-back rows (9000..10000)
+    job = retrain_from_history(tmp_path, cfg, history)
+    gate, chal = job.metadata["promotion"], job.metadata["promotion"]["challenger"]
+    print(f"\nincident held back: {gate['reason']} ({gate['design_rate']:.2%} design; "
+          f"{chal['normal_rows']} rows the champion did not flag)")
+    assert job.metadata["excluded"]["held_back"]["flagged_by_current"] >= 90  # the champion flagged it when scored
+    assert chal["flagged_share"] > gate["design_rate"] + cfg.store.promote_flag_tolerance  # all rows: above design
+    assert chal["flagged_share_of_normal"] <= gate["design_rate"] + cfg.store.promote_flag_tolerance
+    assert gate["promote"] and gate["failed"] is None, gate

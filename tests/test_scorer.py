@@ -195,6 +195,8 @@ def test_an_anomaly_of_headerless_data_ends_after_its_rows_and_names_only_metric
     assert "after 44 rows," in ended["message"] and "?" not in ended["message"], ended["message"]
     timed = dict(SCORED, events=[dict(untimed["events"][0], duration_s=2640.0)])
     assert "after 44 rows, 2640 s," in report(tmp_path / "timed", timed)[0]["message"]
+    long = dict(SCORED, events=[dict(untimed["events"][0], rows=173, duration_s=10320.0)])  # replay_month's longest
+    assert "after 173 rows, 10320 s (2.9 h)," in report(tmp_path / "long", long)[0]["message"]
     shares = [{"metric": "30", "share": 0.99}, {"metric": "34", "share": 0.001}, {"metric": "5", "share": 0.0}]
     assert top_text(shares) == "30 99%"
     assert top_text([{"metric": "5", "share": 0.0}]) == "none"

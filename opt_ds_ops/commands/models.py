@@ -75,6 +75,21 @@ def _gate_note(gate: dict | None) -> str:
     return f"\n      gate: {verdict}{flags}"
 
 
+def _retrain_note(version_dir: str) -> str:
+    """``  retrained (every): 6601 of 10081 history rows, 3480 left out (58 flagged segments)``
+    for a version made by retraining (issue 20), else nothing."""
+    try:
+        md = read_metadata(version_dir)
+    except StoreError:
+        return ""
+    rt, ex = md.get("retrain"), md.get("excluded") or {}
+    if not isinstance(rt, dict):
+        return ""
+    rows = (f": {ex.get('rows_kept')} of {ex.get('rows_in')} history rows, {ex.get('rows_left_out')} left out "
+            f"({ex.get('segments')} flagged segments)" if isinstance(ex.get("rows_in"), int) else "")
+    return f"\n      retrained ({rt.get('trigger')}){rows}"
+
+
 def _print_list(models: list[dict], models_dir: str) -> None:
     if not models:
         print(f"no models under {models_dir}")
@@ -85,7 +100,7 @@ def _print_list(models: list[dict], models_dir: str) -> None:
             mark = ("*" if v["current"] else " ") + ("P" if v["pinned"] else " ")
             print(f"  {mark} {v['version']}  {v['dataset'] or '?'}  loss {_num(v['final_train_loss'])}  "
                   f"val {_num(v['final_val_loss'])}  threshold {_num(v['threshold'], '.4f')}  age {_age(v['age_s'])}"
-                  + _gate_note(v.get("promotion")))
+                  + _retrain_note(v["path"]) + _gate_note(v.get("promotion")))
     print("(* current, P pinned)")
 
 

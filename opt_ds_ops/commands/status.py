@@ -77,11 +77,10 @@ def _model_line(v: dict) -> str:
 
 
 def next_retrains(args, views: dict) -> None:
-    """Add ``next_retrain_at`` (Unix seconds: current's training end + retrain.every) to each
-    scored model's view when retrain.every is set (issue 20)."""
+    """Add ``next_retrain_at`` (Unix seconds: the newest version's training end + retrain.every,
+    as the daemon counts it) to each scored model's view when retrain.every is set (issue 20)."""
     from ..config import parse_window
-    from ..retrain import trained_at_s
-    from ..store import current_metadata
+    from ..retrain import last_trained_s
 
     try:
         cfg = load_cfg(args, {})
@@ -90,7 +89,7 @@ def next_retrains(args, views: dict) -> None:
     if not cfg.retrain.every:
         return
     for name, v in views.items():
-        trained = trained_at_s(current_metadata(cfg.models_dir, name))
+        trained = last_trained_s(cfg.models_dir, name)
         v["next_retrain_at"] = trained + parse_window(cfg.retrain.every)[1] if trained is not None else None
 
 
