@@ -72,6 +72,9 @@ def result_doc(record: dict, metadata: dict) -> dict:
         "gpu_index": record.get("gpu_index"),
         "gpu_uuid": record.get("gpu_uuid"),
         "distributed": metadata.get("distributed"),  # {"world_size", "backend"} of a torchrun job, else None
+        # None when this version became current; else why current stayed where it was (the operator's
+        # hold after a rollback or pin, store.promote's gate): the journal's "not made current: ..."
+        "not_current": metadata.get("not_current"),
         "crashes": record.get("crashes", 0),
         "restarts": record.get("restarts", 0),
     }

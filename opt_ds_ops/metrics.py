@@ -25,13 +25,13 @@ import errno
 import json
 import math
 import os
+import stat
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from . import __version__
-from .fsutil import read_small, write_atomic
+from .fsutil import write_atomic
 
 TEXTFILE = "ds_ops.prom"
 TEMP_PREFIX = f".{TEXTFILE}.tmp-"  # the temporary file of a write: ours alone in a directory others write too
@@ -155,18 +155,38 @@ class MetricsWriter:
 
     def restore_last(self) -> list[str]:
         """Take the last results (:data:`LAST_RESULTS`) from the ``ds_ops.prom`` the previous run
-        wrote (this daemon's own file), so that they do not vanish at a restart until the next job;
-        return the metrics restored. A file that is missing, over 4 MiB or does not parse restores nothing."""
+        wrote, so that they do not vanish at a restart until the next job; return the metrics restored.
+
+        Others may write in the textfile directory, so only this daemon's own file is read: a
+        regular file (not followed through a link) owned by this process's uid, 4 MiB at most, and
+        only its unlabelled ``ds_ops_last_*`` lines, by a linear scan, not a parser: a file anyone
+        else could have put there restores nothing and costs nothing at start-up."""
         try:
-            families = list(text_string_to_metric_families(read_small(self.path, 4 << 20).decode("utf-8")))
-        except Exception:  # noqa: BLE001 - OSError, UnicodeDecodeError or the parser's: no history, not a failure
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
             return []
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 4 << 20:
+                return []
+            text = os.read(fd, st.st_size + 1).decode("ascii", "replace")
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
         restored = []
-        for sample in (s for f in families for s in f.samples):
-            attr = LAST_RESULTS.get(sample.name)
-            if attr and not sample.labels and math.isfinite(sample.value):
-                setattr(self, attr, sample.value)
-                restored.append(sample.name)
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            attr = LAST_RESULTS.get(name)
+            if attr is None:
+                continue
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            if math.isfinite(number):
+                setattr(self, attr, number)
+                restored.append(name)
         return restored
 
     def remove_leftovers(self) -> list[str]:

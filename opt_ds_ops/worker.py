@@ -212,6 +212,10 @@ def name_job(spool, job_id: str, record: dict, cfg):
     path = spool.job_path(job_id, SIDECAR_FILE)
     if record.get("sidecar") and os.path.lexists(path):
         options, name = read_sidecar(path, cfg.dataset, record["sidecar"])
+    elif record.get("sidecar") and record.get("state") == "saved" and record.get("model_name"):
+        # killed inside spool.finish after the sidecar moved to done/: the name the job already
+        # reported (the "named" message), so its saved version is found and not trained again
+        return str(record["model_name"]), bool(record.get("name_explicit", True)), options
     try:
         return safe_model_name(name or dataset_stem(record["dataset"])), name is not None, options
     except StoreError as e:

@@ -287,6 +287,14 @@ def test_requeue_takes_the_model_name_as_every_other_command_does(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(incoming)) == ["bad.csv", "bad.yaml", "machine-1-2.txt.gz", "twice.csv"]
     assert sorted(os.listdir(failed)) == ["twice.csv", "twice.csv.error.json"]
+    # the store's spelling of a name finds it; another uploader's sidecar names no model of this file
+    failure("spaced.csv", "spaced.csv", "name: Disk Latency\n")
+    failure("mallory.csv", "mallory.csv", "name: gpu01\n")
+    os.chown(failed / "mallory.csv.sidecar.yaml", 12345, 12345)
+    r = run_cli("requeue", "Disk_Latency", *spool)
+    assert r.returncode == 0 and "failed/spaced.csv -> incoming/spaced.csv" in r.stdout, r.stderr
+    r = run_cli("requeue", "gpu01", *spool)
+    assert r.returncode == 1 and "failed/gpu01 does not exist" in r.stderr, r.stderr
 
 
 def test_status_works_with_a_broken_conffile(tmp_path):

@@ -5,6 +5,7 @@ gate (``store.promote``) lets a challenger become current only if it is not wors
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -103,6 +104,12 @@ def test_a_redrop_of_the_same_file_after_a_rollback_is_kept_not_current_and_the_
         d.kill()
     listed = run_cli("models", "--models-dir", models)
     assert v3 in listed.stdout and f"current {v1}" in listed.stdout
+    # done/ says the same per drop: NAME.result.json's not_current (m.csv, m.csv.1, m.csv.2)
+    results = {doc["version"]: doc for doc in (json.loads(p.read_text())
+                                               for p in spool_dir(tmp_path, "done").glob("*.result.json"))}
+    assert sorted(results) == [v1, v2, v3]
+    assert results[v1]["not_current"] is None and results[v2]["not_current"] is None
+    assert results[v3]["not_current"].startswith(HELD) and "rolled back to " + v1 in results[v3]["not_current"]
 
 
 # ---- the promotion gate (store.promote) -----------------------------------------------------------

@@ -353,3 +353,64 @@ def test_a_job_being_claimed_by_a_live_daemon_is_alive_in_status(spool):
     finally:
         os.close(fd)
     assert sp.spool_status(spool)["daemon_pid"] is None  # the lock file stays, with this live pid in it
+
+
+def test_a_job_killed_inside_finish_keeps_the_name_its_sidecar_gave_it(spool, monkeypatch):
+    # the hostile review of 2560ed3: a kill after finish() moved sidecar.yaml to done/ but before the
+    # job directory went made the job run again under the file's stem ('a'), missing its saved
+    # version of 'disk-latency' (trained again under the wrong name, or ended as a duplicate and its
+    # dataset deleted); now the sidecar moves after the dataset, and a saved job keeps its reported name
+    from opt_ds_ops import worker
+    from opt_ds_ops.config import Config
+    from opt_ds_ops.spool import finishing
+
+    put(spool, INCOMING, "a.yaml", b"name: disk-latency\n")
+    c = claimed(spool, "a.csv")
+    sp.take_sidecar(spool, c.job_id, c.record)
+    cfg = Config()
+    assert worker.name_job(spool, c.job_id, c.record, cfg)[:2] == ("disk-latency", True)
+    record = dict(c.record, state="saved", model_name="disk-latency", name_explicit=True)
+    sp.save_record(spool, record)
+
+    class Killed(BaseException):
+        pass
+
+    moves = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        moves.append((os.path.basename(src), os.path.lexists(spool.job_path(c.job_id, "dataset.csv"))))
+        raise Killed
+
+    monkeypatch.setattr(finishing.os, "replace", replace)
+    with pytest.raises(Killed):
+        sp.finish(spool, c.job_id, record, DONE, {"job_id": c.job_id})
+    assert moves == [("sidecar.yaml", False)]  # the dataset is in done/ before its sidecar moves
+    assert worker.name_job(spool, c.job_id, record, cfg)[:2] == ("disk-latency", True)
+    monkeypatch.setattr(finishing.os, "replace", real_replace)
+
+    real_rmtree = finishing.shutil.rmtree
+    monkeypatch.setattr(finishing.shutil, "rmtree", lambda path: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):  # killed after the sidecar moved too, before the job directory went
+        sp.finish(spool, c.job_id, record, DONE, {"job_id": c.job_id})
+    monkeypatch.setattr(finishing.shutil, "rmtree", real_rmtree)
+    assert not os.path.lexists(spool.job_path(c.job_id, "sidecar.yaml"))
+    assert worker.name_job(spool, c.job_id, record, cfg)[:2] == ("disk-latency", True)
+    assert sp.finish(spool, c.job_id, record, DONE, {"job_id": c.job_id}) == "a.csv"
+    assert sorted(os.listdir(spool.dir(DONE))) == ["a.csv", "a.csv.result.json", "a.csv.sidecar.yaml"]
+
+
+def test_only_root_requeues_another_uploaders_file(spool, monkeypatch):
+    # as the service user the copies could not be given back to their uploader: offered again as the
+    # service's own files they would train any model, whoever dropped them (hostile review of 2560ed3)
+    from opt_ds_ops.spool import finishing
+
+    c = claimed(spool, "x.csv")
+    record = dict(c.record, uploader_uid=1001)
+    sp.finish(spool, c.job_id, record, FAILED, {"job_id": c.job_id, "dataset": "x.csv", "uploader_uid": 1001})
+    monkeypatch.setattr(finishing.os, "geteuid", lambda: 4242)  # the service user, not root
+    with pytest.raises(SpoolError, match="dropped by uid 1001: only root can requeue it"):
+        sp.requeue(spool, "x.csv")
+    assert os.path.lexists(spool.path(FAILED, "x.csv"))  # nothing moved
+    monkeypatch.setattr(finishing.os, "geteuid", lambda: 1001)  # its uploader
+    assert sp.requeue(spool, "x.csv")["dataset"] == "x.csv"

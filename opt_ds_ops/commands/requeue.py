@@ -19,6 +19,7 @@ import os
 from ..config import DEFAULT_CONFIG_PATH, ConfigError, DatasetConfig, parse_sidecar
 from ..dataset import dataset_stem
 from ..spool import ERROR_SUFFIX, FAILED, SIDECAR_SUFFIX, Spool, SpoolError, read_json, requeue, sidecar_name
+from ..store import StoreError, safe_model_name
 from . import CliError, load_cfg
 
 
@@ -58,7 +59,7 @@ def model_of(spool: Spool, name: str) -> str:
     """Return the model name of failed/NAME: its sidecar's ``name:`` (or ``model:``), else the stem of
     the name it was dropped as (its ``.error.json``'s ``dataset``), else of NAME itself."""
     side = spool.path(FAILED, sidecar_name(name, SIDECAR_SUFFIX))
-    if os.path.isfile(side) and not os.path.islink(side):
+    if os.path.isfile(side) and not os.path.islink(side) and _same_owner(side, spool.path(FAILED, name)):
         try:
             with open(side, "rb") as f:
                 named = parse_sidecar(f.read(64 * 1024 + 1), side, DatasetConfig())[1]
@@ -69,6 +70,22 @@ def model_of(spool: Spool, name: str) -> str:
     doc = read_json(spool.path(FAILED, sidecar_name(name, ERROR_SUFFIX))) or {}
     dropped = doc.get("dataset") if isinstance(doc.get("dataset"), str) else name
     return dataset_stem(dropped)
+
+
+def _model_key(name: str) -> str:
+    """The model name as the store spells it (``Disk Latency`` and ``Disk_Latency`` are one model)."""
+    try:
+        return safe_model_name(name)
+    except StoreError:
+        return name
+
+
+def _same_owner(a: str, b: str) -> bool:
+    """True if a and b belong to one uid: a sidecar names the model of its own uploader's file only."""
+    try:
+        return os.lstat(a).st_uid == os.lstat(b).st_uid
+    except OSError:
+        return False
 
 
 def failed_file(spool: Spool, name: str) -> str:
@@ -85,7 +102,7 @@ def failed_file(spool: Spool, name: str) -> str:
     attached = {sidecar_name(e, s) for e in entries for s in (ERROR_SUFFIX, SIDECAR_SUFFIX)}
     files = [e for e in entries if e not in attached and not e.startswith(".")
              and os.path.isfile(spool.path(FAILED, e)) and not os.path.islink(spool.path(FAILED, e))]
-    matches = [e for e in files if model_of(spool, e) == name]
+    matches = [e for e in files if _model_key(model_of(spool, e)) == _model_key(name)]
     if len(matches) > 1:
         raise SpoolError(f"{len(matches)} files in failed/ are of model {name}: {', '.join(matches)}; "
                          "requeue one by its file name")

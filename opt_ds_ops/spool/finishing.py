@@ -49,13 +49,15 @@ def finish(spool: Spool, job_id: str, record: dict, dest: str, doc: dict) -> str
         n += 1
         final = _numbered(name, n)
     write_json(side, dict(doc, dataset_file=final))
-    sidecar = os.path.join(jdir, SIDECAR_FILE)
-    if os.path.lexists(sidecar):
-        os.replace(sidecar, spool.path(dest, sidecar_name(final, SIDECAR_SUFFIX)))
     if os.path.lexists(data):
         rename_noreplace(data, spool.path(dest, final))
         if record.get("data_file") not in (None, SOURCE_FILE):
             os.chmod(spool.path(dest, final), 0o640)  # the daemon's copy; a refused user's inode keeps its mode
+    # the sidecar after the dataset: while the data is in the job directory its sidecar is too, so a
+    # job run again after a kill here still reads the options and the name it was dropped with
+    sidecar = os.path.join(jdir, SIDECAR_FILE)
+    if os.path.lexists(sidecar):
+        os.replace(sidecar, spool.path(dest, sidecar_name(final, SIDECAR_SUFFIX)))
     fsync_dir(spool.dir(dest))
     shutil.rmtree(jdir)
     fsync_dir(spool.dir(PROCESSING))
@@ -85,6 +87,11 @@ def requeue(spool: Spool, name: str) -> dict:
         raise SpoolError(f"{back}/{original} exists already; remove or rename it first")
     side_src = spool.path(FAILED, sidecar_name(name, SIDECAR_SUFFIX))
     uploader = (doc or {}).get("uploader_uid")
+    if isinstance(uploader, int) and not isinstance(uploader, bool) and os.geteuid() not in (0, uploader):
+        # only root can give the daemon's copies back to their uploader; offered again as the service's
+        # files they would train any model, whoever dropped them (the hostile review of 2560ed3)
+        raise SpoolError(f"failed/{name} was dropped by uid {uploader}: only root can requeue it and keep "
+                         "its uploader (the model name stays theirs): sudo ds-ops requeue NAME")
     if isinstance(uploader, int) and not isinstance(uploader, bool) and os.geteuid() == 0:
         # the daemon's copies belong to the service: give them back to their uploader before they
         # are offered again, so the model name and the sidecar stay theirs (a requeue by the ds-ops
