@@ -60,19 +60,25 @@ def same_bytes_version(cfg: Config, model_name: str, record: dict, options: Data
 
 
 def end_duplicate(daemon, record: dict, fields: dict) -> None:
-    """Given the daemon, a job's record and its ``duplicate`` message's fields, end the job: one
-    ``job-duplicate`` notice in the journal, the job's directory (the copy of the bytes) removed."""
+    """Given the daemon, a job's record and its ``duplicate`` message's fields, end the job: the
+    dataset goes to done/ (nothing a user dropped is lost, and the dropper, who may not read the
+    journal, sees it there) with a ``NAME.result.json`` whose ``duplicate_of`` names the version it
+    repeats, and one ``job-duplicate`` notice in the journal."""
+    from .fsutil import utc_now
     from .journal import LOG_NOTICE, safe_text
-    from .spool import discard_job
+    from .spool import DONE, finish
 
+    doc = {"job_id": record["job_id"], "dataset": record.get("dataset"), "duplicate_of": fields["model_dir"],
+           "sha256": fields["sha256"], "trained_from": fields.get("trained_from"), "claimed_at": record.get("claimed_at"),
+           "finished_at": utc_now(), "uploader_uid": record.get("uploader_uid"), "model_name": record.get("model_name")}
+    final = finish(daemon.spool, record["job_id"], record, DONE, doc)
     name = safe_text(record.get("dataset") or "")
     daemon.log.event(
         "job-duplicate",
         f"{name}: the same bytes (sha256 {fields['sha256'][:12]}), dataset options and train: configuration as "
         f"{fields['model_dir']} (trained from {safe_text(str(fields.get('trained_from')))} at "
-        f"{fields.get('trained_at')}); not trained again, the copy is removed. To train it again, change train: "
-        "or the sidecar, or remove that version (ds-ops models rm)",
+        f"{fields.get('trained_at')}); not trained again; dataset in done/{safe_text(final)} (its result says "
+        "duplicate_of). To train it again, change train: or the sidecar, or remove that version (ds-ops models rm)",
         priority=LOG_NOTICE, model_dir=fields["model_dir"], **daemon._fields(record))
-    discard_job(daemon.spool, record["job_id"])
     daemon._forget(record["job_id"])
     daemon._write_metrics()

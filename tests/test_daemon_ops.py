@@ -121,9 +121,13 @@ def test_the_same_bytes_dropped_again_are_noticed_and_not_trained_twice(tmp_path
         f"notice: m.txt.gz: the same bytes (sha256 {sha[:12]}), dataset options and train: configuration as "
         f"{tmp_path / 'models' / 'm' / v1} (trained from m.txt.gz at "
         f"{json.loads((tmp_path / 'models' / 'm' / v1 / 'metadata.json').read_text())['ended_at']}); not trained "
-        "again, the copy is removed. To train it again, change train: or the sidecar, or remove that version "
-        "(ds-ops models rm)")
-    assert done_names(tmp_path) == {"m.txt.gz", "m.txt.gz.1"}, "done/ has no copy of the duplicate"
+        "again; dataset in done/m.txt.gz.1 (its result says duplicate_of). To train it again, change train: or "
+        "the sidecar, or remove that version (ds-ops models rm)")
+    # nothing dropped is lost: the duplicate is in done/ with a result that names the version it repeats
+    assert done_names(tmp_path) == {"m.txt.gz", "m.txt.gz.1", "m.txt.gz.2"}
+    dup = json.loads((spool_dir(tmp_path, "done") / "m.txt.gz.1.result.json").read_text())
+    assert dup["duplicate_of"] == str(tmp_path / "models" / "m" / v1) and dup["sha256"] == sha
+    assert "duplicate_of" not in json.loads((spool_dir(tmp_path, "done") / "m.txt.gz.2.result.json").read_text())
     assert failed_names(tmp_path) == set()
 
 
