@@ -248,7 +248,7 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
     from .dataset import dataset_stem
     from .duplicate import same_bytes_version
     from .health import gate_job
-    from .job import JobError, run_job
+    from .job import JobError, check_model_name, run_job
     from .fsutil import utc_now
     from .spool import Spool, load_checkpoint, lock_job, save_checkpoint
     from .store import find_job_version, publish_job
@@ -285,6 +285,9 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
             done["not_current"] = publish_job(os.path.dirname(done["model_dir"]), done["version"], job_id)
             send("saved", metadata=done, recovered=True)
             return
+        # the name's own checks first (another file's model, another uploader's): a duplicate only of
+        # a model this file may train (run_job checks again; this is cheap, it reads metadata.json)
+        check_model_name(cfg.models_dir, model_name, record["dataset"], explicit, record.get("uploader_uid"))
         if (same := same_bytes_version(cfg, model_name, record, options)) is not None:  # issue 22: not trained twice
             send("duplicate", **same)
             return
