@@ -273,7 +273,9 @@ def test_a_model_saved_just_before_a_sigkill_is_published_and_not_trained_again(
 
 
 def test_a_model_of_the_same_file_by_another_job_does_not_count(tmp_path):
-    """An older model of identical content (the same file dropped again) is not this job's model."""
+    """An older model of identical content is not this job's model (find_job_version goes by job id).
+    Its metadata records no dataset options or train: configuration (as an older ds-ops wrote it), so
+    the same-bytes rule (tests/test_duplicate.py) cannot call the drop a duplicate either: it trains."""
     conf = write_config(tmp_path)
     _save_version(tmp_path, "machine-1-2", "20261129T000000Z-00000000", publish=True)
     _job_in_processing(tmp_path, "machine-1-2.txt.gz", "20261130T000000Z-abcdef01")
