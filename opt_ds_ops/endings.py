@@ -49,6 +49,7 @@ def result_doc(record: dict, metadata: dict) -> dict:
     return {
         "job_id": record["job_id"],
         "dataset": record.get("dataset"),
+        "uploader_uid": record.get("uploader_uid"),  # who dropped it: status clears only their own failures
         "model_name": metadata.get("name"),
         "model_dir": metadata.get("model_dir"),
         "version": metadata.get("version"),

@@ -414,3 +414,16 @@ def test_only_root_requeues_another_uploaders_file(spool, monkeypatch):
     assert os.path.lexists(spool.path(FAILED, "x.csv"))  # nothing moved
     monkeypatch.setattr(finishing.os, "geteuid", lambda: 1001)  # its uploader
     assert sp.requeue(spool, "x.csv")["dataset"] == "x.csv"
+
+
+@pytest.mark.parametrize("by, cleared", [(1001, True), (1002, False)])
+def test_a_later_success_clears_a_failure_only_if_the_same_uploader_dropped_it(spool, by, cleared):
+    # hostile review of 2560ed3: another member's success of a file of the same name cleared
+    # someone's failure from status (the headline's N failed and "latest failed")
+    put(spool, FAILED, "x.csv", b"bad")
+    sp.write_json(spool.path(FAILED, "x.csv.error.json"),
+                  {"job_id": "j1", "dataset": "x.csv", "failed_at": "2026-12-01T10:00:00.000000Z", "uploader_uid": 1001})
+    put(spool, DONE, "x.csv", b"1,2\n")
+    sp.write_json(spool.path(DONE, "x.csv.result.json"),
+                  {"job_id": "j2", "dataset": "x.csv", "finished_at": "2026-12-01T11:00:00.000000Z", "uploader_uid": by})
+    assert (sp.spool_status(spool)["recent_failed"] == []) is cleared

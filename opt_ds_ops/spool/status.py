@@ -56,7 +56,7 @@ def ignored_entries(spool: Spool) -> list[dict]:
 
 
 def _not_superseded(spool: Spool, failed: list[dict]) -> list[dict]:
-    """Return the failed docs that no later success of the same dataset name superseded (a fixed
+    """Return the failed docs that no later success of the same dataset name and uploader superseded (a fixed
     file dropped again, or requeued, that then trained): ``latest failed`` shows what still needs
     an operator. Only done/ results newer than the oldest of these failures are read."""
     times = [t for d in failed if (t := d.get("failed_at"))]
@@ -67,7 +67,7 @@ def _not_superseded(spool: Spool, failed: list[dict]) -> list[dict]:
         since = datetime.strptime(oldest, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
     except (TypeError, ValueError):
         since = 0.0
-    done_at: dict[str, str] = {}
+    done_at: dict[tuple, str] = {}  # (dataset name, uploader uid) -> its newest success
     try:
         with os.scandir(spool.dir(DONE)) as it:
             for e in it:
@@ -78,12 +78,14 @@ def _not_superseded(spool: Spool, failed: list[dict]) -> list[dict]:
                     except FileNotFoundError:
                         continue
                     doc = read_json(e.path) or {}
-                    at, name = doc.get("finished_at"), doc.get("dataset")
-                    if isinstance(at, str) and isinstance(name, str) and at > oldest and at > done_at.get(name, ""):
-                        done_at[name] = at
+                    at, key = doc.get("finished_at"), (doc.get("dataset"), doc.get("uploader_uid"))
+                    if isinstance(at, str) and isinstance(key[0], str) and at > oldest and at > done_at.get(key, ""):
+                        done_at[key] = at
     except FileNotFoundError:
         return failed
-    return [d for d in failed if not (isinstance(d.get("failed_at"), str) and done_at.get(d.get("dataset"), "") > d["failed_at"])]
+    # a success of the same name by another uploader (a member's file of that name) clears nothing
+    return [d for d in failed if not (isinstance(d.get("failed_at"), str)
+                                      and done_at.get((d.get("dataset"), d.get("uploader_uid")), "") > d["failed_at"])]
 
 
 def spool_status(spool: Spool, last: int = 5) -> dict:
