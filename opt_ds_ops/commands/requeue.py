@@ -24,7 +24,7 @@ from . import CliError, load_cfg
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("requeue", help="move a dataset from failed/ back to incoming/ (root or user ds-ops)")
+    s = sub.add_parser("requeue", help="move a dataset from failed/ back to incoming/ (a file to score: to score/; root or user ds-ops)")
     s.add_argument("name", metavar="NAME", help="the dataset's name in failed/ (ds-ops status lists them) or its model's")
     s.add_argument("--config", help=f"configuration file naming spool.dir (default: {DEFAULT_CONFIG_PATH} if present)")
     s.add_argument("--spool-dir", help="spool directory (default: spool.dir from the config)")
