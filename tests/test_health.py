@@ -444,7 +444,8 @@ def test_tf32_is_planned_only_for_fp32_on_a_gpu_that_has_it(host, monkeypatch):
 def test_health_thresholds_are_validated_with_file_and_key(tmp_path):
     path = tmp_path / "trainer.yaml"
     path.write_text("health:\n  temp_margin_c: 40\n")
-    with pytest.raises(ConfigError, match=r"trainer.yaml: key 'health.temp_margin_c' must be degrees Celsius in \[0, 30\]"):
+    with pytest.raises(ConfigError, match=r"trainer.yaml: line 2, column 3: key 'health.temp_margin_c' must be degrees "
+                                          r"Celsius in \[0, 30\]"):
         load_config(str(path))
 
 
