@@ -50,6 +50,7 @@ from .score import (
     false_alarms_per_day,
     hit_rate,
     segment_hit_rate,
+    segments_flagged,
     load_interpretation,
     load_labels,
     pca_ema_baseline,
@@ -62,8 +63,8 @@ from .threshold import pick_threshold
 from .train import split_rows
 
 SCORES = ("ds-ops", "z-ema", "pca-ema", "seed-mse")
-METRICS = ("roc_auc", "pr_auc", "best_f1", "f1", "alarms_per_day", "hit_rate_100", "hit_rate_150",
-           "row_hit_rate_100", "row_hit_rate_150")
+METRICS = ("roc_auc", "pr_auc", "best_f1", "f1", "alarms_per_day", "segments_flagged", "hit_rate_100",
+           "hit_rate_150", "row_hit_rate_100", "row_hit_rate_150")
 
 
 class EvaluateError(ScoreError):
@@ -128,6 +129,7 @@ def _threshold_metrics(scores, labels, threshold: float, period_s: float) -> dic
         "f1": ev.f1,
         "threshold": float(threshold),
         "alarms_per_day": false_alarms_per_day(scores > threshold, labels, period_s),
+        "segments_flagged": segments_flagged(scores > threshold, labels),
     }
 
 
@@ -210,7 +212,7 @@ def format_table(results: list[dict], means: dict) -> list[str]:
         return "n/a" if v is None else format(v, spec)
 
     head = (f"{'machine':<14}{'score':<10}{'ROC-AUC':>8}{'PR-AUC':>8}{'best-F1':>8}{'F1@thr':>8}"
-            f"{'alarms/d':>9}{'HR@100':>8}{'HR@150':>8}")
+            f"{'alarms/d':>9}{'seg-hit':>8}{'HR@100':>8}{'HR@150':>8}")
     lines = [head]
     for r in results + [{"machine": "mean", **means}]:
         for i, name in enumerate(SCORES):
@@ -218,7 +220,7 @@ def format_table(results: list[dict], means: dict) -> list[str]:
             lines.append(
                 f"{r['machine'] if i == 0 else '':<14}{name:<10}{f(m['roc_auc']):>8}{f(m['pr_auc']):>8}"
                 f"{f(m['best_f1']):>8}{f(m['f1']):>8}{f(m['alarms_per_day'], '.2f'):>9}"
-                f"{f(m['hit_rate_100']):>8}{f(m['hit_rate_150']):>8}"
+                f"{f(m['segments_flagged'], '.3f'):>8}{f(m['hit_rate_100']):>8}{f(m['hit_rate_150']):>8}"
             )
     return lines
 

@@ -315,6 +315,17 @@ def false_alarms_per_day(flags: np.ndarray, labels: np.ndarray, sample_period_s:
     return false / days if days else 0.0
 
 
+def segments_flagged(flags: np.ndarray, labels: np.ndarray) -> float | None:
+    """Return the share of labelled segments (runs of labelled rows) with at least one flagged row
+    (flags, labels: (n,) bool); None when nothing is labelled. With :func:`false_alarms_per_day` it
+    is what an operator lives with: the incidents the alarm caught at all, and the alarms for nothing."""
+    starts, ends = segments(labels)
+    if len(starts) == 0:
+        return None
+    hit = np.r_[0, np.cumsum(flags, dtype=np.int64)]
+    return float(np.mean(hit[ends] - hit[starts] > 0))
+
+
 EMA_BASELINE_WINDOW = 10  # alpha = 2 / (10 + 1): the z-score + EMA baseline of issue 10
 
 

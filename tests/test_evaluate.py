@@ -20,6 +20,7 @@ from opt_ds_ops.score import (
     best_f1,
     contributions,
     false_alarms_per_day,
+    segments_flagged,
     flagged_segments,
     hit_rate,
     in_memory_model,
@@ -193,6 +194,14 @@ def test_false_alarms_per_day_counts_flagged_runs_without_a_labelled_row():
     labels = np.array([0, 0, 0, 0, 1, 0, 0, 0, 0, 0], bool)
     # runs 0-1 and 6-7 are false; 9 normal rows of 9600 s = 1/9 day
     assert false_alarms_per_day(flags, labels, 9600.0) == pytest.approx(2 / (9 * 9600 / 86400))
+
+
+def test_segments_flagged_is_the_share_of_labelled_runs_touched_by_a_flag():
+    labels = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1], bool)  # three segments: 1-2, 5, 7-9
+    flags = np.array([1, 0, 1, 0, 0, 0, 1, 0, 0, 1], bool)  # touches 1-2 (row 2) and 7-9 (row 9), not 5
+    assert segments_flagged(flags, labels) == pytest.approx(2 / 3)
+    assert segments_flagged(np.zeros(10, bool), labels) == 0.0
+    assert segments_flagged(flags, np.zeros(10, bool)) is None
 
 
 def test_hit_rate_counts_the_true_columns_among_the_top_k():
