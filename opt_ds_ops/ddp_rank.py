@@ -286,7 +286,8 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
         val_loss = _mean_error(model, x_ref, len(ref_rows), device) if n_val else None
         rows_counted = float(batch_sizes[finite].sum())
         train_loss = float(torch.where(finite, batch_loss * batch_sizes, 0.0).sum()) / max(rows_counted, 1.0)
-        stats = EpochStats(epoch + 1, train_loss, val_loss, n / seconds, seconds, n_skipped)
+        stats = EpochStats(epoch + 1, train_loss, val_loss, n / seconds, seconds, n_skipped,
+                           steps=stopper.steps + len(bounds))
         skipped_total += n_skipped
         history.append(stats)
         if on_epoch is not None:

@@ -292,8 +292,10 @@ class JobLife:
         elif kind == "epoch":
             s = EpochStats(**f)
             total = self.cfg.train.epochs
+            max_steps = self.cfg.train.max_steps if self.cfg.train.stopping == "plateau" else None
             g = s.gpu or {}
-            self.log.event("job-epoch", f"{name}: {s.line(total)}", epoch=s.epoch, epochs=total, loss=s.train_loss,
+            self.log.event("job-epoch", f"{name}: {s.line(total, max_steps)}", epoch=s.epoch, epochs=total,
+                           steps=s.steps, max_steps=max_steps, loss=s.train_loss,
                            val_loss=s.val_loss, samples_per_s=s.samples_per_s, device=record.get("device"),
                            amp_dtype=record.get("amp_dtype"), gpu_temp_c=gpustats.field(g, "temperature_c"),
                            gpu_power_w=gpustats.field(g, "power_draw_w"), gpu_sm_clock_mhz=gpustats.field(g, "sm_clock_mhz"),
@@ -307,8 +309,8 @@ class JobLife:
                                epoch=s.epoch, gpu_throttle_started=",".join(g["throttle_started"]),
                                gpu_temp_c=gpustats.field(g, "temperature_c"), gpu_power_w=gpustats.field(g, "power_draw_w"),
                                **self._fields(record, gpu_index=g.get("index")))
-            record.update(epoch=s.epoch, loss=s.train_loss, val_loss=s.val_loss, samples_per_s=s.samples_per_s,
-                          updated_at=utc_now())
+            record.update(epoch=s.epoch, steps=s.steps, max_steps=max_steps, loss=s.train_loss, val_loss=s.val_loss,
+                          samples_per_s=s.samples_per_s, updated_at=utc_now())
             save_record(self.spool, record)
             self.notifier.status(self._busy_status())
             self._write_metrics()

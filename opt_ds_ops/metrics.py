@@ -46,12 +46,12 @@ METRIC_NAMES = {
     "ds_ops_job_running": "1 while a job runs, else 0",
     "ds_ops_job_epoch": "the running job's last finished epoch (0 before the first; the oldest one's when several run)",
     "ds_ops_job_epochs": "epochs the running job trains",
-    "ds_ops_job_progress_ratio": "the running job's finished epochs / epochs (0..1)",
+    "ds_ops_job_progress_ratio": "the running job's share of its cap done (0..1): epochs / epochs, or steps / max_steps under the plateau rule, whichever is larger; the plateau may stop it sooner",
     # issue 12 (daemon.max_jobs): every running job, labelled with its slot and GPU (empty on the CPU)
     "ds_ops_jobs_running": "number of jobs running",
     "ds_ops_slot_job_running": "1 for each running job, by job slot, GPU index and UUID",
     "ds_ops_slot_job_epoch": "each running job's last finished epoch, by job slot, GPU index and UUID",
-    "ds_ops_slot_job_progress_ratio": "each running job's finished epochs / epochs, by job slot, GPU index and UUID",
+    "ds_ops_slot_job_progress_ratio": "each running job's share of its cap done (as ds_ops_job_progress_ratio), by job slot, GPU index and UUID",
     "ds_ops_last_success_timestamp_seconds": "Unix time of the last job saved to the model store",
     "ds_ops_last_failure_timestamp_seconds": "Unix time of the last job moved to failed/",
     "ds_ops_last_job_duration_seconds": "wall time of the last saved job, from its claim to done/",
@@ -246,8 +246,10 @@ class MetricsWriter:
         gauge("ds_ops_intake_paused", int(self.paused))
         job = self.jobs[0] if self.jobs else {}
 
-        def ratio(j: dict) -> float:
-            return min(1.0, j.get("epoch", 0) / j["epochs"]) if j.get("epochs") else 0.0
+        def ratio(j: dict) -> float:  # the nearer of the two caps: the epochs, and the plateau rule's max_steps
+            by_epochs = j.get("epoch", 0) / j["epochs"] if j.get("epochs") else 0.0
+            by_steps = j.get("steps", 0) / j["max_steps"] if j.get("max_steps") else 0.0
+            return min(1.0, max(by_epochs, by_steps))
 
         gauge("ds_ops_job_running", int(bool(self.jobs)))
         gauge("ds_ops_job_epoch", job.get("epoch", 0))

@@ -259,7 +259,7 @@ def train_streaming(source: NpyRows, cfg: TrainConfig, plan: DevicePlan, *, on_e
         val_sums = _error_sums(model, source, n, n_all, mean, std, cfg, device) if n_val else None
         val_loss = float(val_sums.sum()) / (n_val * d) if n_val else None
         stats = EpochStats(epoch + 1, sums["loss_sum"] / max(sums["rows"], 1), val_loss, n / seconds, seconds,
-                           sums["skipped"], gpu=read_gpu() if read_gpu is not None else None)
+                           sums["skipped"], gpu=read_gpu() if read_gpu is not None else None, steps=stopper.steps)
         skipped_total += sums["skipped"]
         history.append(stats)
         if on_epoch is not None:

@@ -230,7 +230,7 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         train_loss = sums["loss_sum"] / max(sums["rows_counted"], 1)
         rows_run = bounds[done - 1][1] if done < len(bounds) else n  # a stopped epoch ran its first rows
         stats = EpochStats(epoch + 1, train_loss, val_loss, rows_run / seconds, seconds, n_skipped,
-                           gpu=read_gpu() if read_gpu is not None else None)
+                           gpu=read_gpu() if read_gpu is not None else None, steps=stopper.steps)
         skipped_total += n_skipped
         history.append(stats)
         if on_epoch is not None:

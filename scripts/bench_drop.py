@@ -8,7 +8,7 @@ from the rename to ``done/NAME.result.json`` appearing. In the same script, as t
 same work runs in this process without a daemon (:func:`opt_ds_ops.job.run_job`: parse, train,
 save), so the printed overhead and ratio compare like with like on the same machine and load.
 
-Usage: python scripts/bench_drop.py [--drops 5] [--epochs 5]
+Usage: python scripts/bench_drop.py [--drops 5] [--epochs N]  (default: the shipped train: defaults)
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ SMD = os.path.join(REPO, "data", "smd", "train", "machine-1-2.txt.gz")
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drops", type=int, default=5)
-    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=None,
+                    help="train.epochs (default: the shipped defaults, a plateau rule capped by max_steps)")
     args = ap.parse_args()
 
     from opt_ds_ops.config import load_config
@@ -40,7 +41,8 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="ds-ops-bench-drop-")
     conf = os.path.join(root, "trainer.yaml")
     with open(conf, "w") as f:
-        f.write(f"models_dir: {root}/models\ndevice: cpu\ntrain:\n  epochs: {args.epochs}\n"
+        epochs = f"train:\n  epochs: {args.epochs}\n" if args.epochs else ""
+        f.write(f"models_dir: {root}/models\ndevice: cpu\n{epochs}"
                 f"spool:\n  dir: {root}/spool\n  settle_s: 2.0\n")
     cfg = load_config(conf)
     env = dict(os.environ, PYTHONPATH=REPO)
@@ -76,7 +78,8 @@ def main() -> int:
         daemon.wait(60)
         log.close()
     med_l, med_w = statistics.median(latencies), statistics.median(work)
-    print(f"drop -> model by rename, SMD machine-1-2 (23,694 x 38, {args.epochs} epochs, cpu), {args.drops} drops")
+    how = f"{args.epochs} epochs" if args.epochs else "the shipped train: defaults"
+    print(f"drop -> model by rename, SMD machine-1-2 (23,694 x 38, {how}, cpu), {args.drops} drops")
     print(f"  daemon latency   median {med_l:.3f} s  (min {min(latencies):.3f}, max {max(latencies):.3f}; "
           f"in drop order: {', '.join(f'{x:.2f}' for x in latencies)})")
     print(f"  in-process work  median {med_w:.3f} s  (parse + train + save, same machine, same run)")

@@ -15,8 +15,9 @@ CONFFILE = REPO / "etc" / "ds-ops" / "trainer.yaml"
 def test_shipped_conffile_equals_the_built_in_defaults():
     cfg = load_config(str(CONFFILE))
     assert dataclasses.replace(cfg, source="<defaults>") == Config()
-    # the seed's optimizer; issue 21: epochs is a cap, the plateau rule decides
-    assert (cfg.train.batch_size, cfg.train.lr, cfg.train.weight_decay) == (2048, 1e-3, 1e-4)
+    # issue 21 round 2 (docs/detection-protocol.md): batch 1024, lr 1e-2, at most 600 steps; epochs is a cap
+    assert (cfg.train.batch_size, cfg.train.lr, cfg.train.weight_decay) == (1024, 1e-2, 1e-4)
+    assert (cfg.train.max_steps, cfg.train.min_steps, cfg.train.eval_every_steps, cfg.train.patience) == (600, 100, 25, 6)
     assert (cfg.train.stopping, cfg.train.epochs) == ("plateau", 1000)
     assert (cfg.train.hidden, cfg.train.latent, cfg.models_dir) == (24, 8, "/var/models")
 

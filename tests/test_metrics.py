@@ -43,3 +43,18 @@ def test_only_unlabelled_finite_last_lines_are_taken(tmp_path):
                                      "ds_ops_last_job_duration_seconds 3.5\n")
     w = MetricsWriter(str(tmp_path), str(tmp_path / "models"))
     assert w.last_success is None and w.last_job_s == 3.5
+
+
+def _gauge(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_progress_is_the_nearer_cap_steps_under_the_plateau_rule(tmp_path):
+    """Under the plateau rule a job stops at max_steps long before its epochs cap: the ratio follows the steps."""
+    w = MetricsWriter(str(tmp_path), str(tmp_path / "models"))
+    w.jobs = [{"epoch": 12, "epochs": 1000, "steps": 132, "max_steps": 500}]
+    w.write()
+    assert _gauge((tmp_path / TEXTFILE).read_text(), "ds_ops_job_progress_ratio") == 132 / 500
+    w.jobs = [{"epoch": 3, "epochs": 5}]  # stopping: epochs (no max_steps)
+    w.write()
+    assert _gauge((tmp_path / TEXTFILE).read_text(), "ds_ops_job_progress_ratio") == 3 / 5

@@ -58,6 +58,10 @@ def test_max_steps_ends_training_inside_an_epoch(rows):
     r = train(rows, cfg, CPU)
     assert (r.stopping["reason"], r.stopping["steps"]) == ("max_steps", 37)
     assert len(r.history) == 4  # 3 epochs of 11 steps, then 4 steps of the 4th
+    # each epoch carries the run's steps so far: the daemon's progress ratio and epoch line read them
+    assert [h.steps for h in r.history] == [11, 22, 33, 37]
+    assert r.history[1].line(1000, 37).startswith("epoch 2/1000 step 22/37 loss=")
+    assert " step " not in r.history[1].line(1000)
 
 
 def test_the_epochs_count_is_a_cap(rows):
@@ -149,11 +153,12 @@ def test_ds_ops_train_says_why_it_stopped_and_that_the_model_is_suspect(tmp_path
     models = tmp_path / "models"
     p = run_cli("train", str(path), "--models-dir", str(models), "--epochs", "3", shipped_defaults=True)
     assert p.returncode == 0, p.stderr
-    assert "stopped: epochs after 9 steps" in p.stdout
+    # 5,400 training rows at the shipped batch of 1,024: 6 steps an epoch, 3 epochs
+    assert "stopped: epochs after 18 steps" in p.stdout
     assert "ds-ops: warning: suspect model:" in p.stderr and "column 5 " in p.stderr
     md_path = models / "stepped" / "current" / "metadata.json"
     md = json.loads(md_path.read_text())
-    assert md["stopping"]["reason"] == "epochs" and md["stopping"]["steps"] == 9
+    assert md["stopping"]["reason"] == "epochs" and md["stopping"]["steps"] == 18
     assert any("column 5 " in w for w in md["warnings"])
     assert (md_path.parent / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

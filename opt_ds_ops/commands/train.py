@@ -103,25 +103,31 @@ def run(args) -> int:
         raise JobError("health", f"--device {args.device}: no CUDA GPU is usable here, the health gate "
                                  f"offers {gate.plan.device} ({gate.reason})")
     bar = None
+    # under the plateau rule the bound that ends training first is max_steps: count steps, not epochs
+    max_steps = cfg.train.max_steps if cfg.train.stopping == "plateau" else None
     if not args.json and sys.stderr.isatty():
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.train.epochs, unit="epoch", desc="training", file=sys.stderr)
+        bar = tqdm(total=max_steps or cfg.train.epochs, unit="step" if max_steps else "epoch", desc="training",
+                   file=sys.stderr)
 
     def on_epoch(s: EpochStats) -> None:
         if args.json:
             return
         if bar is not None:
             bar.set_postfix(loss=f"{s.train_loss:.4f}", val=f"{s.val_loss or 0:.4f}")
-            bar.update(1)
-            bar.write(s.line(cfg.train.epochs), file=sys.stderr)
+            bar.update(min(s.steps, max_steps) - bar.n if max_steps else 1)
+            bar.write(s.line(cfg.train.epochs, max_steps), file=sys.stderr)
         else:
-            print(s.line(cfg.train.epochs), flush=True)
+            print(s.line(cfg.train.epochs, max_steps), flush=True)
 
     if not args.json:
         health = "" if gate.report["verdict"] == "ok" else f"; {summary_line(gate)}"
         procs = f", {args.nproc} processes" if args.nproc > 1 else ""
-        print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {cfg.train.epochs} epochs{procs}"
+        length = (f"until the validation loss plateaus, at most {max_steps:,} steps or {cfg.train.epochs} epochs"
+                  if max_steps
+                  else f"{cfg.train.epochs} epochs")
+        print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {length}{procs}"
               f"{health}){f'; options from {sidecar}' if sidecar else ''}", flush=True)
     try:
         job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report,
