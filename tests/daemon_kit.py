@@ -24,15 +24,19 @@ JOB_TIMEOUT_S = 300
 def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_s: float = 0.5,
                  scan_interval_s: float = 30.0, max_dataset_bytes: int | None = None, watcher: str | None = None,
                  max_crashes: int | None = None, name: str = "trainer.yaml", quiet_s: float = 1.0,
-                 extra: list[str] | None = None) -> Path:
-    """Write a conffile for a daemon on root/spool and root/models; return its path."""
-    lines = [
-        f"models_dir: {root / 'models'}",
-        "device: cpu",
+                 extra: list[str] | None = None, shipped_training: bool = False) -> Path:
+    """Write a conffile for a daemon on root/spool and root/models; return its path.
+    ``shipped_training``: no ``train:`` keys (the shipped plateau rule), ``epochs`` and ``batch_size`` unused."""
+    train = [] if shipped_training else [
         "train:",
         f"  epochs: {epochs}",
         "  stopping: epochs",  # issue 21: daemon tests count epochs; the plateau rule is tested apart
         f"  batch_size: {batch_size}",
+    ]
+    lines = [
+        f"models_dir: {root / 'models'}",
+        "device: cpu",
+        *train,
         "spool:",
         f"  dir: {root / 'spool'}",
         f"  settle_s: {settle_s}",

@@ -133,6 +133,8 @@ def run(args) -> int:
         job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report,
                       on_epoch=throttled(on_epoch, cfg.train),  # issue 21: one line a second past epoch 10
                       options=options, explicit_name=name is not None, nproc=args.nproc)
+        if bar is not None:  # done: a plateau or the epochs cap ends it before max_steps, the bar's bound
+            bar.update(bar.total - bar.n)
     finally:
         if bar is not None:
             bar.close()
