@@ -325,6 +325,11 @@ def _names_ok(v: tuple) -> bool:
     return all(isinstance(x, (str, int)) and not isinstance(x, bool) and str(x).strip() for x in v)
 
 
+def _ranges_ok(v: tuple) -> bool:  # [[first, last], ...]: 1-based rows, inclusive, at most 10,000 ranges
+    return len(v) <= 10_000 and all(isinstance(r, tuple) and len(r) == 2 and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in r) and r[0] <= r[1] for r in v)
+
+
 @dataclass(frozen=True)
 class DatasetConfig:
     """Which columns of a tabular dataset (CSV, Parquet, Arrow) are features and which is time.
@@ -334,7 +339,7 @@ class DatasetConfig:
     name or 1-based number. ``columns``: the feature columns to use (names or 1-based numbers;
     empty: every numeric column). ``exclude_columns``: columns left out. ``time_order``: rows out
     of time order are sorted (``sort``, said in the journal and metadata.json) or refused.
-    Set per deployment here, per dataset in a sidecar ``NAME.yaml`` (:func:`load_sidecar`).
+    Set per deployment here, per dataset in a sidecar ``NAME.yaml`` (:func:`parse_sidecar`).
     """
 
     time_column: str = _field("auto", lambda v: bool(v.strip()), "auto, none, a column name or a 1-based number")
@@ -347,6 +352,8 @@ class DatasetConfig:
     # issue 20: leave out the rows the model's current version flags (plus retrain.exclude_margin
     # rows each side) before training on this file (opt_ds_ops.retrain_data)
     exclude_flagged: bool = _field(False, None, "true or false")
+    # issue 20: labelled incidents of this file (a sidecar's), for the promotion gate's PR-AUC test
+    incidents: tuple = _field((), _ranges_ok, "a list of [first, last] data rows (1-based, inclusive)")
 
 
 def parse_window(v: str) -> tuple[int, float]:
@@ -440,7 +447,7 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     if typ is str and isinstance(value, int) and not isinstance(value, bool):
         return str(value)  # a size given as a plain number of bytes
     if typ is tuple and isinstance(value, (list, tuple)):
-        return tuple(value)
+        return tuple(tuple(x) if isinstance(x, list) else x for x in value)
     if typ in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {_shown(value)}", tuple(key.split(".")))
     if not isinstance(value, typ):
@@ -535,44 +542,6 @@ def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = Fa
         raise ConfigError(f"{path}: not UTF-8 text") from None
     cfg = _build_guarded(Config, _parse_yaml(text, path) or {}, path, text)
     return dataclasses.replace(cfg, source=path)
-
-
-SIDECAR_SUFFIXES = (".yaml", ".yml")
-SIDECAR_MAX_BYTES = 64 * 1024
-
-
-def parse_sidecar(text: bytes, where: str, base: DatasetConfig) -> tuple[DatasetConfig, str | None]:
-    """Given a sidecar's bytes (``NAME.yaml`` dropped beside dataset NAME), return (the dataset
-    options: ``base`` with the sidecar's keys applied, the model name it sets or None).
-
-    A sidecar is a YAML mapping with the keys of the conffile's ``dataset:`` section plus ``name``
-    (the model's name, instead of the file's stem; ``model`` is a synonym), validated the same way. Raises ConfigError
-    naming ``where`` and the key for: more than SIDECAR_MAX_BYTES (64 KiB), invalid YAML or UTF-8
-    (nesting deeper than the parser follows, 20,000 ``[``, too), not a mapping, an unknown key (of
-    any type: ``1:`` beside ``foo:``), a wrong type or value.
-    """
-    if len(text) > SIDECAR_MAX_BYTES:
-        raise ConfigError(f"{where}: {len(text)} bytes; a sidecar may hold at most {SIDECAR_MAX_BYTES}")
-    try:
-        raw = _parse_yaml(text.decode("utf-8"), where)
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}: not UTF-8 text") from None
-    raw = {} if raw is None else raw
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: a sidecar must be a mapping of dataset keys, got {type(raw).__name__}")
-    raw = dict(raw)
-    name, model = raw.pop("name", None), raw.pop("model", None)  # issue 19: model: says the same as name:
-    if name is not None and model is not None:
-        raise ConfigError(f"{where}: keys 'name' and 'model' both name the model; give one")
-    name = model if name is None else name
-    if name is not None and (not isinstance(name, (str, int)) or isinstance(name, bool) or not str(name).strip()):
-        raise ConfigError(f"{where}: key 'name' must be a model name (text), got {_shown(name)}")
-    allowed = {f.name for f in dataclasses.fields(DatasetConfig)}
-    unknown = _sorted_keys(set(raw) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key '{unknown[0]}' (allowed: name (or model), {', '.join(sorted(allowed))})")
-    merged = dict(dataclasses.asdict(base), **raw)
-    return _build_guarded(DatasetConfig, merged, where), (str(name).strip() if name is not None else None)
 
 
 def with_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:

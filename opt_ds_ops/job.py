@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .config import (SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, Config, ConfigError, DatasetConfig, config_to_dict,
-                     data_segment_bytes, parse_sidecar)
+from .config import Config, ConfigError, DatasetConfig, config_to_dict, data_segment_bytes
 from .dataset import Dataset, DatasetError, DatasetLimits, SpillError, dataset_stem, file_sha256, load_dataset
 from .device import DeviceError, DevicePlan, plan_device
 from .fsutil import pid_alive, read_small, user_name
@@ -28,6 +27,7 @@ from .gpustats import sampler_for
 from .promotion import promotion_record
 from .retrain_data import exclude_flagged
 from .report import try_write_report, validation_summary
+from .sidecar import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, parse_sidecar
 from .suspect import split_warnings
 from .store import StoreError, current_metadata, dataset_file_of, model_payload, safe_model_name, save_model
 from .train import CheckpointMismatch, EpochStats, TrainingError, TrainingInterrupted, TrainResult, train
@@ -90,7 +90,7 @@ def find_sidecar(dataset_path: str) -> str | None:
 
 def read_sidecar(path: str, base: DatasetConfig, label: str | None = None) -> tuple[DatasetConfig, str | None]:
     """Return (dataset options, model name or None) from the sidecar at path over ``base`` (the
-    conffile's ``dataset:``); see :func:`opt_ds_ops.config.parse_sidecar`. ``label`` names it in
+    conffile's ``dataset:``); see :func:`opt_ds_ops.sidecar.parse_sidecar`. ``label`` names it in
     messages (default: path). Raises JobError(stage ``dataset``) for an unreadable or invalid
     sidecar; it is read without following a link or blocking on a FIFO, 64 KiB at most."""
     where = label or path
@@ -456,7 +456,8 @@ def run_job(
             metadata["validation_scores"] = None
             metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
         if job_id is not None:  # issue 20: a daemon job's version becomes current only past the gate
-            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path, keep, held_back_path)
+            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path, keep, held_back_path,
+                                                     options.incidents)
         stage("store")
         # issue 11: report.png is drawn into the version's hidden temporary directory, so it is
         # published with the version by the same rename (a kill leaves no partial picture behind); a

@@ -26,7 +26,7 @@ import time
 
 from . import gpustats, worker
 from .budget import job_config
-from .config import SIDECAR_MAX_BYTES
+from .sidecar import SIDECAR_MAX_BYTES
 from .dataset import dataset_stem
 from .fsutil import user_name, utc_now
 from .journal import LOG_WARNING, safe_text

@@ -22,9 +22,10 @@ Given ``store.promote``:
      held-back rows that both models flag is no reason to refuse: it counts in test 2 for both,
      and test 3 asks only whether the challenger flags the champion's normal rows at about the
      rate it was designed for;
-  4. ``pr-auc`` (only where labels for those rows exist: ``NAME.labels`` beside the data, one
-     0/1 per row of the file, SMD's test_label format): its PR-AUC is not lower than the
-     champion's by more than ``store.promote_pr_auc_tolerance``.
+  4. ``pr-auc`` (only where labels for those rows exist: the sidecar's ``incidents``, row ranges
+     of the file, or for ``ds-ops train`` also ``NAME.labels`` beside the data, one 0/1 per row of
+     the file, SMD's test_label format): its PR-AUC is not lower than the champion's by more than
+     ``store.promote_pr_auc_tolerance``.
 * ``manual``: every new version is kept, never made current by a job; ``ds-ops models promote``.
 
 The gate runs in the job process (it parses the data and the labels), never in the daemon; its
@@ -74,7 +75,7 @@ def _share(scores: np.ndarray, threshold: float) -> float:
 
 def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np.ndarray,
          offset: np.ndarray | None, labels: np.ndarray | None, *, flag_tolerance: float,
-         pr_auc_tolerance: float, rows_from: str, held_range: dict | None = None) -> dict:
+         pr_auc_tolerance: float, rows_from: str, held_range: dict | None = None, labels_from: str | None = None) -> dict:
     """Given the challenger (a TrainResult and its metadata), the held-back ``rows`` (n, D; the
     data's ``offset``), their ``labels`` (n,) bool or None, return the ``promotion`` record:
     ``{mode, promote, failed, reason, rows, rows_from, design_rate, challenger: {...}, champion:
@@ -113,7 +114,7 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
             champ["pr_auc"] = average_precision(s, labels)
     doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "held_back": held_range,
            "design_rate": design,
-           "labels": bool(labels is not None), "challenger": chal, "champion": champ,
+           "labels": bool(labels is not None), "labels_from": labels_from, "challenger": chal, "champion": champ,
            "tolerances": {"flag": flag_tolerance, "pr_auc": pr_auc_tolerance}, "note": champ_note}
     failed, reason = _verdict(chal, champ, design, flag_tolerance, pr_auc_tolerance)
     if mode == "always":
@@ -147,16 +148,37 @@ def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol:
                   f"flag, design rate {design:.2%}{auc}")
 
 
-def held_back(data: np.ndarray, rows_val: int, labels_path: str | None,
+def incident_labels(incidents, rows: int) -> np.ndarray:
+    """Return (rows,) bool, True on a sidecar's ``incidents``: ``[first, last]`` data rows, 1-based
+    and inclusive, as the dataset holds them (in time order). Raises ScoreError for a range past them."""
+    labels = np.zeros(rows, dtype=bool)
+    for first, last in incidents:
+        if last > rows:
+            raise ScoreError(f"the sidecar's incidents: rows {first}-{last} are past the dataset's {rows} rows")
+        labels[first - 1:last] = True
+    return labels
+
+
+def file_labels(data_path: str, rows: int, incidents=()) -> tuple[np.ndarray | None, str | None]:
+    """Return (the labels of a dataset's ``rows`` file rows or None, where they come from): the
+    sidecar's ``incidents``, else ``NAME.labels`` beside the data. Raises ScoreError for labels
+    that do not fit, or given both ways."""
+    path = find_labels(data_path)
+    if incidents and path:
+        raise ScoreError(f"labels given twice: the sidecar's incidents and {os.path.basename(path)}; give one")
+    if incidents:
+        return incident_labels(incidents, rows), "the sidecar's incidents"
+    return (load_labels(path, rows), os.path.basename(path)) if path else (None, None)
+
+
+def held_back(data: np.ndarray, rows_val: int, labels: np.ndarray | None,
               keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, str]:
     """Return (the held-back rows: the last ``rows_val`` rows of data, their labels or None, where
-    they come from). ``keep``: which rows of the file data holds (flagged rows left out), or
-    None for all. Raises ScoreError for a labels file that does not fit the file."""
+    they come from). ``labels``: one per row of the file (:func:`file_labels`), or None; ``keep``:
+    which rows of the file data holds (flagged rows left out), or None for all."""
     n = data.shape[0]
     k = rows_val if rows_val > 0 else max(1, n // 10)
-    labels = None
-    if labels_path:
-        labels = load_labels(labels_path, n if keep is None else keep.shape[0])
+    if labels is not None:
         labels = (labels if keep is None else labels[keep])[n - k:]
     return np.asarray(data[n - k:]), labels, ("the dataset's validation split (its last rows)" if rows_val > 0
                                               else "the dataset's last tenth (no validation split)")
@@ -175,9 +197,10 @@ def held_back_file(path: str) -> np.ndarray:
 
 
 def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, keep=None,
-                     held_back_path: str | None = None) -> dict:
+                     held_back_path: str | None = None, incidents=()) -> dict:
     """Return the ``promotion`` record of a daemon job's new version (:func:`gate` on the held-back
-    rows of dataset ``ds`` loaded from ``data_path``, whose labels are ``NAME.labels`` beside it;
+    rows of dataset ``ds`` loaded from ``data_path``, whose labels are the sidecar's ``incidents``
+    or ``NAME.labels`` beside it (:func:`file_labels`);
     ``keep``: the rows of the file ``ds`` kept, when flagged rows were left out, to cut the labels;
     ``held_back_path``: a retraining job's held-back history rows, judged on instead, their range
     from metadata's ``excluded.held_back``). A gate that cannot run (labels that do not fit, rows it
@@ -185,17 +208,18 @@ def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str,
     reason says why. Raises nothing."""
     mode = cfg.store.promote
     try:
-        held_range, offset = None, ds.offset
+        held_range, offset, labels_from = None, ds.offset, None
         if held_back_path is not None and os.path.isfile(held_back_path):
             rows, labels, offset = held_back_file(held_back_path), None, None  # the rows' values as they are
             held_range = (metadata.get("excluded") or {}).get("held_back")
             where = "the newest rows of the scoring history, held back before the flagged segments were cut"
         else:
-            rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0),
-                                            find_labels(data_path), keep)
+            labels, labels_from = file_labels(data_path, ds.data.shape[0] if keep is None else keep.shape[0], incidents)
+            rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), labels, keep)
         return gate(mode, result, metadata, cfg.models_dir, name, rows, offset, labels,
                     flag_tolerance=cfg.store.promote_flag_tolerance,
-                    pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where, held_range=held_range)
+                    pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where, held_range=held_range,
+                    labels_from=labels_from)
     except (ScoreError, ValueError, MemoryError, OSError) as e:
         return {"mode": mode, "promote": mode == "always", "failed": "gate-error",
                 "reason": f"the gate could not run: {str(e).splitlines()[0][:300]}"}

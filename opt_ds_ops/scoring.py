@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from .config import SIDECAR_MAX_BYTES, Config, ConfigError, DatasetConfig, parse_sidecar
+from .config import Config, ConfigError, DatasetConfig
 from .dataset import DatasetError, DatasetLimits, dataset_stem, load_dataset
 from .dataset.core import iso_utc
 from .fsutil import fsync_dir, read_small, write_atomic
@@ -39,6 +39,7 @@ from .history import chunk_drift, record_chunk
 from .promotion import design_rate
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
                      score_chunk)
+from .sidecar import SIDECAR_MAX_BYTES, parse_sidecar
 from .store import CURRENT, StoreError, load_model, safe_model_name
 
 STATE_FILE, ROWS_FILE, SUMMARY_FILE = "state.json", "rows.csv", "summary.json"

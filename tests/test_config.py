@@ -116,15 +116,29 @@ def test_the_matrix_budget_leaves_the_jobs_own_measured_memory_aside():
 
 # issue 18: what the fuzzer (tests/fuzz) found; each must be a ConfigError naming the file, never another exception
 def test_sidecar_with_keys_of_mixed_types_names_the_unknown_key():
-    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+    from opt_ds_ops.config import DatasetConfig
+    from opt_ds_ops.sidecar import parse_sidecar
 
     for text in (b"1: a\nfoo: b\n", b"~: a\ntime_column: none\n", b"2024-05-18: x\n1.5: y\n"):
         with pytest.raises(ConfigError, match=r"x\.yaml: unknown key"):
             parse_sidecar(text, "x.yaml", DatasetConfig())
 
 
+
+def test_a_sidecars_incidents_are_row_ranges():
+    from opt_ds_ops.config import DatasetConfig
+    from opt_ds_ops.sidecar import parse_sidecar
+
+    opts, _ = parse_sidecar(b"incidents: [[1, 5], [90, 90]]\n", "x.yaml", DatasetConfig())
+    assert opts.incidents == ((1, 5), (90, 90))
+    for bad in (b"incidents: [[5, 1]]", b"incidents: [[0, 3]]", b"incidents: [3]", b"incidents: [[1, 2, 3]]",
+                b"incidents: [[true, 2]]", b"incidents: [[1.5, 2]]", b"incidents: 7"):
+        with pytest.raises(ConfigError, match="incidents"):
+            parse_sidecar(bad, "x.yaml", DatasetConfig())
+
 def test_sidecar_nested_20000_deep_is_refused():
-    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+    from opt_ds_ops.config import DatasetConfig
+    from opt_ds_ops.sidecar import parse_sidecar
 
     for text in (b"[" * 20_000, b"columns: " + b"[" * 20_000 + b"]" * 20_000, b"{a: " * 10_000):
         with pytest.raises(ConfigError, match=r"x\.yaml: .*nested too deeply"):
@@ -175,7 +189,8 @@ def test_a_size_beyond_any_number_is_refused(tmp_path):
 
 
 def test_sidecar_with_a_tagged_value_yaml_cannot_build_is_refused():
-    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+    from opt_ds_ops.config import DatasetConfig
+    from opt_ds_ops.sidecar import parse_sidecar
 
     for text in (b"!!float ", b"!!float t", b"columns: [!!int a*ae~]\n", b"time_column: !!float ''\n"):
         with pytest.raises(ConfigError, match=r"x\.yaml: invalid YAML"):
@@ -192,7 +207,8 @@ def _laughs(levels: int = 9) -> bytes:
 def test_sidecar_of_aliases_that_stand_for_millions_of_values_is_refused_in_a_short_message():
     import time
 
-    from opt_ds_ops.config import DatasetConfig, parse_sidecar
+    from opt_ds_ops.config import DatasetConfig
+    from opt_ds_ops.sidecar import parse_sidecar
 
     for text in (_laughs(), _laughs().replace(b"columns:", b"time_column:"), b"name:" + _laughs()[len(b"columns:"):]):
         t0 = time.monotonic()

@@ -180,6 +180,56 @@ def test_the_gate_refuses_a_challenger_that_learned_a_labelled_incident_and_says
     assert "not promoted (pr-auc)" in listed.stdout and os.path.basename(challenger.model_dir) in listed.stdout
 
 
+def incident_ranges(labels: np.ndarray) -> list[list[int]]:
+    """A sidecar's ``incidents`` for labels (n,) bool: [first, last] rows, 1-based and inclusive."""
+    edges = np.diff(np.r_[0, labels.astype(int), 0])
+    return [[int(a) + 1, int(b)] for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1))]
+
+
+def test_a_sidecars_incidents_label_a_daemon_job_and_the_gate_refuses_the_challenger_that_learned_them(
+        tmp_path, smd_rows):
+    """Acceptance 2 through the daemon: a group member labels the incidents of the file they drop in its
+    sidecar (``incidents:``, row ranges); the job process turns them into labels for the gate's PR-AUC test."""
+    conf = write_config(tmp_path, epochs=3, batch_size=256, scan_interval_s=0.5)
+    rows, labels = incident(smd_rows[4000:8000])
+    d = Daemon(conf)
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        write_rows(spool_dir(tmp_path, "incoming") / "m.csv", smd_rows[:4000])
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 1 and not any(
+            spool_dir(tmp_path, "processing").iterdir()), "the champion")
+        (spool_dir(tmp_path, "incoming") / "m.yaml").write_text(f"incidents: {json.dumps(incident_ranges(labels))}\n")
+        write_rows(tmp_path / "m.csv", rows)
+        os.rename(tmp_path / "m.csv", spool_dir(tmp_path, "incoming") / "m.csv")
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 2 and not any(
+            spool_dir(tmp_path, "processing").iterdir()), "the challenger")
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
+    v1, v2 = versions(tmp_path, "m")
+    gate = read_metadata(str(tmp_path / "models" / "m" / v2))["promotion"]
+    print(f"\nsidecar incidents: {len(incident_ranges(labels))} ranges; PR-AUC challenger {gate['challenger']['pr_auc']:.3f}, "
+          f"champion {gate['champion']['pr_auc']:.3f}")
+    assert gate["labels_from"] == "the sidecar's incidents" and gate["failed"] == "pr-auc", gate
+    assert current_version(str(tmp_path / "models" / "m")) == v1 and "pr-auc" in d.log()
+
+
+def test_incidents_past_the_files_rows_or_labels_given_twice_keep_the_version_with_the_reason(tmp_path, smd_rows):
+    from opt_ds_ops.promotion import file_labels
+    from opt_ds_ops.score import ScoreError
+
+    path = write_rows(tmp_path / "x.csv", smd_rows[:100])
+    labels, where = file_labels(str(path), 100, ((1, 2), (99, 100)))
+    assert where == "the sidecar's incidents" and np.flatnonzero(labels).tolist() == [0, 1, 98, 99]
+    with pytest.raises(ScoreError, match="rows 90-101 are past the dataset's 100 rows"):
+        file_labels(str(path), 100, ((90, 101),))
+    write_rows(path, smd_rows[:100], np.zeros(100, bool))
+    with pytest.raises(ScoreError, match="labels given twice"):
+        file_labels(str(path), 100, ((1, 2),))
+    assert file_labels(str(path), 100)[1] == "x.labels"
+
+
 @pytest.mark.parametrize("mode", ["manual", "always"])
 def test_manual_keeps_every_challenger_and_always_promotes_each(tmp_path, smd_rows, mode):
     cfg = gate_cfg(tmp_path, mode, epochs=1)

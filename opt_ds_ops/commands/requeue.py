@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import os
 
-from ..config import DEFAULT_CONFIG_PATH, ConfigError, DatasetConfig, parse_sidecar
+from ..config import DEFAULT_CONFIG_PATH, ConfigError, DatasetConfig
 from ..dataset import dataset_stem
 from ..spool import ERROR_SUFFIX, FAILED, SIDECAR_SUFFIX, Spool, SpoolError, read_json, requeue, sidecar_name
+from ..sidecar import parse_sidecar
 from ..store import StoreError, safe_model_name
 from . import CliError, load_cfg
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..config import SIDECAR_SUFFIXES
+from ..sidecar import SIDECAR_SUFFIXES
 from ..dataset import dataset_stem
 from ..fsutil import fsync_dir, rename_noreplace
 from .layout import (

@@ -16,7 +16,7 @@ import tempfile
 import uuid
 from datetime import datetime, timezone
 
-from ..config import SIDECAR_SUFFIXES
+from ..sidecar import SIDECAR_SUFFIXES
 from ..dataset import dataset_stem
 from ..fsutil import pid_alive, read_small, try_lock, write_atomic
 
