@@ -447,7 +447,9 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     if typ is str and isinstance(value, int) and not isinstance(value, bool):
         return str(value)  # a size given as a plain number of bytes
     if typ is tuple and isinstance(value, (list, tuple)):
-        return tuple(tuple(x) if isinstance(x, list) else x for x in value)
+        # pairs ([first, last]) become tuples; a longer inner list stays a list for the check to refuse
+        # (YAML aliases can make 10,000 references to one list of 10,000: never copy those)
+        return tuple(tuple(x) if isinstance(x, list) and len(x) <= 2 else x for x in value)
     if typ in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {_shown(value)}", tuple(key.split(".")))
     if not isinstance(value, typ):

@@ -132,9 +132,12 @@ def test_a_sidecars_incidents_are_row_ranges():
     opts, _ = parse_sidecar(b"incidents: [[1, 5], [90, 90]]\n", "x.yaml", DatasetConfig())
     assert opts.incidents == ((1, 5), (90, 90))
     for bad in (b"incidents: [[5, 1]]", b"incidents: [[0, 3]]", b"incidents: [3]", b"incidents: [[1, 2, 3]]",
-                b"incidents: [[true, 2]]", b"incidents: [[1.5, 2]]", b"incidents: 7"):
-        with pytest.raises(ConfigError, match="incidents"):
+                b"incidents: [[true, 2]]", b"incidents: [[1.5, 2]]", b"incidents: 7",
+                # an alias bomb in 64 KiB: 5,000 references to one list of 5,000 numbers, refused without a copy
+                b"incidents: [&a [" + b"1," * 4999 + b"1], " + b"*a," * 4999 + b"*a]"):
+        with pytest.raises(ConfigError, match="key 'incidents' must be"):
             parse_sidecar(bad, "x.yaml", DatasetConfig())
+
 
 def test_sidecar_nested_20000_deep_is_refused():
     from opt_ds_ops.config import DatasetConfig
