@@ -55,6 +55,15 @@ ROUND2 = {
     "fast-lr3e-2": dict(FAST, batch_size=2048, lr=3e-2, max_steps=500),
     "plateau-long": CANDIDATES["plateau-long"],
 }
+# round 3 (docs/detection-protocol.md, "Round 3"): the per-metric error scale's floor and the input clip, on
+# round 2's default; in the order used for ties (the default first: a change must win by more than TIE)
+ROUND3 = {
+    "base": {},
+    "floor-0.1": dict(error_floor=0.1),
+    "floor-1": dict(error_floor=1.0),
+    "clip-5": dict(input_clip=5.0),
+    "floor-0.1-clip-5": dict(error_floor=0.1, input_clip=5.0),
+}
 COST_GATE_S = 1.2  # round 2: the median training seconds over the SMD series a default may take
 FLEETS = {"smd": 60.0, "asd": 300.0}  # sample period (s), for alarms per day
 BASELINES = ("z-ema", "pca-ema")
@@ -90,14 +99,14 @@ def main() -> int:
     ap.add_argument("--smd", default=os.path.join(SHARED, "smd"))
     ap.add_argument("--asd", default=os.path.join(SHARED, "asd"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--round", type=int, choices=(1, 2), default=1, help="the protocol's round (default 1)")
+    ap.add_argument("--round", type=int, choices=(1, 2, 3), default=1, help="the protocol's round (default 1)")
     ap.add_argument("--only", nargs="*", help="candidates to run (default: all)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     plan = plan_device("cpu", "off")
     roots = {"smd": args.smd, "asd": args.asd}
-    table = ROUND2 if args.round == 2 else CANDIDATES
+    table = {1: CANDIDATES, 2: ROUND2, 3: ROUND3}[args.round]
     names = args.only or list(table)
     runs = {}  # (candidate, fleet) -> per series
     for name in names:
