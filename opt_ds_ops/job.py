@@ -388,7 +388,7 @@ def run_job(
                                                spill_dir=scratch_dir, base_bytes=data_segment_bytes(),
                                                refuse_constant=True)
             ds = load_dataset(path, limits, options)
-            excluded, keep = (exclude_flagged(ds, cfg.models_dir, model_name, cfg.retrain.exclude_margin,  # issue 20
+            excluded, held_rows = (exclude_flagged(ds, cfg.models_dir, model_name, cfg.retrain.exclude_margin,  # issue 20
                                               cfg.retrain.exclude_max_rows) if options.exclude_flagged else (None, None))
             names = named_metrics(ds, options)
             sha = sha256 or file_sha256(path)
@@ -456,7 +456,7 @@ def run_job(
             metadata["validation_scores"] = None
             metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
         if job_id is not None:  # issue 20: a daemon job's version becomes current only past the gate
-            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path, keep, held_back_path,
+            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path, held_rows, held_back_path,
                                                      options.incidents)
         stage("store")
         # issue 11: report.png is drawn into the version's hidden temporary directory, so it is

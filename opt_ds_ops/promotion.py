@@ -171,15 +171,13 @@ def file_labels(data_path: str, rows: int, incidents=()) -> tuple[np.ndarray | N
     return (load_labels(path, rows), os.path.basename(path)) if path else (None, None)
 
 
-def held_back(data: np.ndarray, rows_val: int, labels: np.ndarray | None,
-              keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, str]:
+def held_back(data: np.ndarray, rows_val: int, labels: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, str]:
     """Return (the held-back rows: the last ``rows_val`` rows of data, their labels or None, where
-    they come from). ``labels``: one per row of the file (:func:`file_labels`), or None; ``keep``:
-    which rows of the file data holds (flagged rows left out), or None for all."""
+    they come from). ``labels``: one per row of data (:func:`file_labels`), or None."""
     n = data.shape[0]
     k = rows_val if rows_val > 0 else max(1, n // 10)
     if labels is not None:
-        labels = (labels if keep is None else labels[keep])[n - k:]
+        labels = labels[n - k:]
     return np.asarray(data[n - k:]), labels, ("the dataset's validation split (its last rows)" if rows_val > 0
                                               else "the dataset's last tenth (no validation split)")
 
@@ -196,12 +194,13 @@ def held_back_file(path: str) -> np.ndarray:
     return rows
 
 
-def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, keep=None,
+def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, held_rows=None,
                      held_back_path: str | None = None, incidents=()) -> dict:
     """Return the ``promotion`` record of a daemon job's new version (:func:`gate` on the held-back
     rows of dataset ``ds`` loaded from ``data_path``, whose labels are the sidecar's ``incidents``
     or ``NAME.labels`` beside it (:func:`file_labels`);
-    ``keep``: the rows of the file ``ds`` kept, when flagged rows were left out, to cut the labels;
+    ``held_rows``: the file's newest rows :func:`opt_ds_ops.retrain_data.exclude_flagged` held back
+    before it cut the flagged ones (judged on instead; their range is metadata's ``excluded.held_back``);
     ``held_back_path``: a retraining job's held-back history rows, judged on instead, their range
     from metadata's ``excluded.held_back``). A gate that cannot run (labels that do not fit, rows it
     cannot score) keeps the version without promoting it, unless ``store.promote`` is always; the
@@ -213,9 +212,14 @@ def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str,
             rows, labels, offset = held_back_file(held_back_path), None, None  # the rows' values as they are
             held_range = (metadata.get("excluded") or {}).get("held_back")
             where = "the newest rows of the scoring history, held back before the flagged segments were cut"
+        elif held_rows is not None:
+            held_range = (metadata.get("excluded") or {}).get("held_back") or {}
+            labels, labels_from = file_labels(data_path, held_range.get("history_rows", 0), incidents)
+            rows, labels = held_rows, (labels[held_range["from_row"]:] if labels is not None else None)
+            where = "the file's newest rows, held back before the rows the current version flags were cut"
         else:
-            labels, labels_from = file_labels(data_path, ds.data.shape[0] if keep is None else keep.shape[0], incidents)
-            rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), labels, keep)
+            labels, labels_from = file_labels(data_path, ds.data.shape[0], incidents)
+            rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), labels)
         return gate(mode, result, metadata, cfg.models_dir, name, rows, offset, labels,
                     flag_tolerance=cfg.store.promote_flag_tolerance,
                     pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where, held_range=held_range,

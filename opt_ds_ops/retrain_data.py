@@ -53,11 +53,13 @@ def exclusion_info(keep: np.ndarray, counts: dict, margin: int, max_rows: int, s
 
 def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int) -> tuple[dict, np.ndarray | None]:
     """Given a loaded training Dataset of model ``name`` whose sidecar opted in, score it with the
-    model's ``current`` version and cut ``ds`` (its data and time index) to the rows kept by
-    :func:`exclusion_mask`; return (the ``excluded`` record, the keep mask (rows of the file,) or
-    None). Nothing is left out (``rows_left_out`` 0 and the reason
-    when nothing could be excluded: no current version, other columns, a dataset streamed from
-    disk). Raises ValueError if nothing would be left to train on."""
+    model's ``current`` version, hold back the file's newest tenth for the promotion gate (as a
+    retraining holds back its history's: before the cut, flagged rows included; metadata's
+    ``excluded.held_back``), and cut the older rows of ``ds`` (its data and time index) to those
+    kept by :func:`exclusion_mask`; return (the ``excluded`` record, the held-back rows (k, D) as
+    ``ds.data`` held them, centred by ``ds.offset``, or None). Nothing is left out or held back
+    (``rows_left_out`` 0 and the reason) when nothing could be excluded: no current version, other
+    columns, a dataset streamed from disk. Raises ValueError if nothing would be left to train on."""
     try:
         stored = load_model(os.path.join(models_dir, safe_model_name(name), CURRENT))
         if not isinstance(ds.data, np.ndarray) or isinstance(ds.data, np.memmap):
@@ -65,15 +67,21 @@ def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int) 
         flags = score_rows(stored, ds.data, offset=ds.offset) > stored.threshold
     except (StoreError, ScoreError) as e:
         return {"rows_in": ds.rows, "rows_left_out": 0, "reason": f"nothing excluded: {str(e).splitlines()[0][:300]}"}, None
-    keep, counts = exclusion_mask(flags, margin, max_rows)
+    n = flags.shape[0]
+    k = min(max(1, int(round(n * HOLD_BACK_FRACTION))), max(0, n - 2))
+    held_range = {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n, "flagged_by_current": int(flags[n - k:].sum())}
+    keep, counts = exclusion_mask(flags[: n - k], margin, max_rows)
     info = exclusion_info(keep, counts, margin, max_rows, f"current version {stored.metadata.get('version')}")
     if info["rows_kept"] < 2:
         raise ValueError(f"exclude_flagged would leave {info['rows_kept']} rows to train on: {info['reason']}")
+    held = np.array(ds.data[n - k:])
+    keep = np.r_[keep, np.zeros(k, dtype=bool)]
     ds.data = np.ascontiguousarray(ds.data[keep])
     if ds.time is not None:
         ds.time.seconds = ds.time.seconds[keep]
-    ds.notes.append(f"exclude_flagged: {info['rows_left_out']} of {info['rows_in']} rows left out: {info['reason']}")
-    return info, keep
+    ds.notes.append(f"exclude_flagged: {info['rows_left_out']} of {info['rows_in']} rows left out: {info['reason']}; "
+                    f"the newest {k} held back for the promotion gate")
+    return dict(info, held_back=held_range), held
 
 
 def history_dataset(history, margin: int, max_rows: int) -> tuple[np.ndarray, dict]:

@@ -230,6 +230,30 @@ def test_incidents_past_the_files_rows_or_labels_given_twice_keep_the_version_wi
     assert file_labels(str(path), 100)[1] == "x.labels"
 
 
+def test_a_file_with_exclude_flagged_is_judged_on_its_newest_rows_held_back_before_the_cut(tmp_path, smd_rows):
+    """A user's file that opts in to exclude_flagged: the gate's rows are its newest tenth, taken before the rows the
+    current version flags are cut (before, its validation split after the cut: rows the champion flags none of)."""
+    from opt_ds_ops.sidecar import parse_sidecar
+
+    cfg = gate_cfg(tmp_path, epochs=1000)  # the shipped plateau rule: a 3-epoch champion flags 34 % of its own rows
+    daemon_job(write_rows(tmp_path / "clean.csv", smd_rows[3000:6000]), cfg)
+    rows, _ = incident(smd_rows[3000:6000], every=1000, length=80, by=1.0)  # incidents at rows 500, 1500, 2500
+    opts = parse_sidecar(b"exclude_flagged: true\n", "x.yaml", cfg.dataset)[0]
+    job = run_job(str(write_rows(tmp_path / "x.csv", rows)), cfg, name="m", explicit_name=True,
+                  plan=plan_device("cpu", "off"), job_id=new_job_id(), options=opts)
+    gate, ex = job.metadata["promotion"], job.metadata["excluded"]
+    print(f"\nexclude_flagged file: held back rows {ex['held_back']['from_row']}..{ex['held_back']['to_row']} "
+          f"({ex['held_back']['flagged_by_current']} flagged by current); {ex['rows_left_out']} of {ex['rows_in']} older rows "
+          f"left out; gate: champion {gate['champion']['flagged_share']:.2%}, challenger {gate['challenger']['flagged_share']:.2%}"
+          f" -> {gate['reason']}")
+    assert (ex["held_back"]["from_row"], ex["held_back"]["to_row"], gate["rows"]) == (2700, 3000, 300)
+    assert ex["rows_in"] == 2700 and ex["rows_left_out"] >= 2 * 80  # the incidents at 500 and 1500, with margins
+    assert gate["rows_from"].startswith("the file's newest rows")
+    assert job.result.rows_train + job.result.rows_val == ex["rows_kept"]
+    # the champion scores the same rows it flagged when the file was cut: its share there is what it flagged then
+    assert gate["champion"]["flagged_share"] == pytest.approx(ex["held_back"]["flagged_by_current"] / 300)
+
+
 @pytest.mark.parametrize("mode", ["manual", "always"])
 def test_manual_keeps_every_challenger_and_always_promotes_each(tmp_path, smd_rows, mode):
     cfg = gate_cfg(tmp_path, mode, epochs=1)
