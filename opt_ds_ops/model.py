@@ -47,24 +47,36 @@ class TelemetryAutoencoder(nn.Module):
         return {"n_features": self.n_features, "hidden": self.hidden, "latent": self.latent}
 
 
+# Every forward pass of scoring runs on exactly this many rows, the last block padded with zeros: a
+# matrix product's last bit may depend on how many rows it multiplies (a one-row product takes
+# BLAS's gemv path; with the weights of issue 21's learning rate, 2 rows and 6,000 rows differed
+# too, measured with a 152-wide windowed input), and a row's error must not depend on how many
+# rows are scored with it (appending rows never changes earlier scores). Rows are independent in
+# eval mode (BatchNorm uses its running statistics), so the padding changes nothing else.
+SCORE_BLOCK_ROWS = 4096
+
+
 @torch.no_grad()
-def feature_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 65536) -> torch.Tensor:
+def feature_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = SCORE_BLOCK_ROWS) -> torch.Tensor:
     """Return the squared reconstruction error per cell, (rows, D) float32 on x's device.
 
     x: standardised rows, (rows, D) float32. The model is put in eval mode (BatchNorm uses its
-    running statistics) and run in fp32 so a threshold does not depend on the AMP dtype. A batch
-    of one row runs as two copies of it: a one-row product takes another BLAS path (gemv) whose
-    last bit can differ (measured with a 152-wide windowed input), and a row's error must not
-    depend on how many rows are scored with it (appending rows never changes earlier scores).
+    running statistics) and run in fp32 so a threshold does not depend on the AMP dtype, on
+    blocks of exactly :data:`SCORE_BLOCK_ROWS` rows (``batch_rows`` is accepted for the callers'
+    memory bound and rounded to whole blocks).
     """
     model.eval()
     out = torch.empty_like(x, dtype=torch.float32)
-    for start in range(0, x.shape[0], batch_rows):
-        xb = x[start : start + batch_rows].float()
-        if xb.shape[0] == 1:
-            out[start : start + 1] = (model(xb.expand(2, -1)).float()[:1] - xb).pow_(2)
+    pad = None
+    for start in range(0, x.shape[0], SCORE_BLOCK_ROWS):
+        xb = x[start : start + SCORE_BLOCK_ROWS].float()
+        n = xb.shape[0]
+        if n < SCORE_BLOCK_ROWS:
+            pad = torch.zeros((SCORE_BLOCK_ROWS, x.shape[1]), dtype=torch.float32, device=x.device)
+            pad[:n] = xb
+            out[start : start + n] = (model(pad).float()[:n] - xb).pow_(2)
             continue
-        out[start : start + batch_rows] = (model(xb).float() - xb).pow_(2)
+        out[start : start + n] = (model(xb).float() - xb).pow_(2)
     return out
 
 

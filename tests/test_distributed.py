@@ -60,7 +60,7 @@ def test_train_nproc_2_stores_the_model_one_process_stores(tmp_path, odd_smd_csv
 
 def test_train_nproc_2_stops_on_a_plateau_of_its_epochs_like_every_rank(tmp_path, odd_smd_csv):
     conf = tmp_path / "plateau.yaml"  # every epoch after the first fails a 90 % gain: stop after epoch 2
-    conf.write_text("train:\n  patience: 1\n  min_delta: 0.9\n  min_steps: 0\n")
+    conf.write_text("train:\n  patience: 1\n  min_delta: 0.9\n  min_steps: 0\n  batch_size: 2048\n")  # 3 steps an epoch
     models = tmp_path / "m"
     p = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(models), "--epochs", "6",
                 "--device", "cpu", "--nproc", "2")

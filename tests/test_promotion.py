@@ -114,9 +114,10 @@ def test_a_redrop_of_the_same_file_after_a_rollback_is_kept_not_current_and_the_
 
 # ---- the promotion gate (store.promote) -----------------------------------------------------------
 
-def gate_cfg(tmp_path, promote: str = "if-not-worse", epochs: int = 3) -> Config:
-    return Config(models_dir=str(tmp_path / "models"), device="cpu", amp="off",
-                  train=TrainConfig(epochs=epochs, batch_size=256),
+def gate_cfg(tmp_path, promote: str = "if-not-worse", epochs: int | None = None) -> Config:
+    """The gate's tests train as shipped (issue 21's plateau rule, at most 600 steps), or ``epochs`` at batch 256."""
+    train_cfg = TrainConfig() if epochs is None else TrainConfig(epochs=epochs, batch_size=256)
+    return Config(models_dir=str(tmp_path / "models"), device="cpu", amp="off", train=train_cfg,
                   store=StoreConfig(promote=promote))
 
 
@@ -235,7 +236,7 @@ def test_a_file_with_exclude_flagged_is_judged_on_its_newest_rows_held_back_befo
     current version flags are cut (before, its validation split after the cut: rows the champion flags none of)."""
     from opt_ds_ops.sidecar import parse_sidecar
 
-    cfg = gate_cfg(tmp_path, epochs=1000)  # the shipped plateau rule: a 3-epoch champion flags 34 % of its own rows
+    cfg = gate_cfg(tmp_path)
     daemon_job(write_rows(tmp_path / "clean.csv", smd_rows[3000:6000]), cfg)
     rows, _ = incident(smd_rows[3000:6000], every=1000, length=80, by=1.0)  # incidents at rows 500, 1500, 2500
     opts = parse_sidecar(b"exclude_flagged: true\n", "x.yaml", cfg.dataset)[0]
@@ -328,7 +329,7 @@ def test_a_retraining_on_normal_history_is_promoted_not_refused_by_rounding(tmp_
     after the flagged-segment cut, rows the champion had not flagged: it scored 0 % there by
     construction and the challenger's threshold, fit on the same rows, flagged about 1 % of them,
     so flagged-vs-champion refused every retraining (1.07 % vs 0.00 % + 1 % here)."""
-    cfg = gate_cfg(tmp_path, epochs=10)
+    cfg = gate_cfg(tmp_path)
     rows = steady(13_000)
     daemon_job(write_rows(tmp_path / "m.csv", rows[:3000]), cfg)
     job = retrain_from_history(tmp_path, cfg, rows[3000:])
@@ -349,7 +350,7 @@ def test_a_retraining_worse_on_the_held_back_rows_is_refused_with_the_figures(tm
     """The held-back rows are the newest of the history, flags included: a challenger trained on
     an older regime (the history shifted back after its first 9,000 rows, as if a change were
     undone) flags most of them, the champion few; flagged-vs-champion refuses it."""
-    cfg = gate_cfg(tmp_path, epochs=10)
+    cfg = gate_cfg(tmp_path)
     rows = steady(13_000)
     daemon_job(write_rows(tmp_path / "m.csv", rows[:3000]), cfg)
     history = rows[3000:].copy()
@@ -370,7 +371,7 @@ def test_an_incident_in_the_held_back_rows_that_both_models_flag_does_not_refuse
     """flagged-vs-design is judged on the held-back rows the champion did not flag: an incident in
     the newest rows, flagged by both, counts for both in flagged-vs-champion and is no reason to
     refuse (on all the held-back rows the challenger's share is far above the design rate)."""
-    cfg = gate_cfg(tmp_path, epochs=10)
+    cfg = gate_cfg(tmp_path)
     rows = steady(13_000)
     daemon_job(write_rows(tmp_path / "m.csv", rows[:3000]), cfg)
     history = rows[3000:].copy()

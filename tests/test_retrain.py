@@ -144,15 +144,18 @@ def incident(rows: np.ndarray, every: int = 500, length: int = 60, by: float = 0
 def test_an_incident_left_out_by_exclude_flagged_is_still_flagged_and_one_learned_is_not(tmp_path, smd_rows):
     """Acceptance 2 for a user's file: the same incident-laden file trained with the sidecar's
     exclude_flagged on and off; the incident's replay scored by both."""
-    clean = smd_rows[:6000]
+    # rows 3000..9000 (the shipped training): a model that learned the incident flags 7.7 % of its replay; on rows
+    # 0..6000 it still flagged 80 % (a model of those rows flags 2,316 of their own 5,400: machine-1-2's event at
+    # rows 1800..2000 and its drift), so the difference there (20 points) says little about the exclusion
+    clean = smd_rows[3000:9000]
     rows, labels = incident(clean)
     np.savetxt(tmp_path / "clean.csv", clean, delimiter=",", fmt="%.6f")
     np.savetxt(tmp_path / "incident.csv", rows, delimiter=",", fmt="%.6f")
     replay, replay_labels = incident(smd_rows[:2000], every=400, by=0.6)
     share = {}
     for on in (True, False):
-        cfg = with_overrides(Config(), {"models_dir": str(tmp_path / f"models-{on}"), "train.epochs": 10,
-                                        "train.batch_size": 256, "device": "cpu"})
+        # the shipped training (issue 21's plateau rule, at most 600 steps)
+        cfg = with_overrides(Config(), {"models_dir": str(tmp_path / f"models-{on}"), "device": "cpu"})
         run_job(str(tmp_path / "clean.csv"), cfg, name="m", explicit_name=True)
         opts = parse_sidecar(b"exclude_flagged: true\n" if on else b"", "incident.yaml", cfg.dataset)[0]
         job = run_job(str(tmp_path / "incident.csv"), cfg, name="m", explicit_name=True, options=opts)
