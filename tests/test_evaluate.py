@@ -282,6 +282,8 @@ def test_evaluate_command_prints_the_table_and_json_and_plot(tmp_path):
     assert any(line.strip().startswith("z-ema") for line in lines) and any("seed-mse" in line for line in lines)
     assert any(line.strip().startswith("pca-ema") for line in lines) and "ds-ops vs pca-ema: mean ROC-AUC" in p.stdout
     assert "HitRate@150%" in p.stdout
+    assert any("alarms/d seg-hit" in line for line in lines) and "seg-hit: the share of labelled segments" in p.stdout
+    assert " peak RSS " in lines[-1] and " MiB" in lines[-1]  # issue 21: evaluate prints its cost
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     p = run_cli("evaluate", "--train", str(SMD_TRAIN), "--test", str(SMD_TEST), "--labels", str(SMD_LABELS),
                 "--epochs", "2", "--json")
@@ -289,6 +291,7 @@ def test_evaluate_command_prints_the_table_and_json_and_plot(tmp_path):
     doc = json.loads(p.stdout)
     assert doc["machines"][0]["machine"] == "machine-1-2" and set(doc["mean"]) == {"ds-ops", "z-ema", "pca-ema", "seed-mse"}
     assert doc["machines"][0]["ds-ops"]["hit_rate_150"] is None  # no interpretation file given
+    assert 0 <= doc["machines"][0]["ds-ops"]["segments_flagged"] <= 1 and doc["peak_rss_bytes"] > 100 * 1024**2
 
 
 def test_evaluate_errors_are_one_line(tmp_path):

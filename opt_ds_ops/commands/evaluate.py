@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 
@@ -55,7 +56,9 @@ def run(args) -> int:
     t0 = time.perf_counter()
     if not args.json:
         t = cfg.train
-        print(f"evaluating {len(machines)} machine(s) on {plan.device} amp={plan.amp_name}: {t.epochs} epochs, "
+        length = (f"plateau rule (at most {t.max_steps:,} steps or {t.epochs} epochs, batch {t.batch_size}, lr {t.lr:g})"
+                  if t.stopping == "plateau" else f"{t.epochs} epochs")
+        print(f"evaluating {len(machines)} machine(s) on {plan.device} amp={plan.amp_name}: {length}, "
               f"input window {t.input_window} ({t.window_error}), score {t.score_smoothing} over {t.score_window} rows, "
               f"input clip {t.input_clip:g}, "
               f"error floor {t.error_floor:g}, threshold {t.threshold_method}", flush=True)
@@ -83,8 +86,9 @@ def run(args) -> int:
         plot(results, args.plot, args.plot_machine)
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
     seconds = time.perf_counter() - t0
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # issue 21: evaluate's cost (KiB on Linux)
     if args.json:
-        print(json.dumps({"machines": public, "mean": means, "seconds": seconds,
+        print(json.dumps({"machines": public, "mean": means, "seconds": seconds, "peak_rss_bytes": peak_rss,
                           "config": {"train": cfg.train.__dict__}}, sort_keys=True))
         return 0
     for line in format_table(public, means):
@@ -105,6 +109,7 @@ def run(args) -> int:
               f"{z['hit_rate_100']:.4f} and {z['hit_rate_150']:.4f}")
     if args.plot:
         print(f"plot: {args.plot}")
-    print(f"{len(public)} machine(s) in {seconds:.1f} s; alarms/d: false alarms per day of normal rows "
-          f"({cfg.train.sample_period_s:g} s per row)")
+    print(f"{len(public)} machine(s) in {seconds:.1f} s, peak RSS {peak_rss / 1024**2:,.0f} MiB; alarms/d: false "
+          f"alarms per day of normal rows ({cfg.train.sample_period_s:g} s per row); seg-hit: the share of labelled "
+          f"segments with a flagged row, at the threshold")
     return 0
