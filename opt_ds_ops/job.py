@@ -388,6 +388,10 @@ def run_job(
                                                spill_dir=scratch_dir, base_bytes=data_segment_bytes(),
                                                refuse_constant=True)
             ds = load_dataset(path, limits, options)
+            past = [r for r in options.incidents if r[1] > ds.rows]  # issue 20: before training, not at the gate
+            if past:
+                raise DatasetError(f"{source_name or path}: the sidecar's incidents {list(past[0])} are past the dataset's "
+                                   f"{ds.rows} data rows (rows are 1-based, in the order the dataset holds them)")
             excluded, held_rows = (exclude_flagged(ds, cfg.models_dir, model_name, cfg.retrain.exclude_margin,  # issue 20
                                               cfg.retrain.exclude_max_rows) if options.exclude_flagged else (None, None))
             names = named_metrics(ds, options)

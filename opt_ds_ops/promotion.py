@@ -112,6 +112,9 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
         chal["pr_auc"] = average_precision(c_scores, labels)
         if champ is not None and s is not None:
             champ["pr_auc"] = average_precision(s, labels)
+    elif labels is not None:  # labelled incidents elsewhere in the file: say that test 4 did not run
+        champ_note = "; ".join(filter(None, [champ_note, f"no labelled row among the {rows.shape[0]} held-back rows "
+                                                         "(the newest): the PR-AUC test did not run"]))
     doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "held_back": held_range,
            "design_rate": design,
            "labels": bool(labels is not None), "labels_from": labels_from, "challenger": chal, "champion": champ,

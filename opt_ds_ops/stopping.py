@@ -10,7 +10,8 @@ size. An evaluation improves when its loss is below the reference by more than t
 ``min_steps`` steps, training stops ("plateau"). It stops at ``max_steps`` ("max_steps") or at the
 ``epochs`` cap ("epochs") otherwise; the weights it stops with are evaluated too (at ``max_steps``
 and at the epochs cap, when that step was not an evaluation's), and the weights of the lowest
-evaluated loss (a state_dict copy), the last ones included, are put back at the end. ``train.stopping: epochs``: exactly ``epochs`` epochs, the seed's loop
+evaluated loss (a state_dict copy), the last ones included, are put back at the end; the in-memory
+loop also offers each epoch's end, whose validation loss it prints (:meth:`Stopper.consider`). ``train.stopping: epochs``: exactly ``epochs`` epochs, the seed's loop
 (the 500k x 32 benchmark runs so).
 
 The in-memory loop (:mod:`opt_ds_ops.train`) evaluates every ``eval_every_steps`` steps; the
@@ -98,6 +99,16 @@ class Stopper:
                 self.reason = "plateau"
                 return True
         return self.at_max_steps()
+
+    def consider(self, val_loss: float | None, model: nn.Module) -> None:
+        """Record a validation loss measured off the schedule on the same rows (the in-memory loop's
+        epoch end): its weights are kept if they are the lowest, so a published model is never worse
+        than one the run printed; it counts for neither ``patience`` nor ``evaluations``."""
+        if not self.enabled or val_loss is None or not math.isfinite(val_loss):
+            return
+        if val_loss < self.best_loss:
+            self.best_loss, self.best_step = val_loss, self.steps
+            self.best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     def finish(self, model: nn.Module, device: torch.device) -> bool:
         """At the end of training: set the reason ("epochs" when nothing else stopped it) and load

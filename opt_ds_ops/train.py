@@ -227,6 +227,8 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise TrainingError(f"non-finite weights after epoch {epoch + 1}")
         val_loss = float(feature_errors(model, x_val).mean()) if x_val is not None else None
+        if x_eval is x_val:  # the same rows as the rule's evaluations: the printed loss may be the best one
+            stopper.consider(val_loss, model)
         train_loss = sums["loss_sum"] / max(sums["rows_counted"], 1)
         rows_run = bounds[done - 1][1] if done < len(bounds) else n  # a stopped epoch ran its first rows
         stats = EpochStats(epoch + 1, train_loss, val_loss, rows_run / seconds, seconds, n_skipped,

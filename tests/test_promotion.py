@@ -216,6 +216,18 @@ def test_a_sidecars_incidents_label_a_daemon_job_and_the_gate_refuses_the_challe
     assert current_version(str(tmp_path / "models" / "m")) == v1 and "pr-auc" in d.log()
 
 
+def test_incidents_past_the_files_rows_fail_the_dataset_before_training(tmp_path, smd_rows):
+    from opt_ds_ops.job import JobError
+    from opt_ds_ops.sidecar import parse_sidecar
+
+    cfg = gate_cfg(tmp_path)
+    opts = parse_sidecar(b"incidents: [[1, 5], [90, 101]]\n", "x.yaml", cfg.dataset)[0]
+    with pytest.raises(JobError, match=r"incidents \[90, 101\] are past the dataset's 100 data rows") as e:
+        run_job(str(write_rows(tmp_path / "x.csv", smd_rows[:100])), cfg, name="m", explicit_name=True, options=opts,
+                job_id=new_job_id())
+    assert e.value.stage == "dataset" and not (tmp_path / "models" / "m").exists()
+
+
 def test_incidents_past_the_files_rows_or_labels_given_twice_keep_the_version_with_the_reason(tmp_path, smd_rows):
     from opt_ds_ops.promotion import file_labels
     from opt_ds_ops.score import ScoreError
@@ -229,6 +241,19 @@ def test_incidents_past_the_files_rows_or_labels_given_twice_keep_the_version_wi
     with pytest.raises(ScoreError, match="labels given twice"):
         file_labels(str(path), 100, ((1, 2),))
     assert file_labels(str(path), 100)[1] == "x.labels"
+
+
+def test_labels_with_no_incident_among_the_held_back_rows_say_the_pr_auc_test_did_not_run(tmp_path, smd_rows):
+    from opt_ds_ops.sidecar import parse_sidecar
+
+    cfg = gate_cfg(tmp_path, epochs=1)
+    daemon_job(write_rows(tmp_path / "a.csv", smd_rows[:2000]), cfg)
+    opts = parse_sidecar(b"incidents: [[1, 50]]\n", "b.yaml", cfg.dataset)[0]  # the oldest rows, not the held-back
+    job = run_job(str(write_rows(tmp_path / "b.csv", smd_rows[:2000])), cfg, name="m", explicit_name=True,
+                  plan=plan_device("cpu", "off"), job_id=new_job_id(), options=opts)
+    gate = job.metadata["promotion"]
+    assert gate["labels"] and "pr_auc" not in gate["challenger"]
+    assert "no labelled row among the 200 held-back rows" in gate["note"], gate
 
 
 def test_a_file_with_exclude_flagged_is_judged_on_its_newest_rows_held_back_before_the_cut(tmp_path, smd_rows):
@@ -384,3 +409,14 @@ def test_an_incident_in_the_held_back_rows_that_both_models_flag_does_not_refuse
     assert chal["flagged_share"] > gate["design_rate"] + cfg.store.promote_flag_tolerance  # all rows: above design
     assert chal["flagged_share_of_normal"] <= gate["design_rate"] + cfg.store.promote_flag_tolerance
     assert gate["promote"] and gate["failed"] is None, gate
+
+
+def test_ds_ops_train_says_that_a_sidecars_incidents_pass_no_gate(tmp_path, smd_rows):
+    """ds-ops train publishes without the promotion gate: a sidecar's incidents are recorded, and it says so."""
+    path = write_rows(tmp_path / "m.csv", smd_rows[:600])
+    (tmp_path / "m.yaml").write_text("incidents: [[10, 20]]\n")
+    p = run_cli("train", str(path), "--models-dir", str(tmp_path / "models"), "--epochs", "1")
+    assert p.returncode == 0, p.stderr
+    assert "incidents label rows for the daemon's promotion gate" in p.stderr
+    md = read_metadata(str(tmp_path / "models" / "m" / "current"))
+    assert md.get("promotion") is None and md["dataset"]["options"]["incidents"] == [[10, 20]]

@@ -177,3 +177,12 @@ def test_epoch_lines_are_one_a_second_past_epoch_10_under_the_plateau_rule_only(
         seen.append(stats)
 
     assert throttled(every, TrainConfig(stopping="epochs")) is every
+
+
+def test_no_epoch_printed_a_lower_validation_loss_than_the_published_model(rows):
+    """The new-user trial: make demo printed val_loss 0.141916 at an epoch's end, then "best val_loss 0.144232":
+    an epoch's end is between two evaluations; its weights are now kept when they are the lowest."""
+    r = train(rows, TrainConfig(**dict(QUICK, max_steps=600), lr=1e-2, eval_every_steps=25, patience=6,
+                                min_delta=0.002), CPU)
+    assert r.stopping["best_val_loss"] <= min(h.val_loss for h in r.history) + 1e-12
+    assert val_loss_of(r, rows) == pytest.approx(r.stopping["best_val_loss"], rel=1e-5)

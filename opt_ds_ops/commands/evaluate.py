@@ -110,6 +110,6 @@ def run(args) -> int:
     if args.plot:
         print(f"plot: {args.plot}")
     print(f"{len(public)} machine(s) in {seconds:.1f} s, peak RSS {peak_rss / 1024**2:,.0f} MiB; alarms/d: false "
-          f"alarms per day of normal rows ({cfg.train.sample_period_s:g} s per row); seg-hit: the share of labelled "
+          f"alarms per day of normal rows ({cfg.train.sample_period_s:g} s per row: train.sample_period_s); seg-hit: the share of labelled "
           f"segments with a flagged row, at the threshold")
     return 0

@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
                    help="telemetry file: .csv/.txt/.tsv[.gz], .parquet, .feather/.arrow, .npy, .npz, .pt")
     t.add_argument("--name", help="model name (default: the sidecar's name, else the dataset file's stem)")
     t.add_argument("--sidecar", metavar="FILE",
-                   help="dataset options (YAML: name, time_column, columns, exclude_columns, time_order); "
+                   help="dataset options (YAML: name, time_column, columns, exclude_columns, time_order, "
+                        "metric_names, exclude_flagged, incidents); "
                         "default: STEM.yaml beside the dataset, if there is one")
     t.add_argument("--time-column", help="auto, none, a column name or a 1-based number (dataset.time_column)")
     t.add_argument("--columns", type=_names, metavar="A,B,...", help="the feature columns (dataset.columns)")
@@ -129,6 +130,9 @@ def run(args) -> int:
                   else f"{cfg.train.epochs} epochs")
         print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {length}{procs}"
               f"{health}){f'; options from {sidecar}' if sidecar else ''}", flush=True)
+    if options.incidents:  # issue 20: only a daemon job passes the promotion gate
+        print("ds-ops: note: the sidecar's incidents label rows for the daemon's promotion gate; ds-ops train "
+              "publishes the new version as current without a gate", file=sys.stderr)
     try:
         job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report,
                       on_epoch=throttled(on_epoch, cfg.train),  # issue 21: one line a second past epoch 10
