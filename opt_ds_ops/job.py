@@ -393,7 +393,8 @@ def run_job(
                 raise DatasetError(f"{source_name or path}: the sidecar's incidents {list(past[0])} are past the dataset's "
                                    f"{ds.rows} data rows (rows are 1-based, in the order the dataset holds them)")
             excluded, held_rows = (exclude_flagged(ds, cfg.models_dir, model_name, cfg.retrain.exclude_margin,  # issue 20
-                                              cfg.retrain.exclude_max_rows) if options.exclude_flagged else (None, None))
+                                                   cfg.retrain.exclude_max_rows, hold_back=job_id is not None)
+                                   if options.exclude_flagged else (None, None))  # the gate runs for daemon jobs only
             names = named_metrics(ds, options)
             sha = sha256 or file_sha256(path)
         except (DatasetError, SpillError, ValueError) as e:

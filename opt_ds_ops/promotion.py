@@ -10,7 +10,8 @@ Given ``store.promote``:
   its flagged segments are cut (:func:`opt_ds_ops.retrain_data.write_history_dataset`): neither
   model trained on them, the challenger's threshold was fit on its own validation rows, not on
   these, and they keep the rows the champion flagged. For a dropped training file they are its
-  validation split (its most recent rows, which the challenger's weights never saw). It is
+  validation split (its most recent rows, which the challenger's weights never saw), or with the
+  sidecar's ``exclude_flagged`` its newest tenth, held back before the cut likewise. It is
   promoted only if
 
   1. ``finite-losses``: its final training and validation losses are finite;
@@ -23,9 +24,9 @@ Given ``store.promote``:
      and test 3 asks only whether the challenger flags the champion's normal rows at about the
      rate it was designed for;
   4. ``pr-auc`` (only where labels for those rows exist: the sidecar's ``incidents``, row ranges
-     of the file, or for ``ds-ops train`` also ``NAME.labels`` beside the data, one 0/1 per row of
-     the file, SMD's test_label format): its PR-AUC is not lower than the champion's by more than
-     ``store.promote_pr_auc_tolerance``.
+     of the file, or ``NAME.labels`` beside the data file the job reads (the spool takes none from
+     incoming/), one 0/1 per row of the file, SMD's test_label format): its PR-AUC is not lower
+     than the champion's by more than ``store.promote_pr_auc_tolerance``.
 * ``manual``: every new version is kept, never made current by a job; ``ds-ops models promote``.
 
 The gate runs in the job process (it parses the data and the labels), never in the daemon; its

@@ -51,7 +51,8 @@ def exclusion_info(keep: np.ndarray, counts: dict, margin: int, max_rows: int, s
                 flags_from=source, reason=why)
 
 
-def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int) -> tuple[dict, np.ndarray | None]:
+def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int,
+                    hold_back: bool = True) -> tuple[dict, np.ndarray | None]:
     """Given a loaded training Dataset of model ``name`` whose sidecar opted in, score it with the
     model's ``current`` version, hold back the file's newest tenth for the promotion gate (as a
     retraining holds back its history's: before the cut, flagged rows included; metadata's
@@ -59,7 +60,9 @@ def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int) 
     kept by :func:`exclusion_mask`; return (the ``excluded`` record, the held-back rows (k, D) as
     ``ds.data`` held them, centred by ``ds.offset``, or None). Nothing is left out or held back
     (``rows_left_out`` 0 and the reason) when nothing could be excluded: no current version, other
-    columns, a dataset streamed from disk. Raises ValueError if nothing would be left to train on."""
+    columns, a dataset streamed from disk. ``hold_back`` False (``ds-ops train``: no gate runs):
+    nothing is held back, every row not cut is trained on, and the rows returned are None.
+    Raises ValueError if nothing would be left to train on."""
     try:
         stored = load_model(os.path.join(models_dir, safe_model_name(name), CURRENT))
         if not isinstance(ds.data, np.ndarray) or isinstance(ds.data, np.memmap):
@@ -68,7 +71,7 @@ def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int) 
     except (StoreError, ScoreError) as e:
         return {"rows_in": ds.rows, "rows_left_out": 0, "reason": f"nothing excluded: {str(e).splitlines()[0][:300]}"}, None
     n = flags.shape[0]
-    k = min(max(1, int(round(n * HOLD_BACK_FRACTION))), max(0, n - 2))
+    k = min(max(1, int(round(n * HOLD_BACK_FRACTION))), max(0, n - 2)) if hold_back else 0
     held_range = {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n, "flagged_by_current": int(flags[n - k:].sum())}
     keep, counts = exclusion_mask(flags[: n - k], margin, max_rows)
     info = exclusion_info(keep, counts, margin, max_rows, f"current version {stored.metadata.get('version')}")
@@ -79,8 +82,11 @@ def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int) 
     ds.data = np.ascontiguousarray(ds.data[keep])
     if ds.time is not None:
         ds.time.seconds = ds.time.seconds[keep]
-    ds.notes.append(f"exclude_flagged: {info['rows_left_out']} of {info['rows_in']} rows left out: {info['reason']}; "
-                    f"the newest {k} held back for the promotion gate")
+    note = f"exclude_flagged: {info['rows_left_out']} of {info['rows_in']} rows left out: {info['reason']}"
+    if not hold_back:
+        ds.notes.append(note)
+        return info, None
+    ds.notes.append(f"{note}; the newest {k} held back for the promotion gate")
     return dict(info, held_back=held_range), held
 
 

@@ -280,6 +280,23 @@ def test_a_file_with_exclude_flagged_is_judged_on_its_newest_rows_held_back_befo
     assert gate["champion"]["flagged_share"] == pytest.approx(ex["held_back"]["flagged_by_current"] / 300)
 
 
+def test_ds_ops_train_with_exclude_flagged_holds_nothing_back_for_a_gate_it_does_not_run(tmp_path, smd_rows):
+    """``ds-ops train`` (run_job without a job id) has no promotion gate: exclude_flagged cuts the flagged
+    rows and trains on all the others, the newest tenth included (before, that tenth was held back for
+    nothing and the notes said it was held for the gate)."""
+    from opt_ds_ops.sidecar import parse_sidecar
+
+    cfg = gate_cfg(tmp_path, epochs=1)
+    run_job(str(write_rows(tmp_path / "clean.csv", smd_rows[3000:5000])), cfg, name="m", explicit_name=True)
+    opts = parse_sidecar(b"exclude_flagged: true\n", "x.yaml", cfg.dataset)[0]
+    job = run_job(str(write_rows(tmp_path / "x.csv", smd_rows[5000:7000])), cfg, name="m", explicit_name=True,
+                  options=opts)
+    ex = job.metadata["excluded"]
+    assert ex["rows_in"] == 2000 and "held_back" not in ex, ex
+    assert job.result.rows_train + job.result.rows_val == ex["rows_kept"]
+    assert not any("held back" in n for n in job.metadata["dataset"]["notes"]), job.metadata["dataset"]["notes"]
+
+
 @pytest.mark.parametrize("mode", ["manual", "always"])
 def test_manual_keeps_every_challenger_and_always_promotes_each(tmp_path, smd_rows, mode):
     cfg = gate_cfg(tmp_path, mode, epochs=1)
