@@ -543,6 +543,9 @@ def load_config(path: str | None = DEFAULT_CONFIG_PATH, *, missing_ok: bool = Fa
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     cfg = _build_guarded(Config, _parse_yaml(text, path) or {}, path, text)
+    if cfg.dataset.incidents:  # one file's rows: in the conffile they would label every file dropped
+        raise ConfigError(f"{path}: key 'dataset.incidents' labels the rows of one file: give it in that file's "
+                          "sidecar, not here", ("dataset", "incidents"))
     return dataclasses.replace(cfg, source=path)
 
 

@@ -47,32 +47,43 @@ class TelemetryAutoencoder(nn.Module):
         return {"n_features": self.n_features, "hidden": self.hidden, "latent": self.latent}
 
 
-# Every forward pass of scoring runs on exactly this many rows, the last block padded with zeros: a
-# matrix product's last bit may depend on how many rows it multiplies (a one-row product takes
-# BLAS's gemv path; with the weights of issue 21's learning rate, 2 rows and 6,000 rows differed
-# too, measured with a 152-wide windowed input), and a row's error must not depend on how many
-# rows are scored with it (appending rows never changes earlier scores). Rows are independent in
-# eval mode (BatchNorm uses its running statistics), so the padding changes nothing else.
-SCORE_BLOCK_ROWS = 4096
+# Every forward pass of scoring runs on exactly :func:`score_block_rows` rows for a given width, the
+# last block padded with zeros: a matrix product's last bit may depend on how many rows it
+# multiplies (a one-row product takes BLAS's gemv path; with the weights of issue 21's learning
+# rate, 2 rows and 6,000 rows differed too, measured with a 152-wide windowed input), and a row's
+# error must not depend on how many rows are scored with it (appending rows never changes earlier
+# scores). Rows are independent in eval mode (BatchNorm uses its running statistics), so the
+# padding changes nothing else. The block holds at most SCORE_BLOCK_CELLS cells (4 MiB of float32),
+# so a small call stays cheap (1,024 rows of 38 metrics) and a wide model's block stays small.
+SCORE_BLOCK_CELLS = 1 << 20
+
+
+def score_block_rows(width: int) -> int:
+    """Return the rows of every scoring forward pass for inputs of ``width`` columns: a power of two,
+    16..1024, with at most SCORE_BLOCK_CELLS cells (wider inputs: 16 rows)."""
+    rows = 1024
+    while rows > 16 and rows * width > SCORE_BLOCK_CELLS:
+        rows //= 2
+    return rows
 
 
 @torch.no_grad()
-def feature_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = SCORE_BLOCK_ROWS) -> torch.Tensor:
+def feature_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 0) -> torch.Tensor:
     """Return the squared reconstruction error per cell, (rows, D) float32 on x's device.
 
     x: standardised rows, (rows, D) float32. The model is put in eval mode (BatchNorm uses its
     running statistics) and run in fp32 so a threshold does not depend on the AMP dtype, on
-    blocks of exactly :data:`SCORE_BLOCK_ROWS` rows (``batch_rows`` is accepted for the callers'
-    memory bound and rounded to whole blocks).
+    blocks of exactly :func:`score_block_rows` rows (``batch_rows`` is ignored: the block size
+    depends only on D, so that a row's error is the same however many rows come with it).
     """
     model.eval()
     out = torch.empty_like(x, dtype=torch.float32)
-    pad = None
-    for start in range(0, x.shape[0], SCORE_BLOCK_ROWS):
-        xb = x[start : start + SCORE_BLOCK_ROWS].float()
+    block = score_block_rows(x.shape[1])
+    for start in range(0, x.shape[0], block):
+        xb = x[start : start + block].float()
         n = xb.shape[0]
-        if n < SCORE_BLOCK_ROWS:
-            pad = torch.zeros((SCORE_BLOCK_ROWS, x.shape[1]), dtype=torch.float32, device=x.device)
+        if n < block:
+            pad = torch.zeros((block, x.shape[1]), dtype=torch.float32, device=x.device)
             pad[:n] = xb
             out[start : start + n] = (model(pad).float()[:n] - xb).pow_(2)
             continue
@@ -80,7 +91,7 @@ def feature_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = SCORE_BL
     return out
 
 
-def row_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 65536) -> torch.Tensor:
+def row_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 0) -> torch.Tensor:
     """Return the per-row reconstruction error (MSE over the D features), (rows,) float32."""
     return feature_errors(model, x, batch_rows).mean(dim=1)
 

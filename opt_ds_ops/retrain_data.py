@@ -72,7 +72,10 @@ def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int,
         return {"rows_in": ds.rows, "rows_left_out": 0, "reason": f"nothing excluded: {str(e).splitlines()[0][:300]}"}, None
     n = flags.shape[0]
     k = min(max(1, int(round(n * HOLD_BACK_FRACTION))), max(0, n - 2)) if hold_back else 0
-    held_range = {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n, "flagged_by_current": int(flags[n - k:].sum())}
+    times = ds.time.seconds[n - k:] if ds.time is not None else np.empty(0)  # as a retraining's held_back says
+    known = times[np.isfinite(times)]
+    held_range = {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n, "flagged_by_current": int(flags[n - k:].sum()),
+                  "from_time_s": float(known[0]) if known.size else None, "to_time_s": float(known[-1]) if known.size else None}
     keep, counts = exclusion_mask(flags[: n - k], margin, max_rows)
     info = exclusion_info(keep, counts, margin, max_rows, f"current version {stored.metadata.get('version')}")
     if info["rows_kept"] < 2:

@@ -125,6 +125,13 @@ def test_sidecar_with_keys_of_mixed_types_names_the_unknown_key():
 
 
 
+def test_incidents_in_the_conffile_are_refused(tmp_path):
+    path = tmp_path / "trainer.yaml"
+    path.write_text("dataset:\n  incidents: [[1, 5]]\n")
+    with pytest.raises(ConfigError, match="'dataset.incidents' labels the rows of one file"):
+        load_config(str(path))
+
+
 def test_a_sidecars_incidents_are_row_ranges():
     from opt_ds_ops.config import DatasetConfig
     from opt_ds_ops.sidecar import parse_sidecar

@@ -289,10 +289,10 @@ def test_journal_has_the_jobs_structured_fields(box):
     stages = {e.get("DS_STAGE") for e in journal(box, f"DS_DATASET={MODEL}")}
     assert {"claimed", "training", "saved"} <= stages, stages
     epochs = [e for e in journal(box, f"DS_DATASET={MODEL}", "DS_STAGE=training") if "DS_EPOCH" in e]
-    # issue 21 (trainer.yaml: stopping: plateau, min_steps 100 and patience 6 evaluations of 25 steps:
-    # at least 250 steps, 12 epochs of SMD's 21):
-    # one line for each of the first 10 epochs, then at most one a second, none per batch
-    assert len(epochs) >= 10 and len({e["DS_EPOCH"] for e in epochs}) == len(epochs)
+    # issue 21 (trainer.yaml: stopping: plateau, min_steps 100, patience 6 evaluations of 25 steps: at
+    # least 175 steps, 8 epochs of SMD's 21): one line for each of the first 10 epochs (or all of them),
+    # then at most one a second, none per batch
+    assert len(epochs) >= 8 and len({e["DS_EPOCH"] for e in epochs}) == len(epochs)
 
 
 def test_a_reload_to_the_seeds_five_epochs_applies_to_the_next_jobs(box):
