@@ -71,11 +71,8 @@ def exclude_flagged(ds, models_dir: str, name: str, margin: int, max_rows: int,
     except (StoreError, ScoreError) as e:
         return {"rows_in": ds.rows, "rows_left_out": 0, "reason": f"nothing excluded: {str(e).splitlines()[0][:300]}"}, None
     n = flags.shape[0]
-    k = min(max(1, int(round(n * HOLD_BACK_FRACTION))), max(0, n - 2)) if hold_back else 0
-    times = ds.time.seconds[n - k:] if ds.time is not None else np.empty(0)  # as a retraining's held_back says
-    known = times[np.isfinite(times)]
-    held_range = {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n, "flagged_by_current": int(flags[n - k:].sum()),
-                  "from_time_s": float(known[0]) if known.size else None, "to_time_s": float(known[-1]) if known.size else None}
+    held_range = held_back_range(flags, ds.time.seconds if ds.time is not None else None) if hold_back else None
+    k = held_range["rows"] if held_range else 0
     keep, counts = exclusion_mask(flags[: n - k], margin, max_rows)
     info = exclusion_info(keep, counts, margin, max_rows, f"current version {stored.metadata.get('version')}")
     if info["rows_kept"] < 2:
@@ -106,17 +103,18 @@ def history_dataset(history, margin: int, max_rows: int) -> tuple[np.ndarray, di
 HOLD_BACK_FRACTION = 0.1  # the newest tenth of a history is held back for the promotion gate
 
 
-def held_back_range(h, fraction: float = HOLD_BACK_FRACTION) -> dict:
-    """Given a History, return metadata's ``held_back``: the newest ``fraction`` of its rows
-    (``from_row`` inclusive, ``to_row`` exclusive, at least 1 row, at most all but 2), taken
-    BEFORE the flagged segments are cut, so they keep the rows the model flagged; their UTC
-    times where the history has them; how many the model of the time flagged."""
-    n = int(h.flags.shape[0])
+def held_back_range(flags: np.ndarray, times: np.ndarray | None, fraction: float = HOLD_BACK_FRACTION) -> dict:
+    """Given the rows' flags (n,) bool and their times (n,) epoch seconds (NaN or None: unknown),
+    return metadata's ``held_back``: the newest ``fraction`` of the rows (``from_row`` inclusive,
+    ``to_row`` exclusive, at least 1 row, at most all but 2), taken BEFORE the flagged segments are
+    cut, so they keep the rows the model flagged; their UTC times where known; how many the model
+    of the time flagged. A retraining's history and a file with ``exclude_flagged`` alike."""
+    n = int(flags.shape[0])
     k = min(max(1, int(round(n * fraction))), max(0, n - 2))
-    times = h.times[n - k:] if k else h.times[:0]
+    times = times[n - k:] if times is not None and k else np.empty(0)
     known = times[np.isfinite(times)]
     return {"from_row": n - k, "to_row": n, "rows": k, "history_rows": n,
-            "flagged_by_current": int(h.flags[n - k:].sum()),
+            "flagged_by_current": int(flags[n - k:].sum()),
             "from_time_s": float(known[0]) if known.size else None,
             "to_time_s": float(known[-1]) if known.size else None}
 
@@ -137,7 +135,7 @@ def write_history_dataset(history_path: str, out_path: str, margin: int, max_row
         raise ValueError(f"{history_path}: no scoring history to retrain from")
     held = None
     if held_path is not None:
-        held = held_back_range(h)
+        held = held_back_range(h.flags, h.times)
         if held["rows"]:
             _save(held_path, h.rows()[held["from_row"]:])
         cut = held["from_row"]
