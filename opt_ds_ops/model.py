@@ -68,13 +68,14 @@ def score_block_rows(width: int) -> int:
 
 
 @torch.no_grad()
-def feature_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 0) -> torch.Tensor:
+def feature_errors(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Return the squared reconstruction error per cell, (rows, D) float32 on x's device.
 
     x: standardised rows, (rows, D) float32. The model is put in eval mode (BatchNorm uses its
     running statistics) and run in fp32 so a threshold does not depend on the AMP dtype, on
-    blocks of exactly :func:`score_block_rows` rows (``batch_rows`` is ignored: the block size
-    depends only on D, so that a row's error is the same however many rows come with it).
+    blocks of exactly :func:`score_block_rows` rows (the block size depends only on D, so that a
+    row's error is the same however many rows come with it; callers bound their memory by the
+    rows they pass).
     """
     model.eval()
     out = torch.empty_like(x, dtype=torch.float32)
@@ -91,9 +92,9 @@ def feature_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 0) -> to
     return out
 
 
-def row_errors(model: nn.Module, x: torch.Tensor, batch_rows: int = 0) -> torch.Tensor:
+def row_errors(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Return the per-row reconstruction error (MSE over the D features), (rows,) float32."""
-    return feature_errors(model, x, batch_rows).mean(dim=1)
+    return feature_errors(model, x).mean(dim=1)
 
 
 WINDOW_ERRORS = ("last", "window")

@@ -91,7 +91,7 @@ def _cell_batches(stored: StoredModel, data: np.ndarray, batch_rows: int, offset
         if stored.input_clip > 0:
             x.clamp_(-stored.input_clip, stored.input_clip)
         x = window_rows(x[k:], w, context=x[:k])
-        cells = feature_errors(stored.model, x, batch_rows) / stored.error_scale
+        cells = feature_errors(stored.model, x) / stored.error_scale
         yield start, fold_window(cells, w, stored.window_error).numpy()
 
 

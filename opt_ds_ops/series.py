@@ -193,7 +193,7 @@ def _cells(stored: StoredModel, data: np.ndarray, offset, context: torch.Tensor)
         if stored.input_clip > 0:
             x.clamp_(-stored.input_clip, stored.input_clip)
         xw = window_rows(x, w, context=context)
-        cells = feature_errors(stored.model, xw, BATCH_ROWS) / stored.error_scale
+        cells = feature_errors(stored.model, xw) / stored.error_scale
         out[start : start + x.shape[0]] = fold_window(cells, w, stored.window_error).numpy()
         if w > 1:
             context = torch.cat([context, x])[-(w - 1):]
