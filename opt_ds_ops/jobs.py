@@ -26,15 +26,16 @@ import time
 
 from . import gpustats, worker
 from .budget import job_config
-from .sidecar import SIDECAR_MAX_BYTES
 from .dataset import dataset_stem
 from .fsutil import user_name, utc_now
 from .journal import LOG_WARNING, safe_text
 from .pacing import STEP_BUDGET_S, STOP_EXTEND_S, TICK_S
+from .sidecar import SIDECAR_MAX_BYTES
 from .spool import (
     INCOMING, SpoolError, boot_id, claim, discard_job, is_storage_error, lock_job, process_start_ticks, read_record,
     save_record,
 )
+from .stopping import step_cap
 from .train import EpochStats
 
 
@@ -292,7 +293,7 @@ class JobLife:
         elif kind == "epoch":
             s = EpochStats(**f)
             total = self.cfg.train.epochs
-            max_steps = self.cfg.train.max_steps if self.cfg.train.stopping == "plateau" else None
+            max_steps = step_cap(self.cfg.train)
             g = s.gpu or {}
             self.log.event("job-epoch", f"{name}: {s.line(total, max_steps)}", epoch=s.epoch, epochs=total,
                            steps=s.steps, max_steps=max_steps, loss=s.train_loss,

@@ -147,6 +147,12 @@ class Stopper:
             setattr(self, key, value)
 
 
+def step_cap(cfg: TrainConfig) -> int | None:
+    """Return ``max_steps`` under the plateau rule (the bound that ends training first, for progress
+    lines and ratios), None under ``stopping: epochs``."""
+    return cfg.max_steps if cfg.stopping == "plateau" else None
+
+
 def throttled(on_epoch, cfg: TrainConfig, min_interval_s: float = 1.0):
     """Return on_epoch (a callable of one EpochStats) called for the first 10 epochs and then at
     most once every min_interval_s under the plateau rule, where a small dataset runs hundreds of

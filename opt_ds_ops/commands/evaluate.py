@@ -12,6 +12,7 @@ from ..dataset import dataset_stem
 from ..device import plan_device
 from ..evaluate import MachineFiles, format_table, mean_row, plot, run_evaluation, smd_machines
 from ..score import fmt_metric
+from ..stopping import step_cap
 from . import CliError, load_cfg
 
 
@@ -56,8 +57,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     if not args.json:
         t = cfg.train
-        length = (f"plateau rule (at most {t.max_steps:,} steps or {t.epochs} epochs, batch {t.batch_size}, lr {t.lr:g})"
-                  if t.stopping == "plateau" else f"{t.epochs} epochs")
+        length = (f"plateau rule (at most {step_cap(t):,} steps or {t.epochs} epochs, batch {t.batch_size}, lr {t.lr:g})"
+                  if step_cap(t) else f"{t.epochs} epochs")
         print(f"evaluating {len(machines)} machine(s) on {plan.device} amp={plan.amp_name}: {length}, "
               f"input window {t.input_window} ({t.window_error}), score {t.score_smoothing} over {t.score_window} rows, "
               f"input clip {t.input_clip:g}, "

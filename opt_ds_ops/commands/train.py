@@ -12,7 +12,7 @@ import dataclasses
 from ..config import DEFAULT_CONFIG_PATH
 from ..health import gate_job, summary_line
 from ..job import JobError, columns_note, find_sidecar, read_sidecar, run_job
-from ..stopping import throttled
+from ..stopping import step_cap, throttled
 from ..train import EpochStats
 from . import load_cfg
 
@@ -105,7 +105,7 @@ def run(args) -> int:
                                  f"offers {gate.plan.device} ({gate.reason})")
     bar = None
     # under the plateau rule the bound that ends training first is max_steps: count steps, not epochs
-    max_steps = cfg.train.max_steps if cfg.train.stopping == "plateau" else None
+    max_steps = step_cap(cfg.train)
     if not args.json and sys.stderr.isatty():
         from tqdm import tqdm
 
