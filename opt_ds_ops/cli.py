@@ -35,12 +35,12 @@ from .commands import requeue as requeue_cmd  # noqa: E402
 from .commands import score as score_cmd  # noqa: E402
 from .commands import status as status_cmd  # noqa: E402
 from .commands import train as train_cmd  # noqa: E402
-from .config import ConfigError  # noqa: E402
+from .config.conffile import ConfigError  # noqa: E402
 from .dataset import DatasetError  # noqa: E402
-from .device import DeviceError  # noqa: E402
-from .job import JobError  # noqa: E402
-from .score import ScoreError  # noqa: E402
-from .store import StoreError  # noqa: E402
+from .health.device import DeviceError  # noqa: E402
+from .model.detection import ScoreError  # noqa: E402
+from .store.versions import StoreError  # noqa: E402
+from .training.job import JobError  # noqa: E402
 
 COMMANDS = [train_cmd, score_cmd, evaluate_cmd, doctor_cmd, daemon_cmd, status_cmd, models_cmd,
             requeue_cmd, check_config_cmd, report_cmd]

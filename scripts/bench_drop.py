@@ -5,7 +5,7 @@ Starts a real daemon (``ds-ops daemon``, job processes from its forkserver) on a
 waits until it is ready, then drops the bundled SMD machine-1-2 training file (23,694 x 38, gzip
 text) ``--drops`` times the safe way (write NAME.part, rename to NAME) and measures the wall time
 from the rename to ``done/NAME.result.json`` appearing. In the same script, as the baseline, the
-same work runs in this process without a daemon (:func:`opt_ds_ops.job.run_job`: parse, train,
+same work runs in this process without a daemon (:func:`opt_ds_ops.training.job.run_job`: parse, train,
 save), so the printed overhead and ratio compare like with like on the same machine and load.
 
 Usage: python scripts/bench_drop.py [--drops 5] [--epochs N]  (default: the shipped train: defaults)
@@ -35,8 +35,8 @@ def main() -> int:
                     help="train.epochs (default: the shipped defaults, a plateau rule capped by max_steps)")
     args = ap.parse_args()
 
-    from opt_ds_ops.config import load_config
-    from opt_ds_ops.job import run_job
+    from opt_ds_ops.config.conffile import load_config
+    from opt_ds_ops.training.job import run_job
 
     root = tempfile.mkdtemp(prefix="ds-ops-bench-drop-")
     conf = os.path.join(root, "trainer.yaml")

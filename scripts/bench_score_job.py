@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Benchmark: one scoring job (issue 19) of a 1,000-row chunk, in a forkserver child as the
-daemon runs a job (:mod:`opt_ds_ops.worker`), from the fork to the child's exit.
+daemon runs a job (:mod:`opt_ds_ops.daemon.worker`), from the fork to the child's exit.
 
 Trains a small model (3,000 rows of the bundled SMD machine-1-2, one epoch) once, then scores
 ``--chunks`` consecutive chunks of its test period (``--rows`` rows each, written as CSV into a
-job directory as the daemon's claim leaves it) with :func:`opt_ds_ops.scoring.score_job`, each
+job directory as the daemon's claim leaves it) with :func:`opt_ds_ops.scoring.job.score_job`, each
 in a fresh child of a forkserver preloaded with ``--preload`` (default: the daemon's job modules
 plus the scoring job's and the text reader). Prints the median, min and max wall time and a JSON
 line. The drop -> alert figure of the scoring spool adds the daemon's claim and journal to it.
@@ -27,12 +27,12 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-PRELOAD = ("opt_ds_ops.worker,opt_ds_ops.job,opt_ds_ops.health,torch._dynamo,"
-           "opt_ds_ops.scoring,opt_ds_ops.dataset.text,pyarrow.csv")
+PRELOAD = ("opt_ds_ops.daemon.worker,opt_ds_ops.training.job,opt_ds_ops.health.policy,torch._dynamo,"
+           "opt_ds_ops.scoring.job,opt_ds_ops.dataset.text,pyarrow.csv")
 
 
 def child(job_dir: str, cfg) -> None:
-    from opt_ds_ops.scoring import score_job
+    from opt_ds_ops.scoring.job import score_job
 
     score_job(job_dir, cfg)
 
@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--preload", default=PRELOAD)
     ap.add_argument("--dir")
     args = ap.parse_args()
-    from opt_ds_ops.config import Config, with_overrides
-    from opt_ds_ops.job import run_job
+    from opt_ds_ops.config.conffile import Config, with_overrides
+    from opt_ds_ops.training.job import run_job
 
     root = args.dir or tempfile.mkdtemp(prefix="ds-ops-bench-score-")
     smd = os.path.join(REPO, "data", "smd")

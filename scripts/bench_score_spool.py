@@ -81,7 +81,7 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=1)
     args = ap.parse_args()
     sys.path.insert(0, REPO)
-    from opt_ds_ops.journal import MESSAGE_IDS
+    from opt_ds_ops.observe.journal import MESSAGE_IDS
 
     root = tempfile.mkdtemp(prefix="ds-ops-bench-score-")
     conf, capture, log = (os.path.join(root, n) for n in ("trainer.yaml", "journal.jsonl", "daemon.log"))

@@ -6,9 +6,9 @@ The reference is the seed's loop exactly as ../shared/seeds/000-lab-script.txt w
 num_workers=4 if cuda else 0)``, AdamW(lr 1e-3, weight decay 1e-4) with PyTorch's default kernels,
 fp32 (the seed's benchmark has no autocast), ``zero_grad(set_to_none=True)``, ``loss.item()``
 every batch, on the seed's data (``torch.randn(rows, 32)``). ds-ops's trainer
-(:func:`opt_ds_ops.train.train`) trains the same TelemetryAutoencoder with the same
+(:func:`opt_ds_ops.training.fit.train`) trains the same TelemetryAutoencoder with the same
 hyper-parameters on the same rows: on the CPU in fp32; on CUDA once per AMP dtype (bf16, fp16 with
-GradScaler) with eager steps and with the step replayed from a CUDA graph (opt_ds_ops.step).
+GradScaler) with eager steps and with the step replayed from a CUDA graph (opt_ds_ops.training.step).
 Before anything is timed, one small untimed run initialises the device (CUDA context, cuBLAS
 handles, the DataLoader's code), so neither side pays for it.
 
@@ -35,10 +35,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from opt_ds_ops.config import TrainConfig  # noqa: E402
-from opt_ds_ops.device import plan_device  # noqa: E402
-from opt_ds_ops.model import TelemetryAutoencoder  # noqa: E402
-from opt_ds_ops.train import train  # noqa: E402
+from opt_ds_ops.config.conffile import TrainConfig  # noqa: E402
+from opt_ds_ops.health.device import plan_device  # noqa: E402
+from opt_ds_ops.model.network import TelemetryAutoencoder  # noqa: E402
+from opt_ds_ops.training.fit import train  # noqa: E402
 
 
 def seed_loop(data: torch.Tensor, epochs: int, device: torch.device, num_workers: int | None = None) -> tuple[float, float]:

@@ -5,7 +5,7 @@ evaluate`` computed in the same run from the same files.
 
 Per fleet and candidate, every series is trained as ``ds-ops train`` does (the candidate's
 ``train:`` keys over the defaults, seed ``--seed``, CPU, one thread) and its test period scored as
-``ds-ops score`` does (:func:`opt_ds_ops.evaluate.evaluate_machine`). Prints per series and per
+``ds-ops score`` does (:func:`opt_ds_ops.scoring.evaluate.evaluate_machine`). Prints per series and per
 fleet the ROC-AUC / PR-AUC of each candidate and baseline, training seconds and why training
 stopped, then the two folds and the choice by the rule fixed beforehand; ``--json PATH`` writes
 everything.
@@ -29,9 +29,9 @@ import torch
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
-from opt_ds_ops.config import Config, TrainConfig  # noqa: E402
-from opt_ds_ops.device import plan_device  # noqa: E402
-from opt_ds_ops.evaluate import evaluate_machine, smd_machines  # noqa: E402
+from opt_ds_ops.config.conffile import Config, TrainConfig  # noqa: E402
+from opt_ds_ops.health.device import plan_device  # noqa: E402
+from opt_ds_ops.scoring.evaluate import evaluate_machine, smd_machines  # noqa: E402
 
 SHARED = os.path.join(REPO, "..", "shared", "data")
 # the pre-registered candidates (docs/detection-protocol.md), in order of cost

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kept for old habits: the evaluation is now ``ds-ops evaluate`` (opt_ds_ops/evaluate.py).
+"""Kept for old habits: the evaluation is now ``ds-ops evaluate`` (opt_ds_ops/scoring/evaluate.py).
 
 Usage: scripts/eval_smd.py [DIR] [ds-ops evaluate options]; DIR defaults to ../shared/data/smd
 beside the checkout when it exists, else the bundled data/smd.

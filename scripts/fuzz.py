@@ -151,7 +151,7 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
         import opt_ds_ops.dataset.columnar  # noqa: F401
         import opt_ds_ops.dataset.text  # noqa: F401
         import opt_ds_ops.dataset.timeindex  # noqa: F401
-        import opt_ds_ops.stream  # noqa: F401
+        import opt_ds_ops.training.stream  # noqa: F401
         import targets
 
     fn = targets.TARGETS[target]

@@ -514,7 +514,7 @@ def leftovers(root: Path, dirs: dict[str, Path]) -> list[str]:
 def all_settled(dirs: dict[str, Path], good: set[str]) -> bool:
     """True when the last daemon has nothing left to do: no job, every good dataset finished and no
     regular file in incoming/ but sidecars (a squatted one, or one left behind: check_hostile judges)."""
-    from opt_ds_ops.sidecar import SIDECAR_SUFFIXES
+    from opt_ds_ops.config.sidecar import SIDECAR_SUFFIXES
 
     if os.listdir(dirs["processing"]):
         return False

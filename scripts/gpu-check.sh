@@ -13,10 +13,10 @@
 #   (same python version and platform as the GPU machine; versions as pinned in pyproject.toml)
 #
 # Steps: 1. ds-ops doctor (text and --json; it runs the CUDA smoke test in the gate);
-# 2. the CUDA smoke test alone with bf16 and with fp16+GradScaler (python -m opt_ds_ops.smoke);
+# 2. the CUDA smoke test alone with bf16 and with fp16+GradScaler (python -m opt_ds_ops.health.smoke);
 # 3. ds-ops train --device cuda with bf16 and with fp16+GradScaler on the bundled SMD machine and on
 # a 1,000,000 x 32 synthetic file (GPU readings per epoch from metadata.json);
-# 3b. tests/test_step.py: the training step replayed from a CUDA graph against eager steps, per AMP dtype;
+# 3b. tests/training/test_step.py: the training step replayed from a CUDA graph against eager steps, per AMP dtype;
 # 4. scripts/bench_train.py --device cuda (the seed script's loop as written against ds-ops's trainer,
 # eager and CUDA-graph steps, bf16 and fp16);
 # 5. one job through the installed ds-trainer unit (its sandbox, its user) when systemd is PID 1
@@ -89,8 +89,8 @@ EOF
 
 # --- 2. the CUDA smoke test alone, bf16 and fp16 + GradScaler -------------------------------------
 for amp in bf16 fp16; do
-    say "python -m opt_ds_ops.smoke --device $DEVICE --amp $amp"
-    timeout 30 "$PY" -m opt_ds_ops.smoke --device "$DEVICE" --amp "$amp" --timeout-s 20 | tee "$OUT/smoke-$amp.json"
+    say "python -m opt_ds_ops.health.smoke --device $DEVICE --amp $amp"
+    timeout 30 "$PY" -m opt_ds_ops.health.smoke --device "$DEVICE" --amp "$amp" --timeout-s 20 | tee "$OUT/smoke-$amp.json"
 done
 
 # --- 3. training on $DEVICE with bf16 and fp16 + GradScaler ---------------------------------------
@@ -120,7 +120,7 @@ for amp in bf16 fp16; do
     done
 done
 
-# a dataset over the job's memory budget: the same file streamed from disk (opt_ds_ops.stream)
+# a dataset over the job's memory budget: the same file streamed from disk (opt_ds_ops.training.stream)
 say "ds-ops train $OUT/synthetic.npy streamed (job.max_matrix_bytes below its size) --amp bf16"
 printf 'job:\n  max_matrix_bytes: %d\n' $((ROWS * 32 * 4 / 3)) >"$OUT/stream.yaml"
 timeout 120 "${DSOPS[@]}" train "$OUT/synthetic.npy" --config "$OUT/stream.yaml" --device "$DEVICE" --amp bf16 \
@@ -129,9 +129,9 @@ timeout 120 "${DSOPS[@]}" train "$OUT/synthetic.npy" --config "$OUT/stream.yaml"
     || { echo "ds-ops train (streamed) failed (124: timed out after 120 s)" >>"$OUT/train-synthetic-streamed-bf16.err";
          cat "$OUT/train-synthetic-streamed-bf16.err" >&2; }
 
-# --- 3b. the training step captured in a CUDA graph against eager steps (tests/test_step.py) --------
-say "pytest tests/test_step.py (CUDA graph step = eager step; its CUDA cases skip without a GPU)"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_step.py 2>&1 | tee "$OUT/step-tests.txt"
+# --- 3b. the training step captured in a CUDA graph against eager steps (tests/training/test_step.py) --------
+say "pytest tests/training/test_step.py (CUDA graph step = eager step; its CUDA cases skip without a GPU)"
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/training/test_step.py 2>&1 | tee "$OUT/step-tests.txt"
 rc=${PIPESTATUS[0]}
 summary_line="$(grep -E '(passed|failed|error)' "$OUT/step-tests.txt" | tail -n1)"
 if ((rc)); then
@@ -162,7 +162,7 @@ elif ! systemctl cat ds-trainer.service >/dev/null 2>&1; then
 elif ! systemctl is-active --quiet ds-trainer.service; then
     step "unit job" FAILED "ds-trainer is installed but not active: systemctl status ds-trainer"
 else
-    spool="$("$PY" -c 'from opt_ds_ops.config import load_config
+    spool="$("$PY" -c 'from opt_ds_ops.config.conffile import load_config
 print(load_config("/etc/ds-ops/trainer.yaml", missing_ok=True).spool.dir)')"
     drop="gpu-check-$$-$(date +%s).txt.gz"
     if ! cp data/smd/train/machine-1-2.txt.gz "$spool/incoming/$drop.part" 2>"$OUT/unit.err" \

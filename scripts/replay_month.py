@@ -14,7 +14,7 @@ the journal, and whether the retraining kept its promises.
   (12) into score/, each written under ``.part`` and renamed in, one at a time (the next once the
   daemon has scored the last), paced at ``--day-s`` (8) wall seconds per day of data.
   ``retrain.every`` counts wall-clock time since the current version was trained
-  (opt_ds_ops/retrain.py), not the data's clock, so a replay that runs a day of data in 8 s sets
+  (opt_ds_ops/daemon/retrainer.py), not the data's clock, so a replay that runs a day of data in 8 s sets
   it in seconds: 20 s there is about 2.5 days of data.
 * At the end (the queue empty, the last retraining finished) it prints ``ds-ops status``,
   ``ds-ops models list``, the daemon's journal lines about retraining, promotion and anomalies,
@@ -22,7 +22,7 @@ the journal, and whether the retraining kept its promises.
   the segments flagged in the test period against its labelled ones.
 
 Checks (exit 1, one line per failure): ``current`` names one whole version after every chunk and
-at the end; every version directory loads (opt_ds_ops.store.load_model) and no ``.tmp-*`` is
+at the end; every version directory loads (opt_ds_ops.store.versions.load_model) and no ``.tmp-*`` is
 left; the history file reads back, in time order, within the window; every retraining's
 ``excluded.held_back`` is the newest tenth of the history it was given (its copy in done/) and
 its ``excluded`` record is what the flags of the older rows say, those
@@ -180,7 +180,7 @@ def version_dirs(name_dir: Path) -> list[str]:
 
 
 def check_current(name_dir: Path, failures: list[str], when: str) -> None:
-    from opt_ds_ops.store import current_version
+    from opt_ds_ops.store.versions import current_version
 
     cur = current_version(str(name_dir))
     if cur is None or not (name_dir / cur / "metadata.json").is_file():
@@ -199,7 +199,7 @@ def result_flags(results: Path) -> dict[int, bool]:
 
 
 def normal_rows_mask(flags: np.ndarray, margin: int, max_rows: int) -> tuple[np.ndarray, int, int]:
-    """Written apart from opt_ds_ops.retrain_data: (the rows a retraining may train on: none of a
+    """Written apart from opt_ds_ops.lifecycle.retrain_data: (the rows a retraining may train on: none of a
     flagged run of at most max_rows rows (0: any) nor margin rows either side; runs, runs kept)."""
     keep, i, n, runs, kept = np.ones(flags.size, dtype=bool), 0, flags.size, 0, 0
     while i < n:
@@ -226,7 +226,7 @@ def check_retrain(md: dict, history_copy: Path | None, flags_by_time: dict, marg
     import hashlib
     import io
 
-    from opt_ds_ops.history import read_history
+    from opt_ds_ops.lifecycle.history import read_history
 
     v, ex = md["version"], md.get("excluded") or {}
     if history_copy is None:
@@ -270,7 +270,7 @@ def history_copies(done: Path) -> dict[str, Path]:
 
 def segments_vs_labels(flags: np.ndarray, labels: np.ndarray) -> dict:
     """Event-level figures: labelled segments touched by a flagged row, flagged segments touching none."""
-    from opt_ds_ops.threshold import segments
+    from opt_ds_ops.model.threshold import segments
 
     fs, fe = segments(flags)
     ls, le = segments(labels)
@@ -284,8 +284,8 @@ def segments_vs_labels(flags: np.ndarray, labels: np.ndarray) -> dict:
 # ---- the replay ----------------------------------------------------------------------------------
 
 def replay(args, root: Path) -> tuple[dict, list[str]]:
-    from opt_ds_ops.history import HISTORY_FILE, read_history
-    from opt_ds_ops.store import current_version, load_model, read_metadata
+    from opt_ds_ops.lifecycle.history import HISTORY_FILE, read_history
+    from opt_ds_ops.store.versions import current_version, load_model, read_metadata
 
     failures: list[str] = []
     name = args.machine
@@ -355,7 +355,7 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
     flags_by_time = result_flags(results)
     copies = history_copies(spool / "done")
     retrains = []
-    from opt_ds_ops.config import load_config
+    from opt_ds_ops.config.conffile import load_config
 
     rcfg = load_config(str(conf)).retrain
     for md in mds:

@@ -9,10 +9,10 @@ print the settings by the rule fixed beforehand: the highest mean ROC-AUC + mean
 (``--sweep clip``, the first round).
 
 ``--sweep window`` (the second round, windowed inputs): one model per machine and input window
-w (rows t-w+1..t concatenated, :func:`opt_ds_ops.model.window_rows`), trained as ``ds-ops
+w (rows t-w+1..t concatenated, :func:`opt_ds_ops.model.network.window_rows`), trained as ``ds-ops
 train`` does with the configured defaults otherwise (clip 20, floor 0.01, 5 epochs, seed 0);
 each scored with the window's last row's error or the window's mean error
-(:func:`opt_ds_ops.model.fold_window`) and an EMA of the spans in WINDOW_SWEEP; the z-score +
+(:func:`opt_ds_ops.model.network.fold_window`) and an EMA of the spans in WINDOW_SWEEP; the z-score +
 EMA baseline of ``ds-ops evaluate`` computed beside it. The rule, fixed before this round ran
 (docs/detection-selection.md): the highest min(mean ROC-AUC - z-ema's, mean PR-AUC - z-ema's).
 
@@ -33,12 +33,12 @@ import torch
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
-from opt_ds_ops.config import TrainConfig  # noqa: E402
+from opt_ds_ops.config.conffile import TrainConfig  # noqa: E402
 from opt_ds_ops.dataset import load_dataset  # noqa: E402
-from opt_ds_ops.device import plan_device  # noqa: E402
-from opt_ds_ops.evaluate import smd_machines  # noqa: E402
-from opt_ds_ops.model import feature_errors, fold_window, smooth, window_rows  # noqa: E402
-from opt_ds_ops.score import (  # noqa: E402
+from opt_ds_ops.health.device import plan_device  # noqa: E402
+from opt_ds_ops.scoring.evaluate import smd_machines  # noqa: E402
+from opt_ds_ops.model.network import feature_errors, fold_window, smooth, window_rows  # noqa: E402
+from opt_ds_ops.model.detection import (  # noqa: E402
     EMA_BASELINE_WINDOW,
     average_precision,
     in_memory_model,
@@ -47,7 +47,7 @@ from opt_ds_ops.score import (  # noqa: E402
     standardise_rows,
     zscore_cells,
 )
-from opt_ds_ops.train import split_rows, train  # noqa: E402
+from opt_ds_ops.training.fit import split_rows, train  # noqa: E402
 
 SELECTION = ["machine-1-2", "machine-1-4", "machine-1-6", "machine-1-8", "machine-2-2"]
 # (clips, floors, smoothings, z weights) of the two sweeps; "median" = the median validation error

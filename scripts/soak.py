@@ -32,7 +32,7 @@ dropped by concurrent writer threads, real training on the CPU, real SIGKILLs.
 Checks: every dataset in done/ exactly once (no NAME.1), failed/, incoming/, processing/ and the
 staging folder empty; each NAME.result.json's sha256 equals the sha256 of the bytes written and of
 done/NAME; each model name has exactly one version, made by that job (metadata.json job_id and
-dataset.sha256), ``current`` points at it and it loads with opt_ds_ops.store.load_model; no
+dataset.sha256), ``current`` points at it and it loads with opt_ds_ops.store.versions.load_model; no
 ``.tmp-*`` or ``.current-*`` left under models/; no job counted a crash (a daemon's SIGKILL is
 never the dataset's fault); no process of any daemon session left after the final stop.
 Prints the figures, exits 1 with one line per failure (and where to look) on any failure, 0 on
@@ -72,7 +72,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 SMD_TRAIN = REPO / "data" / "smd" / "train" / "machine-1-2.txt.gz"
-OTHER_UID = 12345  # a member of group ds-ops who is not the daemon (as in tests/test_daemon_hostile.py)
+OTHER_UID = 12345  # a member of group ds-ops who is not the daemon (as in tests/daemon/test_daemon_hostile.py)
 FORMATS = (".csv", ".txt.gz", ".npy")
 DROP_WAYS = ("part", "tmp", "hidden", "staging")
 READY_TIMEOUT_S = 120.0  # a daemon not ready this long after its start is hung (imports take seconds)
@@ -545,9 +545,9 @@ def check_results(dirs: dict[str, Path], plans: list[dict], dropped: dict[str, d
 
 def check_models(dirs: dict[str, Path], plans: list[dict], results: dict[str, dict]) -> tuple[list[str], Counter, int]:
     """For each plan: one version in models/MODEL_NAME, made by the job of its result, ``current``
-    pointing at it and loading with opt_ds_ops.store.load_model. Return (failures, the number of
+    pointing at it and loading with opt_ds_ops.store.versions.load_model. Return (failures, the number of
     model names per version count, models loaded)."""
-    from opt_ds_ops.store import StoreError, load_model
+    from opt_ds_ops.store.versions import StoreError, load_model
 
     fails: list[str] = []
     version_counts = Counter()

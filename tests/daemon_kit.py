@@ -30,9 +30,9 @@ def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_
     train = [] if shipped_training else [
         "train:",
         f"  epochs: {epochs}",
-        "  stopping: epochs",  # issue 21: daemon tests count epochs; the plateau rule is tested apart
+        "  stopping: epochs",  # daemon tests count epochs; the plateau rule is tested apart
         f"  batch_size: {batch_size}",
-        "  lr: 1.0e-3",  # the seed's, as the daemon tests were written for (issue 21 round 2 ships 1e-2)
+        "  lr: 1.0e-3",  # the seed's, as the daemon tests were written for (the shipped default is 1e-2)
     ]
     lines = [
         f"models_dir: {root / 'models'}",

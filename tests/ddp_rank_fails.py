@@ -1,4 +1,4 @@
-"""A rank entry for tests/test_distributed.py, run under torchrun by opt_ds_ops.distributed.run_ranks:
+"""A rank entry for tests/training/test_distributed.py, run under torchrun by opt_ds_ops.training.distributed.run_ranks:
 every rank joins the gloo group and meets the others once; rank 1 then raises, rank 0 waits in a
 collective that rank 1 never joins (torchrun must stop it)."""
 
@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from opt_ds_ops.distributed import run_rank
+from opt_ds_ops.training.distributed import run_rank
 
 
 def body(group) -> None:

@@ -1,4 +1,4 @@
-"""A rank entry for tests/test_distributed.py, run under torchrun by opt_ds_ops.distributed.run_ranks:
+"""A rank entry for tests/training/test_distributed.py, run under torchrun by opt_ds_ops.training.distributed.run_ranks:
 every rank joins the gloo group, meets the others once, then sleeps for a minute without a word
 (a long epoch: nothing it writes would tell it that its launcher is gone)."""
 
@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from opt_ds_ops.distributed import run_rank
+from opt_ds_ops.training.distributed import run_rank
 
 
 def body(group) -> None:

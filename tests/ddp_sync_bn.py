@@ -1,4 +1,4 @@
-"""A rank entry for tests/test_distributed.py, run under torchrun by opt_ds_ops.distributed.run_ranks:
+"""A rank entry for tests/training/test_distributed.py, run under torchrun by opt_ds_ops.training.distributed.run_ranks:
 each of 2 gloo ranks runs GlooSyncBatchNorm on its part of one batch (1,001 rows: parts of 501 and
 500) and compares output, gradients and running statistics with one BatchNorm1d over the whole
 batch; rank 0 writes the largest differences to DIR/diffs.json."""
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from opt_ds_ops.distributed import GlooSyncBatchNorm, run_rank, shard
+from opt_ds_ops.training.distributed import GlooSyncBatchNorm, run_rank, shard
 
 
 def body(group) -> None:

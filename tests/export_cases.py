@@ -1,6 +1,6 @@
-"""Small inputs shaped like real exports (issue 9's table), each with what ds-ops must do with it.
+"""Small inputs shaped like real exports, each with what ds-ops must do with it.
 
-Used by tests/test_dataset_exports.py (``ds-ops train``) and tests/test_daemon_exports.py (the
+Used by tests/dataset/test_dataset_exports.py (``ds-ops train``) and tests/daemon/test_daemon_exports.py (the
 daemon's spool). ``expect`` is ("ok", features, check) or ("refused", text in the error).
 """
 

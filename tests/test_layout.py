@@ -1,9 +1,12 @@
-"""The package's layout stays readable: no module over 600 lines, the spool's stages under 450,
-and no import cycle among opt_ds_ops's modules (data flows one way, see docs/architecture.md)."""
+"""The package's layout stays readable: a dozen entries at the top, one folder per stage, no
+module over 600 lines (the spool's stages under 450), no two module names that differ only by a
+suffix, no import cycle among opt_ds_ops's modules, and no folder importing one that
+docs/architecture.md puts before it in the data flow."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import REPO
@@ -11,6 +14,18 @@ from conftest import REPO
 PACKAGE = REPO / "opt_ds_ops"
 MAX_LINES = 600
 SPOOL_MAX_LINES = 450
+
+# The folders in the order of the data flow, as docs/architecture.md's "Folders" table lists them:
+# a module may import only from its own folder, from folders after its own, and the shared
+# helpers below them (FOUNDATION). cli.py, the command line, comes before every folder.
+FOLDER_ORDER = ["commands", "daemon", "spool", "scoring", "training", "lifecycle", "store", "health", "model",
+                "dataset", "observe", "config"]
+TOP_MODULES = {"cli", "fsutil"}  # the top level's modules besides __init__.py
+FOUNDATION = {"opt_ds_ops", "opt_ds_ops.fsutil"}  # __version__, EARLY_STOP; file-system helpers
+MAX_TOP_ENTRIES = 15
+# Two module names that differ only by one of these endings are mixed up by readers (score,
+# scorer, scoring; job, jobs): a name says its role instead.
+CONFUSING_SUFFIXES = {"s", "r", "er", "es", "d", "ed", "ing", "dir"}
 
 # Allowed for now, each with the branch that removes the entry when it merges; an entry that is no
 # longer needed fails its test, so the lists only shrink. Modules allowed over MAX_LINES:
@@ -155,3 +170,53 @@ def test_no_import_cycle_among_the_package_modules():
     assert not tangles, "import cycles (move what both sides share into a module both import):\n" + "\n".join(
         f"{' -> '.join(_cycle_in(graph, c))} (modules importing each other: {', '.join(sorted(c))})" for c in tangles)
     assert all(c in components for c in CYCLES_ALLOWED), "an allowed cycle is gone: remove it from CYCLES_ALLOWED"
+
+
+def _rank(module: str) -> int:
+    """Return the place of a module's folder in FOLDER_ORDER; cli first, the foundation last."""
+    parts = module.split(".")
+    if module in FOUNDATION:
+        return len(FOLDER_ORDER)
+    if parts[1] == "cli":
+        return -1
+    return FOLDER_ORDER.index(parts[1])
+
+
+def test_the_top_level_is_a_dozen_entries_of_folders_named_for_their_stage():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert len(entries) <= MAX_TOP_ENTRIES, f"opt_ds_ops/ has {len(entries)} entries: {entries}"
+    assert folders == set(FOLDER_ORDER), f"folders not in FOLDER_ORDER (or gone): {folders ^ set(FOLDER_ORDER)}"
+    assert modules == TOP_MODULES, f"modules at the top level besides cli and fsutil: {modules - TOP_MODULES}"
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and len(doc) > 200, f"opt_ds_ops/{folder}/__init__.py: a paragraph saying what the folder is"
+
+
+def test_no_folder_imports_one_before_it_in_the_data_flow():
+    graph = _import_graph()
+    wrong = sorted(f"{a} imports {b}" for a, targets in graph.items() for b in targets
+                   if a not in FOUNDATION and _rank(b) < _rank(a))
+    assert not wrong, "imports against the data flow (docs/architecture.md, Folders):\n" + "\n".join(wrong)
+    assert all(_rank(b) >= _rank(a) for a, targets in graph.items() if a in FOUNDATION for b in targets)
+
+
+def test_the_folder_order_is_the_one_docs_architecture_md_gives():
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = text.split("## Folders", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `([a-z_]+)/` \|", table, flags=re.M)
+    assert listed == FOLDER_ORDER, f"docs/architecture.md's Folders table lists {listed}"
+
+
+def test_no_two_module_names_differ_only_by_a_suffix():
+    # commands/ is exempt: its modules are named for the subcommands they implement (ds-ops score, train, models)
+    names = {p.stem for p in PACKAGE.rglob("*.py") if p.stem != "__init__" and p.parent.name != "commands"}
+    names |= {p.name for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    mixed = sorted((a, b) for a in names for b in names if b != a and b.startswith(a) and b[len(a):] in CONFUSING_SUFFIXES)
+    assert not mixed, f"module names that differ only by a suffix (name each for its role): {mixed}"
+
+
+def test_the_folder_rule_catches_an_import_against_the_flow():
+    assert _rank("opt_ds_ops.daemon.service") < _rank("opt_ds_ops.store.versions") < _rank("opt_ds_ops.config.conffile")
+    assert _rank("opt_ds_ops.cli") < _rank("opt_ds_ops.commands.train") and _rank("opt_ds_ops.fsutil") == len(FOLDER_ORDER)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from opt_ds_ops.cli import build_parser
-from opt_ds_ops.metrics import METRIC_NAMES
+from opt_ds_ops.observe.metrics import METRIC_NAMES
 
 MANPAGE = REPO / "debian" / "ds-ops.1"
 

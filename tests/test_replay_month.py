@@ -1,4 +1,4 @@
-"""Issue 20, acceptance 4, small: scripts/replay_month.py on three days of the bundled SMD
+"""The month replay, small: scripts/replay_month.py on three days of the bundled SMD
 machine-1-2 (a week to train, then 12-hour chunks through the real daemon with retrain.every
 on). The full month is run by hand (docs/retraining.md, "A month, replayed")."""
 

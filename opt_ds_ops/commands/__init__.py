@@ -1,4 +1,5 @@
-"""The ``ds-ops`` subcommands, one module each; every module has ``add_parser(sub)`` and ``run(args)``.
+"""The ``ds-ops`` subcommands, one module each, named for its subcommand; every module has
+``add_parser(sub)`` and ``run(args)``, and :mod:`opt_ds_ops.cli` dispatches to them.
 
 Shared here: :class:`CliError` and :func:`load_cfg` (the conffile plus command-line overrides).
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..config import DEFAULT_CONFIG_PATH, Config, load_config, with_overrides
+from ..config.conffile import DEFAULT_CONFIG_PATH, Config, load_config, with_overrides
 
 
 class CliError(Exception):

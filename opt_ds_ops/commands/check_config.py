@@ -3,8 +3,8 @@
 The unit's ``ExecReload=`` runs it before signalling the daemon, so ``systemctl reload
 ds-trainer`` fails, with the error, on a conffile the daemon would refuse. Run that way it runs
 in the unit's sandbox and control group, as the daemon does: it also refuses a feature the sandbox
-does not allow (:mod:`opt_ds_ops.sandbox`: ``daemon.distributed_min_bytes`` without loopback TCP)
-and memory budgets too small for a job process (:mod:`opt_ds_ops.budget`), and prints the memory
+does not allow (:mod:`opt_ds_ops.daemon.sandbox`: ``daemon.distributed_min_bytes`` without loopback TCP)
+and memory budgets too small for a job process (:mod:`opt_ds_ops.daemon.budget`), and prints the memory
 each job process gets.
 """
 
@@ -14,9 +14,9 @@ import json
 import os
 import threading
 
-from ..budget import job_processes, this_process_budget
-from ..config import DEFAULT_CONFIG_PATH, ConfigError, config_to_dict, load_config
-from ..sandbox import distributed_refusal
+from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError, config_to_dict, load_config
+from ..daemon.budget import job_processes, this_process_budget
+from ..daemon.sandbox import distributed_refusal
 
 NVML_TIMEOUT_S = 10.0  # a GPU count that takes longer is given up (no GPUs counted)
 
@@ -33,7 +33,7 @@ def gpu_count(timeout_s: float = NVML_TIMEOUT_S) -> int | None:
     box: dict = {}
 
     def read() -> None:
-        from ..nvml import read_host
+        from ..health.nvml import read_host
 
         host = read_host()
         box["n"] = len(host.gpus) if host.status == "ok" else None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..config import DEFAULT_CONFIG_PATH, load_config
-from ..daemon import config_path_from, start_daemon
+from ..config.conffile import DEFAULT_CONFIG_PATH, load_config
+from ..daemon.service import config_path_from, start_daemon
 from ..spool import SpoolError
 from . import CliError
 

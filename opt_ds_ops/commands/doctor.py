@@ -1,7 +1,7 @@
 """``ds-ops doctor``: GPU and driver health on demand, and the device a job would get now.
 
 Prints a table like ``nvidia-smi --query-gpu=...`` (one row per GPU), each GPU's verdict with one
-line per finding, the CUDA smoke test's result and time (:mod:`opt_ds_ops.smoke`; only when the
+line per finding, the CUDA smoke test's result and time (:mod:`opt_ds_ops.health.smoke`; only when the
 job would run on a CUDA GPU; ``--no-smoke`` skips it), and the device, AMP dtype and TF32 setting
 the health gate would give a job now. ``--json`` prints the health report (the one metadata.json
 stores) plus ``exit_code``.
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
-from ..config import DEFAULT_CONFIG_PATH
-from ..health import LEVELS, gate_job
-from ..nvml import NA
+from ..config.conffile import DEFAULT_CONFIG_PATH
+from ..health.nvml import NA
+from ..health.policy import LEVELS, gate_job
 from . import load_cfg
 
 

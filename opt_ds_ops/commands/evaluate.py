@@ -7,12 +7,12 @@ import resource
 import sys
 import time
 
-from ..config import DEFAULT_CONFIG_PATH
+from ..config.conffile import DEFAULT_CONFIG_PATH
 from ..dataset import dataset_stem
-from ..device import plan_device
-from ..evaluate import MachineFiles, format_table, mean_row, plot, run_evaluation, smd_machines
-from ..score import fmt_metric
-from ..stopping import step_cap
+from ..health.device import plan_device
+from ..model.detection import fmt_metric
+from ..scoring.evaluate import MachineFiles, format_table, mean_row, plot, run_evaluation, smd_machines
+from ..training.stopping import step_cap
 from . import CliError, load_cfg
 
 
@@ -64,7 +64,7 @@ def run(args) -> int:
               f"input clip {t.input_clip:g}, "
               f"error floor {t.error_floor:g}, threshold {t.threshold_method}", flush=True)
     bar = None
-    if not args.json and sys.stderr.isatty():  # issue 11: a progress bar on a terminal only, never in a pipe
+    if not args.json and sys.stderr.isatty():  # a progress bar on a terminal only, never in a pipe
         from tqdm import tqdm
 
         bar = tqdm(total=len(machines), unit="machine", desc="evaluating", file=sys.stderr)
@@ -87,7 +87,7 @@ def run(args) -> int:
         plot(results, args.plot, args.plot_machine)
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
     seconds = time.perf_counter() - t0
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # issue 21: evaluate's cost (KiB on Linux)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # evaluate's cost (KiB on Linux)
     if args.json:
         print(json.dumps({"machines": public, "mean": means, "seconds": seconds, "peak_rss_bytes": peak_rss,
                           "config": {"train": cfg.train.__dict__}}, sort_keys=True))
@@ -99,7 +99,7 @@ def run(args) -> int:
                and r["ds-ops"]["roc_auc"] > r["z-ema"]["roc_auc"] for r in public)
     print(f"ds-ops vs z-ema: mean ROC-AUC {fmt_metric(ours['roc_auc'])} vs {fmt_metric(z['roc_auc'])}, mean PR-AUC "
           f"{fmt_metric(ours['pr_auc'])} vs {fmt_metric(z['pr_auc'])}; higher ROC-AUC on {wins} of {len(public)} machines")
-    pca = means["pca-ema"]  # issue 21: the linear reference
+    pca = means["pca-ema"]  # the linear reference
     print(f"ds-ops vs pca-ema: mean ROC-AUC {fmt_metric(ours['roc_auc'])} vs {fmt_metric(pca['roc_auc'])}, mean PR-AUC "
           f"{fmt_metric(ours['pr_auc'])} vs {fmt_metric(pca['pr_auc'])}")
     if ours["hit_rate_150"] is not None:

@@ -4,7 +4,7 @@ Who may run what: reading (list, show) needs read access to models_dir (anyone, 
 changing (promote, rollback, pin, unpin, rm) needs write access to the model's directory: root
 or the service user ds-ops (``sudo ds-ops models promote ...``). Every change records who
 (the user, and ``SUDO_USER``) and why (``--why``) in the version's metadata.json
-(``operator_log``). See :mod:`opt_ds_ops.store` for how each change stays atomic.
+(``operator_log``). See :mod:`opt_ds_ops.store.versions` for how each change stays atomic.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import argparse
 import json
 import os
 
-from ..config import DEFAULT_CONFIG_PATH
-from ..store import (
+from ..config.conffile import DEFAULT_CONFIG_PATH
+from ..store.versions import (
     METADATA_FILE, StoreError, current_version, list_models, pin, promote, read_metadata, remove, resolve,
-    rollback, version_summary,
+    rollback, version_summary
 )
 from . import CliError, load_cfg
 
@@ -77,7 +77,7 @@ def _gate_note(gate: dict | None) -> str:
 
 def _retrain_note(version_dir: str) -> str:
     """``  retrained (every): 6601 of 10081 history rows, 3480 left out (58 flagged segments)``
-    for a version made by retraining (issue 20), else nothing."""
+    for a version made by retraining, else nothing."""
     try:
         md = read_metadata(version_dir)
     except StoreError:
@@ -152,7 +152,7 @@ def run(args) -> int:
 
 def _change(action: str, args, models_dir: str, why: str | None) -> tuple[dict, str]:
     """Given a changing action (promote, rollback, pin, unpin, rm) and its arguments, do it; return
-    (the JSON document, the line to print). Raises StoreError (:mod:`opt_ds_ops.store`)."""
+    (the JSON document, the line to print). Raises StoreError (:mod:`opt_ds_ops.store.versions`)."""
     if action in ("promote", "rollback"):
         entry = (promote(models_dir, args.name, args.version, why) if action == "promote"
                  else rollback(models_dir, args.name, why))

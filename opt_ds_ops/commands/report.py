@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from ..report import REPORT_FILE, ReportError, write_report
-from ..store import CURRENT
+from ..store.versions import CURRENT
+from ..training.report import REPORT_FILE, ReportError, write_report
 from . import CliError, load_cfg
 
 

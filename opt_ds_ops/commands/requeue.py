@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import os
 
-from ..config import DEFAULT_CONFIG_PATH, ConfigError, DatasetConfig
+from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError, DatasetConfig
+from ..config.sidecar import parse_sidecar
 from ..dataset import dataset_stem
 from ..spool import ERROR_SUFFIX, FAILED, SIDECAR_SUFFIX, Spool, SpoolError, read_json, requeue, sidecar_name
-from ..sidecar import parse_sidecar
-from ..store import StoreError, safe_model_name
+from ..store.versions import StoreError, safe_model_name
 from . import CliError, load_cfg
 
 
@@ -51,7 +51,7 @@ def run(args) -> int:
         print(json.dumps({"requeued": moved["dataset"], "sidecar": moved["sidecar"]}, sort_keys=True))
     else:
         side = f" with its sidecar {moved['sidecar']}" if moved["sidecar"] else ""
-        back = "score" if (moved.get("error") or {}).get("drop") == "score" else "incoming"  # issue 19
+        back = "score" if (moved.get("error") or {}).get("drop") == "score" else "incoming"  # back where it was dropped
         print(f"failed/{args.name} -> {back}/{moved['dataset']}{side}; the daemon takes it next")
     return 0
 

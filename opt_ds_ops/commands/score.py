@@ -8,12 +8,12 @@ import os
 
 import numpy as np
 
-from ..config import DEFAULT_CONFIG_PATH
+from ..config.conffile import DEFAULT_CONFIG_PATH
 from ..dataset import DatasetError, DatasetLimits, load_dataset
-from ..score import evaluate, fmt_metric, load_labels
-from ..scoring import ScoringError, match_columns, stored_options
-from ..series import active_top_metrics, fresh_state, model_metric_names, score_chunk
-from ..store import load_model, model_path
+from ..model.detection import evaluate, fmt_metric, load_labels
+from ..scoring.job import ScoringError, match_columns, stored_options
+from ..scoring.series import active_top_metrics, fresh_state, model_metric_names, score_chunk
+from ..store.versions import load_model, model_path
 from . import CliError, load_cfg
 
 FLAGGED_EXIT = 3  # ds-ops score's exit status when rows are flagged (0: none; 1: bad input; 2: usage)
@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
 def align_columns(stored, ds) -> None:
     """Put ds's feature columns in the order of the model's, by header name, where both have names
     (columns the model was not trained on are left out); raise CliError naming the columns the
-    model needs and the file lacks (:func:`opt_ds_ops.scoring.match_columns`)."""
+    model needs and the file lacks (:func:`opt_ds_ops.scoring.job.match_columns`)."""
     names = (stored.metadata.get("dataset") or {}).get("header")
     if not names or not ds.header:
         return
@@ -87,7 +87,7 @@ def run(args) -> int:
     import tempfile
 
     cfg = load_cfg(args, {})
-    stored = load_model(model_path(args.model_dir, cfg.models_dir))  # issue 11: a bare model name too
+    stored = load_model(model_path(args.model_dir, cfg.models_dir))  # a bare model name too
     if args.top < 1:
         raise CliError(f"--top {args.top}: must be >= 1")
     limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes)
@@ -105,7 +105,7 @@ def run(args) -> int:
 
 
 def segments_of(events: list[dict], state) -> list[dict]:
-    """Return :func:`opt_ds_ops.score.flagged_segments`' dicts from a whole file's series events
+    """Return :func:`opt_ds_ops.model.detection.flagged_segments`' dicts from a whole file's series events
     and its final state (a segment open at the end of the file ends at its last row)."""
     segs = [{"start": e["started_row"], "end": e["row"], "peak_row": e["peak_row"], "peak_score": e["peak_score"],
              "top_metrics": e["top_metrics"]} for e in events if e["event"] == "anomaly-ended"]
@@ -117,7 +117,7 @@ def segments_of(events: list[dict], state) -> list[dict]:
 
 
 def _scored(args, stored, ds) -> int:
-    """Score the loaded dataset ds as a fresh series (the spool's scoring, :mod:`opt_ds_ops.series`),
+    """Score the loaded dataset ds as a fresh series (the spool's scoring, :mod:`opt_ds_ops.scoring.series`),
     print and write what ``run`` says; return the exit status."""
     align_columns(stored, ds)
     names = model_metric_names(stored, ds.metric_labels())
@@ -135,8 +135,8 @@ def _scored(args, stored, ds) -> int:
                  or ds.header)
     if args.output:
         write_rows(args.output, scores, flags, labels, segs, ds)
-    if args.plot:  # issue 11
-        from ..report import ReportError, write_score_plot
+    if args.plot:
+        from ..training.report import ReportError, write_score_plot
 
         try:
             write_score_plot(scores, stored.threshold, args.plot, labels=labels,

@@ -1,5 +1,5 @@
 """``ds-ops status``: the spool's queue, every running job with its GPU, stage and epoch, the latest results,
-and per scored model (issue 19) its last scored time, rows scored and whether an anomaly is open.
+and per scored model its last scored time, rows scored and whether an anomaly is open.
 
 Read from the spool directory alone, so it works whether or not the daemon runs (and as any user
 who can read the spool), and with a broken conffile (it says so and reads ``spool.dir`` from the
@@ -15,9 +15,9 @@ from datetime import datetime, timezone
 
 import yaml
 
-from ..config import DEFAULT_CONFIG_PATH, ConfigError, ScoringConfig, SpoolConfig
-from ..journal import safe_text
-from ..scorer import model_views, top_text
+from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError, ScoringConfig, SpoolConfig
+from ..daemon.scoreslot import model_views, top_text
+from ..observe.journal import safe_text
 from ..spool import Spool, spool_status
 from . import CliError, load_cfg
 
@@ -78,9 +78,9 @@ def _model_line(v: dict) -> str:
 
 def next_retrains(args, views: dict) -> None:
     """Add ``next_retrain_at`` (Unix seconds: the newest version's training end + retrain.every,
-    as the daemon counts it) to each scored model's view when retrain.every is set (issue 20)."""
-    from ..config import parse_window
-    from ..retrain import last_trained_s
+    as the daemon counts it) to each scored model's view when retrain.every is set."""
+    from ..config.conffile import parse_window
+    from ..daemon.retrainer import last_trained_s
 
     try:
         cfg = load_cfg(args, {})
@@ -201,7 +201,7 @@ def run(args) -> int:
             job["time_left_s"] = time_left_s(job) if job.get("daemon_alive") else None
         st["results_dir"] = _results_dir(args)
         st["scoring"] = model_views(st["results_dir"])
-        next_retrains(args, st["scoring"])  # issue 20
+        next_retrains(args, st["scoring"])
         if args.json:
             print(json.dumps(st, sort_keys=True), flush=True)
         else:

@@ -9,11 +9,11 @@ import sys
 
 import dataclasses
 
-from ..config import DEFAULT_CONFIG_PATH
-from ..health import gate_job, summary_line
-from ..job import JobError, columns_note, find_sidecar, read_sidecar, run_job
-from ..stopping import step_cap, throttled
-from ..train import EpochStats
+from ..config.conffile import DEFAULT_CONFIG_PATH
+from ..health.policy import gate_job, summary_line
+from ..training.fit import EpochStats
+from ..training.job import JobError, columns_note, find_sidecar, read_sidecar, run_job
+from ..training.stopping import step_cap, throttled
 from . import load_cfg
 
 
@@ -130,12 +130,12 @@ def run(args) -> int:
                   else f"{cfg.train.epochs} epochs")
         print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {length}{procs}"
               f"{health}){f'; options from {sidecar}' if sidecar else ''}", flush=True)
-    if options.incidents:  # issue 20: only a daemon job passes the promotion gate
+    if options.incidents:  # only a daemon job passes the promotion gate
         print("ds-ops: note: the sidecar's incidents label rows for the daemon's promotion gate; ds-ops train "
               "publishes the new version as current without a gate", file=sys.stderr)
     try:
         job = run_job(args.dataset, cfg, name=name, plan=gate.plan, health=gate.report,
-                      on_epoch=throttled(on_epoch, cfg.train),  # issue 21: one line a second past epoch 10
+                      on_epoch=throttled(on_epoch, cfg.train),  # one line a second past epoch 10
                       options=options, explicit_name=name is not None, nproc=args.nproc)
         if bar is not None:  # done: a plateau or the epochs cap ends it before max_steps, the bar's bound
             bar.update(bar.total - bar.n)
@@ -168,9 +168,9 @@ def run(args) -> int:
         "stopping": md.get("stopping"),
         "warnings": md.get("warnings"),
     }
-    if job.report_warning:  # issue 11: the picture failed, the model is saved
+    if job.report_warning:  # the picture failed, the model is saved
         print(f"ds-ops: warning: {job.report_warning}", file=sys.stderr)
-    for warning in md.get("warnings") or []:  # issue 21: a suspect model
+    for warning in md.get("warnings") or []:  # a suspect model
         print(f"ds-ops: warning: suspect model: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, sort_keys=True))

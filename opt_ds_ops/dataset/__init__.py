@@ -8,7 +8,7 @@
 
 Tables (text, Parquet, Arrow) may carry a time column, a row index and text columns; which
 columns are features is decided by :mod:`.columns` under the conffile's ``dataset:`` options
-(:class:`opt_ds_ops.config.DatasetConfig`), overridable per dataset by a sidecar. The time
+(:class:`opt_ds_ops.config.conffile.DatasetConfig`), overridable per dataset by a sidecar. The time
 index is kept out of the features and its rows put in time order (:mod:`.timeindex`). Every
 file that is not a usable numeric table raises :class:`DatasetError` naming the file, the line
 (text) or row (arrays) and the column; the budgets of :class:`DatasetLimits` are checked before
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from ..config import DatasetConfig, JobConfig
+from ..config.conffile import DatasetConfig, JobConfig
 from .core import (
     ACCEPTED, ARRAY_SUFFIXES, COLUMNAR_SUFFIXES, TEXT_SUFFIXES, Dataset, DatasetError, DatasetLimits, SpillError,
     TimeIndex, all_constant, clip, constant_columns, dataset_stem, file_sha256,
@@ -68,7 +68,7 @@ def _select_array_columns(path: str, data, offset, opts: DatasetConfig):
                 for i in range(n) if i not in keep]
     import numpy as np
 
-    if hasattr(data, "select"):  # opt_ds_ops.stream.NpyRows: the columns are picked as rows are read
+    if hasattr(data, "select"):  # opt_ds_ops.dataset.npyrows.NpyRows: the columns are picked as rows are read
         return data.select(keep), (offset[keep] if offset is not None else None), left_out, keep
     data = np.ascontiguousarray(np.asarray(data)[:, keep])
     return data, (offset[keep] if offset is not None else None), left_out, keep
@@ -78,7 +78,7 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
     """Given a dataset path, return a validated :class:`Dataset` (float32, 2-D, >= 2 rows, finite).
 
     ``limits`` default to those of a default ``JobConfig()``, ``options`` (which columns; see
-    :class:`opt_ds_ops.config.DatasetConfig`) to ``DatasetConfig()``. Raises DatasetError for:
+    :class:`opt_ds_ops.config.conffile.DatasetConfig`) to ``DatasetConfig()``. Raises DatasetError for:
     unknown format, unreadable or empty file, fewer than 2 rows, a non-numeric feature cell,
     ragged rows, a missing value, NaN or Inf, a value beyond float32's range, a time column that
     cannot be read or (``time_order: refuse``) is out of order, a wrong array rank or dtype, a
@@ -117,7 +117,7 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
         raise DatasetError(f"{path}: no columns")
     if time is not None:
         data, notes = apply_time_order(path, data, time, options, where)
-    if fmt != "npy" and hasattr(data, "select"):  # an opt_ds_ops.stream.NpyRows: spilled (see .core); say where
+    if fmt != "npy" and hasattr(data, "select"):  # an opt_ds_ops.dataset.npyrows.NpyRows: spilled (see .core); say where
         notes = notes + [f"{data.shape[0]:,} rows x {data.shape[1]} features ({data.nbytes:,} bytes as float32) are "
                          f"over job.max_matrix_bytes ({limits.max_matrix_bytes:,}): converted while read into "
                          f"{data.path} and streamed from there (removed after training)"]

@@ -21,6 +21,7 @@ from .core import (
     LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, all_constant, block_rows, check_finite, check_float32,
     check_shape, clip, rows_where,
 )
+from .npyrows import NpyRows
 
 
 # what numpy's .npy header parser raises for a malformed header (ast.literal_eval, and tokenize for
@@ -91,15 +92,13 @@ def _load_npy(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
 
 
 def _streamed_npy(path: str, shape: tuple, dtype: np.dtype) -> tuple:
-    """Return (:class:`opt_ds_ops.stream.NpyRows`, float64 offset or None) for a .npy too large for
+    """Return (:class:`opt_ds_ops.dataset.npyrows.NpyRows`, float64 offset or None) for a .npy too large for
     the job's memory, after one pass that checks the file's length and every cell.
 
     A float64 or integer file is centred as in memory (:func:`_centred`): by the column means of
     its first float64 block, the same offset, so that the same file gives the same float32 rows
     whether it is loaded or streamed.
     """
-    from ..stream import NpyRows
-
     with open(path, "rb") as f:
         _npy_header(f, path, ".npy array")
         offset = f.tell()

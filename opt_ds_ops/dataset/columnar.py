@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import DatasetConfig
+from ..config.conffile import DatasetConfig
 from .columns import ColumnInfo, ColumnPlan, is_iso_time, plan_columns
 from .core import (
     LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, TimeIndex, block_rows, clip, quoted, rows_where,

@@ -2,7 +2,7 @@
 
 Shared by the text and the Parquet/Arrow readers: each describes its columns as
 :class:`ColumnInfo` (name, kind, a few leading values) and :func:`plan_columns` decides, under the
-``dataset:`` options (:class:`opt_ds_ops.config.DatasetConfig`):
+``dataset:`` options (:class:`opt_ds_ops.config.conffile.DatasetConfig`):
 
 - **Time index** (never a feature). With ``time_column: auto``, the first column
   - named like a time column (:data:`TIME_NAMES`, case-insensitive, ignoring a leading ``@``/``_``
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import DatasetConfig
+from ..config.conffile import DatasetConfig
 from .core import DatasetError, dataset_stem, quoted
 
 TIME_NAMES = frozenset({

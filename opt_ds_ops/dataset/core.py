@@ -11,11 +11,11 @@ refused naming its row and column, before any training.
 1.125x steps, never past ``job.max_matrix_bytes``, and readers hand it float64 blocks of about
 ``CHUNK_BYTES`` (16 MiB). Measured with tracemalloc for text: 1.35x the float32 matrix at the peak.
 
-**Larger than the budget** (issue 12). Given ``DatasetLimits.spill_dir`` (a training job's own
+**Larger than the budget**. Given ``DatasetLimits.spill_dir`` (a training job's own
 directory), a text, Parquet or Arrow dataset whose matrix outgrows ``job.max_matrix_bytes`` is not
 refused: the rows read so far and every later block go, centred as above, into one float32
 ``.npy`` there (:data:`SPILL_FILE`, written once while the file is read), and the dataset's
-``data`` is an :class:`opt_ds_ops.stream.NpyRows` over it, which the trainer streams. The memory
+``data`` is an :class:`opt_ds_ops.dataset.npyrows.NpyRows` over it, which the trainer streams. The memory
 it costs stays at the budget; the disk, rows x columns x 4 bytes.
 """
 
@@ -29,7 +29,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import JobConfig
+from ..config.conffile import JobConfig
+from .npyrows import NpyRows
 
 TEXT_SUFFIXES = (".csv", ".txt", ".tsv")
 ARRAY_SUFFIXES = (".npy", ".npz", ".pt")
@@ -63,16 +64,16 @@ class DatasetLimits:
     max_decompressed_bytes: int
     max_columns: int
     max_matrix_bytes: int
-    # issue 12: a C-ordered .npy whose matrix exceeds max_matrix_bytes is opened for streaming
-    # (opt_ds_ops.stream.NpyRows) instead of refused; jobs set it, scoring does not
+    # A C-ordered .npy whose matrix exceeds max_matrix_bytes is opened for streaming
+    # (opt_ds_ops.dataset.npyrows.NpyRows) instead of refused; jobs set it, scoring does not
     stream_large_npy: bool = False
-    # issue 12: where a text/Parquet/Arrow dataset over max_matrix_bytes is converted to a float32
+    # Where a text/Parquet/Arrow dataset over max_matrix_bytes is converted to a float32
     # .npy (SPILL_FILE) and streamed instead of refused; None: refused (scoring, and where unset)
     spill_dir: str | None = None
-    # issue 18: a dataset whose feature columns are all constant is refused (nothing to learn) and
+    # A dataset whose feature columns are all constant is refused (nothing to learn) and
     # constant columns among others are noted; training jobs set it, scoring (flat new data) does not
     refuse_constant: bool = False
-    # issue 19: the fewest rows accepted: 2 to train (BatchNorm), 1 for a chunk of a scored series
+    # The fewest rows accepted: 2 to train (BatchNorm), 1 for a chunk of a scored series
     min_rows: int = 2
 
     @classmethod
@@ -81,7 +82,7 @@ class DatasetLimits:
                     base_bytes: int = 0, refuse_constant: bool = False) -> DatasetLimits:
         """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes(base_bytes)``,
         ``base_bytes`` being what the job's process holds already, see
-        :func:`opt_ds_ops.config.data_segment_bytes`).
+        :func:`opt_ds_ops.config.conffile.data_segment_bytes`).
 
         ``max_dataset_bytes`` (``spool.max_dataset_bytes``) also bounds the decompressed bytes: a
         9.6 KB ``.csv.gz`` that inflates to 3.8 MB passes a 1 MB limit on the file's size only.
@@ -170,8 +171,8 @@ class Dataset:
     ``data`` is a C-contiguous or memory-mapped float32 array of shape (rows, features).
     ``offset`` is None when ``data`` holds the file's values as they are (a float32 source), else
     a (features,) float64 array: the file's values are ``data + offset``, computed in float64
-    (see :meth:`values`); pass it on to :func:`opt_ds_ops.train.train` and
-    :func:`opt_ds_ops.score.score_rows`. ``header`` holds the feature columns' names when the
+    (see :meth:`values`); pass it on to :func:`opt_ds_ops.training.fit.train` and
+    :func:`opt_ds_ops.model.detection.score_rows`. ``header`` holds the feature columns' names when the
     file names its columns (a header line, Parquet, Arrow), else None. ``time`` is the time
     index (None without one). ``left_out`` lists the file's columns that are not features, each
     ``{"column": name, "why": ...}``; ``notes`` are what a person should know (rows sorted, ...).
@@ -265,7 +266,7 @@ def check_finite(path: str, data: np.ndarray, where: Callable[[int], str]) -> No
 
 def constant_columns(data) -> list[int]:
     """Return the 0-based columns of ``data`` (rows, D) float32 (an array, a memmap or an
-    :class:`opt_ds_ops.stream.NpyRows`) whose every value equals the first row's; read in blocks
+    :class:`opt_ds_ops.dataset.npyrows.NpyRows`) whose every value equals the first row's; read in blocks
     of about CHUNK_BYTES, stopping as soon as every column has varied."""
     rows, cols = data.shape
     first = np.asarray(data[0:1])[0]
@@ -356,7 +357,7 @@ class Float32Builder:
 
     ``spill_dir``: when the rows would pass ``max_rows``, they go on into ``spill_dir/SPILL_FILE``
     instead (see the module docstring): :attr:`spilled` turns true, memory is freed, and
-    :meth:`finish` returns an :class:`opt_ds_ops.stream.NpyRows`. Writing it raises
+    :meth:`finish` returns an :class:`opt_ds_ops.dataset.npyrows.NpyRows`. Writing it raises
     :class:`SpillError` (an OSError keeping its errno: ENOSPC, EDQUOT, ...).
     """
 
@@ -428,10 +429,9 @@ class Float32Builder:
 
     def finish(self):
         """Return (the float32 matrix, exactly the rows added; the (D,) float64 offset or None if
-        empty). Spilled: the matrix is an :class:`opt_ds_ops.stream.NpyRows` over the completed,
+        empty). Spilled: the matrix is an :class:`opt_ds_ops.dataset.npyrows.NpyRows` over the completed,
         fsynced SPILL_FILE."""
         if self.spilled:
-            from ..stream import NpyRows  # torch's import only where a dataset streams
 
             f, self._spill = self._spill, None
             try:

@@ -39,7 +39,7 @@ import re
 
 import numpy as np
 
-from ..config import DatasetConfig
+from ..config.conffile import DatasetConfig
 from .columns import ColumnInfo, ColumnPlan, ZONED, is_iso_time, plan_columns
 from .core import SNIFF_BYTES, DatasetError, DatasetLimits, Float32Builder, block_rows, clip, quoted, too_many_rows
 from .textstream import CHUNK_BYTES, READ_BYTES, Prefixed, arrow_owned, line_chunks, open_text

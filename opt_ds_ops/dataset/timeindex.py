@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import DatasetConfig
+from ..config.conffile import DatasetConfig
 from .columns import EPOCH_SCALE, ColumnPlan
 from .core import DatasetError, TimeIndex, iso_utc, quoted
 
@@ -101,7 +101,7 @@ def apply_time_order(path: str, data: np.ndarray, time: TimeIndex, opts: Dataset
                      where: Callable[[int], str]) -> tuple[np.ndarray, list[str]]:
     """Return (data, notes) with rows in time order: sorted (stable; a copy of data) when
     ``opts.time_order`` is ``sort``, else DatasetError naming the first row out of order. Rows
-    streamed from disk (an :class:`opt_ds_ops.stream.NpyRows`) out of order are always refused."""
+    streamed from disk (an :class:`opt_ds_ops.dataset.npyrows.NpyRows`) out of order are always refused."""
     t = time.seconds
     notes = []
     time.shared_times = int((np.diff(t) == 0).sum())

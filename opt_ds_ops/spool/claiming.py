@@ -2,7 +2,7 @@
 daemon owns, ``processing/<job id>/``, holding the daemon's copy of its bytes and its sidecar.
 
 **Sidecars.** A sidecar (``STEM.yaml`` beside ``STEM.csv``; keys in
-:func:`opt_ds_ops.sidecar.parse_sidecar`) is never a job of its own: it waits in incoming/ until
+:func:`opt_ds_ops.config.sidecar.parse_sidecar`) is never a job of its own: it waits in incoming/ until
 its dataset is claimed, and is then taken the same way (renamed into the job directory, copied,
 64 KiB at most), so drop it first. It applies only to a dataset of the same uploader (owner uid);
 another user's file of that name is moved aside, never parsed. It is parsed in the job process only,
@@ -33,7 +33,7 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 
-from ..sidecar import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES
+from ..config.sidecar import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES
 from ..dataset import dataset_stem
 from ..fsutil import fsync_dir, open_regular, read_small, rename_noreplace, user_name, utc_now, write_atomic
 from .layout import (

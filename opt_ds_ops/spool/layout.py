@@ -16,12 +16,12 @@ import tempfile
 import uuid
 from datetime import datetime, timezone
 
-from ..sidecar import SIDECAR_SUFFIXES
+from ..config.sidecar import SIDECAR_SUFFIXES
 from ..dataset import dataset_stem
 from ..fsutil import pid_alive, read_small, try_lock, write_atomic
 
 INCOMING, PROCESSING, DONE, FAILED = "incoming", "processing", "done", "failed"
-SCORE = "score"  # issue 19: the scoring drop directory, claimed exactly as incoming/ (jobs of kind "score")
+SCORE = "score"  # the scoring drop directory, claimed exactly as incoming/ (jobs of kind "score")
 SUBDIRS = (INCOMING, SCORE, PROCESSING, DONE, FAILED)
 IGNORED_SUFFIXES = (".part", ".tmp")
 RESULT_SUFFIX, ERROR_SUFFIX, SIDECAR_SUFFIX = ".result.json", ".error.json", ".sidecar.yaml"

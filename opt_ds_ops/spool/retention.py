@@ -1,4 +1,4 @@
-"""Retention of ``done/`` and ``failed/`` (issue 11): ``spool.max_failed``, and the age and size
+"""Retention of ``done/`` and ``failed/``: ``spool.max_failed``, and the age and size
 limits of each directory. A finished dataset goes with its JSON and sidecar, the JSON last.
 """
 
@@ -48,7 +48,7 @@ def prune_failed(spool: Spool, keep: int) -> list[str]:
 def _finished_entries(spool: Spool, dest: str) -> list[tuple[float, int, list[str], str]]:
     """Return (mtime of the JSON in seconds, bytes, [paths: dataset, sidecar, JSON], dataset name)
     per finished dataset of dest (DONE or FAILED), oldest first. The JSON (``NAME.result.json``,
-    ``NAME.error.json``) anchors each entry: it is written first by :func:`opt_ds_ops.spool.finishing.finish` and removed
+    ``NAME.error.json``) anchors each entry: it is written first by :func:`opt_ds_ops.spool.filing.finish` and removed
     last by :func:`prune_retention`."""
     suffix = RESULT_SUFFIX if dest == DONE else ERROR_SUFFIX
     entries = []

@@ -11,11 +11,11 @@ import time
 from datetime import datetime, timezone
 
 from .claiming import list_incoming
-from .jobdir import job_ids, process_alive, read_record
 from .layout import (
     CHECKPOINT_FILE, DONE, ERROR_SUFFIX, FAILED, IGNORED_SUFFIXES, INCOMING, RESULT_SUFFIX, SCORE, Spool, daemon_pid,
     kind_of, read_json,
 )
+from .processing import job_ids, process_alive, read_record
 
 
 def _recent_docs(directory: str, suffix: str, last: int) -> tuple[int, list[dict]]:
@@ -119,7 +119,7 @@ def spool_status(spool: Spool, last: int = 5) -> dict:
         "spool": spool.root,
         "daemon_pid": daemon,
         "queue": [n for n in queue if n not in skip],
-        "score_queue": list_incoming(spool, SCORE) if os.path.isdir(spool.dir(SCORE)) else [],  # issue 19
+        "score_queue": list_incoming(spool, SCORE) if os.path.isdir(spool.dir(SCORE)) else [],  # the scoring spool
         "ignored": ignored,
         "processing": jobs,
         "done_count": n_done,

@@ -95,7 +95,7 @@ def _flat_rows(tmp_path, smd_rows):
 
 
 def test_score_exits_3_when_rows_are_flagged_and_0_when_none_are(tmp_path, model_dir, smd_rows):
-    """Issue 19: scripts read the verdict from the exit status (documented in the man page)."""
+    """Scripts read the verdict from the exit status (documented in the man page)."""
     flat = run_cli("score", model_dir, str(_flat_rows(tmp_path, smd_rows)), "--json")
     assert flat.returncode == 0, flat.stderr
     assert json.loads(flat.stdout)["flagged"] == 0 and json.loads(flat.stdout)["exit_status"] == 0

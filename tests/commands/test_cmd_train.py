@@ -75,7 +75,7 @@ def test_bad_input_exits_1_with_a_message_and_writes_nothing(tmp_path, name):
 
 
 def test_a_dataset_past_the_configs_matrix_budget_trains_from_a_converted_copy_and_says_so(tmp_path, small_smd_csv):
-    """Issue 12: 3,000 rows of 38 (456,000 bytes as float32) under a 152,000-byte budget are no
+    """3,000 rows of 38 (456,000 bytes as float32) under a 152,000-byte budget are no
     longer refused: they are converted into MODELS_DIR/.convert-PID while read, streamed, and the
     copy is gone afterwards; scoring, which does not stream, still refuses the file."""
     models = tmp_path / "models"

@@ -1,4 +1,4 @@
-"""End-to-end: ds-ops's anomaly alerts through Debian 12's own Prometheus (issue 19, ``make e2e``).
+"""End-to-end: ds-ops's anomaly alerts through Debian 12's own Prometheus (``make e2e``).
 
 A container of its own (test_deb_e2e.py's upgrades and purge stay out of the way): ds-ops from
 DS_OPS_DEB, then Debian's prometheus-node-exporter and prometheus from the .debs that rootfs.sh
@@ -14,7 +14,7 @@ Keeping it honest: the shipped rules file passes ``promtool check rules`` as it 
 durations (minutes) are too long to wait for, so Prometheus loads a copy in which only the rules'
 ``for:`` (and a group's ``interval:``, if set) are cut to FOR_S; every expression, label and
 annotation is the shipped one. Where the chunks end is planned from ``ds-ops score`` of the
-whole stretch (the chunked series scores as the whole file does, issue 19): every chunk but one
+whole stretch (the chunked series scores as the whole file does): every chunk but one
 ends on a row clearly under the threshold, that one inside the anomaly, so the alert can only
 fire there, and does only if the daemon carries the anomaly across files.
 """
@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from nspawn import Container, ContainerError, cached_rootfs
-from opt_ds_ops.journal import MESSAGE_IDS
+from opt_ds_ops.observe.journal import MESSAGE_IDS
 from test_deb_e2e import catalog_entry
 
 pytestmark = pytest.mark.e2e

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from nspawn import Container, cached_rootfs
-from opt_ds_ops.journal import MESSAGE_IDS
+from opt_ds_ops.observe.journal import MESSAGE_IDS
 
 pytestmark = pytest.mark.e2e
 
@@ -182,7 +182,7 @@ def test_account_and_directories(box):
                                                                           "failed")),
          MODELS, "/etc/ds-ops/trainer.yaml", "/opt/ds-ops", "/var/lib/ds-ops/scores"]).stdout.splitlines()}
     assert stat[SPOOL] == ["750", "ds-ops", "ds-ops"]
-    assert stat[f"{SPOOL}/incoming"] == stat[f"{SPOOL}/score"] == ["3770", "ds-ops", "ds-ops"]  # issue 19: score/
+    assert stat[f"{SPOOL}/incoming"] == stat[f"{SPOOL}/score"] == ["3770", "ds-ops", "ds-ops"]  # score/ as incoming/
     assert stat["/var/lib/ds-ops/scores"] == ["2750", "ds-ops", "ds-ops"]
     box.run(["test", "-f", "/usr/share/doc/ds-ops/examples/ds-ops.rules.yml"])
     for d in ("processing", "done", "failed"):
@@ -217,7 +217,7 @@ def test_security_exposure_at_most_1(box):
     out = box.run(["systemd-analyze", "security", "--no-pager", UNIT], check=False).stdout
     score = float(re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out).group(1))
     print(f"systemd-analyze security {UNIT}: {score}")
-    assert score <= 1.0  # issue 8: exposure stays <= 1.0 (0.7 measured since PrivateUsers= was dropped, 0.5 before)
+    assert score <= 1.0  # exposure stays <= 1.0 (0.7 measured since PrivateUsers= was dropped, 0.5 before)
 
 
 def test_unit_limits_memory_and_tasks(box):
@@ -258,8 +258,8 @@ def test_nvidia_modprobe_runs_as_root_before_each_start_and_its_failure_is_harml
 def test_group_member_drops_a_dataset_and_a_model_appears(box):
     box.run(["useradd", "--create-home", USER])                  # an existing user ...
     box.run(["usermod", "-aG", "ds-ops", USER])                  # ... joins group ds-ops (docs/INSTALL.md)
-    # the shipped plateau rule as installed (issue 21, round 2): at most 600 steps, about 28 epochs of
-    # machine-1-2's 21 steps at batch 1024, seconds here
+    # the shipped plateau rule as installed (docs/detection-protocol.md, round 2): at most 600 steps,
+    # about 28 epochs of machine-1-2's 21 steps at batch 1024, seconds here
     box.run(f"grep -q '^  max_steps: 600$' {CONF}")
     started = time.monotonic()
     drop(box, f"/srv/smd/{DATASET}", DATASET)
@@ -289,7 +289,7 @@ def test_journal_has_the_jobs_structured_fields(box):
     stages = {e.get("DS_STAGE") for e in journal(box, f"DS_DATASET={MODEL}")}
     assert {"claimed", "training", "saved"} <= stages, stages
     epochs = [e for e in journal(box, f"DS_DATASET={MODEL}", "DS_STAGE=training") if "DS_EPOCH" in e]
-    # issue 21 (trainer.yaml: stopping: plateau, min_steps 100, patience 6 evaluations of 25 steps: at
+    # the plateau rule (trainer.yaml: stopping: plateau, min_steps 100, patience 6 evaluations of 25 steps: at
     # least 175 steps, 8 epochs of SMD's 21): one line for each of the first 10 epochs (or all of them),
     # then at most one a second, none per batch
     assert len(epochs) >= 8 and len({e["DS_EPOCH"] for e in epochs}) == len(epochs)
@@ -499,8 +499,8 @@ def test_upgrade_keeps_the_conffile_edit_models_and_account(box, deb):
     wait_model(box, "after-upgrade", 1)
 
 
-# ---- issue 11: what an operator expects around the daemon, the first hour tried from the docs ----
-# (written for issue 11; run by `make e2e`, which boots the container)
+# ---- what an operator expects around the daemon, the first hour tried from the docs ----
+# (run by `make e2e`, which boots the container)
 
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 READ_PROM = r"""
@@ -598,7 +598,7 @@ def test_first_hour_requeue_status_reload_models_rm_and_retention(box):
     assert "garbage" not in {m["name"] for m in models} and "alive" in {m["name"] for m in models}
 
 
-# ---- issue 18: budgets that add up, a sandbox that says what it refuses, packaging ----
+# ---- budgets that add up, a sandbox that says what it refuses, packaging ----
 
 GIB = 1024**3
 CONF = "/etc/ds-ops/trainer.yaml"
@@ -683,7 +683,7 @@ def test_upgrade_stops_the_daemon_before_dpkg_replaces_opt_under_a_running_job(b
     assert box.run(["dpkg-query", "-W", "-f", "${Version}", "ds-ops"]).stdout.endswith("+e2e2")
     assert box.run(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
     stopped = unit_time(box, "InactiveEnterTimestamp")
-    code = "/opt/ds-ops/lib/python3.11/site-packages/opt_ds_ops/daemon.py"
+    code = "/opt/ds-ops/lib/python3.11/site-packages/opt_ds_ops/daemon/service.py"
     unpacked = float(box.run(["/opt/ds-ops/bin/python", "-c", f"import os; print(os.stat({code!r}).st_ctime)"]).stdout)
     print(f"upgrade: the daemon stopped {unpacked - stopped:.2f} s before dpkg unpacked {code}")
     assert stopped < unpacked < unit_time(box, "ExecMainStartTimestamp"), (stopped, unpacked)
@@ -698,7 +698,7 @@ def test_upgrade_stops_the_daemon_before_dpkg_replaces_opt_under_a_running_job(b
 
 
 def test_purge_leaves_no_unit_user_conffile_or_spool(box):
-    # issue 18: the metrics file (and a killed write's temporary, owned by ds-ops) go with the package;
+    # the metrics file (and a killed write's temporary, owned by ds-ops) go with the package;
     # another writer's file in node_exporter's directory stays
     box.run(["test", "-f", f"{TEXTFILE_DIR}/ds_ops.prom"])
     box.run(f"install -o ds-ops -m 0644 /dev/null {TEXTFILE_DIR}/.ds_ops.prom.tmp-ds-ops && "

@@ -1,6 +1,6 @@
 """Make the CPU build of torch report CUDA GPUs, for tests of the device decision without a GPU.
 
-Patches only the ``torch.cuda`` queries the health gate and :mod:`opt_ds_ops.device` ask
+Patches only the ``torch.cuda`` queries the health gate and :mod:`opt_ds_ops.health.device` ask
 (is_available, device_count, current_device, is_bf16_supported, get_device_name,
 get_device_properties) and ``torch.version.cuda``. :func:`fake_cuda` alone cannot run a kernel:
 tests that use only it must not train on the "cuda" device they get. :func:`fake_cuda_runtime`
@@ -72,7 +72,7 @@ def fake_cuda_runtime(monkeypatch, fault: str | None = None, free_bytes: int = 1
     ``torch.zeros`` and ``torch.tensor`` (``device=cuda`` becomes the CPU, ``pin_memory=True`` is
     dropped), ``torch.autocast`` and ``torch.amp.GradScaler`` (device type cuda runs as cpu),
     ``torch.cuda.set_device``, ``torch.cuda.synchronize`` and ``torch.cuda.mem_get_info``: enough
-    for the smoke test and for :func:`opt_ds_ops.train.train` to run on "cuda:0". Other factories
+    for the smoke test and for :func:`opt_ds_ops.training.fit.train` to run on "cuda:0". Other factories
     (``torch.ones(device="cuda")``, ...) are not covered.
     """
     rt = FakeCudaRuntime(fault, free_bytes, total_bytes, oom_min_bytes)

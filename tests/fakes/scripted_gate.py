@@ -12,8 +12,8 @@ import os
 
 
 def gate(cfg, need_bytes):
-    from opt_ds_ops.device import plan_device
-    from opt_ds_ops.health import GateDecision
+    from opt_ds_ops.health.device import plan_device
+    from opt_ds_ops.health.policy import GateDecision
 
     d = os.environ["DS_OPS_TEST_GATE"]
     calls = os.path.join(d, "calls")
@@ -38,8 +38,8 @@ def gpu_gate(cfg, need_bytes):
     import pynvml as real
 
     from fakes.fake_pynvml import FakeNvml, h200
-    from opt_ds_ops.device import plan_device
-    from opt_ds_ops.health import GateDecision
+    from opt_ds_ops.health.device import plan_device
+    from opt_ds_ops.health.policy import GateDecision
 
     def script(values):
         calls = iter(values)
@@ -72,8 +72,8 @@ def oom_gate(cfg, need_bytes):
 
     from fakes.fake_cuda import fake_cuda, fake_cuda_runtime
     from fakes.fake_pynvml import h200
-    from opt_ds_ops.device import plan_device
-    from opt_ds_ops.health import GateDecision
+    from opt_ds_ops.health.device import plan_device
+    from opt_ds_ops.health.policy import GateDecision
 
     mp = MonkeyPatch()  # never undone: the job process ends with the job
     fake_cuda(mp, [h200()])
@@ -82,7 +82,7 @@ def oom_gate(cfg, need_bytes):
     return GateDecision("run", plan_device("cuda:0", "off"), "", report)
 
 
-# ---- issue 12: two fake GPUs, one job per GPU ---------------------------------------------------
+# ---- two fake GPUs, one job per GPU (daemon.max_jobs) -------------------------------------------
 GPU_UUIDS = ("GPU-00000000-0000-4000-8000-00000000a000", "GPU-00000000-0000-4000-8000-00000000b001")
 
 
@@ -99,7 +99,7 @@ def two_gpus(failing: int | None = None):
 
 
 def slot_gate(cfg, need_bytes):
-    """The real health gate (:func:`opt_ds_ops.health.gate_job`, CUDA smoke test included) in a job
+    """The real health gate (:func:`opt_ds_ops.health.policy.gate_job`, CUDA smoke test included) in a job
     process of a host with :func:`two_gpus` (GPU ``$DS_OPS_TEST_FAILING_GPU`` failing, if set), or
     with no NVIDIA driver at all under ``$DS_OPS_TEST_NO_GPU``.
 
@@ -118,7 +118,7 @@ def slot_gate(cfg, need_bytes):
     from _pytest.monkeypatch import MonkeyPatch
 
     from fakes.fake_cuda import fake_cuda, fake_cuda_runtime
-    from opt_ds_ops.health import gate_job
+    from opt_ds_ops.health.policy import gate_job
 
     if os.environ.get("DS_OPS_TEST_NO_GPU"):  # a host without the NVIDIA driver; torch as it is (CPU)
         import pynvml as real
@@ -157,7 +157,7 @@ def visible_gate(cfg, need_bytes):
     path: the variable is set in the job process and CUDA is not initialised there)."""
     import torch
 
-    from opt_ds_ops.health import GateDecision
+    from opt_ds_ops.health.policy import GateDecision
 
     seen = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}; cuda initialised: {torch.cuda.is_initialized()}"
     return GateDecision("refuse", None, seen, {"verdict": "ok", "gpus": []})

@@ -11,8 +11,8 @@ raises (TypeError, RecursionError, a broken promise of :func:`load_dataset`, ...
 | csv, csv_gz | :func:`opt_ds_ops.dataset.load_dataset` (text reader) | ``fuzz.csv``, ``fuzz.csv.gz`` |
 | npy, npz, pt | the same (array readers) | ``fuzz.npy``, ``fuzz.npz``, ``fuzz.pt`` |
 | parquet, arrow | the same (pyarrow readers; ``.arrow``: IPC file, stream or Feather v2) | ``fuzz.parquet``, ``fuzz.arrow`` |
-| sidecar | :func:`opt_ds_ops.sidecar.parse_sidecar`, then its options on a small CSV with a header | bytes in memory |
-| config | :func:`opt_ds_ops.config.load_config` | ``trainer.yaml`` |
+| sidecar | :func:`opt_ds_ops.config.sidecar.parse_sidecar`, then its options on a small CSV with a header | bytes in memory |
+| config | :func:`opt_ds_ops.config.conffile.load_config` | ``trainer.yaml`` |
 
 Datasets are read under :data:`LIMITS`: small budgets (1 MiB decompressed, 64 columns, a 4 KiB
 matrix: 1,024 values, the largest seed holds 456) so that every limit and what a training job does
@@ -38,8 +38,8 @@ import traceback
 
 import numpy as np
 
-from opt_ds_ops.config import ConfigError, DatasetConfig, load_config
-from opt_ds_ops.sidecar import parse_sidecar
+from opt_ds_ops.config.conffile import ConfigError, DatasetConfig, load_config
+from opt_ds_ops.config.sidecar import parse_sidecar
 from opt_ds_ops.dataset import DatasetError, DatasetLimits, load_dataset
 
 TIMEOUT_S = 10  # the most one input may take before it counts as a hang

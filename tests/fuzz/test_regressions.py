@@ -21,7 +21,7 @@ sys.path.insert(0, str(FUZZ))
 from targets import TARGETS, TIMEOUT_S  # noqa: E402
 
 # Findings not fixed yet, kept as expected failures: "TARGET/NAME": the bug. Remove a line when
-# its input passes. Every finding of issue 18 is fixed: none is left.
+# its input passes. Every finding so far is fixed (docs/development-fuzz.md): none is left.
 KNOWN: dict[str, str] = {}
 
 

@@ -1,0 +1,212 @@
+"""The daemon's periodic duties: metrics, retention, reload, health logging and STATUS= lines.
+
+None of these touches a job's life: they run when the loop asks (:mod:`opt_ds_ops.daemon.service`), after
+a job's end (:mod:`opt_ds_ops.daemon.outcome`), or on SIGHUP.
+
+* **Metrics**: ``ds_ops.prom`` for node_exporter's textfile collector
+  (:class:`opt_ds_ops.observe.metrics.MetricsWriter`), written on every state change and at least every
+  :data:`opt_ds_ops.daemon.pacing.METRICS_REFRESH_S` seconds.
+* **Retention**: done/ and failed/ past ``spool.*_max_age_days`` / ``*_max_bytes``; old model
+  versions past ``store.keep_versions`` (never current or pinned ones).
+* **Reload** (SIGHUP): the conffile read again; an unusable one is refused and the running one
+  kept; a good one says which keys changed.
+* **Health at start-up**: the health gate run once (without the CUDA smoke test) and logged.
+* **STATUS=**: the idle line (queued, paused, deferred) and the busy line (per job: stage or epoch, GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from ..config.conffile import Config, ConfigError, load_config
+from ..health.policy import gate_job, summary_line
+from ..observe.journal import LOG_INFO, LOG_WARNING, safe_text
+from ..spool import DONE, FAILED, SpoolError, check_writable_dir, prune_retention
+from ..store.versions import StoreError, prune
+from ..training.fit import GPU_HEADROOM_BYTES
+from .pacing import HEALTH_LOG_TIMEOUT_S
+
+
+def _changed_keys(old: Config, new: Config) -> list[str]:
+    """Return ``key: old -> new`` for each dotted conffile key whose value differs (a good reload says what changed)."""
+    from ..config.conffile import config_to_dict
+
+    out = []
+
+    def walk(a: dict, b: dict, prefix: str) -> None:
+        for key in sorted(set(a) | set(b)):
+            va, vb = a.get(key), b.get(key)
+            if isinstance(va, dict) and isinstance(vb, dict):
+                walk(va, vb, f"{prefix}{key}.")
+            elif va != vb:
+                out.append(f"{prefix}{key} {va!r} -> {vb!r}")
+
+    walk(config_to_dict(old), config_to_dict(new), "")
+    return out
+
+
+class Duties:
+    """The periodic duties of the daemon (:class:`opt_ds_ops.daemon.service.Daemon`), its ``duties``.
+
+    They read the daemon's configuration, watcher, queue and running jobs, and write only the
+    metrics, the journal, STATUS= and, on reload, ``cfg``.
+    """
+
+    def __init__(self, daemon):
+        self.d = daemon  # its configuration, watcher, queue, running jobs, metrics, journal
+
+    # ---- metrics and retention -------------------------------------------------------------------
+    def start_metrics(self) -> None:
+        """Say once where metrics go (or why they are off), prune done/ and failed/, write metrics."""
+        if self.d.metrics.enabled:
+            self.d.log.event("metrics", f"Prometheus metrics: {self.d.metrics.path} (node_exporter textfile collector)")
+        else:
+            self.d.log.event("metrics", f"Prometheus metrics off: {self.d.metrics.why_off}")
+        self.d.guarded(self.retention)
+        self.write_metrics()
+
+    def write_metrics(self) -> None:
+        """Write ds_ops.prom with the queue, the running jobs (those whose process has not ended:
+        a job just finished is not counted before it is reaped) and the last results; a failure is
+        a warning logged once per reason, never a stop."""
+        m = self.d.metrics
+        if not m.enabled:
+            return
+        m.queued = self.d.watcher.queued() + len(self.d.pending)
+        m.paused = time.monotonic() < self.d.paused_until
+        m.jobs = [{"epoch": self.d.records.get(j.job_id, {}).get("epoch") or 0, "epochs": self.d.cfg.train.epochs,
+                   "slot": j.slot, "gpu": str(j.gpu["index"]) if j.gpu else "", "uuid": j.gpu["uuid"] if j.gpu else ""}
+                  for j in self.d.jobs.values() if j.exitcode() is None]
+        self.d.metrics_written_at = time.monotonic()
+        problem = m.write()
+        if problem:
+            self.d.log.event("metrics", f"Prometheus metrics not written: {problem}", priority=LOG_WARNING)
+
+    def prune_versions(self, metadata: dict) -> None:
+        """After a job: keep store.keep_versions versions of its model (never current or pinned)."""
+        name, keep = metadata.get("name"), self.d.cfg.store.keep_versions
+        if not name or keep <= 0:
+            return
+        try:
+            removed = prune(self.d.cfg.models_dir, name, keep)
+        except StoreError as e:
+            self.d.log.event("model-pruned", f"{safe_text(name)}: old versions not pruned: {e}", priority=LOG_WARNING,
+                           model_name=name)
+            return
+        for version in removed:
+            self.d.log.event("model-pruned", f"{safe_text(name)}/{version} removed: the model keeps its newest "
+                           f"{keep} versions (store.keep_versions), current and pinned ones", model_name=name)
+
+    def retention(self) -> None:
+        """Remove datasets past the retention of done/ and failed/ (spool.*_max_age_days, *_max_bytes)."""
+        sp = self.d.cfg.spool
+        for dest, days, max_bytes in ((DONE, sp.done_max_age_days, sp.done_max_bytes),
+                                      (FAILED, sp.failed_max_age_days, sp.failed_max_bytes)):
+            for old in prune_retention(self.d.spool, dest, days, max_bytes):
+                self.d.log.event("spool-pruned", f"{dest}/{safe_text(old)} removed with its JSON: past the retention "
+                               f"of {dest}/ (spool.{dest}_max_age_days {days:g}, spool.{dest}_max_bytes "
+                               f"{max_bytes})", dataset_file=old)
+
+    # ---- STATUS= lines -----------------------------------------------------------------------
+    def idle_status(self) -> str:
+        queued = self.d.watcher.queued()
+        ignored = self.d.watcher.ignored()
+        tail = f"; {ignored} non-regular entries ignored" if ignored else ""
+        now = time.monotonic()
+        if now < self.d.paused_until:
+            return f"paused: {self.d.pause_reason}; retry in {self.d.paused_until - now:.0f} s; {queued} queued{tail}"
+        if self.d.pending:
+            job_id = self.d.pending[0]
+            name = self.d.records.get(job_id, {}).get("dataset", job_id)
+            left = self.d.retry_at.get(job_id, 0.0) - now
+            return (f"deferred {safe_text(name)}: {self.d.defer_reason.get(job_id, '')}; retry in {max(left, 0):.0f} s; "
+                    f"{queued} queued{tail}")
+        mode = " (polling)" if self.d.watcher.polling else ""
+        return f"idle; {queued} in incoming/{mode}{tail}"
+
+    def busy_status(self) -> str:
+        """The STATUS= line while jobs run: how many, and per job its dataset, stage or epoch and GPU."""
+        parts = []
+        for job in self.d.jobs.values():
+            r = self.d.records.get(job.job_id, {})
+            if r.get("epoch"):
+                what = f"epoch {r['epoch']}/{self.d.cfg.train.epochs} loss {r.get('loss', float('nan')):.4g}"
+            else:
+                what = "health check" if job.stage == "health" else job.stage
+            where = (f" on GPU {job.gpu['index']}" if job.gpu else
+                     f" on {job.nproc} processes" + (f" (GPUs {r.get('gpu_index')})" if job.gpus else "")
+                     if job.nproc > 1 else "")
+            parts.append(f"training {safe_text(r.get('dataset', ''))} ({job.job_id}): {what}{where}")
+        n = len(self.d.jobs)
+        return f"{n} job{'' if n == 1 else 's'} running: {'; '.join(parts)}; {self.d.watcher.queued()} queued"
+
+    # ---- health at start-up --------------------------------------------------------------------
+    def log_health(self) -> None:
+        """Run the health gate once at start-up, in a thread that is given up on after
+        HEALTH_LOG_TIMEOUT_S (a hung NVML call), and log its verdict (warning unless ok)."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                # no CUDA smoke test here: the daemon holds no CUDA context; each job runs it in its process
+                box["decision"] = gate_job(self.d.cfg, GPU_HEADROOM_BYTES, smoke=False)
+            except Exception as e:  # a broken NVML must not stop the daemon; jobs report it again
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="health-at-start", daemon=True)
+        t.start()
+        t.join(min(HEALTH_LOG_TIMEOUT_S, self.d.cfg.job.health_timeout_s))
+        if t.is_alive():
+            self.d.slots.hung_read = t  # no NVML read for job slots starts while this one hangs
+            self.d.log.event("health", f"health check did not answer within {self.d.cfg.job.health_timeout_s:.0f} s "
+                           "(a hung NVML call?); jobs run it again in their own process", priority=LOG_WARNING)
+            return
+        if "error" in box:
+            e = box["error"]
+            self.d.log.event("health", f"health check could not run: {type(e).__name__}: {e}", priority=LOG_WARNING)
+            return
+        decision = box["decision"]
+        self.d.slots.reading = (time.monotonic(), self.d.slots.slot_gpus(decision.report))  # the first job's slot uses it
+        verdict = decision.report.get("verdict", "?")
+        self.d.metrics.health(decision.report)
+        plan = decision.plan
+        self.d.log.event("health", summary_line(decision), priority=LOG_INFO if verdict == "ok" else LOG_WARNING,
+                       verdict=verdict, action=decision.action, device=str(plan.device) if plan else None,
+                       amp_dtype=plan.amp_name if plan else None, gpus=len(decision.report.get("gpus", [])))
+
+    # ---- configuration -------------------------------------------------------------------------
+    def reload(self) -> None:
+        """Re-read the conffile (SIGHUP); keep the running configuration if the new one is unusable."""
+        self.d.reload_requested = False
+        self.d.notifier.reloading()
+        try:
+            new = load_config(self.d.config_path, missing_ok=self.d.missing_ok)
+            check_writable_dir(new.models_dir, "models directory")
+        except (ConfigError, SpoolError) as e:
+            self.d.log.event("config-rejected", f"configuration not reloaded, keeping the running one: {e}",
+                           priority=LOG_WARNING)
+            self.d.notifier.ready(self.idle_status())
+            return
+        new = self.d.slots.usable(new)
+        kept = []
+        for key in ("dir", "watcher"):
+            if getattr(new.spool, key) != getattr(self.d.cfg.spool, key):
+                kept.append(f"spool.{key} stays {getattr(self.d.cfg.spool, key)!r} until a restart")
+        if kept:
+            spool_cfg = dataclasses.replace(new.spool, dir=self.d.cfg.spool.dir, watcher=self.d.cfg.spool.watcher)
+            new = dataclasses.replace(new, spool=spool_cfg)
+        if new.metrics != self.d.cfg.metrics:  # the unit's sandbox binds the directory at start
+            kept.append(f"metrics.textfile_dir stays {self.d.cfg.metrics.textfile_dir!r} until a restart")
+            new = dataclasses.replace(new, metrics=self.d.cfg.metrics)
+        changed = _changed_keys(self.d.cfg, new)  # a good reload says what changed
+        self.d.cfg = new
+        for w in (self.d.watcher, self.d.scorer.watcher):
+            w.set_timing(new.spool.settle_s, new.spool.scan_interval_s, new.spool.quiet_s)
+        note = f" ({'; '.join(kept)})" if kept else ""
+        note += f": {', '.join(changed)}" if changed else ": nothing changed"
+        self.d.log.event("config-reloaded", f"configuration reloaded from {self.d.config_path}{note}")
+        self.d.metrics.models_dir = new.models_dir
+        self.d.notifier.ready(self.idle_status())
+        self.write_metrics()

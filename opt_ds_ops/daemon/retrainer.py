@@ -1,0 +1,163 @@
+"""When to retrain (docs/retraining.md), the daemon's side: after each scored file, decide whether its model
+is due (``retrain.every`` since its current version was trained, or drift: the share of rows
+flagged over the last ``retrain.drift_window`` above ``retrain.drift_rate`` times the design rate)
+and queue a training job of kind ``retrain`` whose dataset is a copy of the model's scoring
+history (:mod:`opt_ds_ops.lifecycle.history`).
+
+The daemon never parses data: the figures come from the scoring job's summary (``drift``, JSON),
+the history is copied as bytes into ``processing/JOB/dataset.npz``, and the job process
+(:func:`opt_ds_ops.daemon.worker.job_main`) cuts it to its normal rows
+(:func:`opt_ds_ops.lifecycle.retrain_data.write_history_dataset`) and trains it through the normal path,
+promotion gate included. One retraining of a model at a time (none is queued while one is in
+the queue or running); ``every`` counts from the newest version's training, promoted or not, so
+a challenger the gate refused is followed by another one ``every`` later; ``drift`` fires once
+per current version (a refused challenger does not start another until current changes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from datetime import datetime, timezone
+
+from ..config.conffile import parse_window
+from ..fsutil import fsync_dir, utc_now
+from ..lifecycle.history import history_path
+from ..observe.journal import LOG_NOTICE, safe_text
+from ..spool import new_job_id, save_record
+from ..store.versions import StoreError, current_metadata
+
+KIND = "retrain"
+DATA_FILE = "dataset.npz"
+HELD_FILE = "held_back.npy"  # the history's newest rows, for the promotion gate only
+
+
+def trained_at_s(md: dict | None) -> float | None:
+    """The UTC seconds a version's training ended (metadata ``ended_at``), or None."""
+    ended = (md or {}).get("ended_at")
+    try:
+        return datetime.strptime(ended, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def last_trained_s(models_dir: str, name: str) -> float | None:
+    """The UTC seconds the newest version of model ``name`` finished training (promoted or not:
+    a challenger the gate refused counts), or None without one; what ``retrain.every`` counts from."""
+    from ..store.versions import list_versions, name_dir_of, read_metadata
+
+    try:
+        name_dir = name_dir_of(models_dir, name)
+        ends = [trained_at_s(read_metadata(os.path.join(name_dir, v))) for v in list_versions(name_dir)]
+    except (OSError, ValueError, StoreError):
+        return None
+    ends = [e for e in ends if e is not None]
+    return max(ends) if ends else None
+
+
+def ago(seconds: float) -> str:
+    """``42 s``, ``17.5 min``, ``3.2 h``, ``2.0 d``: a duration for a journal line."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def due(rcfg, summary: dict, trained_s: float | None, now_s: float) -> tuple[str, str] | None:
+    """Return (trigger ``drift`` or ``every``, why in words) if the model of a scored file's
+    summary is due for retraining, else None."""
+    d = summary.get("drift") or {}
+    ratio = d.get("drift_ratio")
+    if rcfg.drift_rate > 0 and isinstance(ratio, (int, float)) and ratio > rcfg.drift_rate:
+        rows, _ = parse_window(rcfg.drift_window)
+        if not rows or d.get("rows", 0) >= rows:  # a full window, not the first few rows
+            return "drift", (f"{d['flagged_share']:.2%} of the last {d['rows']} rows flagged, {ratio:.1f} x the "
+                             f"design rate {d['design_rate']:.2%} (retrain.drift_rate {rcfg.drift_rate:g})")
+    if rcfg.every and trained_s is not None:
+        every_s = parse_window(rcfg.every)[1]
+        if now_s - trained_s >= every_s:
+            return "every", f"the newest version was trained {ago(now_s - trained_s)} ago (retrain.every {rcfg.every})"
+    return None
+
+
+class Retrainer:
+    """The daemon's retraining hook: ``on_scored(summary)`` after each scored file."""
+
+    def __init__(self, daemon):
+        self.d = daemon
+        self.drift_for: dict[str, str] = {}  # model -> the current version a drift retraining was queued for
+        self.drift: dict[str, float] = {}  # model -> the last drift ratio (metrics)
+
+    def on_scored(self, summary: dict) -> str | None:
+        """Queue a retraining of the summary's model if it is due; return its job id or None."""
+        name, version = str(summary.get("model") or ""), summary.get("version")
+        ratio = (summary.get("drift") or {}).get("drift_ratio")
+        if isinstance(ratio, (int, float)):
+            self.drift[name] = float(ratio)
+        cfg = self.d.cfg
+        if not name or any(r.get("kind") == KIND and r.get("model") == name for r in self.d.records.values()):
+            return None  # its retraining is queued or running (also one recovered from processing/)
+        if self.drift_for.get(name) == version:
+            summary = {k: v for k, v in summary.items() if k != "drift"}  # drift tried for this current
+        why = due(cfg.retrain, summary, last_trained_s(cfg.models_dir, name), time.time())
+        hist = history_path(cfg.scoring.results_dir, name)
+        if why is None or not os.path.isfile(hist):
+            return None
+        job_id = self.queue(name, hist, *why)
+        if why[0] == "drift":
+            self.drift_for[name] = version
+        return job_id
+
+    def queue(self, name: str, hist: str, trigger: str, why: str) -> str:
+        """Make processing/JOB (a copy of the history, its record) and put it in the training
+        queue; journal ``retrain-queued``. Raises OSError."""
+        spool, job_id = self.d.spool, new_job_id()
+        jdir = spool.job_dir(job_id)
+        os.mkdir(jdir, 0o750)
+        tmp = os.path.join(jdir, f".{DATA_FILE}")
+        shutil.copyfile(hist, tmp)  # bytes only: the job process parses it
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(jdir, DATA_FILE))
+        record = {"job_id": job_id, "kind": KIND, "model": name, "dataset": f"{name}.history.npz",
+                  "data_file": DATA_FILE, "state": "claimed", "claimed_at": utc_now(), "trigger": trigger,
+                  "why": why, "uploader_uid": None, "window": self.d.cfg.retrain.window}
+        save_record(spool, record)
+        fsync_dir(jdir)
+        self.d.records[job_id] = record
+        self.d.pending.append(job_id)
+        self.d.log.event("retrain-queued", f"{safe_text(name)}: retraining queued as job {job_id} ({trigger}): "
+                         f"{safe_text(why)}", priority=LOG_NOTICE, model=name, trigger=trigger, reason=why,
+                         job_id=job_id, dataset_file=record["dataset"])
+        return job_id
+
+
+def job_options(cfg, name: str):
+    """In the job process: the dataset options of a retraining job of model ``name``: the
+    conffile's, with the current version's metric names (the history has no header, and a version
+    without them names its metrics by column number in alerts and the journal)."""
+    import dataclasses
+
+    names = (current_metadata(cfg.models_dir, name) or {}).get("metric_names")
+    return dataclasses.replace(cfg.dataset, metric_names=tuple(names)) if names else cfg.dataset
+
+
+def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, str]:
+    """In the job process: cut a retraining job's history copy to its normal rows as
+    ``processing/JOB/normal.npy``, its newest tenth held back first, whole, as
+    ``processing/JOB/held_back.npy`` (:func:`opt_ds_ops.lifecycle.retrain_data.write_history_dataset`);
+    return (the dataset's path, the metadata to add: ``retrain``, ``excluded`` with its
+    ``held_back`` range; the dataset file name the version keeps: current's, so that files named
+    after it still score and train as that model; the held-back rows' path, for the gate). Raises
+    ValueError for a history that leaves too little to train on."""
+    from ..lifecycle.retrain_data import write_history_dataset
+    from ..store.versions import dataset_file_of
+
+    out, held = spool.job_path(job_id, "normal.npy"), spool.job_path(job_id, HELD_FILE)
+    info = write_history_dataset(spool.job_path(job_id, DATA_FILE), out, cfg.retrain.exclude_margin,
+                                 cfg.retrain.exclude_max_rows, held_path=held)
+    meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at")}, "excluded": info}
+    name = dataset_file_of(cfg.models_dir, record["model"]) or record["dataset"]
+    return out, json.loads(json.dumps(meta)), name, held

@@ -1,0 +1,514 @@
+"""The daemon's scoring slot (docs/scoring.md): telemetry dropped in ``SPOOL/score/`` is scored by its
+model's ``current`` version, one file at a time, beside (never behind) the training jobs.
+
+A file in score/ is claimed exactly as one in incoming/ (:func:`opt_ds_ops.spool.claim` with
+``drop=SCORE``: the bytes copied into ``processing/JOB/``, the record of kind ``score``) and scored
+in a job process of the forkserver (:func:`score_main`, where torch and the scoring code are
+preloaded), which runs :func:`opt_ds_ops.scoring.job.score_job`: it parses the copy and its sidecar,
+names the model, scores with the carried series state and writes ``RESULTS/NAME/`` (the daemon
+never parses a user's bytes). One scoring job runs at a time, in claim order, so a model's chunks
+are scored in order; a training job never holds it up (its own slot).
+
+From the job's summary the daemon writes the journal (an ``anomaly-started`` and an
+``anomaly-ended`` entry per segment, PRIORITY warning; a ``scored`` line at info; a reset of
+the carried state at notice) and the Prometheus gauges (:meth:`MetricsWriter.score_done`). A
+scored file's bytes are not kept (its results are its record); a refused one goes to failed/ with
+its stage and reason. A job the daemon was handling when it died runs again at the next start
+(``score_job`` is idempotent by job id), with the same crash count and quarantine as training jobs.
+Results older than ``scoring.results_max_age_days`` or beyond ``scoring.results_max_bytes`` (per
+model) are removed: every model's at start and hourly, the scored model's after each of its jobs;
+``state.json`` never is.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import stat
+import time
+import traceback
+
+from ..observe.journal import LOG_ERR, LOG_INFO, LOG_NOTICE, LOG_WARNING, safe_text
+from .dispatch import job_fields
+
+STAGE = "scoring"
+# the largest legal state.json: input_window 256 - 1 context rows x job.max_columns 4096 float32
+# values as JSON (~21 bytes each, 22 MB) plus the segment's sums: 64 MiB leaves room
+STATE_MAX_BYTES = 64 << 20
+SWEEP_S = 3600.0  # the retention of results walks every model's at start and then at most this often
+STATE_FILE, SUMMARY_FILE = "state.json", "summary.json"  # RESULTS/NAME/state.json, RESULTS/NAME/<result>/summary.json
+
+
+# ---- the job process -----------------------------------------------------------------------------
+
+def score_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, gate=None,
+               gpu: dict | None = None, nproc: int = 1, gpus: list[dict] | None = None) -> None:
+    """The scoring job process (the arguments of :func:`opt_ds_ops.daemon.worker.job_main`; ``gate``,
+    ``gpu``, ``nproc`` and ``gpus`` are unused: scoring runs on the CPU): score processing/JOB's
+    copy, then send one final message, ``scored`` with the summary or ``failed`` with the stage
+    and reason (``transient`` for a job lock still held, ``errno`` for a storage error)."""
+    from .worker import _die_with_parent, _limit_memory, _out_of_memory
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _limit_memory(cfg.job.memory_max_bytes())
+
+    from ..dataset import DatasetError
+    from ..training.job import JobError
+    from ..model.detection import ScoreError
+    from ..spool import Spool, lock_job
+
+    spool = Spool(spool_root)
+
+    def send(kind: str, **fields) -> None:
+        try:
+            conn.send((kind, fields))
+        except OSError:  # the daemon is gone; its successor runs this job again
+            os._exit(1)
+
+    lock_fd = lock_job(spool, job_id)
+    if lock_fd is None:
+        send("failed", stage="recovery", reason="another process of this job still runs", type="JobLocked",
+             transient=True)
+        return
+    try:
+        send("stage", stage=STAGE)
+        from ..scoring import job as scoring
+
+        refused = (DatasetError, ScoreError, JobError, scoring.ScoringError)
+        try:
+            summary = scoring.score_job(spool.job_dir(job_id), cfg)
+        except refused as e:
+            stage = getattr(e, "stage", None) or ("dataset" if isinstance(e, DatasetError) else STAGE)
+            send("failed", stage=stage, reason=str(e), type=type(e).__name__, errno=getattr(e, "errno", None))
+            return
+        send("scored", summary=summary)
+    except BaseException as e:  # noqa: BLE001 - everything is reported; the daemon decides
+        reason = (f"out of memory while scoring ({type(e).__name__})" if _out_of_memory(e)
+                  else f"unexpected {type(e).__name__}: {e}")
+        send("failed", stage=STAGE, reason=reason, type=type(e).__name__, errno=getattr(e, "errno", None),
+             traceback=traceback.format_exc())
+    finally:
+        os.close(lock_fd)
+        conn.close()
+
+
+# ---- results on disk (read by the daemon, ds-ops status) ---------------------------------------------
+
+def _read_json(path: str, max_bytes: int = 1 << 20) -> dict | None:
+    """Return the JSON object in path (read with :func:`opt_ds_ops.fsutil.read_small`: no link
+    followed, no FIFO opened, max_bytes at most), or None if missing, unreadable or not an object."""
+    import json
+
+    from ..fsutil import read_small
+
+    try:
+        obj = json.loads(read_small(path, max_bytes))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_model(results_dir: str, name: str) -> tuple[dict | None, dict | None]:
+    """Return (RESULTS/NAME/state.json, the summary.json of the result it names as ``last_result``),
+    each None where missing or unreadable."""
+    state = _read_json(os.path.join(results_dir, name, STATE_FILE), STATE_MAX_BYTES)
+    last = (state or {}).get("last_result")
+    ok = isinstance(last, str) and last and "/" not in last and not last.startswith(".")
+    return state, _read_json(os.path.join(results_dir, name, last, SUMMARY_FILE)) if ok else None
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _count(v) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+def model_view(name: str, state: dict | None, summary: dict | None = None) -> dict:
+    """Given a model's state.json (or None) and the summary of its last scored file (or None),
+    return what the metrics and ``ds-ops status`` show: ``model``, ``version``, ``scored_at``
+    (Unix seconds), ``rows_total``, ``flagged_total``, ``segments_total`` (the series' counters,
+    state.json's ``rows_scored``, ``rows_flagged``, ``segments``: they survive a restart),
+    ``active``, ``threshold``, ``last_score``, ``top_metrics`` ([{metric, share}], the open segment's).
+    state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
+    from ..observe.metrics import _utc_seconds
+
+    st, s = state or {}, summary or {}
+    active = (st["segment"] is not None) if "segment" in st else bool(s.get("active"))
+    top = _first(st.get("top_metrics"), s.get("top_metrics")) if active else []
+    top = top if isinstance(top, list) else []
+    return {
+        "model": name,
+        "version": _first(st.get("version"), s.get("version")),
+        "scored_at": _utc_seconds(_first(st.get("scored_at"), s.get("scored_at"))),
+        "rows_total": _count(_first(st.get("rows_scored"), s.get("rows_scored"))),
+        "flagged_total": _count(_first(st.get("rows_flagged"), s.get("rows_flagged"))),
+        "segments_total": _count(_first(st.get("segments"), s.get("segments"))),
+        "active": active,
+        "threshold": _first(st.get("threshold"), s.get("threshold")),
+        "last_score": _first(st.get("last_score"), s.get("last_score")),
+        "top_metrics": [t for t in top if isinstance(t, dict)][:3],
+        "drift_ratio": (s.get("drift") or {}).get("drift_ratio"),  # the last scored file's
+    }
+
+
+def model_views(results_dir: str) -> dict[str, dict]:
+    """Return {model: :func:`model_view`} for every RESULTS/NAME/ with a readable state.json."""
+    try:
+        names = sorted(n for n in os.listdir(results_dir) if not n.startswith("."))
+    except OSError:
+        return {}
+    out = {}
+    for n in names:
+        state, summary = read_model(results_dir, n)
+        if state is not None:
+            out[n] = model_view(n, state, summary)
+    return out
+
+
+def prune_results(results_dir: str, max_age_days: float, max_bytes: int, now: float | None = None,
+                  models: list[str] | None = None) -> list[str]:
+    """Remove scored files' result directories (``RESULTS/NAME/<stamp>-<job>/``): those older than
+    ``max_age_days`` (by the directory's mtime), then per model the oldest until its results total
+    at most ``max_bytes``; 0 turns either rule off. ``state.json``, each model's newest result and
+    hidden entries (a result being written) are never removed; no link is followed. ``models``: only
+    these models' directories (None: every model's). Return ``NAME/<dir>`` of each removed."""
+    if max_age_days <= 0 and max_bytes <= 0:
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = sorted(n for n in os.listdir(results_dir) if not n.startswith(".")) if models is None else models
+    except FileNotFoundError:
+        return []
+    for name in names:
+        mdir = os.path.join(results_dir, name)
+        try:
+            if name.startswith(".") or "/" in name or not stat.S_ISDIR(os.lstat(mdir).st_mode):
+                continue
+        except FileNotFoundError:
+            continue
+        entries = []
+        for e in os.scandir(mdir):
+            if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+                continue
+            size = sum(f.stat(follow_symlinks=False).st_size for f in os.scandir(e.path))
+            entries.append((e.stat(follow_symlinks=False).st_mtime, size, e.name))
+        entries.sort()
+        total = sum(size for _, size, _ in entries)
+        for mtime, size, entry in entries[:-1]:  # the newest stays: state.json's last_result, status
+            if not ((max_age_days > 0 and now - mtime > max_age_days * 86400) or (max_bytes > 0 and total > max_bytes)):
+                break
+            shutil.rmtree(os.path.join(mdir, entry))
+            total -= size
+            removed.append(f"{name}/{entry}")
+    return removed
+
+
+def _num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "?"
+
+
+def _seconds(v: float) -> str:
+    """``2640 s``; from two hours on with hours beside it: ``10320 s (2.9 h)`` (not ``1.032e+04 s``)."""
+    return f"{v:.0f} s" + (f" ({v / 3600:.1f} h)" if v >= 7200 else "")
+
+
+def top_text(top) -> str:
+    """``disk_util 42%, cpu 30%`` from [{metric, share}] (share 0..1)."""
+    parts = []
+    for t in top or []:
+        share = t.get("share")
+        if isinstance(share, (int, float)) and share < 0.005:
+            continue  # "34 0%": no part of the score worth naming
+        parts.append(f"{t.get('metric')} {share:.0%}" if isinstance(share, (int, float)) else str(t.get("metric")))
+    return ", ".join(parts) or "none"
+
+
+# ---- the daemon's side ------------------------------------------------------------------------------
+
+class ScoreSlot:
+    """The daemon's scoring role: the score/ watcher, its queue and its one job process.
+
+    ``daemon`` is the :class:`opt_ds_ops.daemon.service.Daemon` it serves (its configuration, spool,
+    journal, breadcrumb, metrics and its way of failing a job to failed/ are used, not copied).
+    """
+
+    def __init__(self, daemon):
+        from ..spool import SCORE
+        from ..spool.watcher import IncomingWatcher
+
+        self.d = daemon
+        sp = daemon.cfg.spool
+        self.watcher = IncomingWatcher(daemon.spool.dir(SCORE), settle_s=sp.settle_s, quiet_s=sp.quiet_s,
+                                       rescan_s=sp.scan_interval_s, mode=sp.watcher)
+        self.watcher.wakeup = daemon.watcher.wakeup  # a drop in score/ ends the daemon's idle wait too
+        self.pending: list[str] = []  # score jobs in processing/ to (re)run, oldest claim first
+        self.job = None  # the running worker.JobProcess, or None
+        self.record: dict = {}
+        self._swept: float | None = None  # time.monotonic() of the last sweep of every model's results
+
+    def start(self) -> None:
+        """Start watching score/ and read each model's counters back from its state.json."""
+        how = self.watcher.start()
+        self.d.log.event("watcher", f"watching {self.watcher.incoming} with {how}",
+                         priority=LOG_WARNING if self.watcher.polling else LOG_INFO)
+        self.d.metrics.scores = model_views(self.d.cfg.scoring.results_dir)
+        self.d.guarded(self.retention)  # the full sweep at start
+
+    def stop(self) -> None:
+        """Kill a running scoring job (it runs again at the next start) and stop watching."""
+        if self.job is not None:
+            self.job.kill("the daemon is stopping", crash=False)
+            self.job.close()
+            self.job = None
+        self.watcher.stop()
+
+    def conns(self) -> list:
+        """The running job's pipe, for the daemon's wait on its jobs."""
+        return [self.job.conn] if self.job is not None else []
+
+    def step(self, wait_s: float, intake: bool) -> bool:
+        """Look after the running scoring job (waiting up to wait_s seconds for its message), or
+        (``intake``: not paused or stopping) start the next queued one or claim the oldest ready
+        file in score/; return True if something was done or runs."""
+        self.watcher.tick()
+        if self.job is not None:
+            if wait_s > 0:
+                try:
+                    multiprocessing.connection.wait([self.job.conn], wait_s)
+                except OSError:
+                    pass
+            self._for_job(self.job.job_id, self._watch, hold=False)
+            return True
+        if not intake:
+            return False
+        if self.pending:
+            job_id = self.pending.pop(0)
+            self._for_job(job_id, self._start, job_id)
+            return True
+        return any(self._take(name) for name in self.watcher.ready()[:1])
+
+    def _for_job(self, job_id: str | None, step, *args, name: str = "", hold: bool = True):
+        """:meth:`Daemon.for_job` for a scoring job: an exception is that job's failure (or, before
+        it has a job directory, score/NAME is offered again later), never the daemon's."""
+        from ..spool import SpoolError, is_storage_error
+
+        try:
+            with self.d.breadcrumb.holding(job_id if hold else None):
+                return step(*args)
+        except Exception as e:  # noqa: BLE001 - one job's exception is that job's failure
+            if is_storage_error(e) or isinstance(e, SpoolError):
+                raise
+            self._job_exception(job_id, name, e)
+            return True
+
+    def _job_exception(self, job_id: str | None, name: str, e: Exception) -> None:
+        """Fail the job after an exception while the daemon handled it (see :meth:`_for_job`)."""
+        if self.job is not None and self.job.job_id == job_id:
+            self.job.kill(f"the daemon failed handling it ({type(e).__name__})", crash=False)
+            self.job.close()
+            self.job = None
+        if job_id is None:
+            self.d.log.event("internal-error", f"score/{safe_text(name)}: {type(e).__name__}: {e}\n"
+                             f"{traceback.format_exc()}", priority=LOG_ERR, dataset_file=name)
+            self.watcher.retry_later(name, 60.0)
+        else:
+            self.pending = [j for j in self.pending if j != job_id]
+            self.d.job_exception(job_id, name, e)
+
+    def _take(self, name: str) -> bool:
+        """Claim score/NAME as incoming/ files are claimed, then start its job or refuse it."""
+        from .pacing import STEP_BUDGET_S
+        from ..spool import SCORE, claim, discard_job
+
+        box: dict = {}
+
+        def on_job(job_id: str) -> None:
+            box["job_id"] = job_id
+            self.d.breadcrumb.mark(job_id)
+
+        def take() -> bool:
+            try:
+                c = claim(self.d.spool, name, self.d.cfg.spool.max_dataset_bytes, on_job=on_job, drop=SCORE,
+                          kind="score", progress=lambda: self.d.notifier.keepalive(STEP_BUDGET_S))
+            finally:
+                self.d.breadcrumb.mark(None)
+            if c.outcome == "gone":
+                self.watcher.forget(name)
+                return False
+            if c.outcome == "ignored":
+                self.watcher.ignore(name)
+                self.d.log.event("entry-ignored", f"score/{safe_text(name)} is {c.reason}; left where it is (remove "
+                                 "it, or drop the data as a regular file)", priority=LOG_WARNING, dataset_file=name)
+                return True
+            if c.outcome == "busy":
+                self.watcher.retry_later(name, max(1.0, 2 * self.d.cfg.spool.settle_s))
+                self.d.log.event("entry-busy", f"score/{safe_text(name)}: not taken yet: {c.reason}", dataset_file=name)
+                return True
+            self.watcher.forget(name)
+            if c.outcome == "empty":
+                discard_job(self.d.spool, c.job_id)
+                self.d.log.event("entry-removed", f"score/{safe_text(name)}: {c.reason}", priority=LOG_WARNING,
+                                 **job_fields(c.record))
+                return True
+            if c.outcome == "refused":
+                self.d.outcome.fail(c.record, "spool", c.reason, "SpoolRefused")
+                return True
+            if c.record.get("sidecars_foreign"):
+                self.d.dispatch.refuse_foreign_sidecars(c.record)
+            self._start(c.job_id)
+            return True
+
+        from ..spool import SpoolError, is_storage_error
+
+        try:
+            return take()
+        except Exception as e:  # noqa: BLE001 - one file's exception is that file's failure
+            if is_storage_error(e) or isinstance(e, SpoolError):
+                raise
+            self._job_exception(box.get("job_id"), name, e)
+            return True
+
+    def _start(self, job_id: str) -> None:
+        """Start the scoring job's process (or wait a second while a killed daemon's one still runs)."""
+        from . import worker
+        from .budget import job_config
+        from ..fsutil import utc_now
+        from ..spool import boot_id, lock_job, process_start_ticks, read_record, save_record
+
+        record = read_record(self.d.spool, job_id)
+        if record is None:
+            return
+        lock = lock_job(self.d.spool, job_id)
+        if lock is None:  # the job process of a killed daemon still runs (it dies with its forkserver)
+            self.pending.insert(0, job_id)
+            return
+        os.close(lock)
+        self.job = worker.JobProcess(self.d.spool.root, job_id, record,
+                                     job_config(self.d.cfg, self.d.slots.memory_budget()), self.d.mp_context,
+                                     main=score_main, stage=STAGE)
+        self.record = record
+        record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()),
+                      job_pid=self.job.proc.pid, boot_id=boot_id(), started_at=utc_now(), stage=STAGE)
+        save_record(self.d.spool, record)
+
+    def _watch(self) -> None:
+        """Handle the running job's messages and its end (a stall past job.stall_timeout_s kills
+        it as its crash; a stop kills it: it runs again at the next start)."""
+        job, record = self.job, self.record
+        job.receive(0)
+        if job.exitcode() is None:
+            if self.d.stop_requested:
+                job.kill("the daemon is stopping", crash=False)
+            elif time.monotonic() - job.last_heard > self.d.cfg.job.stall_timeout_s:
+                job.kill(f"no word from the scoring job for {time.monotonic() - job.last_heard:.0f} s", crash=True)
+            else:
+                return
+        with self.d.breadcrumb.holding(job.job_id):
+            job.receive(0)
+            self.job = None
+            job.close()
+            if job.final is not None:
+                self._on_final(record, *job.final)
+            elif job.crashed:
+                self._on_crash(record, job)
+
+    def _on_final(self, record: dict, kind: str, f: dict) -> None:
+        from ..spool import STORAGE_ERRNOS, discard_job, save_record
+
+        if kind == "scored":
+            self._report(record, f["summary"])
+            self.d.guarded(lambda: self.d.retrainer.on_scored(f["summary"]))  # due for retraining?
+            discard_job(self.d.spool, record["job_id"])  # the results are its record, not the bytes
+            self.d.outcome.forget(record["job_id"])
+            self.d.guarded(lambda: self.retention(str(f["summary"].get("model"))))
+            self.d.duties.write_metrics()
+            return
+        if f.get("errno") in STORAGE_ERRNOS or f.get("transient"):
+            record["state"] = "claimed"
+            save_record(self.d.spool, record)
+            self.pending.insert(0, record["job_id"])
+            self.d.pause(f"{safe_text(record['dataset'])}: {f['reason']}")
+            return
+        if f.get("traceback"):
+            self.d.log.event("internal-error", f"{safe_text(record['dataset'])}: {f['traceback']}", priority=LOG_ERR,
+                             **job_fields(record))
+        self.d.outcome.fail(record, f["stage"], f["reason"], f.get("type", "ScoreError"))
+
+    def _on_crash(self, record: dict, job) -> None:
+        """The job process ended without a final message: a crash of this file, as for training."""
+        from ..spool import save_record
+
+        code = job.exitcode()
+        how = job.killed_for or (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                                 else f"exited with status {code}")
+        record["crashes"] = record.get("crashes", 0) + 1
+        record["state"] = "claimed"
+        if record["crashes"] >= self.d.cfg.spool.max_crashes:
+            self.d.outcome.fail(record, STAGE, f"the scoring process died {record['crashes']} times: {how}; not trying "
+                         "again", "JobCrashed")
+            return
+        save_record(self.d.spool, record)
+        self.d.log.event("job-crashed", f"{safe_text(record['dataset'])}: the scoring process died: {how}; running "
+                         f"it again ({record['crashes']} of {self.d.cfg.spool.max_crashes})", priority=LOG_WARNING,
+                         failed_stage=STAGE, **job_fields(record))
+        self.pending.insert(0, record["job_id"])
+
+    def _report(self, record: dict, s: dict) -> None:
+        """Journal and metrics from a scored file's summary (see the module docstring)."""
+        model, version = str(s.get("model")), s.get("version")
+        log, file = self.d.log, safe_text(record["dataset"])
+        replayed = bool(s.get("replayed"))  # journaled when it was scored, before a restart: not again
+        for ev in [] if replayed else s.get("events") or []:
+            row, at = ev.get("row"), ev.get("time")
+            when = f"row {row}" + (f" ({at})" if at is not None else "")
+            if ev.get("event") == "anomaly-started":
+                top = top_text(ev.get("top_metrics"))
+                log.event("anomaly-started", f"{model}: anomaly started at {when}: score {_num(ev.get('score'))} over "
+                          f"threshold {_num(ev.get('threshold'))} (version {version}); top metrics: {top}; in {file}",
+                          priority=LOG_WARNING, model=model, version=version, row=row, time=at,
+                          threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top,
+                          job_id=record["job_id"], dataset_file=record["dataset"])
+            elif ev.get("event") == "anomaly-ended":
+                flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
+                lasted = f"{ev.get('rows')} rows" + (f", {_seconds(ev['duration_s'])}" if isinstance(
+                    ev.get("duration_s"), (int, float)) else "")  # headerless data has no time: rows only
+                log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {lasted}, "
+                          f"peak score {_num(ev.get('peak_score'))} (version {flagged_by}); in {file}",
+                          priority=LOG_WARNING, model=model, version=flagged_by, row=row, time=at,
+                          duration_s=ev.get("duration_s"), peak_score=ev.get("peak_score"),
+                          job_id=record["job_id"], dataset_file=record["dataset"])
+        for note in [] if replayed else s.get("resets") or []:
+            log.event("score-reset", f"{model}: the carried series state was reset: {safe_text(str(note))}",
+                      priority=LOG_NOTICE, model=model, version=version, reason=str(note),
+                      job_id=record["job_id"], dataset_file=record["dataset"])
+        flagged = s.get("flagged") or 0
+        notes = "".join(f"; {safe_text(str(n))}" for n in s.get("notes") or [])  # the file's own, e.g. rows sorted
+        log.event("scored", f"{model}: {file} scored with version {version}: {s.get('rows')} rows, {flagged} "
+                  f"flagged, last score {_num(s.get('last_score'))} (threshold {_num(s.get('threshold'))})"
+                  f"{', anomaly active' if s.get('active') else ''}{' (replayed)' if replayed else ''}{notes}",
+                  model=model, version=version,
+                  rows=s.get("rows"), flagged_rows=flagged, job_id=record["job_id"], dataset_file=record["dataset"])
+        self.d.metrics.score_done(model_view(model, read_model(self.d.cfg.scoring.results_dir, model)[0], s))
+
+    def retention(self, model: str | None = None) -> None:
+        """Remove result directories past scoring.results_max_age_days / results_max_bytes: every
+        model's at the first call and then at most once per SWEEP_S, else only ``model``'s (the one
+        just scored), so a scored file never walks every model's results."""
+        sc, now = self.d.cfg.scoring, time.monotonic()
+        if self._swept is None or now - self._swept >= SWEEP_S:
+            self._swept, models = now, None
+        elif model is not None:
+            models = [model]
+        else:
+            return
+        for old in prune_results(sc.results_dir, sc.results_max_age_days, sc.results_max_bytes, models=models):
+            self.d.log.event("results-pruned", f"{sc.results_dir}/{safe_text(old)} removed: past the retention of "
+                             f"scoring results (scoring.results_max_age_days {sc.results_max_age_days:g}, "
+                             f"scoring.results_max_bytes {sc.results_max_bytes})", results=old)

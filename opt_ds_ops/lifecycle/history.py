@@ -1,0 +1,160 @@
+"""The rows a model scored, kept to retrain from (docs/retraining.md): ``RESULTS/NAME/history.npz``.
+
+Written by the scoring job (a job process, never the daemon) after its results and before the
+series state (:mod:`opt_ds_ops.scoring.job`), one file per model, in a bounded rolling window
+(``retrain.window`` rows, or a duration by the rows' times; ``retrain.max_history_bytes``)::
+
+    values   (n, D) float32   the rows minus ``offset`` (so a column far from zero keeps its digits)
+    offset   (D,)   float64   added back by :func:`History.rows`
+    flags    (n,)   bool      what the model's version of the time flagged
+    times    (n,)   float64   UTC seconds, NaN where the chunk had no time column
+    last_job ()     str       the scoring job that appended last: a replay never appends twice
+
+The file is replaced atomically (a temporary file in the same directory, fsync'ed, renamed, the
+directory fsync'ed), so a SIGKILL at any instant leaves the previous history or the new one.
+It is read with ``allow_pickle=False``: only arrays, never objects.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config.conffile import parse_window
+from ..fsutil import fsync_dir
+
+HISTORY_FILE = "history.npz"
+FILE_MODE = 0o640
+
+
+@dataclass
+class History:
+    values: np.ndarray
+    offset: np.ndarray
+    flags: np.ndarray
+    times: np.ndarray
+    last_job: str = ""
+
+    @property
+    def n_features(self) -> int:
+        return int(self.values.shape[1])
+
+    def rows(self) -> np.ndarray:
+        """The rows as scored: (n, D) float64."""
+        return self.values.astype(np.float64) + self.offset
+
+
+def history_path(results_dir: str, name: str) -> str:
+    return os.path.join(results_dir, name, HISTORY_FILE)
+
+
+def read_history(path: str) -> History | None:
+    """Return the history at path, or None if there is none. Raises ValueError for a file that is
+    not a history (a wrong key, shape or dtype) and OSError if it cannot be read."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            h = History(values=z["values"], offset=z["offset"], flags=z["flags"], times=z["times"],
+                        last_job=str(z["last_job"]))
+    except FileNotFoundError:
+        return None
+    except KeyError as e:
+        raise ValueError(f"{path}: not a scoring history (no {e})") from None
+    n = h.values.shape[0] if h.values.ndim == 2 else -1
+    if n < 0 or h.offset.shape != (h.values.shape[1],) or h.flags.shape != (n,) or h.times.shape != (n,):
+        raise ValueError(f"{path}: not a scoring history (shapes {h.values.shape}, {h.offset.shape}, "
+                         f"{h.flags.shape}, {h.times.shape})")
+    return h
+
+
+def write_history(path: str, h: History) -> None:
+    """Replace the history at path atomically (a killed writer's hidden temporary file is
+    overwritten by the next one). Raises OSError."""
+    tmp = os.path.join(os.path.dirname(path), ".history.tmp")  # one scoring job per model at a time
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, values=h.values.astype(np.float32), offset=h.offset.astype(np.float64),
+                     flags=h.flags.astype(bool), times=h.times.astype(np.float64), last_job=np.array(h.last_job))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(path))
+
+
+def bounded(h: History, window: str, max_bytes: int) -> History:
+    """Return h cut to its newest rows: ``window`` rows, or the rows within a duration of the
+    newest time (rows without a time are kept by count only), and at most ``max_bytes`` on disk."""
+    rows, seconds = parse_window(window)
+    n = h.values.shape[0]
+    keep = n
+    if rows:
+        keep = min(keep, rows)
+    if seconds and n and np.isfinite(h.times[-1]):
+        keep = min(keep, int(np.sum(~(h.times < h.times[-1] - seconds))))
+    per_row = h.values.shape[1] * 4 + 1 + 8
+    keep = min(keep, max(1, max_bytes // per_row), n)
+    s = n - keep
+    return History(h.values[s:], h.offset, h.flags[s:], h.times[s:], h.last_job)
+
+
+def record_chunk(results_model_dir: str, job_id: str, data: np.ndarray, offset: np.ndarray | None,
+                 flags: np.ndarray, times: np.ndarray | None, window: str, max_bytes: int) -> str | None:
+    """Append a scored chunk (data (n, D) + offset, its flags (n,), times (n,) or None) to the
+    model's history under ``results_model_dir`` and bound it; return a note when the history
+    was started afresh (other columns, an unreadable file), else None. A replay of the job that
+    appended last appends nothing. Raises OSError if it cannot be written."""
+    path = os.path.join(results_model_dir, HISTORY_FILE)
+    note = None
+    try:
+        h = read_history(path)
+    except (ValueError, OSError) as e:
+        h, note = None, f"scoring history started afresh: {e}"
+    if h is not None and h.last_job == job_id:
+        return None
+    d = data.shape[1]
+    off = np.asarray(offset, dtype=np.float64) if offset is not None else np.zeros(d)
+    if h is not None and h.n_features != d:
+        h, note = None, f"scoring history started afresh: the model now has {d} metrics, the history {h.n_features}"
+    if h is None:
+        h = History(np.empty((0, d), np.float32), off, np.empty(0, bool), np.empty(0, np.float64))
+    values = (np.asarray(data, dtype=np.float64) + (off - h.offset)).astype(np.float32)
+    t = np.asarray(times, dtype=np.float64) if times is not None else np.full(data.shape[0], np.nan)
+    merged = History(np.concatenate([h.values, values]), h.offset, np.concatenate([h.flags, np.asarray(flags, bool)]),
+                     np.concatenate([h.times, t]), job_id)
+    write_history(path, bounded(merged, window, max_bytes))
+    return note
+
+
+def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: np.ndarray | None, window: str,
+                design_rate: float) -> dict:
+    """:func:`drift` of the model's history under results_model_dir with a chunk's flags (n,) and
+    times appended, as :func:`record_chunk` will append them (nothing if job_id appended last)."""
+    try:
+        h = read_history(os.path.join(results_model_dir, HISTORY_FILE))
+    except (ValueError, OSError):
+        h = None
+    n = np.asarray(flags).shape[0]
+    t = np.asarray(times, dtype=np.float64) if times is not None else np.full(n, np.nan)
+    if h is not None and h.last_job == job_id:
+        return drift(h, window, design_rate)
+    old_f = h.flags if h is not None else np.empty(0, bool)
+    old_t = h.times if h is not None else np.empty(0)
+    both = History(np.empty((old_f.shape[0] + n, 0), np.float32), np.empty(0), np.concatenate([old_f, flags]),
+                   np.concatenate([old_t, t]))
+    return drift(both, window, design_rate)
+
+
+def drift(h: History, window: str, design_rate: float) -> dict:
+    """Return the share of rows flagged over the history's last ``window`` (rows or a duration)
+    and its ratio to the design rate: ``{rows, flagged_share, design_rate, drift_ratio}``."""
+    tail = bounded(h, window, 1 << 62)
+    n = int(tail.flags.shape[0])
+    share = float(tail.flags.mean()) if n else 0.0
+    return {"rows": n, "flagged_share": share, "design_rate": design_rate,
+            "drift_ratio": share / design_rate if design_rate > 0 else None}

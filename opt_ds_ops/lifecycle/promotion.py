@@ -1,0 +1,233 @@
+"""The promotion gate (docs/retraining.md): a new version (the challenger) becomes ``current`` only if it is
+not worse than the version that is current now (the champion) on recent rows neither trained on.
+
+Given ``store.promote``:
+
+* ``always``: every new version becomes current (as before the gate existed); the figures are still
+  measured and recorded.
+* ``if-not-worse`` (the default): the challenger and the champion score the same held-back rows.
+  For a retraining these are the newest tenth of the model's scoring history, held back BEFORE
+  its flagged segments are cut (:func:`opt_ds_ops.lifecycle.retrain_data.write_history_dataset`): neither
+  model trained on them, the challenger's threshold was fit on its own validation rows, not on
+  these, and they keep the rows the champion flagged. For a dropped training file they are its
+  validation split (its most recent rows, which the challenger's weights never saw), or with the
+  sidecar's ``exclude_flagged`` its newest tenth, held back before the cut likewise. It is
+  promoted only if
+
+  1. ``finite-losses``: its final training and validation losses are finite;
+  2. ``flagged-vs-champion``: its flagged share of all the held-back rows is not above the
+     champion's by more than ``store.promote_flag_tolerance`` (an absolute share, 0.01 = one point);
+  3. ``flagged-vs-design``: its flagged share of the held-back rows the champion did NOT flag
+     (all of them without a champion) is not above the design rate (the share the threshold was
+     set for: :func:`design_rate`) by more than the same tolerance. A real incident in the
+     held-back rows that both models flag is no reason to refuse: it counts in test 2 for both,
+     and test 3 asks only whether the challenger flags the champion's normal rows at about the
+     rate it was designed for;
+  4. ``pr-auc`` (only where labels for those rows exist: the sidecar's ``incidents``, row ranges
+     of the file, or ``NAME.labels`` beside the data file the job reads (the spool takes none from
+     incoming/), one 0/1 per row of the file, SMD's test_label format): its PR-AUC is not lower
+     than the champion's by more than ``store.promote_pr_auc_tolerance``.
+* ``manual``: every new version is kept, never made current by a job; ``ds-ops models promote``.
+
+The gate runs in the job process (it parses the data and the labels), never in the daemon; its
+figures go into the version's metadata.json (``promotion``) and the store reads its verdict under
+its lock when it publishes (:func:`opt_ds_ops.store.versions.publish_job`), so recovery replays it too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from ..dataset import dataset_stem
+from ..model.detection import ScoreError, average_precision, in_memory_model, load_labels, score_rows
+from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
+
+MODES = ("always", "if-not-worse", "manual")
+LABELS_SUFFIX = ".labels"
+MAX_GATE_ROWS = 200_000  # the most recent rows scored by both models: bounded time and memory
+
+
+def design_rate(payload_or_md: dict) -> float:
+    """Return the share of normal rows a model's threshold was set to flag: ``1 - threshold_quantile``
+    for ``quantile``, ``spot_risk`` for ``spot``, and for ``alarm_rate`` its alarms per day
+    times ``score_window`` rows per alarm (a run lasts about one smoothing window) over the rows of a day."""
+    method = payload_or_md.get("threshold_method", "quantile")
+    train = payload_or_md.get("train") or (payload_or_md.get("config") or {}).get("train") or {}
+    if method == "spot":
+        return float(train.get("spot_risk", 1e-4))
+    if method == "alarm_rate":
+        per_day = 86400.0 / float(train.get("sample_period_s", 60.0))
+        return min(1.0, float(train.get("alarms_per_day", 1.0)) * float(payload_or_md.get("score_window", 1)) / per_day)
+    return 1.0 - float(payload_or_md.get("threshold_quantile", 0.99))
+
+
+def find_labels(data_path: str) -> str | None:
+    """Return ``NAME.labels`` beside the dataset ``NAME.<ext>``, or None if there is none."""
+    path = os.path.join(os.path.dirname(data_path), dataset_stem(data_path) + LABELS_SUFFIX)
+    return path if os.path.isfile(path) else None
+
+
+def _share(scores: np.ndarray, threshold: float) -> float:
+    return float(np.mean(scores > threshold)) if scores.size else 0.0
+
+
+def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np.ndarray,
+         offset: np.ndarray | None, labels: np.ndarray | None, *, flag_tolerance: float,
+         pr_auc_tolerance: float, rows_from: str, held_range: dict | None = None, labels_from: str | None = None) -> dict:
+    """Given the challenger (a TrainResult and its metadata), the held-back ``rows`` (n, D; the
+    data's ``offset``), their ``labels`` (n,) bool or None, return the ``promotion`` record:
+    ``{mode, promote, failed, reason, rows, rows_from, design_rate, challenger: {...}, champion:
+    {...} or None, tolerances, held_back: held_range}``; the challenger's ``flagged_share_of_normal``
+    is its share of the ``normal_rows`` the champion did not flag (test 3). ``promote`` False
+    says the version is kept, not made current;
+    ``failed`` names the first test it failed (None if none). A champion that cannot score these
+    rows (other columns, unreadable) is no obstacle: the reason says so. Raises nothing for bad
+    models; ScoreError only for rows of the wrong shape for the challenger."""
+    rows = rows[-MAX_GATE_ROWS:]
+    if labels is not None:
+        labels = labels[-rows.shape[0]:]
+    design = design_rate(dict(metadata, threshold_method=result.threshold_method,
+                              threshold_quantile=result.threshold_quantile, score_window=result.score_window))
+    challenger = in_memory_model(result)
+    c_scores = score_rows(challenger, rows, offset=offset)
+    c_flags = c_scores > challenger.threshold
+    chal = {"flagged_share": _share(c_scores, challenger.threshold), "threshold": challenger.threshold,
+            "final_train_loss": metadata.get("final_train_loss"), "final_val_loss": metadata.get("final_val_loss")}
+    champ, champ_note = None, None
+    try:
+        stored = load_model(os.path.join(models_dir, safe_model_name(name), CURRENT))
+        s = score_rows(stored, rows, offset=offset)
+        champ = {"version": stored.metadata.get("version"), "flagged_share": _share(s, stored.threshold),
+                 "threshold": stored.threshold}
+        normal = s <= stored.threshold
+    except (StoreError, ScoreError, OSError) as e:
+        champ_note = f"no champion to compare with ({str(e).splitlines()[0][:200]})"
+        s, normal = None, np.ones(rows.shape[0], dtype=bool)
+    # test 3's figure: the challenger's share of the rows the champion did not flag
+    chal["flagged_share_of_normal"] = float(c_flags[normal].mean()) if normal.any() else 0.0
+    chal["normal_rows"] = int(normal.sum())
+    if labels is not None and labels.any():
+        chal["pr_auc"] = average_precision(c_scores, labels)
+        if champ is not None and s is not None:
+            champ["pr_auc"] = average_precision(s, labels)
+    elif labels is not None:  # labelled incidents elsewhere in the file: say that test 4 did not run
+        champ_note = "; ".join(filter(None, [champ_note, f"no labelled row among the {rows.shape[0]} held-back rows "
+                                                         "(the newest): the PR-AUC test did not run"]))
+    doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "held_back": held_range,
+           "design_rate": design,
+           "labels": bool(labels is not None), "labels_from": labels_from, "challenger": chal, "champion": champ,
+           "tolerances": {"flag": flag_tolerance, "pr_auc": pr_auc_tolerance}, "note": champ_note}
+    failed, reason = _verdict(chal, champ, design, flag_tolerance, pr_auc_tolerance)
+    if mode == "always":
+        promote, reason = True, (f"store.promote is always (the gate would have said: {reason})" if failed else reason)
+    elif mode == "manual":
+        promote, reason = False, f"store.promote is manual: kept for ds-ops models promote ({reason})"
+    else:
+        promote = failed is None
+    return dict(doc, promote=promote, failed=failed, reason=reason)
+
+
+def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol: float) -> tuple[str | None, str]:
+    """Return (the first test failed or None, the figures in words)."""
+    losses = [chal.get("final_train_loss"), chal.get("final_val_loss")]
+    if not all(v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in losses):
+        return "finite-losses", f"a loss is not finite (train {losses[0]}, validation {losses[1]})"
+    c = chal["flagged_share"]
+    if champ is not None and c > champ["flagged_share"] + tol:
+        return "flagged-vs-champion", (f"it flags {c:.2%} of the held-back rows, the champion "
+                                       f"{champ['flagged_share']:.2%} (tolerance {tol:.2%})")
+    cn = chal.get("flagged_share_of_normal", c)
+    if cn > design + tol:
+        return "flagged-vs-design", (f"it flags {cn:.2%} of the {chal.get('normal_rows')} held-back rows the champion "
+                                     f"did not flag, design rate {design:.2%} (tolerance {tol:.2%})")
+    ca, pa = chal.get("pr_auc"), (champ or {}).get("pr_auc")
+    if isinstance(ca, float) and isinstance(pa, float) and ca < pa - auc_tol:
+        return "pr-auc", f"its PR-AUC on the labelled held-back rows is {ca:.3f}, the champion's {pa:.3f} (tolerance {auc_tol:.3f})"
+    vs = f", champion {champ['flagged_share']:.2%}" if champ is not None else ""
+    auc = f"; PR-AUC {ca:.3f} vs {pa:.3f}" if isinstance(ca, float) and isinstance(pa, float) else ""
+    return None, (f"not worse: flags {c:.2%} of the held-back rows{vs}; {cn:.2%} of those the champion did not "
+                  f"flag, design rate {design:.2%}{auc}")
+
+
+def incident_labels(incidents, rows: int) -> np.ndarray:
+    """Return (rows,) bool, True on a sidecar's ``incidents``: ``[first, last]`` data rows, 1-based
+    and inclusive, as the dataset holds them (in time order). Raises ScoreError for a range past them."""
+    labels = np.zeros(rows, dtype=bool)
+    for first, last in incidents:
+        if last > rows:
+            raise ScoreError(f"the sidecar's incidents: rows {first}-{last} are past the dataset's {rows} rows")
+        labels[first - 1:last] = True
+    return labels
+
+
+def file_labels(data_path: str, rows: int, incidents=()) -> tuple[np.ndarray | None, str | None]:
+    """Return (the labels of a dataset's ``rows`` file rows or None, where they come from): the
+    sidecar's ``incidents``, else ``NAME.labels`` beside the data. Raises ScoreError for labels
+    that do not fit, or given both ways."""
+    path = find_labels(data_path)
+    if incidents and path:
+        raise ScoreError(f"labels given twice: the sidecar's incidents and {os.path.basename(path)}; give one")
+    if incidents:
+        return incident_labels(incidents, rows), "the sidecar's incidents"
+    return (load_labels(path, rows), os.path.basename(path)) if path else (None, None)
+
+
+def held_back(data: np.ndarray, rows_val: int, labels: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """Return (the held-back rows: the last ``rows_val`` rows of data, their labels or None, where
+    they come from). ``labels``: one per row of data (:func:`file_labels`), or None."""
+    n = data.shape[0]
+    k = rows_val if rows_val > 0 else max(1, n // 10)
+    if labels is not None:
+        labels = labels[n - k:]
+    return np.asarray(data[n - k:]), labels, ("the dataset's validation split (its last rows)" if rows_val > 0
+                                              else "the dataset's last tenth (no validation split)")
+
+
+def held_back_file(path: str) -> np.ndarray:
+    """Return the held-back rows a retraining job wrote (a float64 ``.npy``, (k, D)). Raises
+    ScoreError for a file that is not a 2-D matrix of rows, OSError if it cannot be read."""
+    try:
+        rows = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise ScoreError(f"{path}: not a matrix of held-back rows ({e})") from None
+    if rows.ndim != 2 or rows.shape[0] < 1:
+        raise ScoreError(f"{path}: not a matrix of held-back rows (shape {rows.shape})")
+    return rows
+
+
+def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, held_rows=None,
+                     held_back_path: str | None = None, incidents=()) -> dict:
+    """Return the ``promotion`` record of a daemon job's new version (:func:`gate` on the held-back
+    rows of dataset ``ds`` loaded from ``data_path``, whose labels are the sidecar's ``incidents``
+    or ``NAME.labels`` beside it (:func:`file_labels`);
+    ``held_rows``: the file's newest rows :func:`opt_ds_ops.lifecycle.retrain_data.exclude_flagged` held back
+    before it cut the flagged ones (judged on instead; their range is metadata's ``excluded.held_back``);
+    ``held_back_path``: a retraining job's held-back history rows, judged on instead, their range
+    from metadata's ``excluded.held_back``). A gate that cannot run (labels that do not fit, rows it
+    cannot score) keeps the version without promoting it, unless ``store.promote`` is always; the
+    reason says why. Raises nothing."""
+    mode = cfg.store.promote
+    try:
+        held_range, offset, labels_from = None, ds.offset, None
+        if held_back_path is not None and os.path.isfile(held_back_path):
+            rows, labels, offset = held_back_file(held_back_path), None, None  # the rows' values as they are
+            held_range = (metadata.get("excluded") or {}).get("held_back")
+            where = "the newest rows of the scoring history, held back before the flagged segments were cut"
+        elif held_rows is not None:
+            held_range = (metadata.get("excluded") or {}).get("held_back") or {}
+            labels, labels_from = file_labels(data_path, held_range.get("history_rows", 0), incidents)
+            rows, labels = held_rows, (labels[held_range["from_row"]:] if labels is not None else None)
+            where = "the file's newest rows, held back before the rows the current version flags were cut"
+        else:
+            labels, labels_from = file_labels(data_path, ds.data.shape[0], incidents)
+            rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), labels)
+        return gate(mode, result, metadata, cfg.models_dir, name, rows, offset, labels,
+                    flag_tolerance=cfg.store.promote_flag_tolerance,
+                    pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where, held_range=held_range,
+                    labels_from=labels_from)
+    except (ScoreError, ValueError, MemoryError, OSError) as e:
+        return {"mode": mode, "promote": mode == "always", "failed": "gate-error",
+                "reason": f"the gate could not run: {str(e).splitlines()[0][:300]}"}

@@ -1,0 +1,146 @@
+"""A model's directory in the store, ``MODELS_DIR/<name>/``: its fixed names, its lock, the
+complete versions, ``current`` and how it is swapped, each version's ``metadata.json``, and the
+operator's last change of ``current`` (``.operator.json``). What :mod:`opt_ds_ops.store.versions` (saving
+and loading versions) and :mod:`opt_ds_ops.store.admin` (``ds-ops models``) both build on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+
+from ..fsutil import fsync_dir, write_atomic
+
+MODEL_FILE = "model.pt"
+METADATA_FILE = "metadata.json"
+CURRENT = "current"
+OPERATOR_FILE = ".operator.json"  # the operator's last change of current, read by publish_job
+_NAME_OK = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+class StoreError(RuntimeError):
+    """The model store could not be written or a stored model could not be read.
+
+    ``errno`` is the OS error number when a file system error caused it, else None.
+    """
+
+    errno: int | None = None
+
+
+def safe_model_name(name: str) -> str:
+    """Return name made safe as one directory name: only ``[A-Za-z0-9._+-]``, no leading dot or dash.
+
+    Raises StoreError if nothing usable is left (an empty name).
+    """
+    cleaned = _NAME_OK.sub("_", name).lstrip(".-")
+    if not cleaned:
+        raise StoreError(f"model name {name!r} has no usable characters")
+    return cleaned[:200]
+
+
+def name_dir_of(models_dir: str, name: str) -> str:
+    """Return ``models_dir/<name>`` for an existing model name. Raises StoreError if it is absent."""
+    path = os.path.join(models_dir, safe_model_name(name))
+    if not os.path.isdir(path):
+        raise StoreError(f"no model named {name!r} under {models_dir}")
+    return path
+
+
+class NameLock:
+    """Exclusive ``flock`` on a model's directory (blocking); released when the fd closes, so a
+    killed holder never leaves it held. A directory fd needs only read access, so the daemon's
+    user and root share it without a lock file of either's ownership."""
+
+    def __init__(self, name_dir: str):
+        self.name_dir = name_dir
+        self.fd = -1
+
+    def __enter__(self):
+        self.fd = os.open(self.name_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+
+def read_metadata(version_dir: str) -> dict:
+    """Return a version's metadata.json. Raises StoreError if it is missing or not JSON."""
+    try:
+        with open(os.path.join(version_dir, METADATA_FILE), encoding="utf-8") as f:
+            md = json.load(f)
+    except FileNotFoundError:
+        raise StoreError(f"{version_dir}: not a model version ({METADATA_FILE} missing)") from None
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{version_dir}: cannot read {METADATA_FILE}: {e}") from None
+    if not isinstance(md, dict):
+        raise StoreError(f"{version_dir}: {METADATA_FILE} is not a JSON object")
+    return md
+
+
+def current_version(name_dir: str) -> str | None:
+    """Return the version ``current`` points at, or None if there is no ``current`` link."""
+    try:
+        return os.readlink(os.path.join(name_dir, CURRENT))
+    except OSError:
+        return None
+
+
+def list_versions(name_dir: str) -> list[str]:
+    """Return the complete versions of one model name, oldest first (hidden entries excluded)."""
+    try:
+        entries = os.listdir(name_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(e for e in entries if not e.startswith(".") and e != CURRENT and os.path.isdir(os.path.join(name_dir, e)))
+
+
+def publish(name_dir: str, version: str) -> None:
+    """Point ``name_dir/current`` at version: a new symlink renamed over the old one, then the
+    directory fsync'ed. Idempotent, so crash recovery replays it. Raises OSError."""
+    link_tmp = os.path.join(name_dir, f".current-{os.getpid()}")
+    if os.path.lexists(link_tmp):
+        os.unlink(link_tmp)
+    os.symlink(version, link_tmp)
+    os.replace(link_tmp, os.path.join(name_dir, CURRENT))
+    fsync_dir(name_dir)
+
+
+def read_operator_action(name_dir: str) -> dict | None:
+    """Return the last change of ``current`` an operator made (``ds-ops models promote``,
+    ``rollback``, ``rm``): ``{action, by, at, version, previous}`` from ``name_dir/.operator.json``,
+    or None if there is none or it cannot be read."""
+    try:
+        with open(os.path.join(name_dir, OPERATOR_FILE), encoding="utf-8") as f:
+            op = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return op if isinstance(op, dict) else None
+
+
+def write_operator_action(name_dir: str, entry: dict) -> None:
+    """Write entry as ``name_dir/.operator.json`` (mode 0644: the daemon reads what root wrote),
+    atomically, under the name lock. Raises OSError."""
+    write_atomic(os.path.join(name_dir, OPERATOR_FILE), (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def current_models(models_dir: str) -> list[tuple[str, dict, int]]:
+    """Return (name, current version's metadata, number of versions) of each model; unreadable
+    ones are skipped (a metric is never worth a failed write)."""
+    out = []
+    try:
+        names = sorted(e for e in os.listdir(models_dir) if not e.startswith("."))
+    except OSError:
+        return out
+    for name in names:
+        name_dir = os.path.join(models_dir, name)
+        try:
+            with open(os.path.join(name_dir, CURRENT, METADATA_FILE), encoding="utf-8") as f:
+                md = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(md, dict):
+            out.append((name, md, len(list_versions(name_dir))))
+    return out

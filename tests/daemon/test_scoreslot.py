@@ -1,0 +1,202 @@
+"""opt_ds_ops.daemon.scoreslot's pieces that need no daemon: what status and the metrics read from the
+results directory, the metrics families, and the retention of result directories.
+The daemon's side runs in real daemon processes in tests/daemon/test_daemon_scoring.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from opt_ds_ops.observe.metrics import MetricsWriter
+from opt_ds_ops.daemon.scoreslot import model_view, model_views, prune_results, top_text
+
+
+def write_model(results, name: str, state: dict, summary: dict | None = None, result: str = "20261201T000000.000000Z-j1"):
+    mdir = results / name
+    (mdir / result).mkdir(parents=True)
+    if summary is not None:
+        (mdir / result / "summary.json").write_text(json.dumps(summary))
+    (mdir / "state.json").write_text(json.dumps(dict(state, last_result=result)))
+    return mdir
+
+
+STATE = {"model": "m", "version": "v1", "rows_scored": 3000, "rows_flagged": 40, "segments": 2, "last_score": 0.9,
+         "threshold": 0.5, "segment": {"start_row": 2900}, "format": 1}
+SUMMARY = {"model": "m", "version": "v1", "active": True, "scored_at": "2026-12-01T00:00:00.000000Z",
+           "top_metrics": [{"metric": "disk_util", "share": 0.6}, {"metric": "cpu", "share": 0.3},
+                           {"metric": "net", "share": 0.05}, {"metric": "mem", "share": 0.05}]}
+
+
+def test_a_models_view_takes_its_counters_from_state_json_and_its_top_metrics_from_the_last_summary(tmp_path):
+    write_model(tmp_path, "m", STATE, SUMMARY)
+    (v,) = model_views(str(tmp_path)).values()
+    assert (v["rows_total"], v["flagged_total"], v["segments_total"]) == (3000, 40, 2)
+    assert v["active"] and [t["metric"] for t in v["top_metrics"]] == ["disk_util", "cpu", "net"]
+    assert v["scored_at"] == 1796083200.0 and v["last_score"] == 0.9 and v["threshold"] == 0.5
+
+
+def test_a_closed_segment_shows_no_top_metrics_and_a_broken_state_json_no_model(tmp_path):
+    write_model(tmp_path, "m", dict(STATE, segment=None), SUMMARY)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "state.json").write_text("{not json")
+    os.mkfifo(tmp_path / "fifo-model")  # a FIFO is never opened (read_small)
+    views = model_views(str(tmp_path))
+    assert list(views) == ["m"] and not views["m"]["active"] and views["m"]["top_metrics"] == []
+
+
+def test_a_summary_named_by_a_hostile_last_result_is_not_read(tmp_path):
+    write_model(tmp_path, "m", STATE, SUMMARY)
+    state = json.loads((tmp_path / "m" / "state.json").read_text())
+    (tmp_path / "m" / "state.json").write_text(json.dumps(dict(state, last_result="../../etc")))
+    assert model_views(str(tmp_path))["m"]["scored_at"] is None
+
+
+def test_the_metrics_show_the_top_metric_shares_of_an_open_segment_only_three_of_them():
+    m = MetricsWriter("", "/nonexistent")
+    m.score_done(model_view("m", STATE, SUMMARY))
+    m.score_done(model_view("calm", dict(STATE, segment=None), SUMMARY))
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(generate_latest(m.registry()).decode()) for s in fam.samples}
+    tops = sorted(k for k in got if k[0] == "ds_ops_anomaly_top_metric_share")
+    assert sorted(dict(k[1])["rank"] for k in tops) == ["1", "2", "3"] and all(dict(k[1])["model"] == "m" for k in tops)
+    assert got[("ds_ops_anomaly_active", (("model", "m"),))] == 1
+    assert got[("ds_ops_anomaly_active", (("model", "calm"),))] == 0
+    assert got[("ds_ops_scored_rows_total", (("model", "m"),))] == 3000
+    assert got[("ds_ops_anomaly_segments_total", (("model", "calm"),))] == 2
+
+
+def test_results_past_their_age_go_but_state_json_the_newest_and_hidden_ones_stay(tmp_path):
+    mdir = tmp_path / "m"
+    old = time.time() - 40 * 86400
+    for i, name in enumerate(["20261001T000000Z-a", "20261002T000000Z-b", "20261201T000000Z-c"]):
+        (mdir / name).mkdir(parents=True)
+        (mdir / name / "rows.csv").write_bytes(b"x" * 100)
+        if i < 2:
+            os.utime(mdir / name, (old + i, old + i))
+    (mdir / ".tmp-job").mkdir()
+    os.utime(mdir / ".tmp-job", (old, old))
+    (mdir / "state.json").write_text("{}")
+    os.utime(mdir / "state.json", (old, old))
+    assert prune_results(str(tmp_path), 30, 0) == ["m/20261001T000000Z-a", "m/20261002T000000Z-b"]
+    assert sorted(os.listdir(mdir)) == [".tmp-job", "20261201T000000Z-c", "state.json"]
+    assert prune_results(str(tmp_path), 30, 1) == [], "the newest result is never removed"
+
+
+def test_results_beyond_the_byte_limit_go_oldest_first_per_model(tmp_path):
+    for model in ("a", "b"):
+        for i in range(3):
+            d = tmp_path / model / f"2026120{i}T000000Z-j{i}"
+            d.mkdir(parents=True)
+            (d / "rows.csv").write_bytes(b"x" * 100)
+            os.utime(d, (1000 + i, 1000 + i))
+    assert prune_results(str(tmp_path), 0, 150, now=2000) == ["a/20261200T000000Z-j0", "a/20261201T000000Z-j1",
+                                                               "b/20261200T000000Z-j0", "b/20261201T000000Z-j1"]
+    assert prune_results(str(tmp_path), 0, 0) == []
+
+
+def test_top_metrics_read_as_names_with_their_shares():
+    assert top_text(SUMMARY["top_metrics"][:2]) == "disk_util 60%, cpu 30%" and top_text([]) == "none"
+
+
+def test_a_state_json_that_names_its_top_metrics_and_time_needs_no_summary(tmp_path):
+    top = [{"metric": "disk_util", "share": 0.7}]
+    write_model(tmp_path, "m", dict(STATE, top_metrics=top, scored_at="2026-12-01T00:00:00.000000Z"))
+    v = model_views(str(tmp_path))["m"]
+    assert v["top_metrics"] == top and v["scored_at"] == 1796083200.0
+
+
+class Journal:
+    """Records what the scoring slot journals (event, priority, fields) as the daemon's EventLog is called."""
+
+    def __init__(self):
+        self.entries = []
+
+    def event(self, event, message, *, priority=6, **fields):
+        self.entries.append(dict(fields, event=event, message=message, priority=priority))
+
+
+def report(tmp_path, summary: dict) -> list[dict]:
+    """Run a scored file's summary through the daemon's ScoreSlot._report; return the journal's entries."""
+    from types import SimpleNamespace
+
+    from opt_ds_ops.config.conffile import Config, with_overrides
+    from opt_ds_ops.daemon.scoreslot import ScoreSlot
+
+    cfg = with_overrides(Config(), {"scoring.results_dir": str(tmp_path / "scores"), "models_dir": str(tmp_path)})
+    slot = ScoreSlot.__new__(ScoreSlot)
+    slot.d = SimpleNamespace(cfg=cfg, log=Journal(), metrics=MetricsWriter(str(tmp_path), str(tmp_path)))
+    slot._report({"job_id": "j1", "dataset": "m.csv"}, summary)
+    assert slot.d.metrics.scores["m"]["rows_total"] == summary["rows_scored"]  # the metrics are updated either way
+    return slot.d.log.entries
+
+
+EVENTS = [{"event": "anomaly-ended", "row": 9, "version": "v1", "duration_s": 60.0, "peak_score": 2.0},
+          {"event": "anomaly-started", "row": 12, "threshold": 0.5, "score": 0.9, "top_metrics": []}]
+SCORED = dict(SUMMARY, version="v2", rows=20, flagged=8, rows_scored=3020, rows_flagged=48, segments=3,
+              events=EVENTS, resets=["the model's current version changed from v1 to v2: the series starts again"],
+              notes=["rows sorted by time"], replayed=False)
+
+
+def test_a_replayed_summary_journals_no_anomaly_and_no_reset_again(tmp_path):
+    assert [e["event"] for e in report(tmp_path, SCORED)] == ["anomaly-ended", "anomaly-started", "score-reset",
+                                                             "scored"]
+    assert [e["event"] for e in report(tmp_path, dict(SCORED, replayed=True))] == ["scored"]
+
+
+def test_only_resets_are_journaled_as_score_reset_the_files_notes_go_in_the_scored_line(tmp_path):
+    entries = report(tmp_path, SCORED)
+    assert [e["reason"] for e in entries if e["event"] == "score-reset"] == [SCORED["resets"][0]]
+    assert "rows sorted by time" in entries[-1]["message"]
+
+
+def test_an_anomaly_ended_by_a_new_version_is_journaled_with_the_version_that_flagged_it(tmp_path):
+    entries = report(tmp_path, SCORED)
+    assert entries[0]["version"] == "v1" and "(version v1)" in entries[0]["message"]
+    assert entries[1]["version"] == "v2"
+
+
+def test_a_scored_file_prunes_only_its_own_models_results(tmp_path):
+    from types import SimpleNamespace
+
+    from opt_ds_ops.config.conffile import Config, with_overrides
+    from opt_ds_ops.daemon.scoreslot import ScoreSlot
+
+    results = tmp_path / "scores"
+    old = time.time() - 40 * 86400
+    for name in ("a", "b"):
+        for k in range(3):
+            (results / name / f"2026110{k}T000000.000000Z-j{k}").mkdir(parents=True)
+            os.utime(results / name / f"2026110{k}T000000.000000Z-j{k}", (old, old))
+    cfg = with_overrides(Config(), {"scoring.results_dir": str(results), "models_dir": str(tmp_path)})
+    slot = ScoreSlot.__new__(ScoreSlot)
+    slot.d, slot._swept = SimpleNamespace(cfg=cfg, log=Journal()), time.monotonic()
+    slot.retention("a")  # the start's sweep was just done: only a's
+    assert len(os.listdir(results / "a")) == 1 and len(os.listdir(results / "b")) == 3
+    slot._swept = None
+    slot.retention("a")  # the sweep (start, then hourly): every model's
+    assert len(os.listdir(results / "a")) == 1 and len(os.listdir(results / "b")) == 1
+
+
+def test_a_state_json_over_a_mebibyte_still_shows_its_model(tmp_path):
+    big = dict(STATE, context=[[0.123456789] * 4096] * 40)  # a windowed model with many columns
+    write_model(tmp_path, "m", big)
+    assert (tmp_path / "m" / "state.json").stat().st_size > 1 << 20
+    assert model_views(str(tmp_path))["m"]["rows_total"] == 3000
+
+
+def test_an_anomaly_of_headerless_data_ends_after_its_rows_and_names_only_metrics_with_a_share(tmp_path):
+    untimed = dict(SCORED, events=[{"event": "anomaly-ended", "row": 570, "rows": 44, "duration_s": None,
+                                    "peak_score": 69.4}])
+    (ended, *_rest) = report(tmp_path / "untimed", untimed)
+    assert "after 44 rows," in ended["message"] and "?" not in ended["message"], ended["message"]
+    timed = dict(SCORED, events=[dict(untimed["events"][0], duration_s=2640.0)])
+    assert "after 44 rows, 2640 s," in report(tmp_path / "timed", timed)[0]["message"]
+    long = dict(SCORED, events=[dict(untimed["events"][0], rows=173, duration_s=10320.0)])  # replay_month's longest
+    assert "after 173 rows, 10320 s (2.9 h)," in report(tmp_path / "long", long)[0]["message"]
+    shares = [{"metric": "30", "share": 0.99}, {"metric": "34", "share": 0.001}, {"metric": "5", "share": 0.0}]
+    assert top_text(shares) == "30 99%"
+    assert top_text([{"metric": "5", "share": 0.0}]) == "none"

@@ -1,0 +1,185 @@
+"""One series per model across chunks: a labelled SMD test period scored in chunks
+equals it scored whole, for every smoothing and window setting; resets; the state is not moved."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SMD_LABELS, SMD_TEST
+from opt_ds_ops.config.conffile import TrainConfig
+from opt_ds_ops.health.device import plan_device
+from opt_ds_ops.model.detection import ScoreError, flagged_segments, in_memory_model, score_with_cells
+from opt_ds_ops.scoring.series import SeriesState, fresh_state, sample_period_s, score_chunk
+from opt_ds_ops.training.fit import train
+
+PERIOD = slice(4000, 7000)  # 3,000 rows of machine-1-2's test period holding three labelled anomalies
+SETTINGS = {
+    "defaults": {},
+    "input_window 4": {"input_window": 4},
+    "mean smoothing": {"score_smoothing": "mean", "score_window": 15},
+    "window error": {"input_window": 4, "window_error": "window"},
+}
+NAMES = [f"m{j}" for j in range(38)]
+
+
+@pytest.fixture(scope="module")
+def test_period(smd_rows):
+    rows = np.loadtxt(SMD_TEST, delimiter=",", dtype=np.float32)[PERIOD]
+    labels = np.loadtxt(SMD_LABELS)[PERIOD]
+    assert labels.sum() > 100
+    return rows
+
+
+@pytest.fixture(scope="module")
+def models(smd_rows):
+    out = {}
+    for key, kw in SETTINGS.items():
+        torch.manual_seed(0)
+        stored = in_memory_model(train(smd_rows[:3000], TrainConfig(epochs=1, **kw), plan_device("cpu", "off")))
+        stored.metadata = {"version": "v1", "config": {"train": {"sample_period_s": 60.0}}}
+        out[key] = stored
+    return out
+
+
+def scored_in(stored, data, k, times=None):
+    """Score data in k consecutive chunks; return (scores, events, final state)."""
+    state, scores, events = fresh_state("m", stored), [], []
+    for part in np.array_split(np.arange(data.shape[0]), k):
+        r = score_chunk(stored, data[part], None, None if times is None else times[part], state, names=NAMES,
+                        max_gap_periods=10)
+        assert r.first_row == part[0] and r.notes == []
+        state, scores, events = r.state, scores + [r.scores], events + r.events
+    return np.concatenate(scores), events, state
+
+
+def segments_of(events, state):
+    segs = [(e["started_row"], e["row"], e["peak_row"], [m["metric"] for m in e["top_metrics"]])
+            for e in events if e["event"] == "anomaly-ended"]
+    if state.segment is not None:
+        segs.append((state.segment["start_row"], state.next_row - 1, state.segment["peak_row"], None))
+    return segs
+
+
+@pytest.mark.parametrize("k", [1, 7, 50])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_period_scored_in_chunks_equals_it_scored_whole(models, test_period, setting, k):
+    """Acceptance 1: the same scores (to 1e-6), flagged segments and events in 1, 7 and 50 chunks."""
+    stored = models[setting]
+    whole, cells = score_with_cells(stored, test_period)
+    expected = flagged_segments(whole, stored.threshold, cells, NAMES)
+    assert len(expected) >= 3  # the labelled anomalies are flagged: there are segments to split
+    scores, events, state = scored_in(stored, test_period, k)
+    np.testing.assert_allclose(scores, whole, rtol=0, atol=1e-6)
+    got = segments_of(events, state)
+    assert [(g[0], g[1], g[2]) for g in got] == [(e["start"], e["end"], e["peak_row"]) for e in expected]
+    closed = [e for e in expected if e["end"] < test_period.shape[0] - 1 or state.segment is None]
+    assert [g[3] for g in got if g[3] is not None] == [[m["metric"] for m in e["top_metrics"]] for e in closed]
+    started = [e for e in events if e["event"] == "anomaly-started"]
+    assert [e["row"] for e in started] == [e["start"] for e in expected]  # one started per segment
+    assert state.rows_scored == 3000 and state.rows_flagged == int((whole > stored.threshold).sum())
+    assert state.segments == len(expected)
+    reference, ref_events, _ = scored_in(stored, test_period, 1)
+    assert json.dumps(events, sort_keys=True) == json.dumps(ref_events, sort_keys=True)
+
+
+def test_a_segment_spanning_chunks_is_one_started_and_one_ended_event(models, test_period):
+    stored = models["defaults"]
+    whole, cells = score_with_cells(stored, test_period)
+    seg = max(flagged_segments(whole, stored.threshold, cells, NAMES), key=lambda g: g["end"] - g["start"])
+    assert seg["end"] - seg["start"] >= 4
+    cut = (seg["start"] + seg["end"]) // 2
+    state = fresh_state("m", stored)
+    first = score_chunk(stored, test_period[:cut], None, None, state, names=NAMES, max_gap_periods=10)
+    assert first.active and first.events[-1]["event"] == "anomaly-started" and first.events[-1]["row"] == seg["start"]
+    second = score_chunk(stored, test_period[cut:], None, None, first.state, names=NAMES, max_gap_periods=10)
+    ended = [e for e in second.events if e["event"] == "anomaly-ended"]
+    assert not [e for e in second.events if e["event"] == "anomaly-started" and e["row"] == cut]
+    assert ended[0]["started_row"] == seg["start"] and ended[0]["row"] == seg["end"]
+    assert ended[0]["rows"] == seg["end"] - seg["start"] + 1 and ended[0]["peak_row"] == seg["peak_row"]
+    assert ended[0]["top_metrics"][0]["metric"] == seg["top_metrics"][0]["metric"]
+    assert ended[0]["top_metrics"][0]["share"] == pytest.approx(seg["top_metrics"][0]["share"], rel=1e-5)
+
+
+def test_the_state_round_trips_through_json_exactly(models, test_period):
+    stored = models["input_window 4"]
+    first = score_chunk(stored, test_period[:1500], None, None, fresh_state("m", stored), names=NAMES,
+                        max_gap_periods=10)
+    again = SeriesState.from_dict(json.loads(json.dumps(first.state.to_dict())))
+    a = score_chunk(stored, test_period[1500:], None, None, first.state, names=NAMES, max_gap_periods=10)
+    b = score_chunk(stored, test_period[1500:], None, None, again, names=NAMES, max_gap_periods=10)
+    assert np.array_equal(a.scores, b.scores) and a.events == b.events
+    with pytest.raises(ValueError, match="unknown format"):
+        SeriesState.from_dict(dict(first.state.to_dict(), format=99))
+
+
+def test_score_chunk_never_changes_the_state_it_is_given(models, test_period):
+    stored = models["defaults"]
+    state = score_chunk(stored, test_period[:700], None, None, fresh_state("m", stored), names=NAMES,
+                        max_gap_periods=10).state
+    before = json.dumps(state.to_dict(), sort_keys=True)
+    score_chunk(stored, test_period[700:900], None, None, state, names=NAMES, max_gap_periods=10)
+    with pytest.raises(ScoreError, match="data has 37 features, model expects 38"):
+        score_chunk(stored, test_period[700:900, 1:], None, None, state, names=NAMES, max_gap_periods=10)
+    assert json.dumps(state.to_dict(), sort_keys=True) == before
+
+
+def _active_state(stored, data, times=None):
+    """Score up to the middle of a flagged segment; return (rows scored, state with an open segment)."""
+    whole = score_with_cells(stored, data)[0]
+    flagged = np.flatnonzero(whole > stored.threshold)
+    cut = int(flagged[len(flagged) // 2]) + 1
+    while not whole[cut - 1] > stored.threshold:
+        cut += 1
+    r = score_chunk(stored, data[:cut], None, None if times is None else times[:cut], fresh_state("m", stored),
+                    names=NAMES, max_gap_periods=10)
+    assert r.active
+    return cut, r.state
+
+
+def test_a_new_current_version_resets_the_series_and_ends_the_open_segment(models, test_period):
+    stored = models["defaults"]
+    cut, state = _active_state(stored, test_period)
+    stored.metadata = dict(stored.metadata, version="v2")
+    try:
+        r = score_chunk(stored, test_period[cut:], None, None, state, names=NAMES, max_gap_periods=10)
+    finally:
+        stored.metadata = dict(stored.metadata, version="v1")
+    assert r.notes and "changed from v1 to v2" in r.notes[0]
+    assert r.events[0]["event"] == "anomaly-ended" and r.events[0]["reason"] == "reset"
+    assert r.events[0]["row"] == cut - 1 and r.first_row == 0 and r.state.version == "v2"
+    assert r.events[0]["version"] == "v1"  # the version that flagged it, not the new one
+    fresh = score_with_cells(stored, test_period[cut:])[0]
+    np.testing.assert_array_equal(r.scores, fresh)  # scored as a new series: no carried context
+    assert r.state.rows_scored == test_period.shape[0]  # the counters are the model's, they go on
+
+
+@pytest.mark.parametrize("how", ["backwards", "gap"])
+def test_time_going_backwards_or_a_gap_resets_the_series_with_a_note(models, test_period, how):
+    stored = models["defaults"]
+    assert sample_period_s(stored) == 60.0
+    times = 1.7e9 + 60.0 * np.arange(test_period.shape[0])
+    cut, state = _active_state(stored, test_period, times)
+    later = times[cut:] - 3600.0 if how == "backwards" else times[cut:] + 601.0  # > 10 periods of 60 s
+    r = score_chunk(stored, test_period[cut:], None, later, state, names=NAMES, max_gap_periods=10)
+    assert len(r.notes) == 1 and ("went backwards" if how == "backwards" else "max_gap_periods") in r.notes[0]
+    assert r.events[0]["reason"] == "reset" and r.events[0]["duration_s"] is not None
+    np.testing.assert_array_equal(r.scores, score_with_cells(stored, test_period[cut:])[0])
+    within = score_chunk(stored, test_period[cut:], None, times[cut:] + 540.0, state, names=NAMES,
+                         max_gap_periods=10)
+    assert within.notes == [] and within.first_row == cut  # a gap of 10 periods (600 s) is no reset
+    never = score_chunk(stored, test_period[cut:], None, times[cut:] + 1e6, state, names=NAMES, max_gap_periods=0)
+    assert never.notes == []  # 0: never by gap
+
+
+def test_the_sample_period_is_the_training_files_median_step_when_it_had_times(models):
+    stored = models["defaults"]
+    old = stored.metadata
+    stored.metadata = dict(old, dataset={"time": {"median_step_s": 5.0}})
+    try:
+        assert sample_period_s(stored) == 5.0
+    finally:
+        stored.metadata = old
