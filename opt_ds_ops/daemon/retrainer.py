@@ -30,6 +30,10 @@ from ..spool import new_job_id, save_record
 from ..store.versions import StoreError, current_metadata
 
 KIND = "retrain"
+# What a version says of how to read the data it scores (metadata.json ``dataset``): a retraining's
+# version inherits these from the version it retrains, since its own dataset (the history, a
+# headerless matrix of the model's features in the model's order) has none of them.
+READS_AS = ("header", "time", "left_out", "feature_columns", "options")
 DATA_FILE = "dataset.npz"
 HELD_FILE = "held_back.npy"  # the history's newest rows, for the promotion gate only
 
@@ -149,8 +153,11 @@ def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, 
     ``processing/JOB/normal.npy``, its newest tenth held back first, whole, as
     ``processing/JOB/held_back.npy`` (:func:`opt_ds_ops.lifecycle.retrain_data.write_history_dataset`);
     return (the dataset's path, the metadata to add: ``retrain``, ``excluded`` with its
-    ``held_back`` range; the dataset file name the version keeps: current's, so that files named
-    after it still score and train as that model; the held-back rows' path, for the gate). Raises
+    ``held_back`` range, ``reads_as``: how current reads the data it scores (:data:`READS_AS`:
+    column names and order, the time column and sample period, the columns left out, the options
+    a sidecar gave), which the new version keeps; the dataset file name the version keeps:
+    current's, so that files named after it still score and train as that model; the held-back
+    rows' path, for the gate). Raises
     ValueError for a history that leaves too little to train on."""
     from ..lifecycle.retrain_data import write_history_dataset
     from ..store.versions import dataset_file_of
@@ -159,5 +166,9 @@ def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, 
     info = write_history_dataset(spool.job_path(job_id, DATA_FILE), out, cfg.retrain.exclude_margin,
                                  cfg.retrain.exclude_max_rows, held_path=held)
     meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at")}, "excluded": info}
+    parent = current_metadata(cfg.models_dir, record["model"]) or {}
+    reads = parent.get("dataset") or {}
+    meta["reads_as"] = {k: reads.get(k) for k in READS_AS if k in reads}
+    meta["reads_as"]["inherited_from"] = parent.get("version")
     name = dataset_file_of(cfg.models_dir, record["model"]) or record["dataset"]
     return out, json.loads(json.dumps(meta)), name, held

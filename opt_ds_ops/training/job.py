@@ -365,7 +365,7 @@ def run_job(
     conffile's ``dataset:``, ``job.memory_max`` or ``job.max_matrix_bytes`` changed, or it does not
     load) is dropped: ``on_resume_dropped(why)`` is called and training starts at epoch 1.
     ``extra_metadata`` is merged into metadata.json (a retraining job's ``retrain`` and
-    ``excluded``); a sidecar's ``exclude_flagged`` cuts the dataset to the rows the model's current
+    ``excluded``; its ``reads_as`` replaces the keys of ``dataset`` that say how data is read); a sidecar's ``exclude_flagged`` cuts the dataset to the rows the model's current
     version does not flag (:func:`opt_ds_ops.lifecycle.retrain_data.exclude_flagged`, ``excluded``).
     ``held_back_path``: a ``.npy`` of rows the promotion gate judges on instead of the dataset's
     validation split (a retraining job's newest history rows, :func:`opt_ds_ops.daemon.retrainer.job_dataset`).
@@ -443,7 +443,11 @@ def run_job(
                 sampler.close()
         metadata = build_metadata(ds, sha, result, cfg, health, options)
         metadata["job_id"] = job_id
-        metadata.update(extra_metadata or {}, excluded=(extra_metadata or {}).get("excluded", excluded))
+        extra = dict(extra_metadata or {})
+        reads_as = extra.pop("reads_as", None)
+        metadata.update(extra, excluded=extra.get("excluded", excluded))
+        if reads_as:  # a retraining reads and scores the model's data as the version it retrains does
+            metadata["dataset"].update(reads_as)
         metadata["metric_names"] = names  # alerts, results and score name the metrics
         # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
         metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

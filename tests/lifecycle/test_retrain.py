@@ -359,3 +359,93 @@ def test_status_shows_the_drift_ratio_and_the_next_retrain(store, tmp_path):
     assert "drift ratio " in line and "next retrain 20" in line
     doc = json.loads(run_cli("status", "--config", str(conf), "--json").stdout)
     assert doc["scoring"]["m1"]["drift_ratio"] > 0 and doc["scoring"]["m1"]["next_retrain_at"] > time.time()
+
+
+def _exporter_csv(rows: np.ndarray, start_s: int, names: list[str], *, reverse: bool = False) -> bytes:
+    """An exporter's CSV: a timestamp (one row a minute from ``start_s``), a host_id column and
+    the metrics under ``names``; ``reverse``: the metric columns in the opposite order."""
+    order = list(range(rows.shape[1]))[::-1] if reverse else list(range(rows.shape[1]))
+    lines = [",".join(["timestamp", "host_id"] + [names[c] for c in order])]
+    for i, row in enumerate(rows):
+        lines.append(",".join([str(start_s + 60 * i), "7"] + [f"{row[c]:.6f}" for c in order]))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_a_promoted_retraining_reads_the_exporters_chunks_as_the_version_it_retrained(tmp_path, smd_rows):
+    """A version is a whole model: a model trained from a CSV with a header, a time column and a
+    sidecar's exclude_columns keeps all three through a retraining. After the retrained version
+    is promoted, the exporter's next chunk (header, the excluded host_id, time) is scored as
+    before, the same rows with the metric columns reversed are scored in the model's order, and
+    a chunk with other column names is refused with the reason. Before, the retrained version
+    had no header and the conffile's options: the next chunk failed "39 feature columns; model
+    expects 38" and that model's alerts stopped for good."""
+    from daemon_kit import Daemon, spool_dir, versions, write_config
+    from opt_ds_ops.store.versions import current_version
+
+    conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5, extra=[
+        "scoring:", f"  results_dir: {tmp_path / 'scores'}",
+        "retrain:", "  drift_window: 2000", "  drift_rate: 5", "  exclude_max_rows: 500"])
+    names = [f"metric_{i}" for i in range(smd_rows.shape[1])]
+    steady = smd_rows[3000:6000]
+    new_regime = shifted(steady)
+    start = 1_780_000_000
+    d = Daemon(conf)
+    outcomes: list[str] = []
+
+    def score(data: bytes) -> str:
+        """Drop a chunk into score/ the safe way; return the daemon's line about it."""
+        part = spool_dir(tmp_path, "score") / "m.csv.part"
+        part.write_bytes(data)
+        os.rename(part, spool_dir(tmp_path, "score") / "m.csv")
+        seen = len(outcomes)
+        d.wait_until(lambda: d.log().count(" scored with version ") + d.log().count("failed in stage") > seen,
+                     "the chunk to be scored or refused")
+        lines = [ln for ln in d.log().splitlines() if " scored with version " in ln or "failed in stage" in ln]
+        outcomes.append(lines[-1])
+        return lines[-1]
+
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        incoming = spool_dir(tmp_path, "incoming")
+        (incoming / "m.yaml").write_bytes(b"exclude_columns: [host_id]\n")  # the sidecar first
+        (incoming / "m.csv.part").write_bytes(_exporter_csv(steady, start, names))
+        os.rename(incoming / "m.csv.part", incoming / "m.csv")
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 1, "the first model")
+        first = versions(tmp_path, "m")[0]
+        t = start + 60 * len(steady)
+        for i in range(4):  # the new regime until the drift trigger fires
+            line = score(_exporter_csv(new_regime[i * 500:(i + 1) * 500], t, names))
+            t += 60 * 500
+            assert " scored with version " in line, line
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 2 and not any(
+            spool_dir(tmp_path, "processing").iterdir()), "the retrained version")
+        second = versions(tmp_path, "m")[1]
+        assert current_version(str(tmp_path / "models" / "m")) == second != first
+        before, after = (read_metadata(str(tmp_path / "models" / "m" / v)) for v in (first, second))
+        for key in ("header", "left_out", "feature_columns", "options"):
+            assert after["dataset"][key] == before["dataset"][key], key
+        assert after["dataset"]["options"]["exclude_columns"] == ["host_id"]
+        assert after["dataset"]["time"]["column"] == before["dataset"]["time"]["column"]
+        assert after["dataset"]["time"]["median_step_s"] == 60.0
+        assert after["dataset"]["inherited_from"] == first and after["metric_names"] == names
+
+        line = score(_exporter_csv(new_regime[2000:2500], t, names))  # the exporter's next chunk, as before
+        t += 60 * 500
+        print(f"\nnext chunk: {line.split(': ', 2)[-1]}")
+        assert f"scored with version {second}: 500 rows" in line, line
+        flagged_in_order = int(line.split(" rows, ")[1].split(" flagged")[0])
+        line = score(_exporter_csv(new_regime[2500:3000], t, names, reverse=True))
+        t += 60 * 500
+        print(f"reversed columns: {line.split(': ', 2)[-1]}")
+        assert f"scored with version {second}: 500 rows" in line, line
+        flagged_reversed = int(line.split(" rows, ")[1].split(" flagged")[0])
+        design = 1 - Config().train.threshold_quantile
+        assert max(flagged_in_order, flagged_reversed) / 500 <= design + Config().store.promote_flag_tolerance
+        bogus = [f"bogus_{i}" for i in range(len(names))]
+        line = score(_exporter_csv(new_regime[:500], t, bogus))
+        print(f"renamed columns: {line.split(': ', 2)[-1]}")
+        assert "failed in stage" in line and "the columns do not match the model's" in line, line
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
