@@ -41,9 +41,11 @@ bench: venv
 	$(BIN)/python scripts/bench_train.py --skip-parse
 	$(BIN)/python scripts/bench_parse.py
 
-# Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py).
+# Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py);
+# then 50 scored chunks that each open an anomaly, a SIGKILL in each: every alert said once (scripts/alert_soak.py).
 soak: venv
 	$(BIN)/python scripts/soak.py
+	$(BIN)/python scripts/alert_soak.py
 
 # Daemon fuzz soak: 500 hostile items (corrupt files of every format, random sidecars, FIFOs,
 # links, foreign 0600 files, stalled writers, ...) and 30 good datasets while the daemon is SIGKILLed

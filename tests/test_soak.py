@@ -3,7 +3,8 @@ while real drops, good and hostile, arrive.
 
 `make soak` runs the full size (200 datasets, 100 kills, 4 writers); this runs 12 datasets, 5 kills
 and 2 writers (about 30 s on 2 cores) so that the script itself stays working. `make fuzz-soak`
-runs 500 hostile items and 50 kills; the smoke test here 40 items and 3 kills.
+runs 500 hostile items and 50 kills; the smoke test here 40 items and 3 kills. `make soak` also
+runs scripts/alert_soak.py with 50 chunks and 50 kills; the smoke test here 4 chunks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ def test_soak_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "soak passed" in proc.stdout, proc.stdout
+
+
+def test_alert_soak_smoke(tmp_path):
+    """scripts/alert_soak.py at smoke size: 4 chunks that each open an anomaly, a SIGKILL in each."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "alert_soak.py"), "--chunks", "4", "--root", str(tmp_path / "alerts"),
+         "--timeout-s", "400"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,  # a hang guard only; the soak has its own timeout
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "alert soak: ok" in proc.stdout, proc.stdout
 
 
 def test_fuzz_soak_smoke(tmp_path):

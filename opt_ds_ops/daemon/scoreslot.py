@@ -232,6 +232,18 @@ def top_text(top) -> str:
 
 # ---- the daemon's side ------------------------------------------------------------------------------
 
+SAID_FILE = "said"  # processing/JOB/said: the keys of the journal entries of a scored job already said
+
+
+def _said(path: str) -> set[str]:
+    """The keys in a job's :data:`SAID_FILE` (none when it does not exist yet)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return set(f.read().split())
+    except FileNotFoundError:
+        return set()
+
+
 class ScoreSlot:
     """The daemon's scoring role: the score/ watcher, its queue and its one job process.
 
@@ -461,40 +473,62 @@ class ScoreSlot:
         self.pending.insert(0, record["job_id"])
 
     def _report(self, record: dict, s: dict) -> None:
-        """Journal and metrics from a scored file's summary (see the module docstring)."""
+        """Journal and metrics from a scored file's summary (see the module docstring).
+
+        Each journal entry of the summary is said at least once and at most once, whatever is
+        killed when: the job stays in processing/ until all are said, and after each one its key
+        (``event:N``, ``reset:N``, ``scored``) is appended to the job's :data:`SAID_FILE`. A job
+        that runs again after a restart returns the kept summary (``replayed``); only what that
+        file does not list is said then. The append is one ``write`` right after the entry is
+        sent, not fsync'ed: a SIGKILL of the daemon loses neither (the page cache keeps the
+        write), and after a power loss journald's own unsynced entries go with it."""
         model, version = str(s.get("model")), s.get("version")
-        log, file = self.d.log, safe_text(record["dataset"])
-        replayed = bool(s.get("replayed"))  # journaled when it was scored, before a restart: not again
-        for ev in [] if replayed else s.get("events") or []:
-            row, at = ev.get("row"), ev.get("time")
-            when = f"row {row}" + (f" ({at})" if at is not None else "")
-            if ev.get("event") == "anomaly-started":
-                top = top_text(ev.get("top_metrics"))
-                log.event("anomaly-started", f"{model}: anomaly started at {when}: score {_num(ev.get('score'))} over "
-                          f"threshold {_num(ev.get('threshold'))} (version {version}); top metrics: {top}; in {file}",
-                          priority=LOG_WARNING, model=model, version=version, row=row, time=at,
-                          threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top,
-                          job_id=record["job_id"], dataset_file=record["dataset"])
-            elif ev.get("event") == "anomaly-ended":
-                flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
-                lasted = f"{ev.get('rows')} rows" + (f", {_seconds(ev['duration_s'])}" if isinstance(
-                    ev.get("duration_s"), (int, float)) else "")  # headerless data has no time: rows only
-                log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {lasted}, "
-                          f"peak score {_num(ev.get('peak_score'))} (version {flagged_by}); in {file}",
-                          priority=LOG_WARNING, model=model, version=flagged_by, row=row, time=at,
-                          duration_s=ev.get("duration_s"), peak_score=ev.get("peak_score"),
-                          job_id=record["job_id"], dataset_file=record["dataset"])
-        for note in [] if replayed else s.get("resets") or []:
-            log.event("score-reset", f"{model}: the carried series state was reset: {safe_text(str(note))}",
-                      priority=LOG_NOTICE, model=model, version=version, reason=str(note),
-                      job_id=record["job_id"], dataset_file=record["dataset"])
-        flagged = s.get("flagged") or 0
-        notes = "".join(f"; {safe_text(str(n))}" for n in s.get("notes") or [])  # the file's own, e.g. rows sorted
-        log.event("scored", f"{model}: {file} scored with version {version}: {s.get('rows')} rows, {flagged} "
-                  f"flagged, last score {_num(s.get('last_score'))} (threshold {_num(s.get('threshold'))})"
-                  f"{', anomaly active' if s.get('active') else ''}{' (replayed)' if replayed else ''}{notes}",
-                  model=model, version=version,
-                  rows=s.get("rows"), flagged_rows=flagged, job_id=record["job_id"], dataset_file=record["dataset"])
+        log, file, job_id = self.d.log, safe_text(record["dataset"]), record["job_id"]
+        replayed = bool(s.get("replayed"))  # scored before a restart: what was not said yet is said now
+        said_path = self.d.spool.job_path(job_id, SAID_FILE)
+        said = _said(said_path)
+        fd = os.open(said_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        data_file = record["dataset"]
+        try:
+            def mark(key: str) -> None:  # right after its entry was sent
+                os.write(fd, f"{key}\n".encode())
+
+            # a reset first: the events that follow (an anomaly ended by a new version) are its effects
+            for i, note in enumerate(s.get("resets") or []):
+                if f"reset:{i}" not in said:
+                    log.event("score-reset", f"{model}: the carried series state was reset: {safe_text(str(note))}",
+                              priority=LOG_NOTICE, model=model, version=version, reason=str(note), job_id=job_id, dataset_file=data_file)
+                    mark(f"reset:{i}")
+            for i, ev in enumerate(s.get("events") or []):
+                if f"event:{i}" in said:
+                    continue
+                row, at = ev.get("row"), ev.get("time")
+                when = f"row {row}" + (f" ({at})" if at is not None else "")
+                if ev.get("event") == "anomaly-started":
+                    top = top_text(ev.get("top_metrics"))
+                    log.event("anomaly-started", f"{model}: anomaly started at {when}: score {_num(ev.get('score'))} "
+                              f"over threshold {_num(ev.get('threshold'))} (version {version}); top metrics: {top}; "
+                              f"in {file}", priority=LOG_WARNING, model=model, version=version, row=row, time=at,
+                              threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top, job_id=job_id, dataset_file=data_file)
+                elif ev.get("event") == "anomaly-ended":
+                    flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
+                    lasted = f"{ev.get('rows')} rows" + (f", {_seconds(ev['duration_s'])}" if isinstance(
+                        ev.get("duration_s"), (int, float)) else "")  # headerless data has no time: rows only
+                    log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {lasted}, "
+                              f"peak score {_num(ev.get('peak_score'))} (version {flagged_by}); in {file}",
+                              priority=LOG_WARNING, model=model, version=flagged_by, row=row, time=at,
+                              duration_s=ev.get("duration_s"), peak_score=ev.get("peak_score"), job_id=job_id, dataset_file=data_file)
+                mark(f"event:{i}")
+            if "scored" not in said:
+                flagged = s.get("flagged") or 0
+                notes = "".join(f"; {safe_text(str(n))}" for n in s.get("notes") or [])  # the file's own
+                log.event("scored", f"{model}: {file} scored with version {version}: {s.get('rows')} rows, {flagged} "
+                          f"flagged, last score {_num(s.get('last_score'))} (threshold {_num(s.get('threshold'))})"
+                          f"{', anomaly active' if s.get('active') else ''}{' (replayed)' if replayed else ''}{notes}",
+                          model=model, version=version, rows=s.get("rows"), flagged_rows=flagged, job_id=job_id, dataset_file=data_file)
+                mark("scored")
+        finally:
+            os.close(fd)
         self.d.metrics.score_done(model_view(model, read_model(self.d.cfg.scoring.results_dir, model)[0], s))
 
     def retention(self, model: str | None = None) -> None:

@@ -119,19 +119,45 @@ class Journal:
         self.entries.append(dict(fields, event=event, message=message, priority=priority))
 
 
-def report(tmp_path, summary: dict) -> list[dict]:
-    """Run a scored file's summary through the daemon's ScoreSlot._report; return the journal's entries."""
+def report(tmp_path, summary: dict, *, fail_after: int | None = None) -> list[dict]:
+    """Run a scored file's summary through the daemon's ScoreSlot._report, for job j1 whose
+    directory is tmp_path/spool/processing/j1 (kept between calls, as a restart finds it); return
+    the journal's entries. ``fail_after``: the journal dies (as the daemon would, SIGKILLed) when
+    asked for that many more entries."""
     from types import SimpleNamespace
 
     from opt_ds_ops.config.conffile import Config, with_overrides
     from opt_ds_ops.daemon.scoreslot import ScoreSlot
+    from opt_ds_ops.spool import Spool
 
     cfg = with_overrides(Config(), {"scoring.results_dir": str(tmp_path / "scores"), "models_dir": str(tmp_path)})
+    (tmp_path / "spool" / "processing" / "j1").mkdir(parents=True, exist_ok=True)
     slot = ScoreSlot.__new__(ScoreSlot)
-    slot.d = SimpleNamespace(cfg=cfg, log=Journal(), metrics=MetricsWriter(str(tmp_path), str(tmp_path)))
-    slot._report({"job_id": "j1", "dataset": "m.csv"}, summary)
+    log = Journal() if fail_after is None else DyingJournal(fail_after)
+    slot.d = SimpleNamespace(cfg=cfg, log=log, metrics=MetricsWriter(str(tmp_path), str(tmp_path)),
+                             spool=Spool(str(tmp_path / "spool")))
+    try:
+        slot._report({"job_id": "j1", "dataset": "m.csv"}, summary)
+    except Killed:
+        return slot.d.log.entries
     assert slot.d.metrics.scores["m"]["rows_total"] == summary["rows_scored"]  # the metrics are updated either way
     return slot.d.log.entries
+
+
+class Killed(BaseException):
+    """The daemon's death in the middle of its report."""
+
+
+class DyingJournal(Journal):
+    def __init__(self, entries: int):
+        super().__init__()
+        self.left = entries
+
+    def event(self, event, message, **fields):
+        if self.left == 0:
+            raise Killed
+        self.left -= 1
+        super().event(event, message, **fields)
 
 
 EVENTS = [{"event": "anomaly-ended", "row": 9, "version": "v1", "duration_s": 60.0, "peak_score": 2.0},
@@ -142,9 +168,31 @@ SCORED = dict(SUMMARY, version="v2", rows=20, flagged=8, rows_scored=3020, rows_
 
 
 def test_a_replayed_summary_journals_no_anomaly_and_no_reset_again(tmp_path):
-    assert [e["event"] for e in report(tmp_path, SCORED)] == ["anomaly-ended", "anomaly-started", "score-reset",
+    """Said once: a summary reported whole and then replayed (the daemon killed before it
+    removed the job) says nothing again; the reset comes before the events it caused."""
+    assert [e["event"] for e in report(tmp_path, SCORED)] == ["score-reset", "anomaly-ended", "anomaly-started",
                                                              "scored"]
-    assert [e["event"] for e in report(tmp_path, dict(SCORED, replayed=True))] == ["scored"]
+    assert [e["event"] for e in report(tmp_path, dict(SCORED, replayed=True))] == []
+
+
+def test_a_summary_the_daemon_died_on_is_said_after_the_restart_only_where_it_was_not(tmp_path):
+    """Said at least once and at most once: killed after two of the four entries, the replay
+    after the restart says the other two, each once."""
+    first = report(tmp_path, SCORED, fail_after=2)
+    again = report(tmp_path, dict(SCORED, replayed=True))
+    print(f"\nbefore the kill: {[e['event'] for e in first]}; after the restart: {[e['event'] for e in again]}")
+    assert [e["event"] for e in first] == ["score-reset", "anomaly-ended"]
+    assert [e["event"] for e in again] == ["anomaly-started", "scored"]
+    assert "(replayed)" in again[-1]["message"]
+
+
+def test_a_summary_scored_before_a_kill_that_came_before_any_entry_is_said_whole_after_the_restart(tmp_path):
+    """The job wrote its results (state.json: scored) and the daemon died before it journaled
+    anything: the replay says every anomaly, where it said none before."""
+    assert report(tmp_path, SCORED, fail_after=0) == []
+    again = report(tmp_path, dict(SCORED, replayed=True))
+    print(f"\nafter the restart: {[e['event'] for e in again]}")
+    assert [e["event"] for e in again] == ["score-reset", "anomaly-ended", "anomaly-started", "scored"]
 
 
 def test_only_resets_are_journaled_as_score_reset_the_files_notes_go_in_the_scored_line(tmp_path):
@@ -154,7 +202,7 @@ def test_only_resets_are_journaled_as_score_reset_the_files_notes_go_in_the_scor
 
 
 def test_an_anomaly_ended_by_a_new_version_is_journaled_with_the_version_that_flagged_it(tmp_path):
-    entries = report(tmp_path, SCORED)
+    entries = [e for e in report(tmp_path, SCORED) if e["event"].startswith("anomaly-")]
     assert entries[0]["version"] == "v1" and "(version v1)" in entries[0]["message"]
     assert entries[1]["version"] == "v2"
 
@@ -189,13 +237,13 @@ def test_a_state_json_over_a_mebibyte_still_shows_its_model(tmp_path):
 
 
 def test_an_anomaly_of_headerless_data_ends_after_its_rows_and_names_only_metrics_with_a_share(tmp_path):
-    untimed = dict(SCORED, events=[{"event": "anomaly-ended", "row": 570, "rows": 44, "duration_s": None,
-                                    "peak_score": 69.4}])
+    untimed = dict(SCORED, resets=[], events=[{"event": "anomaly-ended", "row": 570, "rows": 44, "duration_s": None,
+                                               "peak_score": 69.4}])
     (ended, *_rest) = report(tmp_path / "untimed", untimed)
     assert "after 44 rows," in ended["message"] and "?" not in ended["message"], ended["message"]
-    timed = dict(SCORED, events=[dict(untimed["events"][0], duration_s=2640.0)])
+    timed = dict(untimed, events=[dict(untimed["events"][0], duration_s=2640.0)])
     assert "after 44 rows, 2640 s," in report(tmp_path / "timed", timed)[0]["message"]
-    long = dict(SCORED, events=[dict(untimed["events"][0], rows=173, duration_s=10320.0)])  # replay_month's longest
+    long = dict(untimed, events=[dict(untimed["events"][0], rows=173, duration_s=10320.0)])  # replay_month's longest
     assert "after 173 rows, 10320 s (2.9 h)," in report(tmp_path / "long", long)[0]["message"]
     shares = [{"metric": "30", "share": 0.99}, {"metric": "34", "share": 0.001}, {"metric": "5", "share": 0.0}]
     assert top_text(shares) == "30 99%"
