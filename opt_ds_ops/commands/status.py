@@ -72,25 +72,39 @@ def _model_line(v: dict) -> str:
     nxt = v.get("next_retrain_at")
     retrain = (f", next retrain {datetime.fromtimestamp(nxt, timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}"
                if isinstance(nxt, (int, float)) else "")
+    failed = v.get("retrain_failed")
+    if isinstance(failed, dict):
+        after = failed.get("next_try_at")
+        retrain += (f", retraining FAILED {failed.get('failures')} time(s), last at {safe_text(str(failed.get('failed_at')))}:"
+                    f" {safe_text(str(failed.get('reason')))[:200]}; next try not before "
+                    + (datetime.fromtimestamp(after, timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
+                       if isinstance(after, (int, float)) else "?"))
     return (f"  {safe_text(v['model'])}  last scored {when}, {v['rows_total']} rows scored ({v['flagged_total']} "
             f"flagged, {v['segments_total']} segments), {anomaly}{drift}{retrain}")
 
 
 def next_retrains(args, views: dict) -> None:
     """Add ``next_retrain_at`` (Unix seconds: the newest version's training end + retrain.every,
-    as the daemon counts it) to each scored model's view when retrain.every is set."""
+    as the daemon counts it, or the end of a failed retraining's back-off if later) to each scored
+    model's view when retrain.every is set, and ``retrain_failed`` (the last failure, its
+    ``next_try_at``) where the model's last retraining failed."""
     from ..config.conffile import parse_window
-    from ..daemon.retrainer import last_trained_s
+    from ..daemon.retrainer import last_trained_s, next_try_s, read_failure
 
     try:
         cfg = load_cfg(args, {})
     except ConfigError:
         return
-    if not cfg.retrain.every:
-        return
     for name, v in views.items():
+        failure = read_failure(cfg.scoring.results_dir, name)
+        after = next_try_s(cfg.retrain, failure)
+        if failure is not None:
+            v["retrain_failed"] = dict(failure, next_try_at=after)
+        if not cfg.retrain.every:
+            continue
         trained = last_trained_s(cfg.models_dir, name)
-        v["next_retrain_at"] = trained + parse_window(cfg.retrain.every)[1] if trained is not None else None
+        nxt = trained + parse_window(cfg.retrain.every)[1] if trained is not None else None
+        v["next_retrain_at"] = max(nxt, after) if nxt is not None and after is not None else nxt
 
 
 def _seconds_since(stamp) -> float | None:

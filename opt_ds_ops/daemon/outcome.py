@@ -192,6 +192,8 @@ class Outcome:
         doc = result_doc(record, metadata)
         final = finish(self.d.spool, record["job_id"], record, DONE, doc)
         self.forget(record["job_id"])
+        if record.get("kind") == "retrain":
+            self.d.guarded(lambda: self.d.retrainer.on_saved(record))
         self.d.log.event(
             "job-saved",
             f"{safe_text(record['dataset'])}: model saved to {doc['model_dir']} (final loss {doc['final_train_loss']:.6f}, "
@@ -236,6 +238,8 @@ class Outcome:
         for old in prune_failed(self.d.spool, self.d.cfg.spool.max_failed):
             self.d.log.event("failed-pruned", f"failed/{safe_text(old)} removed: failed/ keeps the newest "
                            f"{self.d.cfg.spool.max_failed} (spool.max_failed)", dataset_file=old)
+        if record.get("kind") == "retrain":
+            self.d.guarded(lambda: self.d.retrainer.on_failed(record, reason))
         self.d.metrics.job_failed()
         self.d.guarded(self.d.duties.retention)
         self.d.duties.write_metrics()

@@ -23,7 +23,7 @@ import time
 from datetime import datetime, timezone
 
 from ..config.conffile import parse_window
-from ..fsutil import fsync_dir, utc_now
+from ..fsutil import fsync_dir, read_small, utc_now, write_atomic
 from ..lifecycle.history import history_path
 from ..observe.journal import LOG_NOTICE, safe_text
 from ..spool import new_job_id, save_record
@@ -36,6 +36,11 @@ KIND = "retrain"
 READS_AS = ("header", "time", "left_out", "feature_columns", "options")
 DATA_FILE = "dataset.npz"
 HELD_FILE = "held_back.npy"  # the history's newest rows, for the promotion gate only
+FAILED_FILE = "retrain-failed.json"  # RESULTS/NAME/: the last failed retraining, until one is saved
+# After a failed retraining the next try waits retrain.every, or without it (drift alone) this
+# back-off, doubled after each failure in a row up to a day: a failure is not repeated after
+# every scored chunk (each try copies the history, up to retrain.max_history_bytes, to failed/).
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 3600.0, 86400.0
 
 
 def trained_at_s(md: dict | None) -> float | None:
@@ -67,6 +72,32 @@ def ago(seconds: float) -> str:
         if seconds >= 2 * size:
             return f"{seconds / size:.1f} {unit}"
     return f"{seconds:.0f} s"
+
+
+def failure_path(results_dir: str, name: str) -> str:
+    return os.path.join(results_dir, name, FAILED_FILE)
+
+
+def read_failure(results_dir: str, name: str) -> dict | None:
+    """The last failed retraining of model ``name`` (``failed_at_s``, ``failures`` in a row,
+    ``reason``, ``job_id``), or None since the last one saved (or none failed)."""
+    try:
+        doc = json.loads(read_small(failure_path(results_dir, name)))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("failed_at_s"), (int, float)) else None
+
+
+def next_try_s(rcfg, failure: dict | None) -> float | None:
+    """The UTC seconds before which no retraining of a model whose last one failed is queued
+    (retrain.every after the failure, else the doubling back-off), or None without a failure."""
+    if failure is None:
+        return None
+    if rcfg.every:
+        wait = parse_window(rcfg.every)[1]
+    else:
+        wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, int(failure.get("failures") or 1) - 1))
+    return float(failure["failed_at_s"]) + wait
 
 
 def due(rcfg, summary: dict, trained_s: float | None, now_s: float) -> tuple[str, str] | None:
@@ -105,6 +136,9 @@ class Retrainer:
             return None  # its retraining is queued or running (also one recovered from processing/)
         if self.drift_for.get(name) == version:
             summary = {k: v for k, v in summary.items() if k != "drift"}  # drift tried for this current
+        wait_until = next_try_s(cfg.retrain, read_failure(cfg.scoring.results_dir, name))
+        if wait_until is not None and time.time() < wait_until:
+            return None  # the last retraining failed: its back-off first
         why = due(cfg.retrain, summary, last_trained_s(cfg.models_dir, name), time.time())
         hist = history_path(cfg.scoring.results_dir, name)
         if why is None or not os.path.isfile(hist):
@@ -113,6 +147,29 @@ class Retrainer:
         if why[0] == "drift":
             self.drift_for[name] = version
         return job_id
+
+    def on_failed(self, record: dict, reason: str) -> None:
+        """A retraining job failed: note it beside the model's results (``retrain-failed.json``),
+        so that the next try waits (:func:`next_try_s`, also across a restart) and ``ds-ops
+        status`` says so; journal when that is."""
+        name = str(record.get("model") or "")
+        last = read_failure(self.d.cfg.scoring.results_dir, name) or {}
+        doc = {"failed_at": utc_now(), "failed_at_s": time.time(), "failures": int(last.get("failures") or 0) + 1,
+               "reason": reason, "job_id": record.get("job_id")}
+        path = failure_path(self.d.cfg.scoring.results_dir, name)
+        os.makedirs(os.path.dirname(path), 0o750, exist_ok=True)
+        write_atomic(path, (json.dumps(doc, sort_keys=True) + "\n").encode(), mode=0o640)
+        at = datetime.fromtimestamp(next_try_s(self.d.cfg.retrain, doc), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.d.log.event("retrain-backoff", f"{safe_text(name)}: retraining failed ({doc['failures']} in a row); the "
+                         f"next one is not queued before {at}", priority=LOG_NOTICE, model=name, reason=reason,
+                         job_id=record.get("job_id"))
+
+    def on_saved(self, record: dict) -> None:
+        """A retraining job saved a version (promoted or not): its model's failures are over."""
+        try:
+            os.unlink(failure_path(self.d.cfg.scoring.results_dir, str(record.get("model") or "")))
+        except FileNotFoundError:
+            pass
 
     def queue(self, name: str, hist: str, trigger: str, why: str) -> str:
         """Make processing/JOB (a copy of the history, its record) and put it in the training

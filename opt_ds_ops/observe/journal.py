@@ -68,6 +68,7 @@ MESSAGE_IDS = {
     # retraining and promotion
     "model-held": "ab1fd8270a2240c6b903f567f487a500",
     "retrain-queued": "b79ac427389c43d5a69ed4988502186f",
+    "retrain-backoff": "e63e0cdba38f43299d687c9a8da12c3d",
     "model-not-promoted": "a515b79e6a324719b5c77ded5882454e",
     # the same bytes dropped again (opt_ds_ops.spool.duplicate)
     "job-duplicate": "0c578f2a949b4dcc8d0bd5b1b8ddbc2f",

@@ -449,3 +449,43 @@ def test_a_promoted_retraining_reads_the_exporters_chunks_as_the_version_it_retr
         assert rc == 0, d.log()
     finally:
         d.kill()
+
+
+def test_a_failed_retraining_backs_off_instead_of_being_queued_after_every_chunk(tmp_path, smd_rows):
+    """A retraining whose history leaves no normal row (every scored row is one incident shorter
+    than retrain.exclude_max_rows) fails. The next one waits retrain.every after that failure,
+    also when every chunk after it says the model is due, and ds-ops status says so. Before, each
+    scored chunk queued another retraining: 5 chunks, 5 failures, 5 copies of the history in failed/."""
+    from conftest import run_cli
+    from daemon_kit import Daemon, spool_dir, versions, write_config
+
+    conf = write_config(tmp_path, scan_interval_s=0.5, extra=[
+        "scoring:", f"  results_dir: {tmp_path / 'scores'}",
+        "retrain:", "  every: 1h", "  exclude_max_rows: 100000"])
+    d = Daemon(conf)
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        np.savetxt(spool_dir(tmp_path, "incoming") / "m.csv", smd_rows[3000:5000], delimiter=",", fmt="%.6f")
+        d.wait_until(lambda: len(versions(tmp_path, "m")) == 1, "the model")
+        # trained two hours ago, as far as retrain.every is concerned
+        md_path = tmp_path / "models" / "m" / versions(tmp_path, "m")[0] / "metadata.json"
+        md = json.loads(md_path.read_text())
+        md["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(time.time() - 7200))
+        md_path.write_text(json.dumps(md))
+        for i in range(5):  # every row far off: one incident, all of it left out of the retraining
+            np.savetxt(spool_dir(tmp_path, "score") / "m.csv.part", smd_rows[5000 + 300 * i:5300 + 300 * i] + 50.0,
+                       delimiter=",", fmt="%.6f")
+            os.rename(spool_dir(tmp_path, "score") / "m.csv.part", spool_dir(tmp_path, "score") / "m.csv")
+            d.wait_until(lambda: d.log().count(" scored with version ") > i, "the chunk to be scored")
+            d.wait_until(lambda: not any(spool_dir(tmp_path, "processing").iterdir()), "the retraining, if any, to end")
+        log = d.log()
+        print("\n" + "\n".join(ln for ln in log.splitlines() if "retrain" in ln))
+        assert log.count("retraining queued") == 1 and log.count("retraining failed (1 in a row)") == 1, log
+        assert len([p for p in spool_dir(tmp_path, "failed").iterdir() if not p.name.endswith(".json")]) == 1
+        line = next(x for x in run_cli("status", "--config", str(conf)).stdout.splitlines() if x.strip().startswith("m "))
+        print(line)
+        assert "retraining FAILED 1 time(s)" in line and "next try not before 20" in line
+        rc, _ = d.stop()
+        assert rc == 0, d.log()
+    finally:
+        d.kill()
