@@ -16,7 +16,8 @@ renamed; as root, each given to another member of the group), real SIGKILLs.
   uniformly random 0..``--kill-max-s`` (0.8) seconds after the drop (a claim, the job's start, the
   scoring, the report). A new daemon is started at once and the chunk must end scored.
 
-Checks: every ``anomaly-started`` the scoring results list (each chunk's ``summary.json``) is in
+Checks: at least 90 % of the chunks opened an anomaly (the rest joined one still open); every
+``anomaly-started`` the scoring results list (each chunk's ``summary.json``) is in
 the daemon logs exactly once, and no other; the same for ``anomaly-ended``; every chunk scored
 once (no result directory of a job twice); processing/ and score/ empty at the end; the last
 daemon exits 0 on SIGTERM. The daemon logs are the journal's plain lines (not under systemd); the
@@ -207,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(summaries) != args.chunks or any(n > 1 for n in jobs.values()):
             fails.append(f"{len(summaries)} scored results for {args.chunks} chunks (a job scored twice: "
                          f"{[j for j, n in jobs.items() if n > 1]})")
-        if len(want_started) < args.chunks:
-            fails.append(f"only {len(want_started)} of {args.chunks} chunks opened an anomaly")
+        if len(want_started) < 0.9 * args.chunks:  # a chunk whose shift joins an anomaly still open opens none
+            fails.append(f"only {len(want_started)} of {args.chunks} chunks opened an anomaly: too few to check")
         for what, want, got in (("anomaly-started", want_started, got_started), ("anomaly-ended", want_ended, got_ended)):
             lost = sorted(set(want) - set(got))
             twice = sorted(r for r, n in got.items() if n > 1)
