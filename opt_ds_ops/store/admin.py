@@ -20,8 +20,8 @@ from datetime import datetime, timezone
 
 from ..fsutil import fsync_dir, pid_alive, utc_now, write_atomic
 from .model_dir import (
-    CURRENT, METADATA_FILE, NameLock, StoreError, current_version, list_versions, name_dir_of, publish,
-    read_metadata, read_operator_action, safe_model_name, write_operator_action,
+    CURRENT, METADATA_FILE, NameLock, StoreError, current_version, list_versions, name_dir_of, previous_current,
+    publish, read_current_log, read_metadata, read_operator_action, safe_model_name, write_operator_action,
 )
 
 RM_PREFIX = ".rm-"
@@ -178,22 +178,43 @@ def _set_current(name_dir: str, version: str, why: str | None, action: str) -> d
     """Point current at version for an operator, under the name lock; return the log entry. Raises OSError."""
     entry = _record(os.path.join(name_dir, version), action, why, previous=current_version(name_dir))
     write_operator_action(name_dir, dict(entry, version=version))
-    publish(name_dir, version)
+    publish(name_dir, version, action)
     return entry
 
 
+def rollback_target(name_dir: str, current: str | None) -> str | None:
+    """The version a rollback from ``current`` goes to: the one that was current before it, from
+    the store's record (:func:`opt_ds_ops.store.model_dir.previous_current`); for a model from
+    before that record, the newest older version that the promotion gate did not refuse. Never
+    a version that was never current (a challenger the gate refused, one held by the operator)."""
+    if read_current_log(name_dir):
+        return previous_current(name_dir, current)
+    older = []
+    for v in list_versions(name_dir):
+        if current is not None and v >= current:
+            continue
+        try:
+            gate = read_metadata(os.path.join(name_dir, v)).get("promotion")
+        except StoreError:
+            continue
+        if not (isinstance(gate, dict) and gate.get("promote") is False):
+            older.append(v)
+    return older[-1] if older else None
+
+
 def rollback(models_dir: str, name: str, why: str | None = None) -> dict:
-    """Point ``current`` of model name at the newest version older than the current one and record
-    it (``action: rollback``) as :func:`promote` does; return the entry. Raises StoreError if
-    there is no older version."""
+    """Point ``current`` of model name at the version that was current before it
+    (:func:`rollback_target`) and record it (``action: rollback``) as :func:`promote` does; return
+    the entry. Raises StoreError if no version still here was current before it."""
     name_dir = name_dir_of(models_dir, name)
     try:
         with NameLock(name_dir):  # chosen and set under one lock: a job's publish cannot come between
             current = current_version(name_dir)
-            older = [v for v in list_versions(name_dir) if current is None or v < current]
-            if not older:
-                raise StoreError(f"model {name!r} has no version older than {current} to roll back to")
-            return _set_current(name_dir, older[-1], why, "rollback")
+            target = rollback_target(name_dir, current)
+            if target is None:
+                raise StoreError(f"model {name!r}: no version still in the store was current before {current}; "
+                                 "nothing to roll back to (ds-ops models promote NAME VERSION chooses one)")
+            return _set_current(name_dir, target, why, "rollback")
     except OSError as e:
         raise StoreError(f"cannot roll back {name}: {e.strerror} ({e.filename})") from None
 
@@ -246,11 +267,14 @@ def remove(models_dir: str, spec: str, why: str | None = None) -> dict:
                 if not others:
                     raise StoreError(f"{spec} is the only version; remove the model with ds-ops models rm "
                                      f"{os.path.basename(name_dir)}")
-                new_current = others[-1]
+                new_current = rollback_target(name_dir, current)
+                if new_current is None:
+                    raise StoreError(f"{spec} is current and no other version still in the store was current before "
+                                     f"it; ds-ops models promote {os.path.basename(name_dir)} VERSION first")
                 entry = _record(os.path.join(name_dir, new_current), "promote",
                                 f"{version} removed: {why or ''}".strip(), previous=version)
                 write_operator_action(name_dir, dict(entry, action="rm", version=new_current))
-                publish(name_dir, new_current)
+                publish(name_dir, new_current, "rollback")
             _remove_version(name_dir, version)
     except OSError as e:
         raise StoreError(f"cannot remove {spec}: {e.strerror} ({e.filename})") from None

@@ -1,6 +1,7 @@
 """A model's directory in the store, ``MODELS_DIR/<name>/``: its fixed names, its lock, the
 complete versions, ``current`` and how it is swapped, each version's ``metadata.json``, and the
-operator's last change of ``current`` (``.operator.json``). What :mod:`opt_ds_ops.store.versions` (saving
+operator's last change of ``current`` (``.operator.json``), and the record of every version that
+was ``current`` and when (``.current.log``), from which a rollback knows where to go. What :mod:`opt_ds_ops.store.versions` (saving
 and loading versions) and :mod:`opt_ds_ops.store.admin` (``ds-ops models``) both build on.
 """
 
@@ -11,12 +12,14 @@ import json
 import os
 import re
 
-from ..fsutil import fsync_dir, write_atomic
+from ..fsutil import fsync_dir, utc_now, write_atomic
 
 MODEL_FILE = "model.pt"
 METADATA_FILE = "metadata.json"
 CURRENT = "current"
 OPERATOR_FILE = ".operator.json"  # the operator's last change of current, read by publish_job
+CURRENT_LOG = ".current.log"  # JSON lines, oldest first: each change of current (at, version, action, previous)
+CURRENT_LOG_MAX = 1000  # lines kept: the newest half once it grows past this
 _NAME_OK = re.compile(r"[^A-Za-z0-9._+-]")
 
 
@@ -97,15 +100,76 @@ def list_versions(name_dir: str) -> list[str]:
     return sorted(e for e in entries if not e.startswith(".") and e != CURRENT and os.path.isdir(os.path.join(name_dir, e)))
 
 
-def publish(name_dir: str, version: str) -> None:
+def publish(name_dir: str, version: str, action: str = "publish") -> None:
     """Point ``name_dir/current`` at version: a new symlink renamed over the old one, then the
-    directory fsync'ed. Idempotent, so crash recovery replays it. Raises OSError."""
+    directory fsync'ed; a change is appended to ``.current.log`` first (``action``: ``publish``
+    for a job's version, or the operator's ``promote``, ``rollback``, ``rm``). Idempotent, so
+    crash recovery replays it. Called under the name lock. Raises OSError."""
+    previous = current_version(name_dir)
+    if previous != version:
+        _log_current(name_dir, {"at": utc_now(), "version": version, "action": action, "previous": previous})
     link_tmp = os.path.join(name_dir, f".current-{os.getpid()}")
     if os.path.lexists(link_tmp):
         os.unlink(link_tmp)
     os.symlink(version, link_tmp)
     os.replace(link_tmp, os.path.join(name_dir, CURRENT))
     fsync_dir(name_dir)
+
+
+def _log_current(name_dir: str, entry: dict) -> None:
+    """Append entry to ``.current.log`` (fsync'ed; mode 0644 as the rest of the store); keep the
+    newest half of it past :data:`CURRENT_LOG_MAX` lines."""
+    path = os.path.join(name_dir, CURRENT_LOG)
+    entries = read_current_log(name_dir)
+    if len(entries) >= CURRENT_LOG_MAX:
+        keep = entries[-CURRENT_LOG_MAX // 2:] + [entry]
+        write_atomic(path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in keep).encode("utf-8"))
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_current_log(name_dir: str) -> list[dict]:
+    """The changes of ``current`` recorded in ``.current.log``, oldest first (none where there is
+    no log: a model from before it); a line that does not parse (a write cut by a power loss) is
+    skipped."""
+    try:
+        with open(os.path.join(name_dir, CURRENT_LOG), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and isinstance(e.get("version"), str):
+            out.append(e)
+    return out
+
+
+def previous_current(name_dir: str, current: str | None) -> str | None:
+    """The version that was ``current`` before ``current``, from ``.current.log``: the log read as
+    a stack (a change pushes its version, a rollback goes back down to its own), the versions
+    since removed left out. None where no version still here was current before it."""
+    stack: list[str] = []
+    for e in read_current_log(name_dir):
+        v = e["version"]
+        if e.get("action") == "rollback" and v in stack:
+            while stack[-1] != v:
+                stack.pop()
+        elif not stack or stack[-1] != v:
+            stack.append(v)
+    if stack and stack[-1] == current:
+        stack.pop()
+    existing = set(list_versions(name_dir))
+    below = [v for v in stack if v in existing and v != current]
+    return below[-1] if below else None
 
 
 def read_operator_action(name_dir: str) -> dict | None:

@@ -51,10 +51,41 @@ def test_rollback_then_promote_move_current_and_record_who_and_why(tmp_path, pay
     assert back["by"] and fwd["by"] and fwd["at"] >= back["at"]
     rollback(str(tmp_path), "m")
     rollback(str(tmp_path), "m")
-    with pytest.raises(StoreError, match="no version older than"):
+    with pytest.raises(StoreError, match="no version still in the store was current before"):
         rollback(str(tmp_path), "m")
     with pytest.raises(StoreError, match="has no version 'nope'"):
         promote(str(tmp_path), "m", "nope")
+
+
+def test_rollback_goes_to_the_version_that_was_current_before_never_to_one_that_never_was(tmp_path, payload):
+    """v1 current; v2 and v3 saved by jobs while v1 is pinned (held, never current); the operator
+    promotes v3: a rollback goes back to v1, the version current before, not to v2, the newest
+    older one by name (as it did). Removing the current version does the same; and a model with
+    no earlier current version refuses both instead of choosing one that never was."""
+    from opt_ds_ops.spool import new_job_id
+
+    (v1,) = make_versions(tmp_path, "m", 1, payload)
+    pin(str(tmp_path), f"m/{v1}", why="hold while we look at the new data")
+    held = []
+    for _ in range(2):
+        path, md = save_model(str(tmp_path), "m", payload, {"dataset": {"file": "m.csv"}, "job_id": new_job_id()})
+        assert md["not_current"], md
+        held.append(os.path.basename(path))
+    v2, v3 = held
+    name_dir = str(tmp_path / "m")
+    pin(str(tmp_path), f"m/{v1}", pinned=False)
+    promote(str(tmp_path), "m", v3, why="the retrained one")
+    entry = rollback(str(tmp_path), "m", why="v3 alarms")
+    print(f"\nrollback from {v3}: current {current_version(name_dir)} (v1 {v1}, never current v2 {v2})")
+    assert current_version(name_dir) == v1 and entry["previous"] == v3
+    promote(str(tmp_path), "m", v3)
+    remove(str(tmp_path), f"m/{v3}")
+    assert current_version(name_dir) == v1
+    with pytest.raises(StoreError, match="no version still in the store was current before"):
+        rollback(str(tmp_path), "m")  # v2 is older, but it was never current
+    with pytest.raises(StoreError, match="no other version still in the store was current before"):
+        remove(str(tmp_path), f"m/{v1}")
+    assert current_version(name_dir) == v1
 
 
 def test_prune_keeps_current_pinned_and_the_newest_n(tmp_path, payload):
@@ -66,7 +97,7 @@ def test_prune_keeps_current_pinned_and_the_newest_n(tmp_path, payload):
     assert removed == [v[1], v[3], v[4]]
     assert list_versions(name_dir) == [v[0], v[2], v[5], v[6]]
     assert current_version(name_dir) == v[2]
-    assert sorted(e for e in os.listdir(name_dir) if e.startswith(".")) == [".operator.json"]  # the promote
+    assert sorted(e for e in os.listdir(name_dir) if e.startswith(".")) == [".current.log", ".operator.json"]
     assert prune(str(tmp_path), "m", 2) == []
 
 
