@@ -188,7 +188,7 @@ def _events(capture) -> str:
 
 # ---- the message catalog (journalctl -x) ----------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO  # noqa: E402 - the repository root, whatever the folder of this file
 CATALOG = REPO / "debian" / "ds-ops.catalog"
 CATALOG_DIR = "usr/lib/systemd/catalog"     # where the package installs it (debian/ds-ops.install)
 PLACEHOLDER = re.compile(r"@([A-Z0-9_]+)@")  # what journalctl replaces with the entry's field
