@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import signal
@@ -261,3 +262,40 @@ def stop_in_process(d, deadline_s: float = 300) -> None:
         assert time.monotonic() < deadline
         d._tick()
     d.watcher.stop()
+
+
+def job_in_processing(tmp_path, name: str, job_id: str, state: str = "running", **extra) -> Path:
+    """Lay out processing/JOB as the daemon leaves it when killed: the record and the dataset copy."""
+    jdir = spool_dir(tmp_path, "processing") / job_id
+    jdir.mkdir(parents=True)
+    copy_smd(jdir / "dataset.txt.gz")
+    record = {"job_id": job_id, "dataset": name, "state": state, "crashes": 0, "claimed_at": "2026-11-30T00:00:00.000000Z",
+              "model_name": name.split(".")[0], "data_file": "dataset.txt.gz", "sha256": hashlib.sha256(SMD_TRAIN.read_bytes()).hexdigest(),
+              "size_bytes": SMD_TRAIN.stat().st_size, **extra}
+    (jdir / "job.json").write_text(json.dumps(record))
+    return jdir
+
+
+def save_version(tmp_path, model_name: str, job_id: str, *, publish: bool) -> str:
+    """Write a model version as a job process would (metadata with its job id), optionally without
+    the `current` swap (a SIGKILL between the version's rename and the swap)."""
+    from opt_ds_ops.store import versions as store
+    from opt_ds_ops.config.conffile import TrainConfig
+    from opt_ds_ops.dataset import load_dataset
+    from opt_ds_ops.health.device import plan_device
+    from opt_ds_ops.training.fit import train
+
+    result = train(load_dataset(str(SMD_TRAIN)).data[:3000], TrainConfig(epochs=1), plan_device("cpu", "off"))
+    md = {"job_id": job_id, "dataset": {"file": "machine-1-2.txt.gz", "rows": 3000, "columns": 38, "sha256": hashlib.sha256(SMD_TRAIN.read_bytes()).hexdigest()},
+          "epochs": 1, "history": [], "final_train_loss": 1.0, "final_val_loss": 1.0, "threshold": 1.0,
+          "threshold_quantile": 0.99, "samples_per_s": 1.0, "device": "cpu", "amp_dtype": "off", "duration_s": 1.0}
+    if publish:
+        model_dir, _ = store.save_model(str(tmp_path / "models"), model_name, store.model_payload(result), md)
+    else:
+        real = store.publish
+        store.publish = lambda *a: None
+        try:
+            model_dir, _ = store.save_model(str(tmp_path / "models"), model_name, store.model_payload(result), md)
+        finally:
+            store.publish = real
+    return model_dir

@@ -11,7 +11,7 @@ the same split, model, optimizer, training step (:mod:`opt_ds_ops.training.step`
   of squared deviations (Chan, Golub and LeVeque, "Algorithms for computing the sample variance",
   1983, the pairwise update);
 * shuffling: a block shuffle, as the shuffle buffers of tf.data and WebDataset do: each epoch
-  visits the chunks of :data:`CHUNK_BYTES` in a random order, :data:`WINDOW_CHUNKS` at a time,
+  visits the chunks of :data:`opt_ds_ops.dataset.npyrows.CHUNK_BYTES` in a random order, :data:`WINDOW_CHUNKS` at a time,
   and shuffles the rows of each such window (seeded by ``train.seed`` and the epoch, so a run
   repeats exactly); on a GPU each window goes through one pinned host buffer to the device;
 * validation: two inference passes over the validation rows (per-feature mean squared error,
@@ -27,14 +27,13 @@ whatever the file's size. The largest dataset tried and the peak RSS it needed a
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import torch
 
 from ..config.conffile import TrainConfig
-from ..dataset.npyrows import CHUNK_BYTES, NpyRows
+from ..dataset.npyrows import NpyRows
 from ..fsutil import utc_now
 from ..health.device import DevicePlan
 from ..model.network import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth

@@ -9,7 +9,6 @@ import shutil
 import signal
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,8 @@ import pytest
 from conftest import SMD_TRAIN, run_cli
 from daemon_kit import (
     SMD_ROWS, START_TIMEOUT_S, Daemon, NotifySocket, base_env, copy_smd, done_names, drop_dac_capabilities,
-    failed_names, job_dir, job_record, read_json, run_until, spool_dir, versions, write_config,
+    failed_names, job_dir, job_in_processing, job_record, read_json, run_until, save_version, spool_dir, versions,
+    write_config,
 )
 
 
@@ -214,51 +214,14 @@ def test_sigkill_during_training_then_restart_completes_with_exactly_one_model(t
     assert list(spool_dir(tmp_path, "processing").iterdir()) == []
 
 
-def _job_in_processing(tmp_path, name: str, job_id: str, state: str = "running", **extra) -> Path:
-    """Lay out processing/JOB as the daemon leaves it when killed: the record and the dataset copy."""
-    jdir = spool_dir(tmp_path, "processing") / job_id
-    jdir.mkdir(parents=True)
-    copy_smd(jdir / "dataset.txt.gz")
-    record = {"job_id": job_id, "dataset": name, "state": state, "crashes": 0, "claimed_at": "2026-11-30T00:00:00.000000Z",
-              "model_name": name.split(".")[0], "data_file": "dataset.txt.gz", "sha256": sha256(SMD_TRAIN),
-              "size_bytes": SMD_TRAIN.stat().st_size, **extra}
-    (jdir / "job.json").write_text(json.dumps(record))
-    return jdir
-
-
-def _save_version(tmp_path, model_name: str, job_id: str, *, publish: bool) -> str:
-    """Write a model version as a job process would (metadata with its job id), optionally without
-    the `current` swap (a SIGKILL between the version's rename and the swap)."""
-    from opt_ds_ops.store import versions as store
-    from opt_ds_ops.config.conffile import TrainConfig
-    from opt_ds_ops.dataset import load_dataset
-    from opt_ds_ops.health.device import plan_device
-    from opt_ds_ops.training.fit import train
-
-    result = train(load_dataset(str(SMD_TRAIN)).data[:3000], TrainConfig(epochs=1), plan_device("cpu", "off"))
-    md = {"job_id": job_id, "dataset": {"file": "machine-1-2.txt.gz", "rows": 3000, "columns": 38, "sha256": sha256(SMD_TRAIN)},
-          "epochs": 1, "history": [], "final_train_loss": 1.0, "final_val_loss": 1.0, "threshold": 1.0,
-          "threshold_quantile": 0.99, "samples_per_s": 1.0, "device": "cpu", "amp_dtype": "off", "duration_s": 1.0}
-    if publish:
-        model_dir, _ = store.save_model(str(tmp_path / "models"), model_name, store.model_payload(result), md)
-    else:
-        real = store.publish
-        store.publish = lambda *a: None
-        try:
-            model_dir, _ = store.save_model(str(tmp_path / "models"), model_name, store.model_payload(result), md)
-        finally:
-            store.publish = real
-    return model_dir
-
-
 @pytest.mark.parametrize("published", [False, True])
 def test_a_model_saved_just_before_a_sigkill_is_published_and_not_trained_again(tmp_path, published):
     """Killed after the version's rename (before or after the `current`
     swap), with the clock stepped back (the version sorts before the claim): found by job id."""
     conf = write_config(tmp_path)
     job_id = "20991130T000000Z-abcdef01"  # claimed "in the future": a clock step back since
-    _job_in_processing(tmp_path, "machine-1-2.txt.gz", job_id, claimed_at="2099-11-30T00:00:00.000000Z")
-    model_dir = _save_version(tmp_path, "machine-1-2", job_id, publish=published)
+    job_in_processing(tmp_path, "machine-1-2.txt.gz", job_id, claimed_at="2099-11-30T00:00:00.000000Z")
+    model_dir = save_version(tmp_path, "machine-1-2", job_id, publish=published)
     current = tmp_path / "models" / "machine-1-2" / "current"
     assert current.is_symlink() is published
     d = run_until(conf, lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to be finished")
@@ -277,8 +240,8 @@ def test_a_model_of_the_same_file_by_another_job_does_not_count(tmp_path):
     Its metadata records no dataset options or train: configuration (as an older ds-ops wrote it), so
     the same-bytes rule (tests/spool/test_duplicate.py) cannot call the drop a duplicate either: it trains."""
     conf = write_config(tmp_path)
-    _save_version(tmp_path, "machine-1-2", "20261129T000000Z-00000000", publish=True)
-    _job_in_processing(tmp_path, "machine-1-2.txt.gz", "20261130T000000Z-abcdef01")
+    save_version(tmp_path, "machine-1-2", "20261129T000000Z-00000000", publish=True)
+    job_in_processing(tmp_path, "machine-1-2.txt.gz", "20261130T000000Z-abcdef01")
     run_until(conf, lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to be trained")
     assert len(versions(tmp_path, "machine-1-2")) == 2
 

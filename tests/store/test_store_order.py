@@ -20,7 +20,7 @@ from opt_ds_ops.health.device import plan_device
 from opt_ds_ops.spool import new_job_id
 from opt_ds_ops.store.versions import current_version, model_payload, publish_job, rollback, save_model
 from opt_ds_ops.training.fit import train
-from test_daemon import _job_in_processing, _save_version
+from daemon_kit import job_in_processing, save_version
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +72,15 @@ def test_recovery_replay_never_moves_current_backward_nor_undoes_the_operator(tm
     current only if nothing of a later claim, and no operator since its claim, moved current."""
     conf = write_config(tmp_path)
     name_dir = tmp_path / "models" / "machine-1-2"
-    first = os.path.basename(_save_version(tmp_path, "machine-1-2", new_job_id(), publish=True))
+    first = os.path.basename(save_version(tmp_path, "machine-1-2", new_job_id(), publish=True))
     job_id = new_job_id()
-    _job_in_processing(tmp_path, "machine-1-2.txt.gz", job_id)
-    killed = os.path.basename(_save_version(tmp_path, "machine-1-2", job_id, publish=after == "rollback"))
+    job_in_processing(tmp_path, "machine-1-2.txt.gz", job_id)
+    killed = os.path.basename(save_version(tmp_path, "machine-1-2", job_id, publish=after == "rollback"))
     if after == "rollback":
         rollback(str(tmp_path / "models"), "machine-1-2", why="bad model")
         expect = first
     else:
-        expect = os.path.basename(_save_version(tmp_path, "machine-1-2", new_job_id(), publish=True))
+        expect = os.path.basename(save_version(tmp_path, "machine-1-2", new_job_id(), publish=True))
     assert current_version(str(name_dir)) == expect
     d = run_until(conf, lambda: done_names(tmp_path) == {"machine-1-2.txt.gz"}, "the job to be recovered")
     assert "not training again" in d.log() and "not made current" in d.log()

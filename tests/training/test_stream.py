@@ -79,9 +79,9 @@ def test_columns_are_picked_while_rows_are_read(tmp_path):
 
 
 def test_the_streaming_scaler_equals_the_in_memory_one(tmp_path, monkeypatch):
-    import opt_ds_ops.training.stream as stream
+    import opt_ds_ops.dataset.npyrows as npyrows
 
-    monkeypatch.setattr(stream, "CHUNK_BYTES", 4096)  # many chunks of 128 rows
+    monkeypatch.setattr(npyrows, "CHUNK_BYTES", 4096)  # many chunks of 128 rows
     path = _write_npy(tmp_path / "s.npy", 20_001)
     src = load_dataset(str(path), _limits(1000)).data
     mean, std = streaming_scaler(src, 19_000)
@@ -91,9 +91,9 @@ def test_the_streaming_scaler_equals_the_in_memory_one(tmp_path, monkeypatch):
 
 
 def test_streamed_training_learns_like_in_memory_training_and_its_threshold_scores_like_ds_ops_score(tmp_path, monkeypatch):
-    import opt_ds_ops.training.stream as stream
+    import opt_ds_ops.dataset.npyrows as npyrows
 
-    monkeypatch.setattr(stream, "CHUNK_BYTES", 64 * 1024)  # 2,048-row chunks: 20 windows an epoch
+    monkeypatch.setattr(npyrows, "CHUNK_BYTES", 64 * 1024)  # 2,048-row chunks: 20 windows an epoch
     path = _write_npy(tmp_path / "t.npy", 60_000)
     cfg = TrainConfig(epochs=3, batch_size=512, lr=1e-3)  # the seed's step size: two orders of batches compared
     plan = plan_device("cpu", "off")
@@ -116,9 +116,9 @@ def test_streamed_training_learns_like_in_memory_training_and_its_threshold_scor
 
 
 def test_a_stopped_streamed_run_resumes_exactly(tmp_path, monkeypatch):
-    import opt_ds_ops.training.stream as stream
+    import opt_ds_ops.dataset.npyrows as npyrows
 
-    monkeypatch.setattr(stream, "CHUNK_BYTES", 32 * 1024)
+    monkeypatch.setattr(npyrows, "CHUNK_BYTES", 32 * 1024)
     path = _write_npy(tmp_path / "r.npy", 30_000)
     src = load_dataset(str(path), _limits(1000)).data
     cfg = TrainConfig(epochs=2, batch_size=256)
@@ -278,9 +278,9 @@ def test_a_2_gib_npy_trains_under_a_1_gib_memory_max_with_peak_rss_under_it(tmp_
 
 
 def test_a_streamed_run_stops_on_a_plateau_of_its_epochs_and_at_max_steps(tmp_path, monkeypatch):
-    import opt_ds_ops.training.stream as stream
+    import opt_ds_ops.dataset.npyrows as npyrows
 
-    monkeypatch.setattr(stream, "CHUNK_BYTES", 32 * 1024)  # 1,024-row chunks, 4 to a window of 16 steps
+    monkeypatch.setattr(npyrows, "CHUNK_BYTES", 32 * 1024)  # 1,024-row chunks, 4 to a window of 16 steps
     path = _write_npy(tmp_path / "p.npy", 30_000)
     src = load_dataset(str(path), _limits(1000)).data
     plan = plan_device("cpu", "off")
