@@ -19,22 +19,42 @@ def _attachments(names: set[str]) -> set[str]:
 
 
 def prune_failed(spool: Spool, keep: int) -> list[str]:
-    """Keep the newest ``keep`` datasets in failed/ (``spool.max_failed``); remove the older ones
-    with their error JSON and sidecar; return the names removed. A JSON or sidecar is never
-    counted as a dataset of its own."""
+    """Keep ``keep`` datasets in failed/ (``spool.max_failed``); remove the others with their error
+    JSON and sidecar; return the names removed. A JSON or sidecar is never counted as a dataset of
+    its own.
+
+    Nothing a member controls decides whose entries go: each entry's age is when the daemon
+    failed it (its error JSON's mtime, written by the daemon; else the dataset's ctime, which no
+    one can set), never the dataset's mtime (kept from the member's file, who may have set it to
+    2100); and the entries removed are the oldest of the uploader (``uploader_uid`` in the error
+    JSON) who has the most, so a member whose drops fail by the hundred ages out their own
+    failures, not the others'."""
     entries = []
     with os.scandir(spool.dir(FAILED)) as it:
         found = {e.name: e for e in it if not e.name.startswith(".")}
     for name in set(found) - _attachments(set(found)):
+        error = sidecar_name(name, ERROR_SUFFIX)
         try:
-            entries.append((found[name].stat(follow_symlinks=False).st_mtime_ns, name))
+            if error in found:
+                at = found[error].stat(follow_symlinks=False).st_mtime_ns
+            else:
+                at = found[name].stat(follow_symlinks=False).st_ctime_ns
         except FileNotFoundError:
             continue
+        uploader = (read_json(found[error].path) or {}).get("uploader_uid") if error in found else None
+        entries.append((at, name, uploader if isinstance(uploader, int) else None))
     if len(entries) <= keep:
         return []
-    entries.sort()
+    by_uploader: dict = {}
+    for entry in sorted(entries):
+        by_uploader.setdefault(entry[2], []).append(entry)
     removed = []
-    for _, name in entries[: len(entries) - keep]:
+    for _ in range(len(entries) - keep):
+        # the uploader with the most entries, and among equals the one whose oldest entry is oldest
+        who = max(by_uploader, key=lambda u: (len(by_uploader[u]), -by_uploader[u][0][0]))
+        _, name, _ = by_uploader[who].pop(0)
+        if not by_uploader[who]:
+            del by_uploader[who]
         for path in (spool.path(FAILED, name), spool.path(FAILED, sidecar_name(name, SIDECAR_SUFFIX)),
                      spool.path(FAILED, sidecar_name(name, ERROR_SUFFIX))):
             try:

@@ -246,7 +246,7 @@ def test_failed_keeps_the_newest_max_failed(spool):
     for i in range(5):
         c = claimed(spool, f"bad-{i}.csv")
         sp.finish(spool, c.job_id, c.record, FAILED, {"job_id": c.job_id})
-        os.utime(spool.path(FAILED, f"bad-{i}.csv"), ns=(i * 10**9, i * 10**9))
+        os.utime(spool.path(FAILED, f"bad-{i}.csv.error.json"), ns=(i * 10**9, i * 10**9))  # when it failed
     assert sp.prune_failed(spool, 3) == ["bad-0.csv", "bad-1.csv"]
     assert sorted(os.listdir(spool.dir(FAILED))) == sorted(
         [f"bad-{i}.csv" for i in (2, 3, 4)] + [f"bad-{i}.csv.error.json" for i in (2, 3, 4)])

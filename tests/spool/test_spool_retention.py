@@ -91,3 +91,22 @@ def test_prune_failed_counts_a_dataset_with_its_sidecar_once(spool):
     assert prune_failed(spool, 2) == ["bad-0.csv"]
     assert sorted(os.listdir(spool.dir(FAILED))) == sorted(
         f"bad-{i}.csv{s}" for i in (1, 2) for s in ("", ".error.json", ".sidecar.yaml"))
+
+
+def test_a_member_whose_drops_fail_by_the_score_ages_out_only_their_own_failures(spool):
+    """Member B's 20 failures, their files dated 2100, come after member A's 3: with max_failed 10,
+    B's 13 oldest go and A's 3 stay. Before, failed/ was ordered by the files' mtime, which B set:
+    A's failures went first, and each new failure of A's went right after it failed."""
+    from opt_ds_ops.spool import prune_failed
+
+    a = [_finish(spool, FAILED, f"a-{i}.csv", {"reason": "x", "uploader_uid": 1001}) for i in range(3)]
+    b = [_finish(spool, FAILED, f"b-{i:02d}.csv", {"reason": "x", "uploader_uid": 1002}) for i in range(20)]
+    year_2100 = 4_102_444_800 * 10**9
+    for name in b:
+        os.utime(spool.path(FAILED, name), ns=(year_2100, year_2100))  # kept from the member's file
+    removed = prune_failed(spool, 10)
+    print(f"\nremoved {len(removed)}: {removed[0]} .. {removed[-1]}")
+    assert removed == b[:13]
+    assert all(os.path.exists(spool.path(FAILED, n)) for n in a + b[13:])
+    later = _finish(spool, FAILED, "a-3.csv", {"reason": "x", "uploader_uid": 1001})  # A's next failure stays
+    assert prune_failed(spool, 10) == [b[13]] and os.path.exists(spool.path(FAILED, later))
