@@ -180,7 +180,10 @@ def _give_back(spool: Spool, jdir: str, name: str, drop: str = INCOMING) -> str 
 
 def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes: int, progress=None) -> Claim:
     """Copy the claimed source into the job's dataset file, then unlink the source (see claim);
-    ``progress()`` is called after each chunk of COPY_CHUNK bytes."""
+    ``progress()`` is called after each chunk of COPY_CHUNK bytes. A chunk of zeros is not written
+    but skipped, so the copy of a sparse file (``truncate -s 4G``) has holes where it had them and
+    takes the blocks its data takes, not its length: a member cannot make the service hold
+    terabytes in failed/ with files that take nothing on disk."""
     jdir = spool.job_dir(job_id)
     name = record["dataset"]
     drop = record.get("drop", INCOMING)
@@ -203,6 +206,7 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
     dest = os.path.join(jdir, data_name)
     h = hashlib.sha256()
     copied = 0
+    zeros = bytes(COPY_CHUNK)
     try:
         out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
@@ -215,11 +219,15 @@ def _copy_in(spool: Spool, job_id: str, record: dict, fd: int | None, max_bytes:
                 if copied > max_bytes:
                     break
                 h.update(chunk)
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(out, view):]
+                if chunk == zeros[:len(chunk)]:  # a hole stays a hole: no blocks of the service's for it
+                    os.lseek(out, len(chunk), os.SEEK_CUR)
+                else:
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(out, view):]
                 if progress is not None:
                     progress()
+            os.ftruncate(out, min(copied, max_bytes))  # the length of a file that ends in a hole
             os.fsync(out)
         finally:
             os.close(out)

@@ -427,3 +427,29 @@ def test_a_later_success_clears_a_failure_only_if_the_same_uploader_dropped_it(s
     sp.write_json(spool.path(DONE, "x.csv.result.json"),
                   {"job_id": "j2", "dataset": "x.csv", "finished_at": "2026-12-01T11:00:00.000000Z", "uploader_uid": by})
     assert (sp.spool_status(spool)["recent_failed"] == []) is cleared
+
+
+def test_a_sparse_drop_stays_sparse_in_the_daemons_copy(spool):
+    """`truncate -s 512M` (nothing on disk) then a line at the end: the daemon's copy, which goes
+    to failed/ when it does not parse, takes the blocks of that line, not 512 MiB of the
+    service's. Before, every hole was written out: 1,000 such 4 GiB drops held about 4 TiB."""
+    import hashlib
+
+    path = spool.path(INCOMING, "holes.csv")
+    with open(path, "wb") as f:
+        f.truncate(512 << 20)
+        f.seek(0, os.SEEK_END)
+        f.write(b"1,2\n")
+    c = sp.claim(spool, "holes.csv", 1 << 30)
+    assert c.outcome == "claimed"
+    copy = os.path.join(spool.job_dir(c.job_id), c.record["data_file"])
+    st = os.stat(copy)
+    print(f"\ncopy: {st.st_size:,} bytes long, {st.st_blocks * 512:,} bytes on disk")
+    assert st.st_size == (512 << 20) + 4 and st.st_blocks * 512 <= 1 << 20
+    h = hashlib.sha256()
+    with open(copy, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    assert c.record["sha256"] == h.hexdigest() and c.record["size_bytes"] == st.st_size
+    sp.finish(spool, c.job_id, c.record, FAILED, {"job_id": c.job_id})
+    assert os.stat(spool.path(FAILED, "holes.csv")).st_blocks * 512 <= 1 << 20
