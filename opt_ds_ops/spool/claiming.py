@@ -37,7 +37,7 @@ from ..config.sidecar import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES
 from ..dataset import dataset_stem
 from ..fsutil import fsync_dir, open_regular, read_small, rename_noreplace, user_name, utc_now, write_atomic
 from .layout import (
-    COPY_CHUNK, DATA_PREFIX, INCOMING, JOB_FILE, NAME_MAX_BYTES, SIDECAR_FILE, SIDECAR_SOURCE, SOURCE_FILE, Spool,
+    COPY_CHUNK, DATA_PREFIX, INCOMING, JOB_FILE, NAME_MAX_BYTES, SCORE, SIDECAR_FILE, SIDECAR_SOURCE, SOURCE_FILE, Spool,
     data_suffix, is_ignored, is_storage_error, kind_of, new_job_id, sidecar_names, write_json,
 )
 
@@ -263,7 +263,9 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
     A sidecar applies only to a dataset of the same uploader: one whose owner is not the
     dataset's ``uploader_uid`` (a squatted name: Bob's ``alice.yaml`` before Alice drops
     ``alice.csv``) is never taken or parsed; it is named in ``sidecars_foreign`` and the daemon
-    moves it aside to failed/ as its own entry. The uploader's own sidecar is taken like a dataset: only
+    moves it aside to failed/ as its own entry; a chunk in score/ whose only sidecar is such a
+    file fails with that reason (``sidecar_error``) rather than being scored under its file name,
+    which may name another model than the one its own sidecar was to. The uploader's own sidecar is taken like a dataset: only
     a regular file, renamed in, then copied (64 KiB at most); anything else of that name of
     theirs (a directory, FIFO, link) is left alone and named in ``sidecar_error``, so the job
     fails rather than silently training without the options it was meant to have. Its bytes are
@@ -302,6 +304,14 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
                 continue
             fsync_dir(spool.dir(drop))
             break
+    if drop == SCORE and "sidecar" not in record and record.get("sidecars_foreign"):
+        # a chunk whose sidecar name another member took: its own sidecar's rename was refused (the
+        # sticky bit), so it would be scored under its file name, by a model it may not have meant
+        f = record["sidecars_foreign"][0]
+        record["sidecar_error"] = (f"{drop}/{f['name']} belongs to another member (uid {f['uid']}), not to this "
+                                   "chunk's uploader: not applied, moved aside; the chunk is not scored under its "
+                                   "file name instead. Drop it again with a sidecar of your own, under a name no "
+                                   "one else can guess (docs/alerts.md)")
     if os.path.lexists(taken):
         record.setdefault("sidecar", dataset_stem(record["dataset"]) + SIDECAR_SUFFIXES[0])
         try:

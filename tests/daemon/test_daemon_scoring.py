@@ -262,8 +262,11 @@ def test_hostile_entries_in_score_are_handled_as_in_incoming(tmp_path):
         d.wait_until(lambda: {"squat.yaml", "squat.csv"} <= failed_names(tmp_path), "the squatted pair refused")
         side = read_json(spool_dir(tmp_path, "failed") / "squat.yaml.error.json")
         assert "score/squat.yaml belongs to" in side["reason"] and side["drop"] == "score"
-        assert "model squat has no current version" in read_json(
-            spool_dir(tmp_path, "failed") / "squat.csv.error.json")["reason"]  # its stem, not BOB's model:
+        reason = read_json(spool_dir(tmp_path, "failed") / "squat.csv.error.json")["reason"]
+        print(f"\nALICE's chunk: {reason}")
+        # neither BOB's model nor its file name's (before: "model squat has no current version", or scored by a
+        # model of that name): it fails saying why, and ALICE drops it again with a sidecar of her own
+        assert "score/squat.yaml belongs to another member" in reason and "not scored under its file name" in reason
         assert d.proc.pid == pid
     (ignored,) = [e for e in journal(tmp_path) if EVENT[e["MESSAGE_ID"]] == "entry-ignored"]
     assert "score/pipe.csv is a FIFO" in ignored["MESSAGE"] and ignored["PRIORITY"] == "4"
