@@ -14,6 +14,8 @@ import json
 import os
 
 from ..config.conffile import DEFAULT_CONFIG_PATH
+from ..observe.journal import safe_text
+from ..scoring.job import remove_series
 from ..store.versions import (
     METADATA_FILE, StoreError, current_version, list_models, pin, promote, read_metadata, remove, resolve,
     rollback, version_summary
@@ -64,11 +66,16 @@ def _num(v, fmt: str = ".6g") -> str:
     return format(v, fmt) if isinstance(v, (int, float)) else "n/a"
 
 
-def _gate_note(gate: dict | None) -> str:
-    """``  gate: not promoted (pr-auc) flags 1.2% vs 3.4%``: the promotion gate's verdict, or nothing."""
+def _gate_note(gate: dict | None, current: bool = True) -> str:
+    """``  gate: not promoted (pr-auc) flags 1.2% vs 3.4%``: the promotion gate's verdict, or nothing;
+    a version the gate passed that is not ``current`` (held by the operator, or current moved on)
+    is ``passed, not current``."""
     if not gate:
         return ""
-    verdict = "promoted" if gate.get("promote") else f"not promoted ({gate.get('failed') or gate.get('mode')})"
+    if gate.get("promote"):
+        verdict = "promoted" if current else "passed, not current"
+    else:
+        verdict = f"not promoted ({safe_text(str(gate.get('failed') or gate.get('mode')))})"
     champ = gate.get("champion_flagged_share")
     vs = f" vs current-then {champ:.2%}" if isinstance(champ, float) else ""
     flags = f" flags {gate['flagged_share']:.2%}{vs}" if isinstance(gate.get("flagged_share"), float) else ""
@@ -95,12 +102,14 @@ def _print_list(models: list[dict], models_dir: str) -> None:
         print(f"no models under {models_dir}")
         return
     for m in models:
-        print(f"{m['name']}  current {m['current'] or '(none)'}  {len(m['versions'])} version(s)")
+        print(f"{safe_text(m['name'])}  current {m['current'] or '(none)'}  {len(m['versions'])} version(s)")
         for v in reversed(m["versions"]):
             mark = ("*" if v["current"] else " ") + ("P" if v["pinned"] else " ")
-            print(f"  {mark} {v['version']}  {v['dataset'] or '?'}  loss {_num(v['final_train_loss'])}  "
-                  f"val {_num(v['final_val_loss'])}  threshold {_num(v['threshold'], '.4f')}  age {_age(v['age_s'])}"
-                  + _retrain_note(v["path"]) + _gate_note(v.get("promotion")))
+            # the dataset's name is a member's file name: escaped, never a terminal's control sequence
+            print(f"  {mark} {safe_text(v['version'])}  {safe_text(v['dataset'] or '?')}  "
+                  f"loss {_num(v['final_train_loss'])}  val {_num(v['final_val_loss'])}  "
+                  f"threshold {_num(v['threshold'], '.4f')}  age {_age(v['age_s'])}"
+                  + _retrain_note(v["path"]) + _gate_note(v.get("promotion"), v["current"]))
     print("(* current, P pinned)")
 
 
@@ -164,4 +173,8 @@ def _change(action: str, args, models_dir: str, why: str | None) -> tuple[dict, 
         return dict(entry, spec=args.spec), f"{args.spec}: {action}ned by {entry['by']}"
     doc = remove(models_dir, args.spec, why)  # rm
     moved = f"; current is now {doc['current']}" if doc["current"] else ""
+    if "/" not in args.spec:  # the whole model: its scored series too, so a new owner starts from nothing
+        results = load_cfg(args, {}).scoring.results_dir
+        doc["series_removed"] = remove_series(results, os.path.basename(args.spec))
+        moved += f"; its scoring series ({results}/{os.path.basename(args.spec)}) removed" if doc["series_removed"] else ""
     return doc, f"removed {args.spec} ({len(doc['removed'])} version(s)){moved}"

@@ -219,11 +219,14 @@ def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, 
     from ..lifecycle.retrain_data import write_history_dataset
     from ..store.versions import dataset_file_of
 
+    parent = current_metadata(cfg.models_dir, record["model"])
+    if parent is None:  # removed (ds-ops models rm) since it was queued: no version of no one's is made
+        raise ValueError(f"model {record['model']} has no current version any more (removed since this retraining "
+                         "was queued?); not retrained")
     out, held = spool.job_path(job_id, "normal.npy"), spool.job_path(job_id, HELD_FILE)
     info = write_history_dataset(spool.job_path(job_id, DATA_FILE), out, cfg.retrain.exclude_margin,
                                  cfg.retrain.exclude_max_rows, held_path=held)
     meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at")}, "excluded": info}
-    parent = current_metadata(cfg.models_dir, record["model"]) or {}
     reads = parent.get("dataset") or {}
     meta["reads_as"] = {k: reads.get(k) for k in READS_AS if k in reads}
     meta["reads_as"]["inherited_from"] = parent.get("version")

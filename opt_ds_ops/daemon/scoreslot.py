@@ -226,7 +226,8 @@ def top_text(top) -> str:
         share = t.get("share")
         if isinstance(share, (int, float)) and share < 0.005:
             continue  # "34 0%": no part of the score worth naming
-        parts.append(f"{t.get('metric')} {share:.0%}" if isinstance(share, (int, float)) else str(t.get("metric")))
+        metric = safe_text(str(t.get("metric")))  # a header's name: never a terminal's escape sequence
+        parts.append(f"{metric} {share:.0%}" if isinstance(share, (int, float)) else metric)
     return ", ".join(parts) or "none"
 
 

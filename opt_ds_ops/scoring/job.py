@@ -347,6 +347,21 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     return summary
 
 
+def remove_series(results_dir: str, name: str) -> bool:
+    """Remove model ``name``'s scoring series (``RESULTS/NAME``: its results, ``state.json``,
+    ``history.npz``), as ``ds-ops models rm NAME`` does with the model: renamed to a hidden
+    ``.rm-NAME-PID`` first, then deleted, so the next owner of the name starts from nothing (no
+    counters, drift or history of the old one). Return True if there was one. Raises OSError."""
+    path = os.path.join(results_dir, name)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    hidden = os.path.join(results_dir, f".rm-{name}-{os.getpid()}")
+    os.rename(path, hidden)
+    fsync_dir(results_dir)
+    shutil.rmtree(hidden)
+    return True
+
+
 def series_status(results_dir: str) -> list[dict]:
     """Return, per model with a series under results_dir (name order), what ``ds-ops status``
     shows: ``model``, ``version``, ``scored_at`` (the last chunk's scoring time), ``last_time``

@@ -12,6 +12,7 @@ versions (:func:`opt_ds_ops.store.versions.publish_job`).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pwd
@@ -227,6 +228,11 @@ def pin(models_dir: str, spec: str, pinned: bool = True, why: str | None = None)
     name_dir, version = resolve(models_dir, spec if "/" in spec else f"{spec}/{CURRENT}")
     try:
         with NameLock(name_dir):
+            if not pinned and not is_pinned(os.path.join(name_dir, version)):
+                held = [v for v in list_versions(name_dir) if is_pinned(os.path.join(name_dir, v))]
+                name = os.path.basename(name_dir)
+                raise StoreError(f"{name}/{version} is not pinned" + (
+                    f"; pinned: {', '.join(held)} (ds-ops models unpin {name}/{held[-1]})" if held else ""))
             entry = _record(os.path.join(name_dir, version), "pin" if pinned else "unpin", why)
             if not pinned and version == current_version(name_dir):  # lifts a rollback's hold too
                 last = read_operator_action(name_dir) or {}  # its time still orders jobs claimed before it
@@ -245,6 +251,8 @@ def remove(models_dir: str, spec: str, why: str | None = None) -> dict:
     name_dir, version = resolve(models_dir, spec)
     try:
         _clean_removed(models_dir)  # a whole model whose removal was killed midway
+        if not os.access(name_dir, os.W_OK):  # who may not change it hears that first, not "is pinned"
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name_dir)
         with NameLock(name_dir):
             _clean_removed(name_dir)
             versions = list_versions(name_dir)
@@ -291,6 +299,8 @@ def prune(models_dir: str, name: str, keep: int, *, hook=None) -> list[str]:
         return []
     try:
         name_dir = os.path.join(models_dir, safe_model_name(name))
+        if not os.access(name_dir, os.W_OK):  # who may not change it hears that first, not "is pinned"
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name_dir)
         with NameLock(name_dir):
             _clean_removed(name_dir)
             versions = list_versions(name_dir)

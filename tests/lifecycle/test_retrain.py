@@ -489,3 +489,15 @@ def test_a_failed_retraining_backs_off_instead_of_being_queued_after_every_chunk
         assert rc == 0, d.log()
     finally:
         d.kill()
+
+
+def test_a_retraining_queued_before_its_model_was_removed_makes_no_version(tmp_path):
+    """ds-ops models rm NAME while a retraining of NAME waits in the queue: the retraining fails in
+    its dataset stage instead of publishing a version of a model no one owns any more."""
+    from opt_ds_ops.daemon.retrainer import job_dataset
+    from opt_ds_ops.spool import Spool
+
+    (tmp_path / "spool" / "processing" / "j1").mkdir(parents=True)
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "device": "cpu"})
+    with pytest.raises(ValueError, match="no current version any more"):
+        job_dataset(Spool(str(tmp_path / "spool")), "j1", {"model": "gone", "dataset": "gone.history.npz"}, cfg)

@@ -1,0 +1,114 @@
+"""``ds-ops models`` as an operator and a member meet it: removing a model removes its scoring
+series, names a member wrote never reach the terminal as control sequences, a held version is not
+called promoted, unpin says what is pinned, and a member who may not change the store hears so
+before anything else. Real files, real training, the real command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_cli
+from opt_ds_ops.config.conffile import Config, with_overrides
+from opt_ds_ops.scoring.job import score_job
+from opt_ds_ops.training.job import run_job
+
+MEMBER_UID = 12345
+
+
+@pytest.fixture
+def trained(tmp_path, smd_rows):
+    """A model ``m`` trained from 2,000 real rows under a file name with an escape sequence in it,
+    a chunk scored with it (its series under scores/m), and a conffile naming both."""
+    name = "m\x1b[2J\x1b]0;owned\x07.csv"
+    np.savetxt(tmp_path / name, smd_rows[3000:5000], delimiter=",", fmt="%.6f")
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
+                                    "scoring.results_dir": str(tmp_path / "scores")})
+    run_job(str(tmp_path / name), cfg, name="m", explicit_name=True)
+    job = tmp_path / "processing" / "j1"
+    job.mkdir(parents=True)
+    np.savetxt(job / "dataset.csv", smd_rows[5000:5300] + 20.0, delimiter=",", fmt="%.6f")
+    (job / "sidecar.yaml").write_text("model: m\n")  # the model named, as an exporter's sidecar does
+    (job / "job.json").write_text(json.dumps({"job_id": "j1", "dataset": "chunk.csv", "data_file": "dataset.csv",
+                                              "sidecar": "chunk.yaml"}))
+    score_job(str(job), cfg)
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text(f"models_dir: {tmp_path / 'models'}\nscoring:\n  results_dir: {tmp_path / 'scores'}\n")
+    return tmp_path, conf
+
+
+def test_rm_of_a_model_removes_its_scoring_series_so_a_new_owner_starts_from_nothing(trained):
+    """Before, scores/m (state, history.npz, results) stayed: the next member to train m inherited
+    the first owner's counters, drift ratio and history, and would have retrained on them."""
+    root, conf = trained
+    assert (root / "scores" / "m" / "history.npz").exists()
+    r = run_cli("models", "rm", "m", "--config", str(conf))
+    print("\n" + r.stdout)
+    assert r.returncode == 0, r.stderr
+    assert "its scoring series" in r.stdout and not (root / "scores" / "m").exists()
+    assert not [p for p in (root / "scores").iterdir()]
+
+
+def test_names_a_member_wrote_reach_the_terminal_escaped(trained):
+    """The dataset's file name is printed by ds-ops models list, a header's metric names by ds-ops
+    status (top metrics): neither may carry a control character to the operator's terminal."""
+    root, conf = trained
+    out = run_cli("models", "list", "--config", str(conf)).stdout
+    print("\n" + out)
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out
+    from opt_ds_ops.daemon.scoreslot import top_text
+    shown = top_text([{"metric": "cpu\x1b]0;owned\x07", "share": 0.5}])
+    assert shown == "cpu\\x1b]0;owned\\x07 50%"
+
+
+def test_a_version_the_gate_passed_but_not_current_is_not_listed_as_promoted():
+    from opt_ds_ops.commands.models import _gate_note
+
+    gate = {"promote": True, "flagged_share": 0.01, "champion_flagged_share": 0.9}
+    assert "gate: promoted" in _gate_note(gate, current=True)
+    assert "gate: passed, not current" in _gate_note(gate, current=False)
+
+
+def test_unpin_of_a_version_that_is_not_pinned_says_which_is(trained):
+    """Before: `models unpin m` printed "unpinned by root" while the pinned version stayed P."""
+    root, conf = trained
+    from opt_ds_ops.store.versions import list_versions, save_model
+
+    first = list_versions(str(root / "models" / "m"))[0]
+    assert run_cli("models", "pin", f"m/{first}", "--config", str(conf)).returncode == 0
+    payload = __import__("torch").load(root / "models" / "m" / first / "model.pt", weights_only=True)
+    save_model(str(root / "models"), "m", payload, {"dataset": {"file": "m.csv"}})  # current moves on
+    r = run_cli("models", "unpin", "m", "--config", str(conf))
+    print("\n" + r.stderr)
+    assert r.returncode == 1 and "is not pinned; pinned: " + first in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the command as another member")
+def test_a_member_who_may_not_change_the_store_hears_so_before_anything_else(trained):
+    """Before: a member's rm of a pinned version answered "is pinned; unpin it first"."""
+    root, conf = trained
+    first = next(v for v in sorted(os.listdir(root / "models" / "m")) if v[0].isdigit())
+    assert run_cli("models", "pin", f"m/{first}", "--config", str(conf)).returncode == 0
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="ds-ops-member-")  # where the member can reach (pytest's tmp is root's, 0700)
+    try:
+        os.chmod(base, 0o755)
+        store = shutil.copytree(root / "models", os.path.join(base, "models"), symlinks=True)
+        for d, _, files in os.walk(store):
+            os.chmod(d, 0o755)
+        r = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "models", "rm", f"m/{first}", "--models-dir", store],
+                           capture_output=True, text=True, cwd=REPO,
+                           env=dict(os.environ, PYTHONPATH=str(REPO), MPLCONFIGDIR=base, DS_OPS_CONFIG=os.devnull),
+                           preexec_fn=lambda: os.setuid(MEMBER_UID), timeout=120)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print("\n" + r.stderr)
+    assert r.returncode == 1 and "Permission denied; only root and the service user" in r.stderr
+    assert "pinned" not in r.stderr
