@@ -13,7 +13,8 @@ index is kept out of the features and its rows put in time order (:mod:`.timeind
 file that is not a usable numeric table raises :class:`DatasetError` naming the file, the line
 (text) or row (arrays) and the column; the budgets of :class:`DatasetLimits` are checked before
 the memory is spent. Precision and memory, and what a training job does with a dataset larger
-than its budget (streamed from a ``.npy``): :mod:`.core`.
+than its budget (streamed from a ``.npy``, :mod:`.npyrows`): :mod:`.core`. The byte streams under
+the text reader (budgets, line ends, chunks of whole lines): :mod:`.textstream`.
 """
 
 from __future__ import annotations

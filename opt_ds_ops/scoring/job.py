@@ -260,7 +260,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     ``events``, ``events_left_out``, ``notes`` (the file's, e.g. rows sorted), ``resets`` (why the
     carried state was reset), ``active``, ``top_metrics`` (the open segment's),
     ``threshold``, ``last_score``, ``rows_scored``, ``rows_flagged``, ``segments`` (the series'),
-    ``result_dir``, ``scored_at``, ``replayed`` (True: the job had been scored before a restart).
+    ``result_dir``, ``scored_at``, ``drift`` (the history's flagged share against the design rate, for
+    retraining), ``replayed`` (True: the job had been scored before a restart).
 
     Raises ScoringError for a job without a record, a sidecar that is invalid, a model without a
     ``current`` version (or one the file's owner may not use), columns that do not match the
