@@ -173,8 +173,10 @@ def _change(action: str, args, models_dir: str, why: str | None) -> tuple[dict, 
         return dict(entry, spec=args.spec), f"{args.spec}: {action}ned by {entry['by']}"
     doc = remove(models_dir, args.spec, why)  # rm
     moved = f"; current is now {doc['current']}" if doc["current"] else ""
-    if "/" not in args.spec:  # the whole model: its scored series too, so a new owner starts from nothing
+    if not args.spec.partition("/")[2]:  # the whole model (NAME or NAME/): its scored series too, so a new owner
+        # starts from nothing
         results = load_cfg(args, {}).scoring.results_dir
-        doc["series_removed"] = remove_series(results, os.path.basename(args.spec))
-        moved += f"; its scoring series ({results}/{os.path.basename(args.spec)}) removed" if doc["series_removed"] else ""
+        name = args.spec.partition("/")[0]
+        doc["series_removed"] = remove_series(results, name)
+        moved += f"; its scoring series ({results}/{name}) removed" if doc["series_removed"] else ""
     return doc, f"removed {args.spec} ({len(doc['removed'])} version(s)){moved}"

@@ -96,7 +96,8 @@ def next_try_s(rcfg, failure: dict | None) -> float | None:
     if rcfg.every:
         wait = parse_window(rcfg.every)[1]
     else:
-        wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, int(failure.get("failures") or 1) - 1))
+        doublings = min(10, max(0, int(failure.get("failures") or 1) - 1))  # 2**10 h is past the cap already
+        wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** doublings)
     return float(failure["failed_at_s"]) + wait
 
 
@@ -153,6 +154,8 @@ class Retrainer:
         so that the next try waits (:func:`next_try_s`, also across a restart) and ``ds-ops
         status`` says so; journal when that is."""
         name = str(record.get("model") or "")
+        if current_metadata(self.d.cfg.models_dir, name) is None:
+            return  # the model was removed: its next owner starts from nothing, no back-off of the old one's
         last = read_failure(self.d.cfg.scoring.results_dir, name) or {}
         doc = {"failed_at": utc_now(), "failed_at_s": time.time(), "failures": int(last.get("failures") or 0) + 1,
                "reason": reason, "job_id": record.get("job_id")}

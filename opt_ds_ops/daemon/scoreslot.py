@@ -433,10 +433,19 @@ class ScoreSlot:
                 self._on_crash(record, job)
 
     def _on_final(self, record: dict, kind: str, f: dict) -> None:
-        from ..spool import STORAGE_ERRNOS, discard_job, save_record
+        from ..spool import STORAGE_ERRNOS, discard_job, is_storage_error, save_record
 
         if kind == "scored":
-            self._report(record, f["summary"])
+            try:
+                self._report(record, f["summary"])
+            except OSError as e:  # the spool's file system (the said file): the job stays, its replay says the rest
+                if not is_storage_error(e):
+                    raise
+                record["state"] = "claimed"
+                save_record(self.d.spool, record)
+                self.pending.insert(0, record["job_id"])
+                self.d.pause(f"{safe_text(record['dataset'])}: its alerts could not be noted as said: {e}")
+                return
             self.d.guarded(lambda: self.d.retrainer.on_scored(f["summary"]))  # due for retraining?
             discard_job(self.d.spool, record["job_id"])  # the results are its record, not the bytes
             self.d.outcome.forget(record["job_id"])
@@ -478,7 +487,9 @@ class ScoreSlot:
 
         Each journal entry of the summary is said at least once and at most once, whatever is
         killed when: the job stays in processing/ until all are said, and after each one its key
-        (``event:N``, ``reset:N``, ``scored``) is appended to the job's :data:`SAID_FILE`. A job
+        (``event:N``, ``reset:N``, ``scored``) is appended to the job's :data:`SAID_FILE`, under the
+        summary it belongs to. A kill between an entry and its key says that one entry again (a
+        window of one ``write``). A job
         that runs again after a restart returns the kept summary (``replayed``); only what that
         file does not list is said then. The append is one ``write`` right after the entry is
         sent, not fsync'ed: a SIGKILL of the daemon loses neither (the page cache keeps the
@@ -488,7 +499,14 @@ class ScoreSlot:
         replayed = bool(s.get("replayed"))  # scored before a restart: what was not said yet is said now
         said_path = self.d.spool.job_path(job_id, SAID_FILE)
         said = _said(said_path)
+        # the keys count only for the summary they were said of (its result directory): a job scored
+        # anew after its kept summary went, or whose state moved on, says its own entries
+        of = f"summary:{os.path.basename(str(s.get('result_dir') or ''))}"
+        if of not in said:
+            said = set()
         fd = os.open(said_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        if of not in said:
+            os.write(fd, f"{of}\n".encode())
         data_file = record["dataset"]
         try:
             def mark(key: str) -> None:  # right after its entry was sent

@@ -276,11 +276,14 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ScoringError(f"{job_dir}: no readable job record ({JOB_FILE}): {e}") from None
     name, explicit = name_chunk(job_dir, record, cfg.dataset)
+    squatted = record.get("sidecar_squatted") if not explicit else None  # its own sidecar could not come in
     try:
         check_model_name(cfg.models_dir, name, source, explicit, record.get("uploader_uid"))
     except JobError as e:
-        raise ScoringError(str(e)) from None
+        raise ScoringError(f"sidecar {squatted}" if squatted else str(e)) from None
     current = os.path.join(cfg.models_dir, name, CURRENT)
+    if squatted and not os.path.lexists(current):
+        raise ScoringError(f"sidecar {squatted}")
     if not os.path.lexists(current):
         raise ScoringError(f"{_clip(source)}: model {name} has no current version (train it first, or name the "
                            f"model in a sidecar {_clip(dataset_stem(source))}.yaml: model: NAME)")

@@ -264,8 +264,8 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
     dataset's ``uploader_uid`` (a squatted name: Bob's ``alice.yaml`` before Alice drops
     ``alice.csv``) is never taken or parsed; it is named in ``sidecars_foreign`` and the daemon
     moves it aside to failed/ as its own entry; a chunk in score/ whose only sidecar is such a
-    file fails with that reason (``sidecar_error``) rather than being scored under its file name,
-    which may name another model than the one its own sidecar was to. The uploader's own sidecar is taken like a dataset: only
+    file is noted (``sidecar_squatted``): the scoring job fails it with that reason rather than
+    score it under its file name, unless that name is a model its uploader may score. The uploader's own sidecar is taken like a dataset: only
     a regular file, renamed in, then copied (64 KiB at most); anything else of that name of
     theirs (a directory, FIFO, link) is left alone and named in ``sidecar_error``, so the job
     fails rather than silently training without the options it was meant to have. Its bytes are
@@ -308,10 +308,12 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
         # a chunk whose sidecar name another member took: its own sidecar's rename was refused (the
         # sticky bit), so it would be scored under its file name, by a model it may not have meant
         f = record["sidecars_foreign"][0]
-        record["sidecar_error"] = (f"{drop}/{f['name']} belongs to another member (uid {f['uid']}), not to this "
-                                   "chunk's uploader: not applied, moved aside; the chunk is not scored under its "
-                                   "file name instead. Drop it again with a sidecar of your own, under a name no "
-                                   "one else can guess (docs/alerts.md)")
+        # (the scoring job fails it with this reason unless its file name names a model its uploader
+        # may score: a chunk that needs no sidecar is not stopped by someone else's)
+        record["sidecar_squatted"] = (f"{drop}/{f['name']} belongs to another member (uid {f['uid']}), not to this "
+                                      "chunk's uploader: not applied, moved aside; the chunk is not scored under its "
+                                      "file name instead. Drop it again with a sidecar of your own, staged where no "
+                                      "one else can see it (docs/alerts.md)")
     if os.path.lexists(taken):
         record.setdefault("sidecar", dataset_stem(record["dataset"]) + SIDECAR_SUFFIXES[0])
         try:

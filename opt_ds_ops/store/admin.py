@@ -245,8 +245,9 @@ def pin(models_dir: str, spec: str, pinned: bool = True, why: str | None = None)
 
 def remove(models_dir: str, spec: str, why: str | None = None) -> dict:
     """Remove ``NAME/VERSION`` or every version of ``NAME``; ``current`` stays valid: removing the
-    current version first points ``current`` at the newest other version (recorded as a
-    promote), and a model's last version goes only with ``rm NAME``. A pinned version is refused.
+    current version first points ``current`` back at the version that was current before it
+    (:func:`rollback_target`, recorded as a promote), and a model's last version goes only with
+    ``rm NAME``. A pinned version is refused.
     Return ``{removed: [...], current: ...}``. Raises StoreError."""
     name_dir, version = resolve(models_dir, spec)
     try:
@@ -299,13 +300,12 @@ def prune(models_dir: str, name: str, keep: int, *, hook=None) -> list[str]:
         return []
     try:
         name_dir = os.path.join(models_dir, safe_model_name(name))
-        if not os.access(name_dir, os.W_OK):  # who may not change it hears that first, not "is pinned"
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name_dir)
         with NameLock(name_dir):
             _clean_removed(name_dir)
             versions = list_versions(name_dir)
             current = current_version(name_dir)
-            keep_set = set(versions[-keep:]) | {current}
+            # never the version a rollback would go back to either (refused challengers are newer)
+            keep_set = set(versions[-keep:]) | {current, rollback_target(name_dir, current)}
             victims = [v for v in versions if v not in keep_set and not is_pinned(os.path.join(name_dir, v))]
             for v in victims:
                 _remove_version(name_dir, v, hook)

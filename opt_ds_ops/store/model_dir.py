@@ -106,14 +106,14 @@ def publish(name_dir: str, version: str, action: str = "publish") -> None:
     for a job's version, or the operator's ``promote``, ``rollback``, ``rm``). Idempotent, so
     crash recovery replays it. Called under the name lock. Raises OSError."""
     previous = current_version(name_dir)
-    if previous != version:
-        _log_current(name_dir, {"at": utc_now(), "version": version, "action": action, "previous": previous})
     link_tmp = os.path.join(name_dir, f".current-{os.getpid()}")
     if os.path.lexists(link_tmp):
         os.unlink(link_tmp)
     os.symlink(version, link_tmp)
     os.replace(link_tmp, os.path.join(name_dir, CURRENT))
     fsync_dir(name_dir)
+    if previous != version:  # after the swap: the log never names a version that did not become current
+        _log_current(name_dir, {"at": utc_now(), "version": version, "action": action, "previous": previous})
 
 
 def _log_current(name_dir: str, entry: dict) -> None:
@@ -123,7 +123,8 @@ def _log_current(name_dir: str, entry: dict) -> None:
     entries = read_current_log(name_dir)
     if len(entries) >= CURRENT_LOG_MAX:
         keep = entries[-CURRENT_LOG_MAX // 2:] + [entry]
-        write_atomic(path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in keep).encode("utf-8"))
+        write_atomic(path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in keep).encode("utf-8"),
+                     prefix=".log-")  # not .tmp-: a concurrent save's leftover sweep removes those
         return
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
@@ -158,7 +159,10 @@ def previous_current(name_dir: str, current: str | None) -> str | None:
     a stack (a change pushes its version, a rollback goes back down to its own), the versions
     since removed left out. None where no version still here was current before it."""
     stack: list[str] = []
-    for e in read_current_log(name_dir):
+    log = read_current_log(name_dir)
+    if log and isinstance(log[0].get("previous"), str):  # current before the log began (a model from before it)
+        stack.append(log[0]["previous"])
+    for e in log:
         v = e["version"]
         if e.get("action") == "rollback" and v in stack:
             while stack[-1] != v:

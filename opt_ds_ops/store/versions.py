@@ -161,6 +161,10 @@ def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | 
     if current == version:
         return None
     if job_id is not None:
+        parent = _retrained_from(name_dir, version)
+        if parent is not None and current != parent and parent not in list_versions(name_dir):
+            return (f"the version it retrained, {parent}, is no longer in the store (the model was removed or "
+                    "rolled back while it retrained); ds-ops models promote makes it current")
         if current is not None and _order_key(name_dir, current) > job_id:
             return f"current is {current}, of a later claim ({_order_key(name_dir, current)}) than job {job_id}"
         op = read_operator_action(name_dir)
@@ -178,6 +182,15 @@ def _publish_in_order(name_dir: str, version: str, job_id: str | None) -> str | 
             return f"{GATED} {gated}; ds-ops models promote {os.path.basename(name_dir)} {version} makes it current"
     publish(name_dir, version)
     return None
+
+
+def _retrained_from(name_dir: str, version: str) -> str | None:
+    """The version a retraining's version was retrained from (``dataset.inherited_from``), or None."""
+    try:
+        parent = (read_metadata(os.path.join(name_dir, version)).get("dataset") or {}).get("inherited_from")
+    except StoreError:
+        return None
+    return parent if isinstance(parent, str) and parent else None
 
 
 def _order_key(name_dir: str, version: str) -> str:

@@ -248,3 +248,18 @@ def test_an_anomaly_of_headerless_data_ends_after_its_rows_and_names_only_metric
     shares = [{"metric": "30", "share": 0.99}, {"metric": "34", "share": 0.001}, {"metric": "5", "share": 0.0}]
     assert top_text(shares) == "30 99%"
     assert top_text([{"metric": "5", "share": 0.0}]) == "none"
+
+
+def test_said_keys_count_only_for_the_summary_they_were_said_of(tmp_path):
+    """A job killed after part of its report, then scored anew (its kept summary gone): the new
+    summary's entries are all said, the old keys do not hide them."""
+    report(tmp_path, dict(SCORED, result_dir="/r/first"), fail_after=2)
+    again = report(tmp_path, dict(SCORED, result_dir="/r/second"))
+    assert [e["event"] for e in again] == ["score-reset", "anomaly-ended", "anomaly-started", "scored"]
+
+
+def test_the_back_off_of_a_model_that_failed_for_months_is_a_day_not_an_overflow():
+    from opt_ds_ops.config.conffile import RetrainConfig
+    from opt_ds_ops.daemon.retrainer import next_try_s
+
+    assert next_try_s(RetrainConfig(), {"failed_at_s": 0.0, "failures": 5000}) == 86400.0

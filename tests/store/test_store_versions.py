@@ -216,3 +216,27 @@ def test_a_user_who_may_not_write_the_store_is_told_in_one_line_who_may(tmp_path
             f"ds-ops: error: cannot {action[0]} {action[1]}: Permission denied; only root and the service user ds-ops "
             f"may change {tmp_path} (members of group ds-ops may read it): sudo ds-ops models {action[0]} ..."]
     assert current_version(str(tmp_path / "m")) == v[1] and list_versions(str(tmp_path / "m")) == v
+
+
+def test_rollback_after_an_upgrade_goes_back_to_the_version_current_before_the_record_began(tmp_path, payload):
+    """A model from before .current.log: v1..v3, v3 current; the first publish after the upgrade
+    (v4) starts the record. A rollback goes to v3 (the log's first entry names it as previous);
+    pruning keeps v3 too, however many newer versions come."""
+    from opt_ds_ops.store.model_dir import CURRENT_LOG
+
+    v = make_versions(tmp_path, "m", 3, payload)
+    name_dir = tmp_path / "m"
+    (name_dir / CURRENT_LOG).unlink()  # as an older ds-ops left it
+    assert rollback_target_of(name_dir) == v[1]  # the old rule, for a model without the record
+    (v4,) = make_versions(tmp_path, "m", 1, payload)
+    assert rollback_target_of(name_dir) == v[2]
+    promote(str(tmp_path), "m", v4)
+    assert prune(str(tmp_path), "m", 1) == [v[0], v[1]]  # v3: what a rollback goes back to
+    rollback(str(tmp_path), "m")
+    assert current_version(str(name_dir)) == v[2]
+
+
+def rollback_target_of(name_dir) -> str | None:
+    from opt_ds_ops.store.admin import rollback_target
+
+    return rollback_target(str(name_dir), current_version(str(name_dir)))
