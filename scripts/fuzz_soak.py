@@ -17,7 +17,9 @@ member of group ds-ops who drops everything the issue-18 table names (docs/devel
   name), ``foreign-0600`` (a good file of the other uid, mode 0600), ``oversize`` (over
   ``spool.max_dataset_bytes``), ``held-open`` (a good file another process keeps open for 1-20 s),
   ``stalled-writer`` (a good file written under its final name with a 0.5-8 s stall mid-write),
-  ``bad-name`` (unknown or wrong suffix, spaces, newline, non-ASCII, 250 bytes), and ``squat``:
+  ``bad-name`` (unknown or wrong suffix, spaces, newline, non-ASCII, 250 bytes), ``future-mtime``
+  (random bytes dated 2100, which must not age out anyone else's failures), ``sparse`` (almost 4
+  MiB of hole and one line: the daemon's copy in failed/ must keep the hole), and ``squat``:
   before the writers start, the hostile member drops ``soakNNNN.yaml`` (options, ``name:``, bad
   YAML, a directory or a FIFO) for good datasets that are dropped later by the other member.
 * The daemon is SIGKILLed ``--kills`` times on soak.py's schedule and started again at once; every
@@ -70,7 +72,7 @@ HOSTILE_UID = OTHER_UID + 1  # the member who drops the hostile items (not the g
 MAX_DATASET_BYTES = 4 * 1024 * 1024  # spool.max_dataset_bytes of the soak (the largest good one is ~0.7 MB)
 SEED_FORMATS = (".csv", ".csv.gz", ".tsv", ".txt", ".npy", ".npz", ".pt", ".parquet", ".feather", ".arrow")
 KINDS = ("flip", "truncate", "random", "sidecar", "directory", "fifo", "symlink", "foreign-0600", "oversize",
-         "held-open", "stalled-writer", "bad-name")  # and "squat", drawn apart (it needs a good dataset)
+         "held-open", "stalled-writer", "bad-name", "future-mtime", "sparse")  # and "squat", drawn apart (it needs a good dataset)
 SQUAT_SHARE = 0.2  # of the good datasets get a squatted sidecar
 STATUS_TIMEOUT_S = 60.0
 STATUS_EVERY_KILLS = 10
@@ -220,10 +222,13 @@ class Hostile:
         if os.geteuid() == 0:
             os.lchown(path, HOSTILE_UID, -1)
 
-    def _drop_file(self, name: str, data: bytes, mode: int = 0o640) -> None:
-        """Write under .NAME, give it to the hostile member, rename to NAME (the safe way)."""
+    def _drop_file(self, name: str, data: bytes, mode: int = 0o640, mtime: float | None = None) -> None:
+        """Write under .NAME, give it to the hostile member (``mtime``: dated so), rename to NAME
+        (the safe way)."""
         tmp = self.dirs["incoming"] / f".fz-tmp-{os.getpid()}-{threading.get_ident()}"
         tmp.write_bytes(data)
+        if mtime is not None:
+            os.utime(tmp, (mtime, mtime))
         self._own(tmp, mode)
         os.rename(tmp, self.dirs["incoming"] / name)
 
@@ -346,6 +351,18 @@ class Hostile:
                        "wrong-format": f"{stem}{rng.choice(['.npy', '.parquet', '.pt', '.csv.gz'])}",
                        "double-suffix": f"{stem}.yaml.csv"}[variant]
             self._drop_file(dataset, good_csv)
+        elif kind == "future-mtime":  # a failing file dated 2100: it must not age out anyone else's failures
+            dataset = stem + fmt
+            self._drop_file(dataset, rng.randbytes(rng.randint(1, 4096)), mtime=4_102_444_800.0)
+        elif kind == "sparse":  # almost all hole, within max_dataset_bytes: the daemon's copy keeps the holes
+            dataset = stem + ".csv"
+            tmp = inc / f".fz-sparse-{it['index']}"
+            with open(tmp, "wb") as f:
+                f.truncate(MAX_DATASET_BYTES - 4096)
+                f.seek(0, os.SEEK_END)
+                f.write(b"1,2\n")
+            self._own(tmp)
+            os.rename(tmp, inc / dataset)
         if dataset is not None:
             entries.append(dataset)
             regular.append(dataset)
@@ -484,6 +501,10 @@ def check_hostile(dirs: dict[str, Path], hostile: Hostile, good_names: set[str],
                          f"{[(w, d.get('job_id'), d.get('reason')) for w, d in docs]}")
         else:
             outcomes[it["kind"]][docs[0][0]] += 1
+            kept = dirs[docs[0][0]] / it["dataset"]
+            if it["kind"] == "sparse" and kept.exists() and os.stat(kept).st_blocks * 512 > 1 << 20:
+                fails.append(f"{what}: {docs[0][0]}/{it['dataset']} takes {os.stat(kept).st_blocks * 512} bytes on "
+                             "disk for one line: the daemon's copy filled the holes")
         if it["sidecar"] is not None and it["sidecar"] in it["regular"] and it["sidecar"] in left:
             expected_left.add(it["sidecar"])
             fails.append(f"{what}: its sidecar incoming/{it['sidecar']} was never taken with its dataset")
