@@ -233,6 +233,9 @@ def test_a_job_the_daemon_died_handling_twice_in_a_row_is_quarantined(tmp_path):
                 part = incoming / "slow.csv.part"
                 with open(part, "wb") as f:
                     f.truncate(big)  # sparse: 3 GiB to read, hash and write
+                    for at in range(0, big, 1 << 20):  # a byte in every copy chunk: the claim writes each one
+                        f.seek(at)                     # (a chunk of zeros it skips, holes staying holes)
+                        f.write(b"x")
                 os.chown(part, ALICE, os.getgid())
                 os.rename(part, incoming / "slow.csv")
             d.wait_until(copying, "the claim's copy to be under way", timeout_s=START_TIMEOUT_S)
