@@ -433,7 +433,7 @@ class ScoreSlot:
                 self._on_crash(record, job)
 
     def _on_final(self, record: dict, kind: str, f: dict) -> None:
-        from ..spool import STORAGE_ERRNOS, discard_job, is_storage_error, save_record
+        from ..spool import STORAGE_ERRNOS, discard_job, is_storage_error
 
         if kind == "scored":
             try:
@@ -441,10 +441,7 @@ class ScoreSlot:
             except OSError as e:  # the spool's file system (the said file): the job stays, its replay says the rest
                 if not is_storage_error(e):
                     raise
-                record["state"] = "claimed"
-                save_record(self.d.spool, record)
-                self.pending.insert(0, record["job_id"])
-                self.d.pause(f"{safe_text(record['dataset'])}: its alerts could not be noted as said: {e}")
+                self._requeue(record, f"its alerts could not be noted as said: {e}")
                 return
             self.d.guarded(lambda: self.d.retrainer.on_scored(f["summary"]))  # due for retraining?
             discard_job(self.d.spool, record["job_id"])  # the results are its record, not the bytes
@@ -453,15 +450,22 @@ class ScoreSlot:
             self.d.duties.write_metrics()
             return
         if f.get("errno") in STORAGE_ERRNOS or f.get("transient"):
-            record["state"] = "claimed"
-            save_record(self.d.spool, record)
-            self.pending.insert(0, record["job_id"])
-            self.d.pause(f"{safe_text(record['dataset'])}: {f['reason']}")
+            self._requeue(record, f["reason"])
             return
         if f.get("traceback"):
             self.d.log.event("internal-error", f"{safe_text(record['dataset'])}: {f['traceback']}", priority=LOG_ERR,
                              **job_fields(record))
         self.d.outcome.fail(record, f["stage"], f["reason"], f.get("type", "ScoreError"))
+
+    def _requeue(self, record: dict, reason: str) -> None:
+        """A fault of the spool's file system, not the file's: the job goes back to the head of the
+        scoring queue and intake pauses with back-off."""
+        from ..spool import save_record
+
+        record["state"] = "claimed"
+        save_record(self.d.spool, record)
+        self.pending.insert(0, record["job_id"])
+        self.d.pause(f"{safe_text(record['dataset'])}: {reason}")
 
     def _on_crash(self, record: dict, job) -> None:
         """The job process ended without a final message: a crash of this file, as for training."""
