@@ -129,8 +129,11 @@ def _normal(line: str, build: str) -> str:
 
 
 def _same(shown: str, printed: str) -> bool:
-    """The same line, its numbers equal within float noise (2 %, or 1 for small counts)."""
+    """The same line, its numbers equal within float noise (2 %, or 1 for small counts). A top
+    metric with a share of 2 % or less is a near tie whose column changes with the machine's float
+    rounding (column 28 or 11 at 2 %): only its share is compared."""
     num = r"-?\d+(?:\.\d+)?"
+    shown, printed = (re.sub(r"column \d+ ([0-2]%)", r"column ? \1", x) for x in (shown, printed))
     if re.sub(num, "#", shown) != re.sub(num, "#", printed):
         return False
     return all(math.isclose(float(a), float(b), rel_tol=0.02, abs_tol=1.0)
