@@ -4,7 +4,8 @@ Written by the scoring job (a job process, never the daemon) after its results a
 series state (:mod:`opt_ds_ops.scoring.job`), one file per model, in a bounded rolling window
 (``retrain.window`` rows, or a duration by the rows' times; ``retrain.max_history_bytes``)::
 
-    values   (n, D) float32   the rows minus ``offset`` (so a column far from zero keeps its digits)
+    values   (n, D) float32   the rows minus ``offset`` (so a column far from zero keeps its digits);
+                    float64 once a chunk would not keep them in float32 (:func:`fits_float32`)
     offset   (D,)   float64   added back by :func:`History.rows`
     flags    (n,)   bool      what the model's version of the time flagged
     times    (n,)   float64   UTC seconds, NaN where the chunk had no time column
@@ -62,6 +63,8 @@ def read_history(path: str) -> History | None:
     except KeyError as e:
         raise ValueError(f"{path}: not a scoring history (no {e})") from None
     n = h.values.shape[0] if h.values.ndim == 2 else -1
+    if h.values.dtype not in (np.float32, np.float64):
+        raise ValueError(f"{path}: not a scoring history (values of dtype {h.values.dtype})")
     if n < 0 or h.offset.shape != (h.values.shape[1],) or h.flags.shape != (n,) or h.times.shape != (n,):
         raise ValueError(f"{path}: not a scoring history (shapes {h.values.shape}, {h.offset.shape}, "
                          f"{h.flags.shape}, {h.times.shape})")
@@ -74,7 +77,8 @@ def write_history(path: str, h: History) -> None:
     tmp = os.path.join(os.path.dirname(path), ".history.tmp")  # one scoring job per model at a time
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, values=h.values.astype(np.float32), offset=h.offset.astype(np.float64),
+            values = h.values if h.values.dtype == np.float64 else h.values.astype(np.float32)
+            np.savez(f, values=values, offset=h.offset.astype(np.float64),
                      flags=h.flags.astype(bool), times=h.times.astype(np.float64), last_job=np.array(h.last_job))
             f.flush()
             os.fsync(f.fileno())
@@ -97,7 +101,7 @@ def bounded(h: History, window: str, max_bytes: int) -> History:
         keep = min(keep, rows)
     if seconds and n and np.isfinite(h.times[-1]):
         keep = min(keep, int(np.sum(~(h.times < h.times[-1] - seconds))))
-    per_row = h.values.shape[1] * 4 + 1 + 8
+    per_row = h.values.shape[1] * h.values.dtype.itemsize + 1 + 8
     keep = min(keep, max(1, max_bytes // per_row), n)
     s = n - keep
     return History(h.values[s:], h.offset, h.flags[s:], h.times[s:], h.last_job)
@@ -123,12 +127,34 @@ def record_chunk(results_model_dir: str, job_id: str, data: np.ndarray, offset: 
         h, note = None, f"scoring history started afresh: the model now has {d} metrics, the history {h.n_features}"
     if h is None:
         h = History(np.empty((0, d), np.float32), off, np.empty(0, bool), np.empty(0, np.float64))
-    values = (np.asarray(data, dtype=np.float64) + (off - h.offset)).astype(np.float32)
+    centred = np.asarray(data, dtype=np.float64) + (off - h.offset)
+    if h.values.dtype == np.float32 and fits_float32(centred, np.asarray(data, np.float64) + off):
+        values = centred.astype(np.float32)
+    else:  # float32 would round this chunk away or overflow: the history keeps float64 from now on
+        values, h = centred, History(h.values.astype(np.float64), h.offset, h.flags, h.times, h.last_job)
     t = np.asarray(times, dtype=np.float64) if times is not None else np.full(data.shape[0], np.nan)
     merged = History(np.concatenate([h.values, values]), h.offset, np.concatenate([h.flags, np.asarray(flags, bool)]),
                      np.concatenate([h.times, t]), job_id)
     write_history(path, bounded(merged, window, max_bytes))
     return note
+
+
+PRECISION = 1e-4  # the largest rounding error kept, as a share of a column's spread in the chunk
+
+
+def fits_float32(centred: np.ndarray, rows: np.ndarray) -> bool:
+    """Whether the chunk's values centred on the history's offset (n, D) float64 keep, in float32,
+    every row within :data:`PRECISION` of its column's spread in the chunk (``rows``: the values
+    as scored; a constant column: of a thousandth of its magnitude), and none overflows. A column
+    that moved far from the history's offset (a counter at 1e12, then reset to 0.1-0.9) would
+    otherwise be stored as multiples of 65,536; one that crossed from -3e38 to +3e38, as inf."""
+    if not centred.size:
+        return True
+    with np.errstate(over="ignore", invalid="ignore"):
+        err = np.abs(centred.astype(np.float32).astype(np.float64) - centred)
+        spread = np.ptp(rows, axis=0)
+        scale = np.where(spread > 0, spread, 1e-3 * np.abs(rows).max(axis=0))
+        return bool(np.all(np.isfinite(err)) and np.all(err.max(axis=0) <= PRECISION * scale))
 
 
 def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: np.ndarray | None, window: str,

@@ -117,6 +117,39 @@ def test_a_sigkill_while_the_history_is_written_leaves_a_whole_history(tmp_path)
     assert [e for e in os.listdir(model_dir) if not e.startswith(".")] == [HISTORY_FILE]
 
 
+def test_a_column_far_from_the_historys_offset_keeps_its_digits_and_never_becomes_inf(tmp_path):
+    """The offset is the first chunk's: a counter at 1e12 then reset to 0.1-0.9 was stored as
+    multiples of 4,096 or more in float32, and a column at -3e38 then +3e38 as inf (a retraining
+    then refused, again after every chunk). The chunk that float32 cannot hold moves the history to
+    float64; the rows read back as scored."""
+    from opt_ds_ops.lifecycle.history import record_chunk
+    rng = np.random.default_rng(0)
+    first = np.c_[1e12 + rng.random(50), -3e38 + rng.random(50) * 1e30, rng.random(50)]
+    later = np.c_[0.1 + 0.8 * rng.random(50), 3e38 - rng.random(50) * 1e30, rng.random(50)]
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    for i, chunk in enumerate((first, later)):
+        offset = chunk.mean(axis=0)  # as the scoring job passes it: the chunk's own offset
+        record_chunk(str(model_dir), f"job-{i}", (chunk - offset).astype(np.float32), offset,
+                     np.zeros(50, bool), None, "100000", 64 << 20)
+    rows = read_history(str(model_dir / HISTORY_FILE)).rows()
+    assert np.all(np.isfinite(rows))
+    err = np.abs(rows[50:] - later).max(axis=0) / np.ptp(later, axis=0)
+    print(f"\nlater chunk read back: worst error per column, as a share of its spread: {err}")
+    assert np.all(err < 1e-3), err  # float32 of the centred chunk itself: about 1e-7 of its range
+    np.testing.assert_allclose(rows[:50, 0], first[:, 0], rtol=1e-12)
+
+
+def test_a_history_in_float32_stays_float32_while_its_chunks_fit(tmp_path):
+    from opt_ds_ops.lifecycle.history import record_chunk
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        chunk = 50.0 + rng.random((40, 4))
+        record_chunk(str(tmp_path), f"job-{i}", (chunk - 50.0).astype(np.float32), np.full(4, 50.0),
+                     np.zeros(40, bool), None, "100000", 64 << 20)
+    assert read_history(str(tmp_path / HISTORY_FILE)).values.dtype == np.float32
+
+
 # ---- train only on normal -------------------------------------------------------------------------
 
 def test_the_mask_leaves_out_each_flagged_segment_and_its_margin_but_keeps_a_change_of_regime():
