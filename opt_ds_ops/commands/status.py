@@ -116,14 +116,21 @@ def _seconds_since(stamp) -> float | None:
 
 
 def time_left_s(job: dict) -> float | None:
-    """Return an estimate of the running job's training time left (seconds): the mean time of its
-    finished epochs times the epochs to go, less the time since the last one; None before epoch 1."""
+    """Return an estimate of the running job's training time left (seconds) at the nearer of its
+    two caps: the epochs, and the plateau rule's ``max_steps`` (where the job reports steps; the
+    plateau may stop it sooner). The time to its last report divided by the share of that cap
+    done, less the time since its start; None before epoch 1."""
     epoch, epochs = job.get("epoch"), job.get("epochs")
     since_start, since_epoch = _seconds_since(job.get("started_at")), _seconds_since(job.get("updated_at"))
     if not (isinstance(epoch, int) and isinstance(epochs, int) and epoch > 0) or since_start is None or since_epoch is None:
         return None
-    per_epoch = max(since_start - since_epoch, 0.0) / epoch
-    return max(per_epoch * (epochs - epoch) - since_epoch, 0.0)
+    done = epoch / epochs if epochs > 0 else 0.0
+    steps, max_steps = job.get("steps"), job.get("max_steps")
+    if isinstance(steps, int) and isinstance(max_steps, int) and max_steps > 0:
+        done = max(done, steps / max_steps)
+    if done <= 0:
+        return None
+    return max(max(since_start - since_epoch, 0.0) / min(done, 1.0) - since_start, 0.0)
 
 
 def _job_line(job: dict) -> str:
@@ -132,7 +139,8 @@ def _job_line(job: dict) -> str:
         if job.get("epoch"):
             left = time_left_s(job)
             eta = f", about {left:.0f} s left" if left is not None else ""
-            epoch = f" epoch {job['epoch']}/{job.get('epochs', '?')} loss {job['loss']:.6g}{eta}"
+            step = f" step {job['steps']}/{job['max_steps']}" if job.get("max_steps") else ""
+            epoch = f" epoch {job['epoch']}/{job.get('epochs', '?')}{step} loss {job['loss']:.6g}{eta}"
         else:
             epoch = f" ({job.get('stage') or 'loading'})"
         device = f" on {job['device']}" if job.get("device") else ""
