@@ -417,3 +417,16 @@ def test_the_shipped_rules_stay_healthy_and_scoring_stalled_does_not_fire(box):
     stalled = shipped_alert(shipped, "ds_ops_last_scored_timestamp_seconds")["alert"]
     assert rules[stalled]["state"] == "inactive", rules[stalled]
     assert [a for a in api(box, "alerts")["alerts"] if a["labels"]["alertname"] == stalled] == []
+
+
+def test_purge_removes_the_acl_entry_on_the_textfile_directory_and_the_group(box):
+    """The last test here: purge. The admin's ``setfacl -m u:ds-ops:rwx`` outlived the account
+    (``user:<freed uid>:rwx``), a write grant for whichever account next gets the uid."""
+    uid = box.run(["id", "-u", "ds-ops"]).stdout.strip()
+    assert "user:ds-ops:rwx" in box.run(["getfacl", "-pc", TEXTFILE_DIR]).stdout
+    box.run(["apt-get", "purge", "-y", "-q", "ds-ops"], timeout=600)
+    acl = box.run(["getfacl", "-pcn", TEXTFILE_DIR]).stdout
+    print(f"\ngetfacl -n {TEXTFILE_DIR} after purge (ds-ops was uid {uid}):\n{acl}")
+    assert f"user:{uid}:" not in acl and "user:ds-ops:" not in acl
+    assert box.run(["getent", "group", "ds-ops"], check=False).returncode == 2
+    assert box.run(["test", "-e", f"{TEXTFILE_DIR}/ds_ops.prom"], check=False).returncode == 1
