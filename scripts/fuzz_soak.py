@@ -22,6 +22,19 @@ member of group ds-ops who drops everything the issue-18 table names (docs/devel
   MiB of hole and one line: the daemon's copy in failed/ must keep the hole), and ``squat``:
   before the writers start, the hostile member drops ``soakNNNN.yaml`` (options, ``name:``, bad
   YAML, a directory or a FIFO) for good datasets that are dropped later by the other member.
+* Two kinds in the scoring spool, drawn apart (``--score-squats``, ``--failed-retrains``):
+  ``score-squat``: the hostile member creates in score/ the sidecar name the other member's next
+  chunk will use (``fzNNNN-<stamp>.yaml``, docs/alerts.md's exporter naming: ``model:`` of a good
+  model, of a model that does not exist, or random YAML), then the other member's chunk arrives
+  without its own sidecar (its ``mv`` was refused by the sticky bit); the chunk must be refused
+  into failed/ saying the sidecar is another member's, never scored under any model, and the
+  squatting sidecar refused beside it. ``failed-retrain``: the hostile member trains a model of
+  its own, then drops four chunks in a row into score/ that it flags from end to end (an
+  incident shorter than ``retrain.exclude_max_rows``, so a retraining leaves no normal row); with
+  the soak's ``retrain.every: 1s``, the first chunk queues a retraining that fails, and the
+  failure must back off: at most two failed retrainings of that model (one more only if a kill
+  fell between the failure and its record), every chunk scored, a ``retrain-failed.json`` beside
+  its results.
 * The daemon is SIGKILLed ``--kills`` times on soak.py's schedule and started again at once; every
   10 kills ``ds-ops status --json`` must answer. Then the last daemon drains the spool.
 
@@ -74,6 +87,10 @@ SEED_FORMATS = (".csv", ".csv.gz", ".tsv", ".txt", ".npy", ".npz", ".pt", ".parq
 KINDS = ("flip", "truncate", "random", "sidecar", "directory", "fifo", "symlink", "foreign-0600", "oversize",
          "held-open", "stalled-writer", "bad-name", "future-mtime", "sparse")  # and "squat", drawn apart (it needs a good dataset)
 SQUAT_SHARE = 0.2  # of the good datasets get a squatted sidecar
+SCORE_KINDS = ("score-squat", "failed-retrain")  # drawn apart: counts --score-squats, --failed-retrains
+RETRAIN_CHUNKS = 4  # chunks a failed-retrain item drops, one after the other
+RETRAIN_CHUNK_ROWS = 60  # rows of a flagged chunk
+SCORE_WAIT_S = 600.0  # how long a scoring item waits for its model, or for its chunk to be taken
 STATUS_TIMEOUT_S = 60.0
 STATUS_EVERY_KILLS = 10
 SETTLED_S = 3.0  # the drain is over when the spool stayed settled this long
@@ -198,12 +215,15 @@ class Hostile:
     drop them, the processes that hold files open and the writers that stall."""
 
     def __init__(self, count: int, squat_targets: list[dict], seed: int, seeds: dict[str, bytes], dirs: dict[str, Path],
-                 threads: int, mean_gap_s: float):
-        self.seeds, self.dirs, self.mean_gap_s = seeds, dirs, mean_gap_s
+                 threads: int, mean_gap_s: float, score_kinds: dict[str, int] | None = None,
+                 good_models: list[str] = ()):
+        self.seeds, self.dirs, self.mean_gap_s, self.good_models = seeds, dirs, mean_gap_s, list(good_models)
         rng = random.Random(seed * 31 + 5)
         self.squats = [{"index": i, "kind": "squat", "target": t["name"]} for i, t in enumerate(squat_targets)]
-        kinds = [KINDS[i % len(KINDS)] for i in range(max(0, count - len(self.squats)))]
+        apart = [k for k, n in (score_kinds or {}).items() for _ in range(n)]
+        kinds = [KINDS[i % len(KINDS)] for i in range(max(0, count - len(self.squats) - len(apart)))] + apart
         rng.shuffle(kinds)
+        self.stop_event = threading.Event()
         self.items = self.squats + [{"index": len(self.squats) + i, "kind": k} for i, k in enumerate(kinds)]
         self.seeds_by_item = {it["index"]: seed * 100003 + it["index"] for it in self.items}
         self.errors: list[str] = []
@@ -363,6 +383,20 @@ class Hostile:
                 f.write(b"1,2\n")
             self._own(tmp)
             os.rename(tmp, inc / dataset)
+        elif kind == "score-squat":
+            variant, sidecar, dataset = self._score_squat(stem, rng)
+            entries += [sidecar, dataset]
+            regular += [sidecar, dataset]
+            it.update(variant=variant, entries=entries, regular=regular, dataset=dataset, sidecar=sidecar,
+                      drop="score", dropped_at=time.time())
+            return
+        elif kind == "failed-retrain":
+            dataset = stem + ".csv"
+            self._drop_file(dataset, good_csv)  # its own model, trained from a good file
+            t = threading.Thread(target=self._flagged_chunks, args=(stem, it), daemon=True)
+            self.stallers.append(t)
+            t.start()
+            variant = f"{RETRAIN_CHUNKS} chunks flagged end to end"
         if dataset is not None:
             entries.append(dataset)
             regular.append(dataset)
@@ -371,6 +405,64 @@ class Hostile:
             regular.append(sidecar)
         it.update(variant=variant, entries=entries, regular=regular, dataset=dataset, sidecar=sidecar,
                   dropped_at=time.time())
+
+    def _score_drop(self, name: str, data: bytes, uid: int, mode: int = 0o640) -> None:
+        """Write score/NAME.part, give it to uid, rename it to NAME (docs/alerts.md's way)."""
+        part = self.dirs["score"] / f"{name}.part"
+        part.write_bytes(data)
+        os.chmod(part, mode)
+        if os.geteuid() == 0:
+            os.lchown(part, uid, -1)
+        os.rename(part, self.dirs["score"] / name)
+
+    def _chunk_csv(self, rows: int, shift: float = 0.0, start_minute: int = 0) -> bytes:
+        """A chunk of the good CSV's columns (a time column and m0..m7), its rows shifted by ``shift``."""
+        lines = self.seeds[".csv"].decode().splitlines()
+        out = [lines[0]]
+        for i, line in enumerate(lines[1 : rows + 1]):
+            cells = line.split(",")
+            m = start_minute + i
+            out.append(",".join([f"2024-01-{1 + m // 1440:02d}T{m // 60 % 24:02d}:{m % 60:02d}:00Z"]
+                                + [f"{float(v) + shift:.6g}" for v in cells[1:]]))
+        return ("\n".join(out) + "\n").encode()
+
+    def _score_squat(self, stem: str, rng: random.Random) -> tuple[str, str, str]:
+        """The hostile member takes the other member's next sidecar name in score/; the other member's
+        chunk comes without it (its mv refused). Return (variant, sidecar name, chunk name)."""
+        base = f"{stem}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+        variant = rng.choice(["good-model", "no-such-model", "random"])
+        side = {"good-model": _yaml({"model": rng.choice(self.good_models or ["soak0000"])}),
+                "no-such-model": _yaml({"model": f"fz-stolen-{stem}"}),
+                "random": random_sidecar(rng)[1]}[variant]
+        self._score_drop(base + ".yaml", side, HOSTILE_UID)
+        time.sleep(rng.uniform(0.0, 0.3))  # the other member's exporter, a moment later
+        self._score_drop(base + ".csv", self._chunk_csv(5), OTHER_UID)
+        return variant, base + ".yaml", base + ".csv"
+
+    def _flagged_chunks(self, stem: str, it: dict) -> None:
+        """Once model stem is current, drop RETRAIN_CHUNKS chunks that it flags end to end, each
+        after the one before was taken; record the chunks dropped in it["chunks"]."""
+        current = self.dirs["models"] / stem / "current"
+        it["chunks"] = 0
+        limit = time.monotonic() + SCORE_WAIT_S
+        try:
+            while not current.exists():
+                if self.stop_event.is_set() or time.monotonic() > limit:
+                    raise OSError(f"model {stem} was not trained within {SCORE_WAIT_S:.0f} s")
+                time.sleep(0.2)
+            for c in range(RETRAIN_CHUNKS):
+                chunk = self.dirs["score"] / f"{stem}.csv"
+                limit = time.monotonic() + SCORE_WAIT_S
+                while chunk.exists() or (self.dirs["score"] / f"{stem}.csv.part").exists():
+                    if self.stop_event.is_set() or time.monotonic() > limit:
+                        raise OSError(f"score/{chunk.name} was not taken within {SCORE_WAIT_S:.0f} s")
+                    time.sleep(0.1)
+                self._score_drop(chunk.name, self._chunk_csv(RETRAIN_CHUNK_ROWS, shift=1000.0,
+                                                             start_minute=600 + c * RETRAIN_CHUNK_ROWS), HOSTILE_UID)
+                it["chunks"] = c + 1
+        except OSError as e:
+            with self._lock:
+                self.errors.append(f"failed-retrain item {stem}: {e}")
 
     def _run(self, items: list[dict], seed: int) -> None:
         rng = random.Random(seed)
@@ -400,6 +492,7 @@ class Hostile:
             raise SoakFailure(f"hostile writers still running after {timeout_s:.0f} s")
 
     def stop(self) -> None:
+        self.stop_event.set()
         for p in self.holders:
             if p.poll() is None:
                 p.kill()
@@ -454,6 +547,7 @@ def check_hostile(dirs: dict[str, Path], hostile: Hostile, good_names: set[str],
     fails: list[str] = []
     by_name, doc_fails = finished_docs(dirs)
     fails += doc_fails
+    scored = scored_sources(dirs["scores"])
     listed_ignored = {e.get("name") for e in status.get("ignored", [])}
     listed_queue = set(status.get("queue", []))
     left = set(os.listdir(dirs["incoming"]))
@@ -477,6 +571,11 @@ def check_hostile(dirs: dict[str, Path], hostile: Hostile, good_names: set[str],
                 outcomes[it["kind"]]["left, named in its dataset's reason"] += 1
             else:
                 fails.append(f"{what}: incoming/{name!r} is left but ds-ops status does not list it as ignored")
+        if it["kind"] == "score-squat":
+            fails += check_score_squat(what, it, by_name, scored, outcomes)
+            continue
+        if it["kind"] == "failed-retrain":
+            fails += check_failed_retrain(what, it, by_name, scored, dirs, outcomes)
         if it["kind"] == "squat" and it["regular"]:
             name = it["sidecar"]
             if len(by_name.get(name, [])) == 1:  # refused on its own, with a reason
@@ -508,7 +607,9 @@ def check_hostile(dirs: dict[str, Path], hostile: Hostile, good_names: set[str],
         if it["sidecar"] is not None and it["sidecar"] in it["regular"] and it["sidecar"] in left:
             expected_left.add(it["sidecar"])
             fails.append(f"{what}: its sidecar incoming/{it['sidecar']} was never taken with its dataset")
-    unknown = sorted(set(by_name) - good_names - {n for it in hostile.items for n in it.get("regular", [])})
+    retrainings = {f"{it['dataset'].split('.')[0]}.history.npz" for it in hostile.items
+                   if it["kind"] == "failed-retrain" and it.get("dataset")}
+    unknown = sorted(set(by_name) - good_names - retrainings - {n for it in hostile.items for n in it.get("regular", [])})
     if unknown:
         fails.append(f"done/ and failed/ hold {len(unknown)} datasets nobody dropped (renamed? duplicated?): "
                      f"{unknown[:10]}")
@@ -521,6 +622,60 @@ def check_hostile(dirs: dict[str, Path], hostile: Hostile, good_names: set[str],
     return fails, {k: dict(v) for k, v in sorted(outcomes.items())}
 
 
+def scored_sources(scores: Path) -> Counter:
+    """How often each chunk name was scored: the ``source`` of every result's summary.json."""
+    found: Counter = Counter()
+    for summary in scores.glob("*/*/summary.json") if scores.is_dir() else []:
+        try:
+            found[os.path.basename(str(json.loads(summary.read_text()).get("source")))] += 1
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def check_score_squat(what: str, it: dict, by_name: dict, scored: Counter, outcomes: dict) -> list[str]:
+    """The chunk refused into failed/ saying its sidecar is another member's, never scored; the
+    squatting sidecar refused beside it."""
+    fails = []
+    chunk, side = it["dataset"], it["sidecar"]
+    docs = by_name.get(chunk, [])
+    if [w for w, _ in docs] != ["failed"] or "belongs to another member" not in str(docs[0][1].get("reason")):
+        fails.append(f"{what}: the chunk score/{chunk} must be refused once, saying its sidecar belongs to another "
+                     f"member: {[(w, d.get('reason')) for w, d in docs]}")
+    if scored.get(chunk):
+        fails.append(f"{what}: the chunk {chunk} was scored {scored[chunk]} time(s) under a squatted sidecar")
+    side_docs = by_name.get(side, [])
+    if [w for w, _ in side_docs] != ["failed"]:
+        fails.append(f"{what}: the squatting sidecar score/{side} must be refused once: "
+                     f"{[(w, d.get('reason')) for w, d in side_docs]}")
+    if not fails:
+        outcomes["score-squat"]["chunk and sidecar refused"] += 1
+    return fails
+
+
+def check_failed_retrain(what: str, it: dict, by_name: dict, scored: Counter, dirs: dict[str, Path],
+                         outcomes: dict) -> list[str]:
+    """Every flagged chunk scored once; the retraining it triggered failed, backed off (at most two
+    failures: a second only if a kill fell between the failure and its record), and left its
+    ``retrain-failed.json``."""
+    from opt_ds_ops.daemon.retrainer import FAILED_FILE
+
+    fails = []
+    stem = it["dataset"].split(".")[0]
+    if it.get("chunks") != RETRAIN_CHUNKS or scored.get(it["dataset"], 0) != RETRAIN_CHUNKS:
+        fails.append(f"{what}: {it.get('chunks')} chunks dropped, {scored.get(it['dataset'], 0)} scored "
+                     f"(want {RETRAIN_CHUNKS} and {RETRAIN_CHUNKS})")
+    retrains = by_name.get(f"{stem}.history.npz", [])
+    if not 1 <= len(retrains) <= 2 or any(w != "failed" for w, _ in retrains):
+        fails.append(f"{what}: {len(retrains)} retrainings of {stem} (want 1, or 2 after a kill at the wrong moment; "
+                     f"all failed): {[(w, d.get('reason')) for w, d in retrains]}")
+    if not (dirs["scores"] / stem / FAILED_FILE).is_file():
+        fails.append(f"{what}: no {FAILED_FILE} beside the results of {stem}: its failure does not back off")
+    if not fails:
+        outcomes["failed-retrain"][f"{len(retrains)} failed retraining(s) for {RETRAIN_CHUNKS} chunks"] += 1
+    return fails
+
+
 def leftovers(root: Path, dirs: dict[str, Path]) -> list[str]:
     """Temporaries no one cleaned up: ``.tmp-*``/``.current-*`` anywhere, a job directory, ds-ops's
     own files in the daemons' TMPDIR (a SIGKILLed forkserver's ``pymp-*`` and torch's caches are
@@ -528,6 +683,7 @@ def leftovers(root: Path, dirs: dict[str, Path]) -> list[str]:
     found = [str(p.relative_to(root)) for top in (dirs["spool"], dirs["models"], root / "metrics")
              for p in top.rglob("*") if p.name.startswith((".tmp-", ".current-", ".ds_ops.prom.tmp-"))]
     found += [f"processing/{n}" for n in os.listdir(dirs["processing"])]
+    found += [f"score/{n}" for n in os.listdir(dirs["score"])]
     found += [f"tmp/{n}" for n in os.listdir(root / "tmp") if n.startswith(DS_OPS_TEMPS)]
     return found
 
@@ -537,7 +693,7 @@ def all_settled(dirs: dict[str, Path], good: set[str]) -> bool:
     regular file in incoming/ but sidecars (a squatted one, or one left behind: check_hostile judges)."""
     from opt_ds_ops.config.sidecar import SIDECAR_SUFFIXES
 
-    if os.listdir(dirs["processing"]):
+    if os.listdir(dirs["processing"]) or os.listdir(dirs["score"]):
         return False
     finished = set(os.listdir(dirs["done"])) | set(os.listdir(dirs["failed"]))
     if not good <= finished:
@@ -576,7 +732,7 @@ def drain(dirs: dict[str, Path], good: set[str], daemon: Daemon, restart, stall_
         elif settled_since is None:
             settled_since = time.monotonic()
         now = time.monotonic()
-        state = tuple(tuple(sorted(os.listdir(dirs[w]))) for w in ("done", "failed", "processing", "incoming"))
+        state = tuple(tuple(sorted(os.listdir(dirs[w]))) for w in ("done", "failed", "processing", "incoming", "score"))
         if state != progress:
             progress, last_change = state, now
         elif now - last_change > stall_s and settled_since is None:
@@ -600,19 +756,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile-writers", type=int, default=2, help="threads dropping the hostile items")
     ap.add_argument("--max-jobs", type=int, default=2, help="daemon.max_jobs")
     ap.add_argument("--max-rss-mib", type=float, default=1024.0, help="fail if a daemon's VmHWM exceeds this")
+    ap.add_argument("--score-squats", type=int, default=None,
+                    help="score-squat items among --hostile (default: one in 50, at least 1)")
+    ap.add_argument("--failed-retrains", type=int, default=None,
+                    help="failed-retrain items among --hostile (default: one in 125, at least 1)")
     add_common_arguments(ap, seed=18, timeout_s=900.0, stall_s=120.0)
     args = ap.parse_args(argv)
     if args.hostile < 1 or args.good < 1 or args.kills < 0 or min(args.writers, args.hostile_writers, args.max_jobs) < 1:
         ap.error("--hostile, --good, --writers, --hostile-writers and --max-jobs must be >= 1, --kills >= 0")
     check_common_arguments(ap, args)
+    score_kinds = {"score-squat": args.score_squats if args.score_squats is not None else max(1, args.hostile // 50),
+                   "failed-retrain": args.failed_retrains if args.failed_retrains is not None else max(1, args.hostile // 125)}
+    if min(score_kinds.values()) < 0 or sum(score_kinds.values()) > args.hostile:
+        ap.error("--score-squats and --failed-retrains must be >= 0 and together at most --hostile")
 
     t_start = time.monotonic()
     deadline = t_start + args.timeout_s
     root, dirs = soak_root(ap, args, "ds-ops-fuzz-soak-")
     for extra in ("metrics", "tmp"):
         (root / extra).mkdir()
+    dirs["score"] = dirs["spool"] / "score"
+    dirs["score"].mkdir()
+    os.chmod(dirs["score"], 0o3770)
+    dirs["scores"] = root / "scores"
     conf = write_config(root, (f"  max_dataset_bytes: {MAX_DATASET_BYTES}", "daemon:", f"  max_jobs: {args.max_jobs}",
-                               "metrics:", f"  textfile_dir: {root / 'metrics'}"))
+                               "metrics:", f"  textfile_dir: {root / 'metrics'}",
+                               "scoring:", f"  results_dir: {dirs['scores']}",
+                               "retrain:", "  every: 1s"))
     env = dict(daemon_env(), TMPDIR=str(root / "tmp"))
     print(f"fuzz soak: seed {args.seed}, {args.hostile} hostile items, {args.good} good datasets, {args.kills} kills, "
           f"max_jobs {args.max_jobs}; root {root}"
@@ -627,7 +797,8 @@ def main(argv: list[str] | None = None) -> int:
                       max(0.05, 0.8 * kill_phase_s / -(-args.good // args.writers)))
     squat_targets = random.Random(args.seed).sample(datasets.plans, min(args.hostile, max(1, round(SQUAT_SHARE * args.good))))
     hostile = Hostile(args.hostile, squat_targets, args.seed, seed_files(datasets.matrix), dirs, args.hostile_writers,
-                      max(0.01, 0.8 * kill_phase_s / -(-args.hostile // args.hostile_writers)))
+                      max(0.01, 0.8 * kill_phase_s / -(-args.hostile // args.hostile_writers)), score_kinds,
+                      [p["model_name"] for p in datasets.plans])
     schedule = kill_schedule(args)
 
     kills: list[dict] = []

@@ -37,9 +37,10 @@ READS_AS = ("header", "time", "left_out", "feature_columns", "options")
 DATA_FILE = "dataset.npz"
 HELD_FILE = "held_back.npy"  # the history's newest rows, for the promotion gate only
 FAILED_FILE = "retrain-failed.json"  # RESULTS/NAME/: the last failed retraining, until one is saved
-# After a failed retraining the next try waits retrain.every, or without it (drift alone) this
-# back-off, doubled after each failure in a row up to a day: a failure is not repeated after
-# every scored chunk (each try copies the history, up to retrain.max_history_bytes, to failed/).
+# After a failed retraining the next try waits retrain.every, and never less than this back-off,
+# doubled after each failure in a row up to a day: a failure is not repeated after every scored
+# chunk (each try copies the history, up to retrain.max_history_bytes, to failed/), even where
+# retrain.every is shorter than the chunks' interval.
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 3600.0, 86400.0
 
 
@@ -90,14 +91,14 @@ def read_failure(results_dir: str, name: str) -> dict | None:
 
 def next_try_s(rcfg, failure: dict | None) -> float | None:
     """The UTC seconds before which no retraining of a model whose last one failed is queued
-    (retrain.every after the failure, else the doubling back-off), or None without a failure."""
+    (the longer of retrain.every and the doubling back-off, after the failure), or None without
+    a failure."""
     if failure is None:
         return None
+    doublings = min(10, max(0, int(failure.get("failures") or 1) - 1))  # 2**10 h is past the cap already
+    wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** doublings)
     if rcfg.every:
-        wait = parse_window(rcfg.every)[1]
-    else:
-        doublings = min(10, max(0, int(failure.get("failures") or 1) - 1))  # 2**10 h is past the cap already
-        wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** doublings)
+        wait = max(wait, parse_window(rcfg.every)[1])
     return float(failure["failed_at_s"]) + wait
 
 
