@@ -66,20 +66,27 @@ def prune_failed(spool: Spool, keep: int) -> list[str]:
 
 
 def _finished_entries(spool: Spool, dest: str) -> list[tuple[float, int, list[str], str]]:
-    """Return (mtime of the JSON in seconds, bytes, [paths: dataset, sidecar, JSON], dataset name)
-    per finished dataset of dest (DONE or FAILED), oldest first. The JSON (``NAME.result.json``,
-    ``NAME.error.json``) anchors each entry: it is written first by :func:`opt_ds_ops.spool.filing.finish` and removed
-    last by :func:`prune_retention`."""
+    """Return (mtime of the JSON in seconds, bytes on disk (allocated blocks), [paths: dataset,
+    sidecar, JSON], dataset name) per finished dataset of dest (DONE or FAILED), oldest first. The
+    JSON (``NAME.result.json``, ``NAME.error.json``) anchors each entry: it is written first by
+    :func:`opt_ds_ops.spool.filing.finish` and removed last by :func:`prune_retention`. A member's
+    refused file named like a JSON is a dataset (it has a JSON of its own), and what a JSON's text
+    says never points at a file its name does not: no member decides which other entries go."""
     suffix = RESULT_SUFFIX if dest == DONE else ERROR_SUFFIX
     entries = []
     with os.scandir(spool.dir(dest)) as it:
         found = list(it)
+        names = {e.name for e in found}
         owner = {sidecar_name(e.name, suffix): e.name for e in found}  # a JSON's dataset, by its name alone
         for e in found:
             if e.name.startswith(".") or not e.name.endswith(suffix):
                 continue
+            if sidecar_name(e.name, suffix) in names:
+                continue  # a member's file named like a JSON (refused, with a JSON of its own): a dataset, not an anchor
             doc = read_json(e.path) or {}  # {}: over read_json's 1 MiB or not JSON; its name says whose it is
             name = doc.get("dataset_file") if isinstance(doc.get("dataset_file"), str) else owner.get(e.name)
+            if name is not None and sidecar_name(name, suffix) != e.name:
+                name = owner.get(e.name)  # the daemon's JSON is always NAME + suffix: the text names no other file
             paths = []
             if name and "/" not in name and name not in (".", ".."):
                 paths = [spool.path(dest, name), spool.path(dest, sidecar_name(name, SIDECAR_SUFFIX))]
@@ -90,7 +97,7 @@ def _finished_entries(spool: Spool, dest: str) -> list[tuple[float, int, list[st
                     st = os.lstat(p)
                 except FileNotFoundError:
                     continue
-                size += st.st_size
+                size += st.st_blocks * 512  # the space it takes: a sparse file's holes are not (st_size would be)
                 if p == e.path:
                     mtime = st.st_mtime
             entries.append((mtime, size, paths, name or e.name))

@@ -37,8 +37,8 @@ def test_done_older_than_max_age_goes_with_its_json_and_sidecar(spool):
 def test_failed_beyond_max_bytes_loses_its_oldest_first(spool):
     for i, name in enumerate(["a.csv", "b.csv", "c.csv"]):
         finished(spool, FAILED, name, 1000, 3 - i)
-    json_bytes = os.path.getsize(spool.path(FAILED, "c.csv.error.json"))
-    assert prune_retention(spool, FAILED, 0, 2 * (1000 + json_bytes)) == ["a.csv"]
+    entry_bytes = sum(os.stat(spool.path(FAILED, n)).st_blocks * 512 for n in ("c.csv", "c.csv.error.json"))
+    assert prune_retention(spool, FAILED, 0, 2 * entry_bytes) == ["a.csv"]
     assert sorted(os.listdir(spool.dir(FAILED))) == ["b.csv", "b.csv.error.json", "c.csv", "c.csv.error.json"]
 
 
@@ -110,3 +110,34 @@ def test_a_member_whose_drops_fail_by_the_score_ages_out_only_their_own_failures
     assert all(os.path.exists(spool.path(FAILED, n)) for n in a + b[13:])
     later = _finish(spool, FAILED, "a-3.csv", {"reason": "x", "uploader_uid": 1001})  # A's next failure stays
     assert prune_failed(spool, 10) == [b[13]] and os.path.exists(spool.path(FAILED, later))
+
+
+def test_a_members_file_named_like_an_error_json_names_no_other_entry_to_remove(spool):
+    """A member drops ``bogus.error.json`` whose text says ``dataset_file: victim.csv``, dated 1970:
+    refused, it lands in failed/ with a JSON of its own. Before, retention read it as the JSON of
+    victim.csv (another member's failure, a day old) and removed victim.csv as 56 years old."""
+    finished(spool, FAILED, "victim.csv", 1000, 1)
+    with open(spool.path(FAILED, "bogus.error.json"), "w") as f:
+        json.dump({"job_id": "x", "dataset_file": "victim.csv"}, f)
+    os.utime(spool.path(FAILED, "bogus.error.json"), (0, 0))
+    with open(spool.path(FAILED, "bogus.error.json.error.json"), "w") as f:
+        json.dump({"job_id": "j2", "dataset": "bogus", "dataset_file": "bogus.error.json"}, f)
+    assert prune_retention(spool, FAILED, 30, 0) == []
+    assert "victim.csv" in os.listdir(spool.dir(FAILED))
+    # a JSON's text never points at another name: the daemon's JSON of a dataset is always NAME.error.json
+    with open(spool.path(FAILED, "other.csv.error.json"), "w") as f:
+        json.dump({"job_id": "j3", "dataset_file": "victim.csv"}, f)
+    os.utime(spool.path(FAILED, "other.csv.error.json"), (0, 0))
+    assert prune_retention(spool, FAILED, 30, 0) == ["other.csv.error.json"]  # its own name only (no other.csv)
+    assert "victim.csv" in os.listdir(spool.dir(FAILED))
+
+
+def test_the_byte_budget_counts_the_space_taken_so_a_sparse_file_pushes_out_no_one(spool):
+    """A 1 GiB hole (``truncate -s``, kept sparse by the claim) counted 1 GiB of spool.max_failed_bytes
+    and pushed the other members' failures out; it takes a few KiB."""
+    finished(spool, FAILED, "victim.csv", 1000, 2)
+    finished(spool, FAILED, "sparse.csv", 0, 1)
+    with open(spool.path(FAILED, "sparse.csv"), "wb") as f:
+        f.truncate(1 << 30)
+    assert prune_retention(spool, FAILED, 0, 1 << 20) == []
+    assert "victim.csv" in os.listdir(spool.dir(FAILED))
