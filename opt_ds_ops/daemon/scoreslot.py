@@ -561,6 +561,10 @@ class ScoreSlot:
         sc, now = self.d.cfg.scoring, time.monotonic()
         if self._swept is None or now - self._swept >= SWEEP_S:
             self._swept, models = now, None
+            from ..scoring.job import sweep_removed
+            for left in sweep_removed(sc.results_dir):  # a `ds-ops models rm` killed midway
+                self.d.log.event("results-pruned", f"{sc.results_dir}/{safe_text(left)} removed: the rest of a "
+                                 "model's scoring series whose removal was cut short", results=left)
         elif model is not None:
             models = [model]
         else:

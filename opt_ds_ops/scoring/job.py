@@ -348,6 +348,11 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     new.last_job, new.last_result = job_id, result_name
     new.scored_at, new.top_metrics = summary["scored_at"], summary["top_metrics"]
     write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True, allow_nan=False) + "\n").encode(), mode=FILE_MODE)
+    if not os.path.lexists(current):  # `ds-ops models rm NAME` while this chunk was scored: the series goes with it
+        remove_series(cfg.scoring.results_dir, name)
+        raise ScoringError(f"{_clip(source)}: model {name} was removed while the file was scored; its scoring "
+                           "series (results, state, history) is removed with it, so the name's next owner starts "
+                           "from nothing")
     return summary
 
 
@@ -356,14 +361,46 @@ def remove_series(results_dir: str, name: str) -> bool:
     ``history.npz``), as ``ds-ops models rm NAME`` does with the model: renamed to a hidden
     ``.rm-NAME-PID`` first, then deleted, so the next owner of the name starts from nothing (no
     counters, drift or history of the old one). Return True if there was one. Raises OSError."""
+    sweep_removed(results_dir)
     path = os.path.join(results_dir, name)
     if os.path.islink(path) or not os.path.isdir(path):
         return False
-    hidden = os.path.join(results_dir, f".rm-{name}-{os.getpid()}")
+    hidden = os.path.join(results_dir, f"{REMOVED_PREFIX}{name}-{os.getpid()}")
     os.rename(path, hidden)
     fsync_dir(results_dir)
     shutil.rmtree(hidden)
     return True
+
+
+REMOVED_PREFIX = ".rm-"  # RESULTS/.rm-NAME-PID: a series being removed by process PID
+
+
+def sweep_removed(results_dir: str) -> list[str]:
+    """Delete what a removal killed midway left (``.rm-NAME-PID`` whose process is gone); return
+    the names deleted. Called by :func:`remove_series` and the daemon's hourly sweep of results.
+    Never raises: a sweep that cannot delete leaves it for the next."""
+    gone = []
+    try:
+        names = [n for n in os.listdir(results_dir) if n.startswith(REMOVED_PREFIX)]
+    except OSError:
+        return gone
+    for n in names:
+        pid = n.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue  # its remover still runs
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # a live process of another user
+        path = os.path.join(results_dir, n)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            gone.append(n)
+    return gone
 
 
 def series_status(results_dir: str) -> list[dict]:

@@ -54,6 +54,50 @@ def test_rm_of_a_model_removes_its_scoring_series_so_a_new_owner_starts_from_not
     assert not [p for p in (root / "scores").iterdir()]
 
 
+def test_a_chunk_scored_while_its_model_is_removed_leaves_no_series_behind(trained, smd_rows, monkeypatch):
+    """``models rm m`` between the job's load of the model and its results: before, the job
+    wrote scores/m again (state, history, results) and the name's next owner inherited them."""
+    root, conf = trained
+    import opt_ds_ops.scoring.job as sj
+    from opt_ds_ops.scoring.job import ScoringError
+
+    cfg = with_overrides(Config(), {"models_dir": str(root / "models"), "device": "cpu",
+                                    "scoring.results_dir": str(root / "scores")})
+    loaded = sj.load_model
+
+    def load_then_rm(path):  # the operator's rm lands while the chunk is scored
+        stored = loaded(path)
+        assert run_cli("models", "rm", "m", "--config", str(conf)).returncode == 0
+        return stored
+
+    monkeypatch.setattr(sj, "load_model", load_then_rm)
+    job = root / "processing" / "j2"
+    job.mkdir(parents=True)
+    np.savetxt(job / "dataset.csv", smd_rows[5300:5400], delimiter=",", fmt="%.6f")
+    (job / "sidecar.yaml").write_text("model: m\n")
+    (job / "job.json").write_text(json.dumps({"job_id": "j2", "dataset": "chunk2.csv", "data_file": "dataset.csv",
+                                              "sidecar": "chunk2.yaml"}))
+    with pytest.raises(ScoringError, match="was removed while the file was scored"):
+        score_job(str(job), cfg)
+    assert not (root / "scores" / "m").exists() and not list((root / "scores").iterdir())
+
+
+def test_what_a_removal_killed_midway_left_is_swept(trained):
+    """A ``models rm`` SIGKILLed between its rename and its delete left scores/.rm-m-PID for good."""
+    root, conf = trained
+    from opt_ds_ops.scoring.job import remove_series, sweep_removed
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = root / "scores" / f".rm-m-{int(dead.stdout)}"
+    os.rename(root / "scores" / "m", left)
+    alive = root / "scores" / f".rm-x-{os.getppid()}"  # a remover still at work: not touched
+    alive.mkdir()
+    assert sweep_removed(str(root / "scores")) == [left.name]
+    assert not left.exists() and alive.exists()
+    os.rename(alive, left)
+    assert remove_series(str(root / "scores"), "m") is False and not left.exists()  # rm sweeps too
+
+
 def test_names_a_member_wrote_reach_the_terminal_escaped(trained):
     """The dataset's file name is printed by ds-ops models list, a header's metric names by ds-ops
     status (top metrics): neither may carry a control character to the operator's terminal."""
