@@ -20,6 +20,7 @@ CURRENT = "current"
 OPERATOR_FILE = ".operator.json"  # the operator's last change of current, read by publish_job
 CURRENT_LOG = ".current.log"  # JSON lines, oldest first: each change of current (at, version, action, previous)
 CURRENT_LOG_MAX = 1000  # lines kept: the newest half once it grows past this
+CURRENT_LOG_LINE_BYTES = 160  # about one line's size: the log is read to be cut only past MAX lines of it
 _NAME_OK = re.compile(r"[^A-Za-z0-9._+-]")
 
 
@@ -118,9 +119,14 @@ def publish(name_dir: str, version: str, action: str = "publish") -> None:
 
 def _log_current(name_dir: str, entry: dict) -> None:
     """Append entry to ``.current.log`` (fsync'ed; mode 0644 as the rest of the store); keep the
-    newest half of it past :data:`CURRENT_LOG_MAX` lines."""
+    newest half of it past :data:`CURRENT_LOG_MAX` lines. A publish appends one line: the log is
+    read (to be cut) only once its size says it may have grown that long."""
     path = os.path.join(name_dir, CURRENT_LOG)
-    entries = read_current_log(name_dir)
+    try:
+        size = os.lstat(path).st_size
+    except FileNotFoundError:
+        size = 0
+    entries = read_current_log(name_dir) if size >= CURRENT_LOG_MAX * CURRENT_LOG_LINE_BYTES // 2 else []
     if len(entries) >= CURRENT_LOG_MAX:
         keep = entries[-CURRENT_LOG_MAX // 2:] + [entry]
         write_atomic(path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in keep).encode("utf-8"),

@@ -240,3 +240,22 @@ def rollback_target_of(name_dir) -> str | None:
     from opt_ds_ops.store.admin import rollback_target
 
     return rollback_target(str(name_dir), current_version(str(name_dir)))
+
+
+def test_the_current_log_is_cut_to_its_newest_half_and_a_short_log_is_not_read_to_append(tmp_path, monkeypatch):
+    """``.current.log`` is a record, bounded: past CURRENT_LOG_MAX lines its newest half is kept.
+    A publish appends a line without reading the log while it is far shorter than that."""
+    from opt_ds_ops.store import model_dir
+
+    reads = []
+    real = model_dir.read_current_log
+    monkeypatch.setattr(model_dir, "read_current_log", lambda d: reads.append(d) or real(d))
+    for i in range(model_dir.CURRENT_LOG_MAX + 5):
+        model_dir._log_current(str(tmp_path), {"at": f"t{i}", "version": f"v{i:05d}", "action": "publish",
+                                               "previous": f"v{i - 1:05d}", "why": "x" * 20})
+        if i == 100:
+            assert reads == []  # 101 lines of about 130 bytes: nothing read
+    entries = real(str(tmp_path))
+    assert model_dir.CURRENT_LOG_MAX // 2 < len(entries) <= model_dir.CURRENT_LOG_MAX
+    assert entries[-1]["version"] == f"v{model_dir.CURRENT_LOG_MAX + 4:05d}"
+    assert [e["version"] for e in entries] == sorted(e["version"] for e in entries)
