@@ -74,6 +74,7 @@ METRIC_NAMES = {
     "ds_ops_last_scored_timestamp_seconds": "Unix time the model's last file was scored",
     # Retraining: the share flagged over retrain.drift_window over the design rate (opt_ds_ops.daemon.retrainer)
     "ds_ops_model_drift_ratio": "share of rows flagged over retrain.drift_window divided by the design rate, per model",
+    "ds_ops_retrain_every_seconds": "retrain.every in seconds (0: no periodic retraining), for rules on a model's age",
     "ds_ops_anomaly_top_metric_share": "share of the open anomaly's error by metric, its top 3 (rank 1-3), per model",
 }
 SCORE_COUNTERS = (("ds_ops_scored_rows_total", "rows_total"), ("ds_ops_flagged_rows_total", "flagged_total"),
@@ -108,7 +109,7 @@ class MetricsWriter:
     """
 
     def __init__(self, textfile_dir: str, models_dir: str, *, torch_version: str = "", cuda_version: str = "",
-                 read_models=None):
+                 read_models=None, retrain_every_s: float = 0.0):
         # read_models(models_dir) -> [(name, current version's metadata, number of versions)]: the
         # model store's reader (opt_ds_ops.store.model_dir.current_models), passed in by the daemon
         # so that this module never imports the store it reports on; None: no per-model series
@@ -119,6 +120,7 @@ class MetricsWriter:
                         f"{textfile_dir} does not exist (install prometheus-node-exporter, or set "
                         "metrics.textfile_dir)" if not self.enabled else "")
         self.build = {"version": __version__, "torch": torch_version, "cuda": cuda_version or "none"}
+        self.retrain_every_s = float(retrain_every_s)
         self.started = time.time()
         self.finished = {"done": 0, "failed": 0}
         self.queued = 0
@@ -220,6 +222,7 @@ class MetricsWriter:
 
         gauge("ds_ops_build_info", 1, self.build)
         gauge("ds_ops_daemon_start_time_seconds", self.started)
+        gauge("ds_ops_retrain_every_seconds", self.retrain_every_s)
         c = Counter("ds_ops_jobs_finished", METRIC_NAMES["ds_ops_jobs_finished_total"], ["result"], registry=reg)
         for result, n in self.finished.items():
             c.labels(result=result).inc(n)

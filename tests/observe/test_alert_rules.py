@@ -36,7 +36,7 @@ def promtool() -> str:
 def test_promtool_accepts_the_shipped_rules(promtool):
     r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 3 rules found" in r.stdout
+    assert "SUCCESS: 10 rules found" in r.stdout
 
 
 def test_the_rules_use_only_series_the_daemon_writes():
@@ -111,6 +111,166 @@ tests:
                 /var/spool/ds-ops/score/, `ds-ops status` (the score/ queue, latest failed) and
                 `journalctl -u ds-trainer -p warning`.
 """
+
+
+SERVICE_TEST = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      # rewritten every minute until minute 10 (Unix time 600), then never again; another host's file
+      # keeps being rewritten
+      - series: 'node_textfile_mtime_seconds{{file="/var/lib/prometheus/node-exporter/ds_ops.prom", instance="h:9100", job="node"}}'
+        values: '0+60x10 600x30'
+      - series: 'node_textfile_mtime_seconds{{file="ds_ops.prom", instance="g:9100", job="node"}}'
+        values: '0+60x40'
+      - series: 'node_textfile_mtime_seconds{{file="/var/lib/prometheus/node-exporter/other.prom", instance="h:9100", job="node"}}'
+        values: '0x40'
+    alert_rule_test:
+      - {{eval_time: 24m, alertname: DsOpsMetricsStale, exp_alerts: []}}
+      - eval_time: 27m
+        alertname: DsOpsMetricsStale
+        exp_alerts:
+          - exp_labels: {{severity: critical, file: /var/lib/prometheus/node-exporter/ds_ops.prom, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "ds-ops on h:9100 stopped writing its metrics"
+              description: >-
+                ds_ops.prom on h:9100 is 17m 0s old; the daemon
+                rewrites it every minute. Check `systemctl status ds-trainer` and
+                `journalctl -u ds-trainer -p warning`: until it writes again no other ds-ops alert can fire.
+  - interval: 1m
+    input_series:
+      # started at minute 0, 5, 10 and 15: three restarts
+      - series: 'ds_ops_daemon_start_time_seconds{{instance="h:9100", job="node"}}'
+        values: '0x4 300x4 600x4 900x30'
+    alert_rule_test:
+      - {{eval_time: 12m, alertname: DsOpsDaemonRestarting, exp_alerts: []}}
+      - eval_time: 16m
+        alertname: DsOpsDaemonRestarting
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "ds-trainer on h:9100 restarted 3 times in an hour"
+              description: >-
+                The daemon started 3 times in the last hour. `journalctl -u ds-trainer
+                -p err` says why it stopped (a crash, the watchdog, the memory limit).
+  - interval: 1m
+    input_series:
+      - series: 'ds_ops_intake_paused{{instance="h:9100", job="node"}}'
+        values: '0x4 1x30'
+      - series: 'ds_ops_intake_paused{{instance="g:9100", job="node"}}'
+        values: '0x4 1x5 0x30'
+    alert_rule_test:
+      - {{eval_time: 14m, alertname: DsOpsIntakePaused, exp_alerts: []}}
+      - eval_time: 16m
+        alertname: DsOpsIntakePaused
+        exp_alerts:
+          - exp_labels: {{severity: critical, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "ds-ops on h:9100 takes no new files"
+              description: >-
+                Intake has been paused for 10 minutes after a file system error: no dataset or chunk
+                is taken. `journalctl -u ds-trainer -p err` names the error; `ds-ops status` shows the queue.
+  - interval: 1m
+    input_series:
+      # h: 6 failures at minutes 5..10 after 60 quiet minutes; g: 1 failure; a restart of h's daemon at
+      # minute 30 sets its counter back to 0 (increase() counts across it)
+      - series: 'ds_ops_jobs_finished_total{{result="failed", instance="h:9100", job="node"}}'
+        values: '0x64 1+1x5 6x20 0x30'
+      - series: 'ds_ops_jobs_finished_total{{result="failed", instance="g:9100", job="node"}}'
+        values: '0x64 1x80'
+      - series: 'ds_ops_jobs_finished_total{{result="done", instance="g:9100", job="node"}}'
+        values: '0+10x150'
+    alert_rule_test:
+      - {{eval_time: 60m, alertname: DsOpsJobsFailing, exp_alerts: []}}
+      - eval_time: 75m
+        alertname: DsOpsJobsFailing
+        exp_alerts:
+          - exp_labels: {{severity: warning, result: failed, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "ds-ops on h:9100: 6 jobs failed in an hour"
+              description: >-
+                About 6 datasets or chunks were moved to failed/ in the last hour.
+                `ds-ops status` lists the latest with their reasons (failed/NAME.error.json).
+      - {{eval_time: 140m, alertname: DsOpsJobsFailing, exp_alerts: []}}
+  - interval: 1m
+    input_series:
+      - series: 'ds_ops_model_drift_ratio{{model="m", instance="h:9100", job="node"}}'
+        values: '20x500'
+      - series: 'ds_ops_model_drift_ratio{{model="ok", instance="h:9100", job="node"}}'
+        values: '1x500'
+    alert_rule_test:
+      - {{eval_time: 5h, alertname: DsOpsDriftNotLearned, exp_alerts: []}}
+      - eval_time: 7h
+        alertname: DsOpsDriftNotLearned
+        exp_alerts:
+          - exp_labels: {{severity: warning, model: m, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "Model m on h:9100 drifted and has not adapted"
+              description: >-
+                ds-ops model m has flagged 20 times its design rate of
+                rows for 6 hours. See `ds-ops status` (retraining, back-off) and `ds-ops models list m`
+                (versions the gate refused); docs/retraining.md.
+  - interval: 1m
+    input_series:
+      # h: retrain.every 1 day; m is 2.1 days old and scored every minute; idle is as old but last
+      # scored at minute 0; g: retrain.every off, its model as old
+      - series: 'ds_ops_retrain_every_seconds{{instance="h:9100", job="node"}}'
+        values: '86400x200'
+      - series: 'ds_ops_retrain_every_seconds{{instance="g:9100", job="node"}}'
+        values: '0x200'
+      - series: 'ds_ops_model_age_seconds{{model="m", instance="h:9100", job="node"}}'
+        values: '181440+60x200'
+      - series: 'ds_ops_last_scored_timestamp_seconds{{model="m", instance="h:9100", job="node"}}'
+        values: '0+60x200'
+      - series: 'ds_ops_model_age_seconds{{model="idle", instance="h:9100", job="node"}}'
+        values: '181440+60x200'
+      - series: 'ds_ops_last_scored_timestamp_seconds{{model="idle", instance="h:9100", job="node"}}'
+        values: '0x200'
+      - series: 'ds_ops_model_age_seconds{{model="m", instance="g:9100", job="node"}}'
+        values: '181440+60x200'
+      - series: 'ds_ops_last_scored_timestamp_seconds{{model="m", instance="g:9100", job="node"}}'
+        values: '0+60x200'
+    alert_rule_test:
+      - {{eval_time: 50m, alertname: DsOpsModelNotRetrained, exp_alerts: []}}
+      - eval_time: 70m
+        alertname: DsOpsModelNotRetrained
+        exp_alerts:
+          - exp_labels: {{severity: warning, model: m, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "Model m on h:9100 is past its retraining period"
+              description: >-
+                The current version of m is 2d 3h 34m 0s old, over twice
+                retrain.every, while it is still scored. `ds-ops status` says whether its retrainings fail
+                (a back-off) and `ds-ops models list m` whether the gate refused them.
+  - interval: 1m
+    input_series:
+      - series: 'ds_ops_gpu_health{{gpu="0", uuid="GPU-1", verdict="fail", instance="h:9100", job="node"}}'
+        values: '0x3 1x20'
+      - series: 'ds_ops_gpu_health{{gpu="1", uuid="GPU-2", verdict="fail", instance="h:9100", job="node"}}'
+        values: '0x30'
+    alert_rule_test:
+      - {{eval_time: 7m, alertname: DsOpsGpuUnhealthy, exp_alerts: []}}
+      - eval_time: 9m
+        alertname: DsOpsGpuUnhealthy
+        exp_alerts:
+          - exp_labels: {{severity: critical, gpu: "0", uuid: GPU-1, verdict: fail, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "GPU 0 on h:9100 failed ds-ops' health check"
+              description: >-
+                ds-ops judged GPU 0 (GPU-1) unhealthy and starts no training on it.
+                `journalctl -u ds-trainer -p warning` has the health line; compare with `nvidia-smi -q`.
+"""
+
+
+def test_each_service_alert_fires_when_it_should_and_not_before(promtool, tmp_path):
+    """Each rule of the ds-ops-service group: silent before its condition has held its ``for:``, firing
+    after, and never for the neighbour series that do not meet it."""
+    test = tmp_path / "ds-ops-service.rules.test.yml"
+    test.write_text(SERVICE_TEST.format(rules=RULES))
+    r = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_each_alert_fires_when_it_should_and_not_before(promtool, tmp_path):
