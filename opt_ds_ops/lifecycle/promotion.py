@@ -17,6 +17,9 @@ Given ``store.promote``:
   1. ``finite-losses``: its final training and validation losses are finite;
   2. ``flagged-vs-champion``: its flagged share of all the held-back rows is not above the
      champion's by more than ``store.promote_flag_tolerance`` (an absolute share, 0.01 = one point);
+     ``flagged-most``: and it flags at most half of them (:data:`MOST_FLAGGED`), whatever the
+     champion flags: a model that calls most rows anomalies is no model, and a champion that does
+     too (after a change of regime it never learned) is no reason to promote another;
   3. ``flagged-vs-design``: its flagged share of the held-back rows the champion did NOT flag
      (all of them without a champion) is not above the design rate (the share the threshold was
      set for: :func:`design_rate`) by more than the same tolerance. A real incident in the
@@ -48,6 +51,7 @@ from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
 MODES = ("always", "if-not-worse", "manual")
 LABELS_SUFFIX = ".labels"
 MAX_GATE_ROWS = 200_000  # the most recent rows scored by both models: bounded time and memory
+MOST_FLAGGED = 0.5  # a challenger that flags more of the held-back rows than this is refused (flagged-most)
 
 
 def design_rate(payload_or_md: dict) -> float:
@@ -139,6 +143,10 @@ def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol:
     if champ is not None and c > champ["flagged_share"] + tol:
         return "flagged-vs-champion", (f"it flags {c:.2%} of the held-back rows, the champion "
                                        f"{champ['flagged_share']:.2%} (tolerance {tol:.2%})")
+    if c > MOST_FLAGGED:
+        return "flagged-most", (f"it flags {c:.2%} of the held-back rows, over {MOST_FLAGGED:.0%}: a model that calls "
+                                "most rows anomalies is refused, whatever the champion flags"
+                                + (f" ({champ['flagged_share']:.2%})" if champ is not None else ""))
     cn = chal.get("flagged_share_of_normal", c)
     if cn > design + tol:
         return "flagged-vs-design", (f"it flags {cn:.2%} of the {chal.get('normal_rows')} held-back rows the champion "

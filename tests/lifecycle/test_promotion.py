@@ -432,6 +432,25 @@ def test_an_incident_in_the_held_back_rows_that_both_models_flag_does_not_refuse
     assert gate["promote"] and gate["failed"] is None, gate
 
 
+def test_a_challenger_that_flags_every_held_back_row_is_refused_even_when_the_champion_does_too(tmp_path):
+    """A model that calls everything an anomaly is no model. Before: the newest rows shifted (the
+    champion flags all of them), the challenger flagged all of them too; flagged-vs-champion passed
+    (100 % vs 100 %) and flagged-vs-design judged the rows the champion did not flag: none."""
+    cfg = gate_cfg(tmp_path)
+    rows = steady(13_000)
+    daemon_job(write_rows(tmp_path / "m.csv", rows[:3000]), cfg)
+    champion = current_version(str(tmp_path / "models" / "m"))
+    history = rows[3000:].copy()
+    history[9000:, :] += 3.0  # the held-back tenth: every metric far off, flagged by both
+    job = retrain_from_history(tmp_path, cfg, history)
+    gate = job.metadata["promotion"]
+    print(f"\nboth flag the held-back rows: {gate['reason']}")
+    assert gate["champion"]["flagged_share"] > 0.9 and gate["challenger"]["flagged_share"] > 0.9
+    assert not gate["promote"] and gate["failed"] == "flagged-most", gate
+    assert "whatever the champion flags" in gate["reason"]
+    assert current_version(str(tmp_path / "models" / "m")) == champion
+
+
 def test_ds_ops_train_says_that_a_sidecars_incidents_pass_no_gate(tmp_path, smd_rows):
     """ds-ops train publishes without the promotion gate: a sidecar's incidents are recorded, and it says so."""
     path = write_rows(tmp_path / "m.csv", smd_rows[:600])
