@@ -4,7 +4,7 @@
 the journal, and whether the retraining kept its promises.
 
 * A temporary root holds a conffile (device cpu; scoring on; ``retrain.every`` on, by default
-  ``20s`` of wall clock, see below; ``retrain.window`` ``7d`` of the data's clock; the stopping rule
+  ``2.5d`` of the data's clock, see below; ``retrain.window`` ``7d`` of the data's clock; the stopping rule
   and the promotion gate as shipped, ``train.max_steps`` capped only where ``--max-steps`` says),
   the spool and the model store. As root the daemon runs without CAP_DAC_OVERRIDE,
   CAP_DAC_READ_SEARCH and CAP_FOWNER, as scripts/soak.py starts it.
@@ -13,9 +13,9 @@ the journal, and whether the retraining kept its promises.
 * The rest of the train period and the whole test period follow as chunks of ``--chunk-hours``
   (12) into score/, each written under ``.part`` and renamed in, one at a time (the next once the
   daemon has scored the last), paced at ``--day-s`` (8) wall seconds per day of data.
-  ``retrain.every`` counts wall-clock time since the current version was trained
-  (opt_ds_ops/daemon/retrainer.py), not the data's clock, so a replay that runs a day of data in 8 s sets
-  it in seconds: 20 s there is about 2.5 days of data.
+  ``retrain.every`` counts the data's clock where the rows have times (opt_ds_ops/daemon/retrainer.py:
+  from the newest row a version was made from to a scored file's last row), so the replay
+  retrains as a live server would, however fast it is fed.
 * At the end (the queue empty, the last retraining finished) it prints ``ds-ops status``,
   ``ds-ops models list``, the daemon's journal lines about retraining, promotion and anomalies,
   and a summary: chunks, rows scored, retrains, promotions, refusals with the gate's figures, and
@@ -34,7 +34,7 @@ and it names its metrics as the first version does;
 no chunk failed; the daemon stops with 0 on SIGTERM.
 
     python3 scripts/replay_month.py                    # the whole month (about 5-7 minutes, 2 cores)
-    python3 scripts/replay_month.py --days 3 --every 6s --max-steps 300   # a small one (the test)
+    python3 scripts/replay_month.py --days 3 --every 1d --max-steps 300   # a small one (the test)
 """
 
 from __future__ import annotations
@@ -430,7 +430,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-hours", type=float, default=12.0, help="hours of data per scored chunk (12)")
     p.add_argument("--days", type=float, default=0.0, help="replay only this many days after the training (0: all)")
     p.add_argument("--day-s", type=float, default=8.0, help="wall seconds per day of data, at least (8)")
-    p.add_argument("--every", default="20s", help="retrain.every (wall clock; default 20s)")
+    p.add_argument("--every", default="2.5d", help="retrain.every (the data's clock; default 2.5d)")
     p.add_argument("--window", default="7d", help="retrain.window (default 7d of the data's clock)")
     p.add_argument("--max-steps", type=int, default=0, help="train.max_steps (0: as shipped)")
     p.add_argument("--root", help="work in this folder (kept) instead of a temporary one")

@@ -72,6 +72,8 @@ def _model_line(v: dict) -> str:
     nxt = v.get("next_retrain_at")
     retrain = (f", next retrain {datetime.fromtimestamp(nxt, timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}"
                if isinstance(nxt, (int, float)) else "")
+    if isinstance(v.get("next_retrain_data_time"), str):
+        retrain = f", next retrain once the data reaches {v['next_retrain_data_time']}"
     failed = v.get("retrain_failed")
     if isinstance(failed, dict):
         after = failed.get("next_try_at")
@@ -89,7 +91,7 @@ def next_retrains(args, views: dict) -> None:
     model's view when retrain.every is set, and ``retrain_failed`` (the last failure, its
     ``next_try_at``) where the model's last retraining failed."""
     from ..config.conffile import parse_window
-    from ..daemon.retrainer import last_trained_s, next_try_s, read_failure
+    from ..daemon.retrainer import last_trained, next_try_s, read_failure
 
     try:
         cfg = load_cfg(args, {})
@@ -102,8 +104,13 @@ def next_retrains(args, views: dict) -> None:
             v["retrain_failed"] = dict(failure, next_try_at=after)
         if not cfg.retrain.every:
             continue
-        trained = last_trained_s(cfg.models_dir, name)
-        nxt = trained + parse_window(cfg.retrain.every)[1] if trained is not None else None
+        trained, data_s = last_trained(cfg.models_dir, name)
+        every_s = parse_window(cfg.retrain.every)[1]
+        if data_s is not None and v.get("last_time") is not None:  # by the data's clock (opt_ds_ops.daemon.retrainer.due)
+            v["next_retrain_data_time"] = datetime.fromtimestamp(data_s + every_s, timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:%SZ")
+            continue
+        nxt = trained + every_s if trained is not None else None
         v["next_retrain_at"] = max(nxt, after) if nxt is not None and after is not None else nxt
 
 

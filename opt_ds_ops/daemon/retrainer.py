@@ -17,6 +17,7 @@ per current version (a refused challenger does not start another until current c
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -53,18 +54,45 @@ def trained_at_s(md: dict | None) -> float | None:
         return None
 
 
-def last_trained_s(models_dir: str, name: str) -> float | None:
-    """The UTC seconds the newest version of model ``name`` finished training (promoted or not:
-    a challenger the gate refused counts), or None without one; what ``retrain.every`` counts from."""
+def data_end_s(md: dict | None) -> float | None:
+    """The data time (UTC seconds) of the newest row a version was made from: a retraining's
+    held-back rows' last time (``excluded.held_back.to_time_s``: the newest of its history),
+    else its dataset's last time (``dataset.time.last``); None for data without times (a
+    retraining whose history had none: its ``dataset.time`` is its parent's way of reading)."""
+    md = md or {}
+    held = (md.get("excluded") or {}).get("held_back")
+    if isinstance(held, dict):
+        t = held.get("to_time_s")
+        return float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None
+    return _iso_s(((md.get("dataset") or {}).get("time") or {}).get("last"))
+
+
+def _iso_s(stamp) -> float | None:
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def last_trained(models_dir: str, name: str) -> tuple[float | None, float | None]:
+    """(The UTC seconds the newest version of model ``name`` finished training, the newest data
+    time any version was made from (:func:`data_end_s`)), promoted or not (a challenger the gate
+    refused counts), each None where unknown; what ``retrain.every`` counts from."""
     from ..store.versions import list_versions, name_dir_of, read_metadata
 
     try:
         name_dir = name_dir_of(models_dir, name)
-        ends = [trained_at_s(read_metadata(os.path.join(name_dir, v))) for v in list_versions(name_dir)]
+        mds = [read_metadata(os.path.join(name_dir, v)) for v in list_versions(name_dir)]
     except (OSError, ValueError, StoreError):
-        return None
-    ends = [e for e in ends if e is not None]
-    return max(ends) if ends else None
+        return None, None
+    ends = [e for e in (trained_at_s(md) for md in mds) if e is not None]
+    data = [e for e in (data_end_s(md) for md in mds) if e is not None]
+    return (max(ends) if ends else None), (max(data) if data else None)
+
+
+def last_trained_s(models_dir: str, name: str) -> float | None:
+    """The UTC seconds the newest version of model ``name`` finished training, or None."""
+    return last_trained(models_dir, name)[0]
 
 
 def ago(seconds: float) -> str:
@@ -102,9 +130,13 @@ def next_try_s(rcfg, failure: dict | None) -> float | None:
     return float(failure["failed_at_s"]) + wait
 
 
-def due(rcfg, summary: dict, trained_s: float | None, now_s: float) -> tuple[str, str] | None:
+def due(rcfg, summary: dict, trained_s: float | None, now_s: float,
+        data_s: float | None = None) -> tuple[str, str] | None:
     """Return (trigger ``drift`` or ``every``, why in words) if the model of a scored file's
-    summary is due for retraining, else None."""
+    summary is due for retraining, else None. ``retrain.every`` counts the telemetry's own clock
+    where both the file's last row (``last_time``) and the newest version's data (``data_s``)
+    have a time: a backfill or a replay retrains by data time, however fast it is fed. Otherwise
+    it counts the wall clock from ``trained_s`` to ``now_s``."""
     d = summary.get("drift") or {}
     ratio = d.get("drift_ratio")
     if rcfg.drift_rate > 0 and isinstance(ratio, (int, float)) and ratio > rcfg.drift_rate:
@@ -112,6 +144,13 @@ def due(rcfg, summary: dict, trained_s: float | None, now_s: float) -> tuple[str
         if not rows or d.get("rows", 0) >= rows:  # a full window, not the first few rows
             return "drift", (f"{d['flagged_share']:.2%} of the last {d['rows']} rows flagged, {ratio:.1f} x the "
                              f"design rate {d['design_rate']:.2%} (retrain.drift_rate {rcfg.drift_rate:g})")
+    chunk_s = _iso_s(summary.get("last_time"))
+    if rcfg.every and data_s is not None and chunk_s is not None:
+        every_s = parse_window(rcfg.every)[1]
+        if chunk_s - data_s >= every_s:
+            return "every", (f"the newest version's data ends {ago(chunk_s - data_s)} before this file's last row "
+                             f"(retrain.every {rcfg.every}, by the data's clock)")
+        return None
     if rcfg.every and trained_s is not None:
         every_s = parse_window(rcfg.every)[1]
         if now_s - trained_s >= every_s:
@@ -141,7 +180,8 @@ class Retrainer:
         wait_until = next_try_s(cfg.retrain, read_failure(cfg.scoring.results_dir, name))
         if wait_until is not None and time.time() < wait_until:
             return None  # the last retraining failed: its back-off first
-        why = due(cfg.retrain, summary, last_trained_s(cfg.models_dir, name), time.time())
+        trained_s, data_s = last_trained(cfg.models_dir, name)
+        why = due(cfg.retrain, summary, trained_s, time.time(), data_s)
         hist = history_path(cfg.scoring.results_dir, name)
         if why is None or not os.path.isfile(hist):
             return None

@@ -134,8 +134,8 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
     return what the metrics and ``ds-ops status`` show: ``model``, ``version``, ``scored_at``
     (Unix seconds), ``rows_total``, ``flagged_total``, ``segments_total`` (the series' counters,
     state.json's ``rows_scored``, ``rows_flagged``, ``segments``: they survive a restart),
-    ``active``, ``threshold``, ``last_score``, ``top_metrics`` ([{metric, share}], the open segment's).
-    state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
+    ``active``, ``threshold``, ``last_score``, ``top_metrics`` ([{metric, share}], the open segment's),
+    ``last_time`` (the last scored row's data time, Unix seconds, or None). state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
     from ..observe.metrics import _utc_seconds
 
     st, s = state or {}, summary or {}
@@ -154,6 +154,7 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
         "last_score": _first(st.get("last_score"), s.get("last_score")),
         "top_metrics": [t for t in top if isinstance(t, dict)][:3],
         "drift_ratio": (s.get("drift") or {}).get("drift_ratio"),  # the last scored file's
+        "last_time": st.get("last_time") if isinstance(st.get("last_time"), (int, float)) else None,  # data time
     }
 
 

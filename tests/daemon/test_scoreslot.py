@@ -274,3 +274,27 @@ def test_a_retrain_every_shorter_than_the_back_off_does_not_shorten_it():
     assert next_try_s(RetrainConfig(every="1s"), {"failed_at_s": 0.0, "failures": 1}) == 3600.0
     assert next_try_s(RetrainConfig(every="1s"), {"failed_at_s": 0.0, "failures": 3}) == 4 * 3600.0
     assert next_try_s(RetrainConfig(every="7d"), {"failed_at_s": 0.0, "failures": 1}) == 7 * 86400.0
+
+
+def test_retrain_every_counts_the_datas_clock_where_the_rows_have_times():
+    """A replay or a backfill fed a week in a minute: due by the data's own clock (the newest row a
+    version was made from to the scored file's last row), not by how fast it was fed."""
+    from opt_ds_ops.config.conffile import RetrainConfig
+    from opt_ds_ops.daemon.retrainer import data_end_s, due
+
+    day, now = 86400.0, time.time()
+    rcfg = RetrainConfig(every="2d")
+    dropped = {"dataset": {"time": {"first": "2026-11-01T00:00:00.000000Z", "last": "2026-11-08T00:00:00.000000Z"}}}
+    trained_data = data_end_s(dropped)
+    assert trained_data == 1794096000.0  # 2026-11-08T00:00:00Z
+    retrained = {"dataset": dropped["dataset"], "excluded": {"held_back": {"to_time_s": trained_data + 3 * day}}}
+    assert data_end_s(retrained) == trained_data + 3 * day  # its history's newest row, not its parent's file
+    assert data_end_s({"dataset": dropped["dataset"], "excluded": {"held_back": {"to_time_s": None}}}) is None
+    chunk = {"last_time": "2026-11-09T12:00:00.000000Z"}  # 1.5 days of data after the training's last row
+    assert due(rcfg, chunk, now - 30 * day, now, trained_data) is None  # the wall clock says a month: not due
+    later = {"last_time": "2026-11-10T00:00:00.000000Z"}
+    trigger, why = due(rcfg, later, now, now, trained_data)  # trained a second ago by the wall clock: due
+    assert trigger == "every" and "by the data's clock" in why and "2.0 d" in why, why
+    untimed = {"last_time": None}
+    assert due(rcfg, untimed, now - 3 * day, now, trained_data)[0] == "every"  # no times: the wall clock
+    assert due(rcfg, untimed, now - day, now, trained_data) is None
