@@ -128,7 +128,7 @@ def record_chunk(results_model_dir: str, job_id: str, data: np.ndarray, offset: 
     if h is None:
         h = History(np.empty((0, d), np.float32), off, np.empty(0, bool), np.empty(0, np.float64))
     centred = np.asarray(data, dtype=np.float64) + (off - h.offset)
-    if h.values.dtype == np.float32 and fits_float32(centred, np.asarray(data, np.float64) + off):
+    if h.values.dtype == np.float32 and fits_float32(centred, np.asarray(data, np.float64) + off, h.values):
         values = centred.astype(np.float32)
     else:  # float32 would round this chunk away or overflow: the history keeps float64 from now on
         values, h = centred, History(h.values.astype(np.float64), h.offset, h.flags, h.times, h.last_job)
@@ -142,17 +142,22 @@ def record_chunk(results_model_dir: str, job_id: str, data: np.ndarray, offset: 
 PRECISION = 1e-4  # the largest rounding error kept, as a share of a column's spread in the chunk
 
 
-def fits_float32(centred: np.ndarray, rows: np.ndarray) -> bool:
+def fits_float32(centred: np.ndarray, rows: np.ndarray, kept: np.ndarray | None = None) -> bool:
     """Whether the chunk's values centred on the history's offset (n, D) float64 keep, in float32,
-    every row within :data:`PRECISION` of its column's spread in the chunk (``rows``: the values
-    as scored; a constant column: of a thousandth of its magnitude), and none overflows. A column
-    that moved far from the history's offset (a counter at 1e12, then reset to 0.1-0.9) would
-    otherwise be stored as multiples of 65,536; one that crossed from -3e38 to +3e38, as inf."""
+    every row within :data:`PRECISION` of its column's spread (``rows``: the values as scored; a
+    column constant in the chunk: its spread in the history ``kept`` (k, D), else a thousandth of
+    its magnitude), and none overflows. A column that moved far from the history's offset (a
+    counter at 1e12, then reset to 0.1-0.9) would otherwise be stored as multiples of 65,536; one
+    that crossed from -3e38 to +3e38, as inf. A column constant in the chunk and in the history,
+    whose value float32 does not hold exactly on the offset (all 0 after a mean of 1/60 as the
+    offset), moves the history to float64 too: it is rare, and costs only the history's size."""
     if not centred.size:
         return True
     with np.errstate(over="ignore", invalid="ignore"):
         err = np.abs(centred.astype(np.float32).astype(np.float64) - centred)
         spread = np.ptp(rows, axis=0)
+        if kept is not None and kept.size:
+            spread = np.where(spread > 0, spread, np.ptp(kept.astype(np.float64), axis=0))
         scale = np.where(spread > 0, spread, 1e-3 * np.abs(rows).max(axis=0))
         return bool(np.all(np.isfinite(err)) and np.all(err.max(axis=0) <= PRECISION * scale))
 

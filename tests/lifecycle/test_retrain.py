@@ -148,6 +148,17 @@ def test_a_history_in_float32_stays_float32_while_its_chunks_fit(tmp_path):
         record_chunk(str(tmp_path), f"job-{i}", (chunk - 50.0).astype(np.float32), np.full(4, 50.0),
                      np.zeros(40, bool), None, "100000", 64 << 20)
     assert read_history(str(tmp_path / HISTORY_FILE)).values.dtype == np.float32
+    # a mostly-zero counter: the first chunk's mean (1/60) is the offset, then a chunk of zeros, and a
+    # chunk of one row: the history's own spread judges a column that is constant in the chunk
+    first = np.zeros((60, 4))
+    first[7, 0] = 1.0
+    (tmp_path / "z").mkdir()
+    record_chunk(str(tmp_path / "z"), "z0", first - first.mean(axis=0), first.mean(axis=0), np.zeros(60, bool), None,
+                 "100000", 64 << 20)
+    for i in (1, 2):
+        record_chunk(str(tmp_path / "z"), f"z{i}", np.zeros((60 // i, 4)), np.zeros(4), np.zeros(60 // i, bool), None,
+                     "100000", 64 << 20)
+    assert read_history(str(tmp_path / "z" / HISTORY_FILE)).values.dtype == np.float32
 
 
 # ---- train only on normal -------------------------------------------------------------------------
