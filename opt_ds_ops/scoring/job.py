@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import fcntl
 import io
 import json
 import os
@@ -359,45 +360,56 @@ def score_job(job_dir: str, cfg: Config) -> dict:
 def remove_series(results_dir: str, name: str) -> bool:
     """Remove model ``name``'s scoring series (``RESULTS/NAME``: its results, ``state.json``,
     ``history.npz``), as ``ds-ops models rm NAME`` does with the model: renamed to a hidden
-    ``.rm-NAME-PID`` first, then deleted, so the next owner of the name starts from nothing (no
-    counters, drift or history of the old one). Return True if there was one. Raises OSError."""
+    ``.rm-NAME-PID`` first (held under an exclusive ``flock`` while it is deleted), then deleted,
+    so the next owner of the name starts from nothing (no counters, drift or history of the old
+    one). Return True if there was one (False also when another remover took it first). Raises OSError."""
     sweep_removed(results_dir)
     path = os.path.join(results_dir, name)
     if os.path.islink(path) or not os.path.isdir(path):
         return False
     hidden = os.path.join(results_dir, f"{REMOVED_PREFIX}{name}-{os.getpid()}")
-    os.rename(path, hidden)
-    fsync_dir(results_dir)
-    shutil.rmtree(hidden)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a sweep leaves a directory alone while its remover holds this
+        try:
+            os.rename(path, hidden)
+        except FileNotFoundError:
+            return False  # another removal (the operator's rm, a scoring job's) took it first
+        fsync_dir(results_dir)
+        shutil.rmtree(hidden)
+    finally:
+        os.close(fd)
     return True
 
 
-REMOVED_PREFIX = ".rm-"  # RESULTS/.rm-NAME-PID: a series being removed by process PID
+REMOVED_PREFIX = ".rm-"  # RESULTS/.rm-NAME-PID: a series being removed
 
 
 def sweep_removed(results_dir: str) -> list[str]:
-    """Delete what a removal killed midway left (``.rm-NAME-PID`` whose process is gone); return
-    the names deleted. Called by :func:`remove_series` and the daemon's hourly sweep of results.
-    Never raises: a sweep that cannot delete leaves it for the next."""
+    """Delete what a removal killed midway left (``.rm-*`` that no remover holds: a non-blocking
+    ``flock`` on it succeeds); return the names deleted. Called by :func:`remove_series` and the
+    daemon's hourly sweep of results. Never decides by a PID (a member could hold the one a name
+    says). Never raises: a sweep that cannot delete leaves it for the next."""
     gone = []
     try:
         names = [n for n in os.listdir(results_dir) if n.startswith(REMOVED_PREFIX)]
     except OSError:
         return gone
     for n in names:
-        pid = n.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), 0)
-                continue  # its remover still runs
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue  # a live process of another user
         path = os.path.join(results_dir, n)
-        if os.path.islink(path) or not os.path.isdir(path):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone meanwhile, a link, not a directory
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its remover is at work
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
         if not os.path.lexists(path):
             gone.append(n)
     return gone

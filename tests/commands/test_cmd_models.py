@@ -83,19 +83,25 @@ def test_a_chunk_scored_while_its_model_is_removed_leaves_no_series_behind(train
 
 
 def test_what_a_removal_killed_midway_left_is_swept(trained):
-    """A ``models rm`` SIGKILLed between its rename and its delete left scores/.rm-m-PID for good."""
+    """A ``models rm`` SIGKILLed between its rename and its delete left scores/.rm-m-PID for good.
+    A directory whose remover still holds its lock is left alone, whatever PID its name says."""
+    import fcntl
+
     root, conf = trained
     from opt_ds_ops.scoring.job import remove_series, sweep_removed
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    left = root / "scores" / f".rm-m-{int(dead.stdout)}"
+    left = root / "scores" / ".rm-m-4242"
     os.rename(root / "scores" / "m", left)
-    alive = root / "scores" / f".rm-x-{os.getppid()}"  # a remover still at work: not touched
-    alive.mkdir()
-    assert sweep_removed(str(root / "scores")) == [left.name]
-    assert not left.exists() and alive.exists()
-    os.rename(alive, left)
-    assert remove_series(str(root / "scores"), "m") is False and not left.exists()  # rm sweeps too
+    busy = root / "scores" / ".rm-x-1"  # a remover at work: it holds the lock
+    busy.mkdir()
+    fd = os.open(busy, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert sweep_removed(str(root / "scores")) == [left.name]
+        assert not left.exists() and busy.exists()
+    finally:
+        os.close(fd)
+    assert remove_series(str(root / "scores"), "m") is False and not busy.exists()  # rm sweeps too, once free
 
 
 def test_names_a_member_wrote_reach_the_terminal_escaped(trained):

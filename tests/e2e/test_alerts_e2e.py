@@ -423,7 +423,9 @@ def test_purge_removes_the_acl_entry_on_the_textfile_directory_and_the_group(box
     """The last test here: purge. The admin's ``setfacl -m u:ds-ops:rwx`` outlived the account
     (``user:<freed uid>:rwx``), a write grant for whichever account next gets the uid."""
     uid = box.run(["id", "-u", "ds-ops"]).stdout.strip()
-    assert "user:ds-ops:rwx" in box.run(["getfacl", "-pc", TEXTFILE_DIR]).stdout
+    box.run(["setfacl", "-d", "-m", "u:ds-ops:rwx", TEXTFILE_DIR])  # an admin's default entry too
+    acl = box.run(["getfacl", "-pc", TEXTFILE_DIR]).stdout
+    assert "user:ds-ops:rwx" in acl and "default:user:ds-ops:rwx" in acl, acl
     box.run(["apt-get", "purge", "-y", "-q", "ds-ops"], timeout=600)
     acl = box.run(["getfacl", "-pcn", TEXTFILE_DIR]).stdout
     print(f"\ngetfacl -n {TEXTFILE_DIR} after purge (ds-ops was uid {uid}):\n{acl}")
