@@ -90,7 +90,7 @@ SQUAT_SHARE = 0.2  # of the good datasets get a squatted sidecar
 SCORE_KINDS = ("score-squat", "failed-retrain")  # drawn apart: counts --score-squats, --failed-retrains
 RETRAIN_CHUNKS = 4  # chunks a failed-retrain item drops, one after the other
 RETRAIN_CHUNK_ROWS = 60  # rows of a flagged chunk
-SCORE_WAIT_S = 600.0  # how long a scoring item waits for its model, or for its chunk to be taken
+SCORE_WAIT_S = 600.0  # how long a scoring item waits for its model, or for its chunk to be taken (and never past --timeout-s)
 STATUS_TIMEOUT_S = 60.0
 STATUS_EVERY_KILLS = 10
 SETTLED_S = 3.0  # the drain is over when the spool stayed settled this long
@@ -224,6 +224,7 @@ class Hostile:
         kinds = [KINDS[i % len(KINDS)] for i in range(max(0, count - len(self.squats) - len(apart)))] + apart
         rng.shuffle(kinds)
         self.stop_event = threading.Event()
+        self.deadline = float("inf")  # time.monotonic() past which a scoring item stops waiting (main sets it)
         self.items = self.squats + [{"index": len(self.squats) + i, "kind": k} for i, k in enumerate(kinds)]
         self.seeds_by_item = {it["index"]: seed * 100003 + it["index"] for it in self.items}
         self.errors: list[str] = []
@@ -444,18 +445,18 @@ class Hostile:
         after the one before was taken; record the chunks dropped in it["chunks"]."""
         current = self.dirs["models"] / stem / "current"
         it["chunks"] = 0
-        limit = time.monotonic() + SCORE_WAIT_S
+        limit = min(time.monotonic() + SCORE_WAIT_S, self.deadline)
         try:
             while not current.exists():
                 if self.stop_event.is_set() or time.monotonic() > limit:
-                    raise OSError(f"model {stem} was not trained within {SCORE_WAIT_S:.0f} s")
+                    raise OSError(f"model {stem} was not trained in time (--timeout-s, or {SCORE_WAIT_S:.0f} s)")
                 time.sleep(0.2)
             for c in range(RETRAIN_CHUNKS):
                 chunk = self.dirs["score"] / f"{stem}.csv"
-                limit = time.monotonic() + SCORE_WAIT_S
+                limit = min(time.monotonic() + SCORE_WAIT_S, self.deadline)
                 while chunk.exists() or (self.dirs["score"] / f"{stem}.csv.part").exists():
                     if self.stop_event.is_set() or time.monotonic() > limit:
-                        raise OSError(f"score/{chunk.name} was not taken within {SCORE_WAIT_S:.0f} s")
+                        raise OSError(f"score/{chunk.name} was not taken in time (--timeout-s, or {SCORE_WAIT_S:.0f} s)")
                     time.sleep(0.1)
                 self._score_drop(chunk.name, self._chunk_csv(RETRAIN_CHUNK_ROWS, shift=1000.0,
                                                              start_minute=600 + c * RETRAIN_CHUNK_ROWS), HOSTILE_UID)
@@ -767,8 +768,11 @@ def main(argv: list[str] | None = None) -> int:
     check_common_arguments(ap, args)
     score_kinds = {"score-squat": args.score_squats if args.score_squats is not None else max(1, args.hostile // 50),
                    "failed-retrain": args.failed_retrains if args.failed_retrains is not None else max(1, args.hostile // 125)}
-    if min(score_kinds.values()) < 0 or sum(score_kinds.values()) > args.hostile:
-        ap.error("--score-squats and --failed-retrains must be >= 0 and together at most --hostile")
+    if os.geteuid() != 0:  # the squatter and the chunk's owner would be one uid: the sidecar is then the chunk's own
+        score_kinds["score-squat"] = 0
+    squats = min(args.hostile, max(1, round(SQUAT_SHARE * args.good)))
+    if min(score_kinds.values()) < 0 or sum(score_kinds.values()) + squats > args.hostile:
+        ap.error(f"--score-squats and --failed-retrains must be >= 0 and, with the {squats} squat items, at most --hostile")
 
     t_start = time.monotonic()
     deadline = t_start + args.timeout_s
@@ -795,10 +799,11 @@ def main(argv: list[str] | None = None) -> int:
     kill_phase_s = kill_phase_estimate_s(args)
     writers = Writers(datasets, args.writers, args.seed, dirs["incoming"], dirs["staging"],
                       max(0.05, 0.8 * kill_phase_s / -(-args.good // args.writers)))
-    squat_targets = random.Random(args.seed).sample(datasets.plans, min(args.hostile, max(1, round(SQUAT_SHARE * args.good))))
+    squat_targets = random.Random(args.seed).sample(datasets.plans, squats)
     hostile = Hostile(args.hostile, squat_targets, args.seed, seed_files(datasets.matrix), dirs, args.hostile_writers,
                       max(0.01, 0.8 * kill_phase_s / -(-args.hostile // args.hostile_writers)), score_kinds,
                       [p["model_name"] for p in datasets.plans])
+    hostile.deadline = deadline
     schedule = kill_schedule(args)
 
     kills: list[dict] = []
