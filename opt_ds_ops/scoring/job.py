@@ -39,6 +39,7 @@ from ..dataset.core import iso_utc
 from ..fsutil import fsync_dir, read_small, write_atomic
 from ..lifecycle.history import chunk_drift, record_chunk
 from ..lifecycle.promotion import design_rate
+from ..store.model_dir import model_lineage
 from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
                      score_chunk)
@@ -291,6 +292,12 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     model_dir = os.path.join(cfg.scoring.results_dir, name)
     state_path = os.path.join(model_dir, STATE_FILE)
     state, state_note = read_state(state_path)
+    lineage = model_lineage(os.path.join(cfg.models_dir, name))
+    if state is not None and state.lineage and lineage and state.lineage != lineage:
+        # an earlier model of this name (removed since, its series left by a kill or a race): not this one's
+        remove_series(cfg.scoring.results_dir, name)
+        state, state_note = None, (f"the scoring series under {name} was an earlier model's of that name (removed "
+                                   "since): removed, and this model's series starts afresh")
     if state is not None and state.last_job == job_id and state.last_result:  # scored before a restart
         try:
             with open(os.path.join(model_dir, state.last_result, SUMMARY_FILE), encoding="utf-8") as f:
@@ -346,10 +353,11 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     note = record_chunk(model_dir, job_id, np.asarray(ds.data), ds.offset, result.flags, times,  # rows to retrain from
                         cfg.retrain.window, cfg.retrain.max_history_bytes)
     summary["notes"] += [note] if note else []
-    new.last_job, new.last_result = job_id, result_name
+    new.last_job, new.last_result, new.lineage = job_id, result_name, lineage
     new.scored_at, new.top_metrics = summary["scored_at"], summary["top_metrics"]
     write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True, allow_nan=False) + "\n").encode(), mode=FILE_MODE)
-    if not os.path.lexists(current):  # `ds-ops models rm NAME` while this chunk was scored: the series goes with it
+    if not os.path.lexists(current) or model_lineage(os.path.join(cfg.models_dir, name)) != lineage:
+        # `ds-ops models rm NAME` while this chunk was scored (and maybe a new NAME since): the series goes with it
         remove_series(cfg.scoring.results_dir, name)
         raise ScoringError(f"{_clip(source)}: model {name} was removed while the file was scored; its scoring "
                            "series (results, state, history) is removed with it, so the name's next owner starts "

@@ -67,6 +67,7 @@ class SeriesState:
     last_result: str | None = None
     scored_at: str | None = None  # when last_job wrote it (ISO 8601 UTC)
     top_metrics: list = field(default_factory=list)  # the open segment's, named (for status and metrics)
+    lineage: str | None = None  # the model's (opt_ds_ops.store.model_dir.model_lineage) when last_job wrote it
 
     def to_dict(self) -> dict:
         """Return the state as plain JSON types, with ``format``."""

@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import re
+import secrets
 
 from ..fsutil import fsync_dir, utc_now, write_atomic
 
@@ -122,6 +123,7 @@ def _log_current(name_dir: str, entry: dict) -> None:
     newest half of it past :data:`CURRENT_LOG_MAX` lines. A publish appends one line: the log is
     read (to be cut) only once its size says it may have grown that long."""
     path = os.path.join(name_dir, CURRENT_LOG)
+    entry = dict(entry, lineage=model_lineage(name_dir) or secrets.token_hex(8))
     try:
         size = os.lstat(path).st_size
     except FileNotFoundError:
@@ -138,6 +140,28 @@ def _log_current(name_dir: str, entry: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def model_lineage(name_dir: str) -> str | None:
+    """The token that names this model since its name was first published (``lineage`` of every
+    ``.current.log`` entry, drawn at random by the first): ``ds-ops models rm NAME`` removes the
+    log, so the name's next owner gets another one, and a scoring series written for the old
+    model is known for what it is (:func:`opt_ds_ops.scoring.job.score_job`). None for a model
+    without it (one from before it, or none). Reads the log's last line only."""
+    try:
+        with open(os.path.join(name_dir, CURRENT_LOG), "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        lineage = e.get("lineage") if isinstance(e, dict) else None
+        return lineage if isinstance(lineage, str) and lineage else None
+    return None
 
 
 def read_current_log(name_dir: str) -> list[dict]:

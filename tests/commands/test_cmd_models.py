@@ -82,6 +82,38 @@ def test_a_chunk_scored_while_its_model_is_removed_leaves_no_series_behind(train
     assert not (root / "scores" / "m").exists() and not list((root / "scores").iterdir())
 
 
+def test_a_series_left_by_an_earlier_model_of_the_name_is_not_the_next_owners(trained, smd_rows):
+    """``models rm m`` killed after the model went and before its series did (or a chunk that wrote
+    it back): the name's next model starts its series afresh, its history without the old rows."""
+    import shutil
+
+    from opt_ds_ops.lifecycle.history import read_history
+    from opt_ds_ops.store.model_dir import model_lineage
+
+    root, conf = trained
+    cfg = with_overrides(Config(), {"models_dir": str(root / "models"), "train.epochs": 1, "device": "cpu",
+                                    "scoring.results_dir": str(root / "scores")})
+    old = json.loads((root / "scores" / "m" / "state.json").read_text())
+    assert old["lineage"] == model_lineage(str(root / "models" / "m")) and old["rows_scored"] == 300
+    shutil.rmtree(root / "models" / "m")  # the model removed, its series left behind
+    np.savetxt(root / "new.csv", smd_rows[:2000], delimiter=",", fmt="%.6f")
+    run_job(str(root / "new.csv"), cfg, name="m", explicit_name=True)  # the next owner's m
+    assert model_lineage(str(root / "models" / "m")) not in (None, old["lineage"])
+    job = root / "processing" / "j3"
+    job.mkdir(parents=True)
+    np.savetxt(job / "dataset.csv", smd_rows[2000:2100], delimiter=",", fmt="%.6f")
+    (job / "sidecar.yaml").write_text("model: m\n")
+    (job / "job.json").write_text(json.dumps({"job_id": "j3", "dataset": "c3.csv", "data_file": "dataset.csv",
+                                              "sidecar": "c3.yaml"}))
+    summary = score_job(str(job), cfg)
+    print("\n" + "; ".join(summary["resets"]))
+    assert any("an earlier model's of that name" in r for r in summary["resets"])
+    new = json.loads((root / "scores" / "m" / "state.json").read_text())
+    assert new["rows_scored"] == 100 and new["lineage"] != old["lineage"]
+    assert read_history(str(root / "scores" / "m" / "history.npz")).values.shape[0] == 100
+    assert len([p for p in (root / "scores" / "m").iterdir() if p.is_dir()]) == 1  # the old results went too
+
+
 def test_what_a_removal_killed_midway_left_is_swept(trained):
     """A ``models rm`` SIGKILLed between its rename and its delete left scores/.rm-m-PID for good.
     A directory whose remover still holds its lock is left alone, whatever PID its name says."""
