@@ -9,9 +9,12 @@ the history is copied as bytes into ``processing/JOB/dataset.npz``, and the job 
 (:func:`opt_ds_ops.daemon.worker.job_main`) cuts it to its normal rows
 (:func:`opt_ds_ops.lifecycle.retrain_data.write_history_dataset`) and trains it through the normal path,
 promotion gate included. One retraining of a model at a time (none is queued while one is in
-the queue or running); ``every`` counts from the newest version's training, promoted or not, so
-a challenger the gate refused is followed by another one ``every`` later; ``drift`` fires once
-per current version (a refused challenger does not start another until current changes).
+the queue or running); ``every`` counts from the newest version, promoted or not, so a
+challenger the gate refused is followed by another one ``every`` later, by the data's own clock
+where the rows have times (:func:`due`; each version's data end capped at its training's end,
+each file's last row at now), else by the wall clock; ``drift`` fires once per current version
+(a refused challenger does not start another until current changes). A failed retraining backs
+off by the wall clock (:func:`next_try_s`), so a replay fed faster than real time waits it out.
 """
 
 from __future__ import annotations
@@ -86,7 +89,10 @@ def last_trained(models_dir: str, name: str) -> tuple[float | None, float | None
     except (OSError, ValueError, StoreError):
         return None, None
     ends = [e for e in (trained_at_s(md) for md in mds) if e is not None]
-    data = [e for e in (data_end_s(md) for md in mds) if e is not None]
+    # a version's data cannot end after its training did: far-future rows (a clock glitch, or a
+    # member's version that lost the name) would otherwise stop retrain.every for good
+    data = [min(d, t) if t is not None else d for d, t in ((data_end_s(md), trained_at_s(md)) for md in mds)
+            if d is not None]
     return (max(ends) if ends else None), (max(data) if data else None)
 
 
@@ -145,6 +151,8 @@ def due(rcfg, summary: dict, trained_s: float | None, now_s: float,
             return "drift", (f"{d['flagged_share']:.2%} of the last {d['rows']} rows flagged, {ratio:.1f} x the "
                              f"design rate {d['design_rate']:.2%} (retrain.drift_rate {rcfg.drift_rate:g})")
     chunk_s = _iso_s(summary.get("last_time"))
+    if chunk_s is not None:
+        chunk_s = min(chunk_s, now_s)  # a row from the future counts as now
     if rcfg.every and data_s is not None and chunk_s is not None:
         every_s = parse_window(rcfg.every)[1]
         if chunk_s - data_s >= every_s:

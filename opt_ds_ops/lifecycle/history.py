@@ -145,8 +145,8 @@ PRECISION = 1e-4  # the largest rounding error kept, as a share of a column's sp
 def fits_float32(centred: np.ndarray, rows: np.ndarray, kept: np.ndarray | None = None) -> bool:
     """Whether the chunk's values centred on the history's offset (n, D) float64 keep, in float32,
     every row within :data:`PRECISION` of its column's spread (``rows``: the values as scored; a
-    column constant in the chunk: its spread in the history ``kept`` (k, D), else a thousandth of
-    its magnitude), and none overflows. A column that moved far from the history's offset (a
+    column constant in the chunk at a value within the history's range: its spread in the history
+    ``kept`` (k, D), else a thousandth of its magnitude), and none overflows. A column that moved far from the history's offset (a
     counter at 1e12, then reset to 0.1-0.9) would otherwise be stored as multiples of 65,536; one
     that crossed from -3e38 to +3e38, as inf. A column constant in the chunk and in the history,
     whose value float32 does not hold exactly on the offset (all 0 after a mean of 1/60 as the
@@ -156,8 +156,11 @@ def fits_float32(centred: np.ndarray, rows: np.ndarray, kept: np.ndarray | None 
     with np.errstate(over="ignore", invalid="ignore"):
         err = np.abs(centred.astype(np.float32).astype(np.float64) - centred)
         spread = np.ptp(rows, axis=0)
-        if kept is not None and kept.size:
-            spread = np.where(spread > 0, spread, np.ptp(kept.astype(np.float64), axis=0))
+        if kept is not None and kept.size:  # a column constant in the chunk, at a value within the history's range
+            k = kept.astype(np.float64)
+            lo, hi = k.min(axis=0), k.max(axis=0)
+            inside = (centred.min(axis=0) >= lo) & (centred.max(axis=0) <= hi)
+            spread = np.where((spread > 0) | ~inside, spread, hi - lo)
         scale = np.where(spread > 0, spread, 1e-3 * np.abs(rows).max(axis=0))
         return bool(np.all(np.isfinite(err)) and np.all(err.max(axis=0) <= PRECISION * scale))
 

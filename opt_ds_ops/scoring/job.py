@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import fcntl
 import io
 import json
 import os
+import secrets
 import shutil
+import stat
+import time
 from datetime import datetime, timezone
 
 import numpy as np
@@ -356,7 +358,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     new.last_job, new.last_result, new.lineage = job_id, result_name, lineage
     new.scored_at, new.top_metrics = summary["scored_at"], summary["top_metrics"]
     write_atomic(state_path, (json.dumps(new.to_dict(), sort_keys=True, allow_nan=False) + "\n").encode(), mode=FILE_MODE)
-    if not os.path.lexists(current) or model_lineage(os.path.join(cfg.models_dir, name)) != lineage:
+    now_lineage = model_lineage(os.path.join(cfg.models_dir, name))
+    if not os.path.lexists(current) or (lineage and now_lineage and now_lineage != lineage):
         # `ds-ops models rm NAME` while this chunk was scored (and maybe a new NAME since): the series goes with it
         remove_series(cfg.scoring.results_dir, name)
         raise ScoringError(f"{_clip(source)}: model {name} was removed while the file was scored; its scoring "
@@ -368,36 +371,34 @@ def score_job(job_dir: str, cfg: Config) -> dict:
 def remove_series(results_dir: str, name: str) -> bool:
     """Remove model ``name``'s scoring series (``RESULTS/NAME``: its results, ``state.json``,
     ``history.npz``), as ``ds-ops models rm NAME`` does with the model: renamed to a hidden
-    ``.rm-NAME-PID`` first (held under an exclusive ``flock`` while it is deleted), then deleted,
-    so the next owner of the name starts from nothing (no counters, drift or history of the old
-    one). Return True if there was one (False also when another remover took it first). Raises OSError."""
+    ``.rm-NAME-TOKEN`` first, then deleted, so the next owner of the name starts from nothing (no
+    counters, drift or history of the old one). Return True if there was one (False also when
+    another removal took it first). Raises OSError."""
     sweep_removed(results_dir)
     path = os.path.join(results_dir, name)
     if os.path.islink(path) or not os.path.isdir(path):
         return False
-    hidden = os.path.join(results_dir, f"{REMOVED_PREFIX}{name}-{os.getpid()}")
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    hidden = os.path.join(results_dir, f"{REMOVED_PREFIX}{name}-{secrets.token_hex(6)}")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # a sweep leaves a directory alone while its remover holds this
-        try:
-            os.rename(path, hidden)
-        except FileNotFoundError:
-            return False  # another removal (the operator's rm, a scoring job's) took it first
-        fsync_dir(results_dir)
-        shutil.rmtree(hidden)
-    finally:
-        os.close(fd)
+        os.rename(path, hidden)
+    except FileNotFoundError:
+        return False  # another removal (the operator's rm, a scoring job's) took it first
+    fsync_dir(results_dir)
+    shutil.rmtree(hidden, ignore_errors=True)  # what a kill leaves, the sweep takes
     return True
 
 
-REMOVED_PREFIX = ".rm-"  # RESULTS/.rm-NAME-PID: a series being removed
+REMOVED_PREFIX = ".rm-"  # RESULTS/.rm-NAME-TOKEN: a series being removed
+SWEEP_AFTER_S = 600.0  # a .rm-* renamed this long ago (its ctime) is a removal that was killed
 
 
-def sweep_removed(results_dir: str) -> list[str]:
-    """Delete what a removal killed midway left (``.rm-*`` that no remover holds: a non-blocking
-    ``flock`` on it succeeds); return the names deleted. Called by :func:`remove_series` and the
-    daemon's hourly sweep of results. Never decides by a PID (a member could hold the one a name
-    says). Never raises: a sweep that cannot delete leaves it for the next."""
+def sweep_removed(results_dir: str, now: float | None = None) -> list[str]:
+    """Delete what a removal killed midway left: ``.rm-*`` directories renamed over
+    :data:`SWEEP_AFTER_S` ago (their ctime, which the rename set and no member can change; a
+    removal at work is younger); return the names deleted. Called by :func:`remove_series` and
+    the daemon's hourly sweep of results. Takes no lock a member could hold. Never raises: a
+    sweep that cannot delete leaves it for the next."""
+    now = time.time() if now is None else now
     gone = []
     try:
         names = [n for n in os.listdir(results_dir) if n.startswith(REMOVED_PREFIX)]
@@ -406,18 +407,12 @@ def sweep_removed(results_dir: str) -> list[str]:
     for n in names:
         path = os.path.join(results_dir, n)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.lstat(path)
         except OSError:
-            continue  # gone meanwhile, a link, not a directory
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # its remover is at work
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os.close(fd)
+            continue
+        if not stat.S_ISDIR(st.st_mode) or now - st.st_ctime < SWEEP_AFTER_S:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):
             gone.append(n)
     return gone

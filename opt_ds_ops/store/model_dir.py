@@ -53,18 +53,31 @@ def name_dir_of(models_dir: str, name: str) -> str:
     return path
 
 
+LOCK_FILE = ".lock"  # NAME/.lock: the name lock's file, mode 0600, owned as the model's directory
+
+
 class NameLock:
-    """Exclusive ``flock`` on a model's directory (blocking); released when the fd closes, so a
-    killed holder never leaves it held. A directory fd needs only read access, so the daemon's
-    user and root share it without a lock file of either's ownership."""
+    """Exclusive ``flock`` on a model's ``.lock`` file (blocking); released when the fd closes, so
+    a killed holder never leaves it held. The file is mode 0600 and owned by the directory's owner
+    (root creating it hands it over), so the daemon's user and root share it, and no member of
+    group ds-ops, who may read the store, can open it to hold the lock (a shared flock on the
+    directory itself, which members can open, blocked every publish of that model)."""
 
     def __init__(self, name_dir: str):
         self.name_dir = name_dir
         self.fd = -1
 
     def __enter__(self):
-        self.fd = os.open(self.name_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        self.fd = os.open(os.path.join(self.name_dir, LOCK_FILE),
+                          os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            st, own = os.fstat(self.fd), os.stat(self.name_dir)
+            if (st.st_uid, st.st_gid) != (own.st_uid, own.st_gid) and os.geteuid() == 0:
+                os.fchown(self.fd, own.st_uid, own.st_gid)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self.fd)
+            raise
         return self
 
     def __exit__(self, *exc):

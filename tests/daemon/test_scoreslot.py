@@ -298,3 +298,16 @@ def test_retrain_every_counts_the_datas_clock_where_the_rows_have_times():
     untimed = {"last_time": None}
     assert due(rcfg, untimed, now - 3 * day, now, trained_data)[0] == "every"  # no times: the wall clock
     assert due(rcfg, untimed, now - day, now, trained_data) is None
+
+
+def test_rows_from_the_future_do_not_stop_retrain_every():
+    """A far-future row (a clock glitch, or a member's version that lost the name) counted as the
+    newest data would have made every later file look older: retraining stopped for good."""
+    from opt_ds_ops.daemon.retrainer import data_end_s, due, last_trained
+    from opt_ds_ops.config.conffile import RetrainConfig
+
+    now = time.time()
+    far = {"last_time": "2262-01-01T00:00:00.000000Z"}
+    assert due(RetrainConfig(every="1d"), far, now, now, now - 2 * 86400.0)[0] == "every"  # capped at now
+    assert data_end_s({"dataset": {"time": {"last": "2262-01-01T00:00:00.000000Z"}}}) > now
+    assert last_trained("/nonexistent", "m") == (None, None)

@@ -97,7 +97,7 @@ def test_prune_keeps_current_pinned_and_the_newest_n(tmp_path, payload):
     assert removed == [v[1], v[3], v[4]]
     assert list_versions(name_dir) == [v[0], v[2], v[5], v[6]]
     assert current_version(name_dir) == v[2]
-    assert sorted(e for e in os.listdir(name_dir) if e.startswith(".")) == [".current.log", ".operator.json"]
+    assert sorted(e for e in os.listdir(name_dir) if e.startswith(".")) == [".current.log", ".lock", ".operator.json"]
     assert prune(str(tmp_path), "m", 2) == []
 
 
@@ -259,3 +259,23 @@ def test_the_current_log_is_cut_to_its_newest_half_and_a_short_log_is_not_read_t
     assert model_dir.CURRENT_LOG_MAX // 2 < len(entries) <= model_dir.CURRENT_LOG_MAX
     assert entries[-1]["version"] == f"v{model_dir.CURRENT_LOG_MAX + 4:05d}"
     assert [e["version"] for e in entries] == sorted(e["version"] for e in entries)
+
+
+def test_a_member_who_may_read_the_store_cannot_hold_a_models_lock(tmp_path):
+    """Before, the name lock was a flock on the model's directory, which any member of group ds-ops
+    may open: a shared flock held there blocked every publish and ``ds-ops models`` change of it."""
+    import fcntl
+
+    from opt_ds_ops.store.model_dir import LOCK_FILE, NameLock
+
+    name_dir = tmp_path / "m"
+    name_dir.mkdir(mode=0o2750)
+    member = os.open(name_dir, os.O_RDONLY | os.O_DIRECTORY)  # what a member can open
+    fcntl.flock(member, fcntl.LOCK_SH)
+    try:
+        with NameLock(str(name_dir)):  # not blocked
+            pass
+    finally:
+        os.close(member)
+    st = os.stat(name_dir / LOCK_FILE)
+    assert st.st_mode & 0o777 == 0o600 and (st.st_uid, st.st_gid) == (os.stat(name_dir).st_uid, os.stat(name_dir).st_gid)
