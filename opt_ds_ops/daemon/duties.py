@@ -17,12 +17,14 @@ a job's end (:mod:`opt_ds_ops.daemon.outcome`), or on SIGHUP.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 
 from ..config.conffile import Config, ConfigError, load_config, parse_window
 from ..health.policy import gate_job, summary_line
 from ..observe.journal import LOG_INFO, LOG_WARNING, safe_text
+from ..scoring.job import STATE_FILE
 from ..spool import DONE, FAILED, SpoolError, check_writable_dir, prune_retention
 from ..store.versions import StoreError, prune
 from ..training.fit import GPU_HEADROOM_BYTES
@@ -79,6 +81,9 @@ class Duties:
         m.jobs = [{"epoch": self.d.records.get(j.job_id, {}).get("epoch") or 0, "epochs": self.d.cfg.train.epochs,
                    "slot": j.slot, "gpu": str(j.gpu["index"]) if j.gpu else "", "uuid": j.gpu["uuid"] if j.gpu else ""}
                   for j in self.d.jobs.values() if j.exitcode() is None]
+        results = self.d.cfg.scoring.results_dir
+        for name in [n for n in m.scores if not os.path.isfile(os.path.join(results, n, STATE_FILE))]:
+            del m.scores[name]  # its series was removed (`ds-ops models rm`, or by hand): no stale figures
         self.d.metrics_written_at = time.monotonic()
         problem = m.write()
         if problem:

@@ -311,3 +311,27 @@ def test_rows_from_the_future_do_not_stop_retrain_every():
     assert due(RetrainConfig(every="1d"), far, now, now, now - 2 * 86400.0)[0] == "every"  # capped at now
     assert data_end_s({"dataset": {"time": {"last": "2262-01-01T00:00:00.000000Z"}}}) > now
     assert last_trained("/nonexistent", "m") == (None, None)
+
+
+def test_the_metrics_drop_a_model_whose_series_was_removed(tmp_path):
+    """``rm -r RESULTS/NAME`` (or ``ds-ops models rm``) while the daemon runs: before, its last
+    figures stayed in ds_ops.prom until a restart, and DsOpsScoringStalled fired for it forever."""
+    import shutil
+    from types import SimpleNamespace
+
+    from opt_ds_ops.config.conffile import Config, with_overrides
+    from opt_ds_ops.daemon.duties import Duties
+
+    results, prom = tmp_path / "scores", tmp_path / "prom"
+    prom.mkdir()
+    for name in ("kept", "gone"):
+        write_model(results, name, STATE)
+    cfg = with_overrides(Config(), {"scoring.results_dir": str(results), "models_dir": str(tmp_path)})
+    m = MetricsWriter(str(prom), str(tmp_path))
+    m.scores = model_views(str(results))
+    d = SimpleNamespace(cfg=cfg, metrics=m, watcher=SimpleNamespace(queued=lambda: 0), pending=[], paused_until=0.0,
+                        jobs={}, records={}, log=Journal(), metrics_written_at=0.0)
+    shutil.rmtree(results / "gone")
+    Duties(d).write_metrics()
+    text = (prom / "ds_ops.prom").read_text()
+    assert 'model="kept"' in text and 'model="gone"' not in text

@@ -36,7 +36,7 @@ def promtool() -> str:
 def test_promtool_accepts_the_shipped_rules(promtool):
     r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 10 rules found" in r.stdout
+    assert "SUCCESS: 11 rules found" in r.stdout
 
 
 def test_the_rules_use_only_series_the_daemon_writes():
@@ -141,6 +141,26 @@ tests:
                 `journalctl -u ds-trainer -p warning`: until it writes again no other ds-ops alert can fire.
   - interval: 1m
     input_series:
+      # the metrics file exists until minute 10, then never again (a purge, a lost ACL)
+      - series: 'node_textfile_mtime_seconds{{file="ds_ops.prom", instance="h:9100", job="node"}}'
+        values: '0+60x9'
+      - series: 'node_textfile_mtime_seconds{{file="other.prom", instance="h:9100", job="node"}}'
+        values: '0x60'
+    alert_rule_test:
+      - {{eval_time: 20m, alertname: DsOpsMetricsMissing, exp_alerts: []}}
+      - eval_time: 32m
+        alertname: DsOpsMetricsMissing
+        exp_alerts:
+          - exp_labels: {{severity: warning}}
+            exp_annotations:
+              summary: "No ds-ops metrics file is exported by any node_exporter"
+              description: >-
+                node_exporter exports no ds_ops.prom. Give the user ds-ops write access to the textfile
+                directory (`sudo setfacl -m u:ds-ops:rwx /var/lib/prometheus/node-exporter`; again after a
+                purge and reinstall), restart ds-trainer, and look for "Prometheus metrics not written" in
+                `journalctl -u ds-trainer -p warning`.
+  - interval: 1m
+    input_series:
       # started at minute 0, 5, 10 and 15: three restarts
       - series: 'ds_ops_daemon_start_time_seconds{{instance="h:9100", job="node"}}'
         values: '0x4 300x4 600x4 900x30'
@@ -196,10 +216,20 @@ tests:
       - {{eval_time: 140m, alertname: DsOpsJobsFailing, exp_alerts: []}}
   - interval: 1m
     input_series:
+      # m: scored every minute at 20 times its design rate; ok: at once; gone: as drifted, but its
+      # last file was scored at minute 0 (an exporter retired: the gauge keeps its last value)
       - series: 'ds_ops_model_drift_ratio{{model="m", instance="h:9100", job="node"}}'
         values: '20x500'
+      - series: 'ds_ops_last_scored_timestamp_seconds{{model="m", instance="h:9100", job="node"}}'
+        values: '0+60x500'
       - series: 'ds_ops_model_drift_ratio{{model="ok", instance="h:9100", job="node"}}'
         values: '1x500'
+      - series: 'ds_ops_last_scored_timestamp_seconds{{model="ok", instance="h:9100", job="node"}}'
+        values: '0+60x500'
+      - series: 'ds_ops_model_drift_ratio{{model="gone", instance="h:9100", job="node"}}'
+        values: '20x500'
+      - series: 'ds_ops_last_scored_timestamp_seconds{{model="gone", instance="h:9100", job="node"}}'
+        values: '0x500'
     alert_rule_test:
       - {{eval_time: 5h, alertname: DsOpsDriftNotLearned, exp_alerts: []}}
       - eval_time: 7h
@@ -243,7 +273,9 @@ tests:
               description: >-
                 The current version of m is 2d 3h 34m 0s old, over twice
                 retrain.every, while it is still scored. `ds-ops status` says whether its retrainings fail
-                (a back-off) and `ds-ops models list m` whether the gate refused them.
+                (a back-off); `ds-ops models list m` whether the gate refused them (check
+                one, then `sudo ds-ops models promote m VERSION`) or you pinned or rolled
+                it back (then new versions are held by design: unpin, or silence this alert).
   - interval: 1m
     input_series:
       - series: 'ds_ops_gpu_health{{gpu="0", uuid="GPU-1", verdict="fail", instance="h:9100", job="node"}}'
