@@ -299,7 +299,7 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
     print(f"replay of {name}: {n0} rows ({args.train_days:g} days) to train, then rows {n0}..{end} "
           f"({(end - n0) / 1440:.1f} days, {train.shape[0] - n0 if end > train.shape[0] else end - n0} of train, "
           f"{max(0, end - train.shape[0])} of test) in chunks of {per_chunk} rows; {args.day_s:g} s a day; "
-          f"retrain.every {args.every} (wall clock), window {args.window}; root {root}", flush=True)
+          f"retrain.every {args.every} (the data's clock), window {args.window}; root {root}", flush=True)
     t_start = time.monotonic()
     d = Daemon(conf)
     try:

@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
         a = acts.add_parser(verb, help=text)
         a.add_argument("spec", metavar="NAME[/VERSION]")
         a.add_argument("--why", help="reason, recorded in the version's metadata")
-    a = acts.add_parser("rm", help="remove one version (current moves to the newest other one) or a whole model")
+    a = acts.add_parser("rm", help="remove one version (removing current moves it back to the version that was "
+                        "current before, as rollback) or a whole model with its scoring series")
     a.add_argument("spec", metavar="NAME[/VERSION]")
     a.add_argument("--why", help="reason, recorded when current moves")
     for p in acts.choices.values():  # the options also after the action: `ds-ops models list --json`

@@ -72,7 +72,7 @@ def _model_line(v: dict) -> str:
     nxt = v.get("next_retrain_at")
     retrain = (f", next retrain {datetime.fromtimestamp(nxt, timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}"
                if isinstance(nxt, (int, float)) else "")
-    if isinstance(v.get("next_retrain_data_time"), str):
+    if isinstance(v.get("next_retrain_data_time"), str) and not isinstance(v.get("retrain_failed"), dict):
         retrain = f", next retrain once the data reaches {v['next_retrain_data_time']}"
     failed = v.get("retrain_failed")
     if isinstance(failed, dict):
@@ -201,9 +201,11 @@ def _print(st: dict) -> None:
             print(f"  {safe_text(d.get('dataset_file') or '?')}  -> {d.get('model_dir')}  loss {loss_text}  "
                   f"{d.get('device')} {d.get('finished_at')}")
     if st["recent_failed"]:
-        print("latest failed (fix the file, then: sudo ds-ops requeue NAME):")
+        print("latest failed (fix the file, then: sudo ds-ops requeue NAME; a retraining is not requeued: "
+              "it backs off and is tried again, see the scored models below):")
         for d in st["recent_failed"]:
-            print(f"  {safe_text(d.get('dataset_file') or '?')}  [{d.get('stage')}] {safe_text(str(d.get('reason')))}")
+            what = " (retraining)" if d.get("kind") == "retrain" else ""  # its JSON says so (older ones do not)
+            print(f"  {safe_text(d.get('dataset_file') or '?')}{what}  [{d.get('stage')}] {safe_text(str(d.get('reason')))}")
     print(f"score/: {len(st.get('score_queue', []))} queued")
     for name in st.get("score_queue", []):
         print(f"  queued  {safe_text(name)}")

@@ -229,7 +229,7 @@ class Outcome:
         doc = {"job_id": record.get("job_id"), "dataset": record.get("dataset"), "stage": stage, "reason": reason,
                "exception_type": exception_type, "failed_at": utc_now(), "claimed_at": record.get("claimed_at"),
                "sha256": record.get("sha256"), "crashes": record.get("crashes", 0), "health": report,
-               "uploader_uid": record.get("uploader_uid"), "drop": record.get("drop")}
+               "uploader_uid": record.get("uploader_uid"), "drop": record.get("drop"), "kind": record.get("kind")}
         final = finish(self.d.spool, record["job_id"], record, FAILED, doc)
         self.forget(record["job_id"])
         self.d.log.event("job-failed", f"{safe_text(record.get('dataset', ''))}: failed in stage {stage}: {reason}; "
