@@ -23,7 +23,8 @@ Given ``store.promote``:
   3. ``flagged-vs-design``: its flagged share of the held-back rows the champion did NOT flag
      (all of them without a champion) is not above the design rate (the share the threshold was
      set for: :func:`design_rate`) by more than the same tolerance. A real incident in the
-     held-back rows that both models flag is no reason to refuse: it counts in test 2 for both,
+     held-back rows that both models flag is no reason to refuse (unless it covers over half of
+     them, ``flagged-most``): it counts in test 2 for both,
      and test 3 asks only whether the challenger flags the champion's normal rows at about the
      rate it was designed for;
   4. ``pr-auc`` (only where labels for those rows exist: the sidecar's ``incidents``, row ranges
