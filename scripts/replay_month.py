@@ -8,8 +8,10 @@ the journal, and whether the retraining kept its promises.
   and the promotion gate as shipped, ``train.max_steps`` capped only where ``--max-steps`` says),
   the spool and the model store. As root the daemon runs without CAP_DAC_OVERRIDE,
   CAP_DAC_READ_SEARCH and CAP_FOWNER, as scripts/soak.py starts it.
-* The first ``--train-days`` (7) of an SMD machine's train period (one row a minute, 38 metrics)
-  are dropped in incoming/ as ``MACHINE.csv`` with an ISO time column from 2026-11-01T00:00:00Z.
+* The first ``--train-days`` (7) of a machine's train period are dropped in incoming/ as
+  ``MACHINE.csv`` with an ISO time column from 2026-11-01T00:00:00Z: any corpus in SMD's layout
+  (``--corpus``: train/, test/, test_label/), SMD by default (one row a minute, 38 metrics), ASD
+  with ``--period-s 300`` (one row every 5 minutes, 19 metrics).
 * The rest of the train period and the whole test period follow as chunks of ``--chunk-hours``
   (12) into score/, each written under ``.part`` and renamed in, one at a time (the next once the
   daemon has scored the last), paced at ``--day-s`` (8) wall seconds per day of data.
@@ -19,7 +21,10 @@ the journal, and whether the retraining kept its promises.
 * At the end (the queue empty, the last retraining finished) it prints ``ds-ops status``,
   ``ds-ops models list``, the daemon's journal lines about retraining, promotion and anomalies,
   and a summary: chunks, rows scored, retrains, promotions, refusals with the gate's figures, and
-  the segments flagged in the test period against its labelled ones.
+  the segments flagged in the test period against its labelled ones, then the figures an
+  operator lives with over it: alerts, false alarms a day (alerts touching no label), labelled
+  segments paged (an alert starting inside one or at most an hour before it), the share of normal
+  rows in alarm, retrains promoted.
 
 Checks (exit 1, one line per failure): ``current`` names one whole version after every chunk and
 at the end; every version directory loads (opt_ds_ops.store.versions.load_model) and no ``.tmp-*`` is
@@ -59,7 +64,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 START = datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp()
-PERIOD_S = 60  # SMD: one row a minute
+PERIOD_S = 60  # SMD: one row a minute (--period-s: ASD has 300)
 READY_TIMEOUT_S = 120.0
 JOB_TIMEOUT_S = 300.0
 JOURNAL_WORDS = ("retraining queued", "model saved", "not promoted", "held by", "series", "failed", "pruned", "suspect",
@@ -71,7 +76,8 @@ class ReplayFailure(RuntimeError):
 
 
 def smd_dir(arg: str | None) -> Path:
-    """The SMD folder: --smd, else ../shared/data/smd if present, else the bundled data/smd."""
+    """The corpus folder in SMD's layout (train/, test/, test_label/): --corpus (or --smd), else
+    ../shared/data/smd if present, else the bundled data/smd."""
     if arg:
         return Path(arg)
     shared = REPO.parent / "shared" / "data" / "smd"
@@ -91,14 +97,14 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def write_csv(path: Path, rows: np.ndarray, first_row: int) -> None:
-    """rows as CSV with a header ``time,m0..m37``, row i at START + 60 (first_row + i) s; written
-    under path.part and renamed to path (as docs/operating.md says a drop should be)."""
+def write_csv(path: Path, rows: np.ndarray, first_row: int, period_s: float = PERIOD_S) -> None:
+    """rows as CSV with a header ``time,m0..m(D-1)``, row i at START + period_s (first_row + i) s;
+    written under path.part and renamed to path (as docs/operating.md says a drop should be)."""
     part = path.with_name(path.name + ".part")
     with open(part, "w") as f:
         f.write("time," + ",".join(f"m{i}" for i in range(rows.shape[1])) + "\n")
         for i, r in enumerate(rows):
-            f.write(iso(START + PERIOD_S * (first_row + i)) + "," + ",".join(f"{v:.6g}" for v in r) + "\n")
+            f.write(iso(START + period_s * (first_row + i)) + "," + ",".join(f"{v:.6g}" for v in r) + "\n")
     os.rename(part, path)
 
 
@@ -268,6 +274,28 @@ def history_copies(done: Path) -> dict[str, Path]:
     return out
 
 
+def operator_figures(flags: np.ndarray, labels: np.ndarray, period_s: float) -> dict:
+    """What an operator lives with over a labelled period, from the rows' flags (n,) and labels (n,):
+    ``alerts`` (flagged segments: each starts with an anomaly-started entry), ``false_alarms``
+    (alerts that touch no labelled row) and ``false_alarms_per_day``, ``labelled`` segments and
+    ``paged`` (an alert *starts* inside the segment or at most an hour before it: a segment inside
+    an alert that began earlier pages nobody), ``normal_in_alarm`` (the share of unlabelled rows
+    flagged), ``days``."""
+    from opt_ds_ops.model.threshold import segments
+
+    fs, fe = segments(flags)
+    ls, le = segments(labels)
+    hour = max(1, int(round(3600 / period_s)))
+    days = flags.shape[0] * period_s / 86400
+    false = sum(not labels[s:e].any() for s, e in zip(fs, fe))
+    paged = sum(bool(((fs >= s - hour) & (fs < e)).any()) for s, e in zip(ls, le))
+    normal = ~labels
+    return {"days": round(days, 2), "alerts": int(fs.size), "false_alarms": int(false),
+            "false_alarms_per_day": round(false / days, 3) if days else None, "labelled": int(ls.size),
+            "paged": int(paged), "paged_share": round(paged / ls.size, 4) if ls.size else None,
+            "normal_in_alarm": round(float((flags & normal).sum() / normal.sum()), 4) if normal.any() else None}
+
+
 def segments_vs_labels(flags: np.ndarray, labels: np.ndarray) -> dict:
     """Event-level figures: labelled segments touched by a flagged row, flagged segments touching none."""
     from opt_ds_ops.model.threshold import segments
@@ -291,32 +319,33 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
     name = args.machine
     train, test, labels = load_machine(smd_dir(args.smd), name)
     rows = np.concatenate([train, test])
-    n0 = int(args.train_days * 1440)
-    per_chunk = int(args.chunk_hours * 60)
-    end = rows.shape[0] if not args.days else min(rows.shape[0], n0 + int(args.days * 1440))
+    period, per_day = args.period_s, 86400 / args.period_s
+    n0 = int(args.train_days * per_day)
+    per_chunk = int(args.chunk_hours * 3600 / period)
+    end = rows.shape[0] if not args.days else min(rows.shape[0], n0 + int(args.days * per_day))
     conf = write_config(root, args)
     spool, name_dir, results = root / "spool", root / "models" / name, root / "scores" / name
     print(f"replay of {name}: {n0} rows ({args.train_days:g} days) to train, then rows {n0}..{end} "
-          f"({(end - n0) / 1440:.1f} days, {train.shape[0] - n0 if end > train.shape[0] else end - n0} of train, "
+          f"({(end - n0) / per_day:.1f} days, {train.shape[0] - n0 if end > train.shape[0] else end - n0} of train, "
           f"{max(0, end - train.shape[0])} of test) in chunks of {per_chunk} rows; {args.day_s:g} s a day; "
           f"retrain.every {args.every} (the data's clock), window {args.window}; root {root}", flush=True)
     t_start = time.monotonic()
     d = Daemon(conf)
     try:
         d.wait(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", READY_TIMEOUT_S)
-        write_csv(spool / "incoming" / f"{name}.csv", rows[:n0], 0)
+        write_csv(spool / "incoming" / f"{name}.csv", rows[:n0], 0, period)
         d.wait(lambda: current_version(str(name_dir)), "the first model")
         print(f"first model {current_version(str(name_dir))} after {time.monotonic() - t_start:.0f} s", flush=True)
         chunks, t0 = 0, time.monotonic()
         for a in range(n0, end, per_chunk):
             b = min(a + per_chunk, end)
             scored = d.log().count(" scored with version ")
-            write_csv(spool / "score" / f"{name}.csv", rows[a:b], a)
+            write_csv(spool / "score" / f"{name}.csv", rows[a:b], a, period)
             d.wait(lambda: d.log().count(" scored with version ") > scored or "failed in stage" in d.log(),
                    f"chunk {chunks + 1} to be scored")
             chunks += 1
             check_current(name_dir, failures, f"after chunk {chunks}")
-            time.sleep(max(0.0, t0 + chunks * args.day_s * (b - a) / 1440 - time.monotonic()))
+            time.sleep(max(0.0, t0 + chunks * args.day_s * (b - a) / per_day - time.monotonic()))
         d.wait(lambda: not any((spool / "processing").iterdir()) and not any((spool / "score").iterdir()),
                "the last jobs to end")
         replay_s = time.monotonic() - t0
@@ -376,9 +405,11 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
                              design=gate.get("design_rate"), rows_gate=gate.get("rows")))
     # the test period's flags against its labels
     test_from = train.shape[0]
-    times = START + PERIOD_S * np.arange(test_from, end)
+    times = START + period * np.arange(test_from, end)
     flagged = np.array([flags_by_time.get(int(t), False) for t in times], dtype=bool)
     events = segments_vs_labels(flagged, labels[: max(0, end - test_from)]) if end > test_from else {}
+    if events:
+        events["operator"] = operator_figures(flagged, labels[: end - test_from], period)
     figures = {"machine": name, "chunks": chunks, "rows_scored": int(end - n0), "replay_s": round(replay_s, 1),
                "total_s": round(time.monotonic() - t_start, 1), "versions": len(mds), "retrains": retrains,
                "current": current_version(str(name_dir)), "test_period": events,
@@ -420,12 +451,20 @@ def print_report(status: str, models: str, log: str, figures: dict) -> None:
         print(f"  test period: {e['flagged']} segments flagged, {e['flagged_false']} of them outside every labelled "
               f"one; {e['labelled_hit']} of {e['labelled']} labelled segments flagged; rows: {e['rows_flagged']} "
               f"flagged, {e['rows_labelled']} labelled, {e['rows_flagged_labelled']} both")
+        o = e["operator"]
+        print(f"  as an operator lives it, over {o['days']} days: {o['alerts']} alerts, {o['false_alarms']} false "
+              f"({o['false_alarms_per_day']} a day); {o['paged']} of {o['labelled']} labelled segments paged (an alert "
+              f"starting in it or up to an hour before); {o['normal_in_alarm']:.1%} of normal rows in alarm; "
+              f"{sum(1 for x in figures['retrains'] if x['promoted'])} of {len(figures['retrains'])} retrains promoted")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--machine", default="machine-1-2", help="SMD machine (default machine-1-2)")
-    p.add_argument("--smd", help="SMD folder (default ../shared/data/smd if present, else data/smd)")
+    p.add_argument("--machine", default="machine-1-2", help="machine or entity of the corpus (default machine-1-2)")
+    p.add_argument("--corpus", "--smd", dest="smd",
+                   help="a corpus in SMD's layout: SMD, or ASD with --period-s 300 (default ../shared/data/smd "
+                        "if present, else data/smd)")
+    p.add_argument("--period-s", type=float, default=PERIOD_S, help="seconds between rows (60: SMD; 300: ASD)")
     p.add_argument("--train-days", type=float, default=7.0, help="days of the train period to train on first (7)")
     p.add_argument("--chunk-hours", type=float, default=12.0, help="hours of data per scored chunk (12)")
     p.add_argument("--days", type=float, default=0.0, help="replay only this many days after the training (0: all)")

@@ -28,3 +28,25 @@ def test_a_replay_retrains_by_retrain_every_judges_each_challenger_and_keeps_the
         assert x["left_out"] > 0 and x["trained_flagged"] == 0, x  # the flagged segments stayed out
     assert "ds-ops status" in r.stdout and "next retrain once the data reaches 20" in r.stdout and "gate: " in r.stdout
     assert "      retrained (every): " in r.stdout and " history rows, " in r.stdout  # ds-ops models list says so
+
+
+def test_the_operator_figures_count_pages_by_where_an_alert_starts():
+    """Paged: an alert starts inside the labelled segment or at most an hour before it; a segment
+    that falls inside an alert which began hours earlier pages nobody, but that alert is no false one."""
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from replay_month import operator_figures
+
+    n = 1440  # one day of 1-minute rows
+    labels, flags = np.zeros(n, bool), np.zeros(n, bool)
+    labels[100:150] = labels[600:620] = True
+    flags[80:120] = True    # starts 20 minutes before the first segment: a page
+    flags[300:310] = True   # touches no label: a false alarm
+    flags[400:700] = True   # began 200 minutes before the second segment: covers it, pages nobody
+    o = operator_figures(flags, labels, 60.0)
+    assert (o["alerts"], o["false_alarms"], o["labelled"], o["paged"]) == (3, 1, 2, 1), o
+    assert o["false_alarms_per_day"] == 1.0 and o["paged_share"] == 0.5
+    assert o["normal_in_alarm"] == round((20 + 10 + 280) / (n - 70), 4)
+    five_min = operator_figures(flags[::5], labels[::5], 300.0)  # ASD's rows: an hour is 12 rows
+    assert five_min["days"] == 1.0 and five_min["paged"] == 1
