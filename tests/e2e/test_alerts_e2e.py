@@ -192,8 +192,11 @@ def shortened(rules: dict) -> dict:
 
 
 def shipped_alert(rules: dict, series: str) -> dict:
-    """Return the shipped alerting rule whose expression uses the series."""
-    found = [r for g in rules["groups"] for r in g["rules"] if "alert" in r and series in r["expr"]]
+    """Return the shipped alerting rule whose expression is about the series: the first series it
+    names (DsOpsDriftNotLearned also checks ds_ops_last_scored_timestamp_seconds, to skip a model
+    no longer fed; DsOpsScoringStalled is the rule on it)."""
+    found = [r for g in rules["groups"] for r in g["rules"]
+             if "alert" in r and (re.search(r"\bds_ops_[a-z_]+", r["expr"]) or [None])[0] == series]
     assert len(found) == 1, f"{SHIPPED_RULES}: {len(found)} alerting rules on {series}: {found}"
     return found[0]
 
