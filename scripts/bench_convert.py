@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Benchmark: a CSV (or Parquet) larger than the job's memory, trained by ``ds-ops train`` under
-``RLIMIT_DATA`` = ``job.memory_max``, as a daemon job runs (issue 12, "Datasets larger than memory").
+``RLIMIT_DATA`` = ``job.memory_max``, as a daemon job runs (docs/datasets.md, "Datasets larger than memory").
 
 Writes ROWS x FEATURES of telemetry-like float rows with an epoch-seconds time column, in 1 M-row
 batches (pyarrow.csv / pyarrow.parquet, so the generator never holds the table), then runs

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: one scoring job (issue 19) of a 1,000-row chunk, in a forkserver child as the
+"""Benchmark: one scoring job (docs/scoring.md) of a 1,000-row chunk, in a forkserver child as the
 daemon runs a job (:mod:`opt_ds_ops.daemon.worker`), from the fork to the child's exit.
 
 Trains a small model (3,000 rows of the bundled SMD machine-1-2, one epoch) once, then scores

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: drop -> results and drop -> journal alert of the scoring spool (issue 19).
+"""Benchmark: drop -> results and drop -> journal alert of the scoring spool (docs/scoring.md).
 
 Starts a real daemon (``ds-ops daemon``, job processes from its forkserver, the journal captured
 at systemd-python's ``send`` inside the daemon process with the time of each entry) on a temporary

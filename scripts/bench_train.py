@@ -106,7 +106,7 @@ def main() -> int:
     data = torch.randn(args.rows, args.features, dtype=torch.float32)  # the seed's data
     plan = plan_device(args.device, args.amp)
     device = plan.device
-    # exactly --epochs epochs, as the seed's loop runs (issue 21: the plateau rule is off here)
+    # exactly --epochs epochs, as the seed's loop runs (the plateau rule is off here)
     # and with the seed's batch and learning rate, whatever the shipped defaults are
     cfg = TrainConfig(epochs=args.epochs, val_fraction=0.0, stopping="epochs", batch_size=2048, lr=1e-3)
 

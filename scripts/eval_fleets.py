@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 21's pre-registered evaluation (docs/detection-protocol.md): the stopping candidates on
+"""The pre-registered evaluation of the stopping rule (docs/detection-protocol.md): the stopping candidates on
 two fleets, leave-one-fleet-out, with the z-score + EMA and PCA + EMA baselines of ``ds-ops
 evaluate`` computed in the same run from the same files.
 
@@ -44,7 +44,7 @@ CANDIDATES = {
     "plateau-long": dict(stopping="plateau", eval_every_steps=50, patience=10, min_delta=0.001, min_steps=500,
                          max_steps=10000, epochs=1000),
 }
-# round 2 (docs/detection-protocol.md, "Round 2"): the same question under issue 21's 2 s drop-to-model cost,
+# round 2 (docs/detection-protocol.md, "Round 2"): the same question under a 2 s drop-to-model cost,
 # in the order used for ties (cheapest first); plateau-long is the reference and must pass the cost gate too
 FAST = dict(stopping="plateau", eval_every_steps=25, patience=6, min_delta=0.002, min_steps=100, epochs=1000)
 ROUND2 = {

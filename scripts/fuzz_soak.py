@@ -2,7 +2,7 @@
 """Daemon fuzz soak: hostile drops and good datasets while the ds-trainer daemon is SIGKILLed at random.
 
 Built on scripts/soak.py (its daemon, spool, kill schedule, good datasets and checks), with a second
-member of group ds-ops who drops everything the issue-18 table names (docs/development-soak.md):
+member of group ds-ops who drops everything docs/development-soak.md names:
 
 * The daemon runs as root without CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER (as the
   unit's user would). Good datasets (``--good``, small real SMD slices as in soak.py, 1 epoch) are

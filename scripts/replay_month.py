@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A month of one real server's telemetry, replayed through the real daemon with retraining on
-(issue 20, acceptance 4): what a new operator sees in ``ds-ops status``, ``ds-ops models`` and
+(docs/retraining.md, "A month, replayed"): what a new operator sees in ``ds-ops status``, ``ds-ops models`` and
 the journal, and whether the retraining kept its promises.
 
 * A temporary root holds a conffile (device cpu; scoring on; ``retrain.every`` on, by default

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The record of how ds-ops's default score was picked (issue 10; docs/detection.md, "How the default score was chosen").
+"""The record of how ds-ops's default score was picked (docs/detection.md, "How the default score was chosen").
 
 On the selection half of the shared SMD machines only (default: machine-1-2 1-4 1-6 1-8 2-2; the
 other five are the confirmation half and must not be given here), train one model per machine and

@@ -220,3 +220,17 @@ def test_no_two_module_names_differ_only_by_a_suffix():
 def test_the_folder_rule_catches_an_import_against_the_flow():
     assert _rank("opt_ds_ops.daemon.service") < _rank("opt_ds_ops.store.versions") < _rank("opt_ds_ops.config.conffile")
     assert _rank("opt_ds_ops.cli") < _rank("opt_ds_ops.commands.train") and _rank("opt_ds_ops.fsutil") == len(FOLDER_ORDER)
+
+
+def test_the_repository_names_no_tracker_numbers():
+    """"issue 19" means nothing to someone who has only the repository: the code, the docs and the
+    packaging say the reason or link the docs page instead (CHANGELOG.md's history excepted)."""
+    tracked = [REPO / p for p in ("opt_ds_ops", "tests", "docs", "scripts", "debian", "etc")]
+    tracked += [REPO / f for f in ("README.md", "Makefile", "pyproject.toml")]
+    files = [f for top in tracked for f in ([top] if top.is_file() else top.rglob("*"))
+             if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".gz", ".png", ".npy", ".deb")]
+    pattern = re.compile(r"\b[Ii]ssues? [0-9]+\b|\bissue-[0-9]+\b")
+    hits = [f"{f.relative_to(REPO)}:{n}" for f in files
+            for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+            if pattern.search(line) and f.name != "test_layout.py"]
+    assert not hits, f"tracker numbers: {hits[:20]}"
