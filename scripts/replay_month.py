@@ -111,7 +111,7 @@ def write_csv(path: Path, rows: np.ndarray, first_row: int, period_s: float = PE
 def write_config(root: Path, args) -> Path:
     lines = [f"models_dir: {root / 'models'}", "device: cpu", "spool:", f"  dir: {root / 'spool'}", "  settle_s: 0.2",
              "  scan_interval_s: 1", "  quiet_s: 0.5", "scoring:", f"  results_dir: {root / 'scores'}",
-             "retrain:", f"  every: {args.every}", f"  window: {args.window}"]
+             "retrain:", f'  every: "{args.every}"', f"  window: {args.window}"]
     if args.max_steps:
         lines += ["train:", f"  max_steps: {args.max_steps}"]
     conf = root / "trainer.yaml"
