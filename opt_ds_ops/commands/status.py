@@ -90,7 +90,6 @@ def next_retrains(args, views: dict) -> None:
     as the daemon counts it, or the end of a failed retraining's back-off if later) to each scored
     model's view when retrain.every is set, and ``retrain_failed`` (the last failure, its
     ``next_try_at``) where the model's last retraining failed."""
-    from ..config.conffile import parse_window
     from ..daemon.retrainer import last_trained, next_try_s, read_failure
 
     try:
@@ -105,7 +104,7 @@ def next_retrains(args, views: dict) -> None:
         if not cfg.retrain.every:
             continue
         trained, data_s = last_trained(cfg.models_dir, name)
-        every_s = parse_window(cfg.retrain.every)[1]
+        every_s = cfg.retrain.every_s
         if data_s is not None and v.get("last_time") is not None:  # by the data's clock (opt_ds_ops.daemon.retrainer.due)
             v["next_retrain_data_time"] = datetime.fromtimestamp(data_s + every_s, timezone.utc).strftime(
                 "%Y-%m-%dT%H:%M:%SZ")

@@ -402,6 +402,11 @@ class RetrainConfig:
     drift_window: str = _field("1440", _window_ok, "a number of rows >= 1 or a duration like 24h")
     drift_rate: float = _field(0.0, _non_negative, "a multiple of the design rate >= 0 (0: off)")
 
+    @property
+    def every_s(self) -> float:
+        """``every`` in seconds; 0.0 when it is off."""
+        return parse_window(self.every)[1] if self.every else 0.0
+
 
 @dataclass(frozen=True)
 class Config:

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from ..config.conffile import Config, ConfigError, load_config, parse_window
+from ..config.conffile import Config, ConfigError, load_config
 from ..health.policy import gate_job, summary_line
 from ..observe.journal import LOG_INFO, LOG_WARNING, safe_text
 from ..scoring.job import STATE_FILE
@@ -213,6 +213,6 @@ class Duties:
         note += f": {', '.join(changed)}" if changed else ": nothing changed"
         self.d.log.event("config-reloaded", f"configuration reloaded from {self.d.config_path}{note}")
         self.d.metrics.models_dir = new.models_dir
-        self.d.metrics.retrain_every_s = parse_window(new.retrain.every)[1] if new.retrain.every else 0.0
+        self.d.metrics.retrain_every_s = new.retrain.every_s
         self.d.notifier.ready(self.idle_status())
         self.write_metrics()

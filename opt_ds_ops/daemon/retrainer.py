@@ -30,6 +30,7 @@ from ..config.conffile import parse_window
 from ..fsutil import fsync_dir, read_small, utc_now, write_atomic
 from ..lifecycle.history import history_path
 from ..observe.journal import LOG_NOTICE, safe_text
+from ..observe.metrics import _utc_seconds
 from ..spool import new_job_id, save_record
 from ..store.versions import StoreError, current_metadata
 
@@ -50,11 +51,7 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 3600.0, 86400.0
 
 def trained_at_s(md: dict | None) -> float | None:
     """The UTC seconds a version's training ended (metadata ``ended_at``), or None."""
-    ended = (md or {}).get("ended_at")
-    try:
-        return datetime.strptime(ended, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
-    except (TypeError, ValueError):
-        return None
+    return _utc_seconds((md or {}).get("ended_at"))
 
 
 def data_end_s(md: dict | None) -> float | None:
@@ -67,14 +64,7 @@ def data_end_s(md: dict | None) -> float | None:
     if isinstance(held, dict):
         t = held.get("to_time_s")
         return float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None
-    return _iso_s(((md.get("dataset") or {}).get("time") or {}).get("last"))
-
-
-def _iso_s(stamp) -> float | None:
-    try:
-        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
-    except (TypeError, ValueError):
-        return None
+    return _utc_seconds(((md.get("dataset") or {}).get("time") or {}).get("last"))
 
 
 def last_trained(models_dir: str, name: str) -> tuple[float | None, float | None]:
@@ -88,17 +78,12 @@ def last_trained(models_dir: str, name: str) -> tuple[float | None, float | None
         mds = [read_metadata(os.path.join(name_dir, v)) for v in list_versions(name_dir)]
     except (OSError, ValueError, StoreError):
         return None, None
-    ends = [e for e in (trained_at_s(md) for md in mds) if e is not None]
+    pairs = [(trained_at_s(md), data_end_s(md)) for md in mds]
+    ends = [t for t, _ in pairs if t is not None]
     # a version's data cannot end after its training did: far-future rows (a clock glitch, or a
     # member's version that lost the name) would otherwise stop retrain.every for good
-    data = [min(d, t) if t is not None else d for d, t in ((data_end_s(md), trained_at_s(md)) for md in mds)
-            if d is not None]
+    data = [min(d, t) if t is not None else d for t, d in pairs if d is not None]
     return (max(ends) if ends else None), (max(data) if data else None)
-
-
-def last_trained_s(models_dir: str, name: str) -> float | None:
-    """The UTC seconds the newest version of model ``name`` finished training, or None."""
-    return last_trained(models_dir, name)[0]
 
 
 def ago(seconds: float) -> str:
@@ -131,9 +116,7 @@ def next_try_s(rcfg, failure: dict | None) -> float | None:
         return None
     doublings = min(10, max(0, int(failure.get("failures") or 1) - 1))  # 2**10 h is past the cap already
     wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** doublings)
-    if rcfg.every:
-        wait = max(wait, parse_window(rcfg.every)[1])
-    return float(failure["failed_at_s"]) + wait
+    return float(failure["failed_at_s"]) + max(wait, rcfg.every_s)
 
 
 def due(rcfg, summary: dict, trained_s: float | None, now_s: float,
@@ -150,18 +133,16 @@ def due(rcfg, summary: dict, trained_s: float | None, now_s: float,
         if not rows or d.get("rows", 0) >= rows:  # a full window, not the first few rows
             return "drift", (f"{d['flagged_share']:.2%} of the last {d['rows']} rows flagged, {ratio:.1f} x the "
                              f"design rate {d['design_rate']:.2%} (retrain.drift_rate {rcfg.drift_rate:g})")
-    chunk_s = _iso_s(summary.get("last_time"))
+    chunk_s = _utc_seconds(summary.get("last_time"))
     if chunk_s is not None:
         chunk_s = min(chunk_s, now_s)  # a row from the future counts as now
     if rcfg.every and data_s is not None and chunk_s is not None:
-        every_s = parse_window(rcfg.every)[1]
-        if chunk_s - data_s >= every_s:
+        if chunk_s - data_s >= rcfg.every_s:
             return "every", (f"the newest version's data ends {ago(chunk_s - data_s)} before this file's last row "
                              f"(retrain.every {rcfg.every}, by the data's clock)")
         return None
     if rcfg.every and trained_s is not None:
-        every_s = parse_window(rcfg.every)[1]
-        if now_s - trained_s >= every_s:
+        if now_s - trained_s >= rcfg.every_s:
             return "every", f"the newest version was trained {ago(now_s - trained_s)} ago (retrain.every {rcfg.every})"
     return None
 

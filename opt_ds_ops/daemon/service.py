@@ -46,7 +46,7 @@ import time
 import traceback
 
 from .. import EARLY_STOP
-from ..config.conffile import DEFAULT_CONFIG_PATH, Config, parse_window
+from ..config.conffile import DEFAULT_CONFIG_PATH, Config
 from ..observe.journal import LOG_ERR, LOG_INFO, LOG_WARNING, EventLog, safe_text
 from ..observe.metrics import MetricsWriter
 from ..spool import (
@@ -110,7 +110,7 @@ class Daemon:
 
         self.metrics = MetricsWriter(cfg.metrics.textfile_dir, cfg.models_dir, torch_version=torch.__version__,
                                      cuda_version=torch.version.cuda or "", read_models=current_models,
-                                     retrain_every_s=parse_window(cfg.retrain.every)[1] if cfg.retrain.every else 0.0)
+                                     retrain_every_s=cfg.retrain.every_s)
         self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
         self.breadcrumb = Breadcrumb(spool.root)  # the job in hand, for a death's quarantine
         self.slots = Slots(self)  # job slots and the GPU each job gets (opt_ds_ops.daemon.slots)
