@@ -28,7 +28,7 @@ from ..scoring.job import STATE_FILE
 from ..spool import DONE, FAILED, SpoolError, check_writable_dir, prune_retention
 from ..store.versions import StoreError, prune
 from ..training.fit import GPU_HEADROOM_BYTES
-from .pacing import HEALTH_LOG_TIMEOUT_S
+from .pacing import HEALTH_LOG_TIMEOUT_S, METRICS_REFRESH_S
 
 
 def _changed_keys(old: Config, new: Config) -> list[str]:
@@ -58,6 +58,7 @@ class Duties:
 
     def __init__(self, daemon):
         self.d = daemon  # its configuration, watcher, queue, running jobs, metrics, journal
+        self.series_checked_at: float | None = None  # time.monotonic() of the last look for removed series
 
     # ---- metrics and retention -------------------------------------------------------------------
     def start_metrics(self) -> None:
@@ -81,9 +82,12 @@ class Duties:
         m.jobs = [{"epoch": self.d.records.get(j.job_id, {}).get("epoch") or 0, "epochs": self.d.cfg.train.epochs,
                    "slot": j.slot, "gpu": str(j.gpu["index"]) if j.gpu else "", "uuid": j.gpu["uuid"] if j.gpu else ""}
                   for j in self.d.jobs.values() if j.exitcode() is None]
-        results = self.d.cfg.scoring.results_dir
-        for name in [n for n in m.scores if not os.path.isfile(os.path.join(results, n, STATE_FILE))]:
-            del m.scores[name]  # its series was removed (`ds-ops models rm`, or by hand): no stale figures
+        if self.series_checked_at is None or time.monotonic() - self.series_checked_at >= METRICS_REFRESH_S:
+            # a stat per scored model, not on every write (each epoch and scored file writes): at most a minute late
+            self.series_checked_at = time.monotonic()
+            results = self.d.cfg.scoring.results_dir
+            for name in [n for n in m.scores if not os.path.isfile(os.path.join(results, n, STATE_FILE))]:
+                del m.scores[name]  # its series was removed (`ds-ops models rm`, or by hand): no stale figures
         self.d.metrics_written_at = time.monotonic()
         problem = m.write()
         if problem:
