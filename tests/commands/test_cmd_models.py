@@ -21,6 +21,18 @@ from opt_ds_ops.training.job import run_job
 MEMBER_UID = 12345
 
 
+def chunk_job(root, job_id: str, rows: np.ndarray, dataset: str):
+    """A scoring job's directory as the daemon claims a chunk for model m (its sidecar names it, as
+    an exporter's does): processing/JOB with the rows, the sidecar and job.json; return its path."""
+    job = root / "processing" / job_id
+    job.mkdir(parents=True)
+    np.savetxt(job / "dataset.csv", rows, delimiter=",", fmt="%.6f")
+    (job / "sidecar.yaml").write_text("model: m\n")
+    (job / "job.json").write_text(json.dumps({"job_id": job_id, "dataset": dataset, "data_file": "dataset.csv",
+                                              "sidecar": dataset.rsplit(".", 1)[0] + ".yaml"}))
+    return job
+
+
 @pytest.fixture
 def trained(tmp_path, smd_rows):
     """A model ``m`` trained from 2,000 real rows under a file name with an escape sequence in it,
@@ -30,13 +42,7 @@ def trained(tmp_path, smd_rows):
     cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
                                     "scoring.results_dir": str(tmp_path / "scores")})
     run_job(str(tmp_path / name), cfg, name="m", explicit_name=True)
-    job = tmp_path / "processing" / "j1"
-    job.mkdir(parents=True)
-    np.savetxt(job / "dataset.csv", smd_rows[5000:5300] + 20.0, delimiter=",", fmt="%.6f")
-    (job / "sidecar.yaml").write_text("model: m\n")  # the model named, as an exporter's sidecar does
-    (job / "job.json").write_text(json.dumps({"job_id": "j1", "dataset": "chunk.csv", "data_file": "dataset.csv",
-                                              "sidecar": "chunk.yaml"}))
-    score_job(str(job), cfg)
+    score_job(str(chunk_job(tmp_path, "j1", smd_rows[5000:5300] + 20.0, "chunk.csv")), cfg)
     conf = tmp_path / "trainer.yaml"
     conf.write_text(f"models_dir: {tmp_path / 'models'}\nscoring:\n  results_dir: {tmp_path / 'scores'}\n")
     return tmp_path, conf
@@ -71,14 +77,8 @@ def test_a_chunk_scored_while_its_model_is_removed_leaves_no_series_behind(train
         return stored
 
     monkeypatch.setattr(sj, "load_model", load_then_rm)
-    job = root / "processing" / "j2"
-    job.mkdir(parents=True)
-    np.savetxt(job / "dataset.csv", smd_rows[5300:5400], delimiter=",", fmt="%.6f")
-    (job / "sidecar.yaml").write_text("model: m\n")
-    (job / "job.json").write_text(json.dumps({"job_id": "j2", "dataset": "chunk2.csv", "data_file": "dataset.csv",
-                                              "sidecar": "chunk2.yaml"}))
     with pytest.raises(ScoringError, match="was removed while the file was scored"):
-        score_job(str(job), cfg)
+        score_job(str(chunk_job(root, "j2", smd_rows[5300:5400], "chunk2.csv")), cfg)
     assert not (root / "scores" / "m").exists() and not list((root / "scores").iterdir())
 
 
@@ -99,13 +99,7 @@ def test_a_series_left_by_an_earlier_model_of_the_name_is_not_the_next_owners(tr
     np.savetxt(root / "new.csv", smd_rows[:2000], delimiter=",", fmt="%.6f")
     run_job(str(root / "new.csv"), cfg, name="m", explicit_name=True)  # the next owner's m
     assert model_lineage(str(root / "models" / "m")) not in (None, old["lineage"])
-    job = root / "processing" / "j3"
-    job.mkdir(parents=True)
-    np.savetxt(job / "dataset.csv", smd_rows[2000:2100], delimiter=",", fmt="%.6f")
-    (job / "sidecar.yaml").write_text("model: m\n")
-    (job / "job.json").write_text(json.dumps({"job_id": "j3", "dataset": "c3.csv", "data_file": "dataset.csv",
-                                              "sidecar": "c3.yaml"}))
-    summary = score_job(str(job), cfg)
+    summary = score_job(str(chunk_job(root, "j3", smd_rows[2000:2100], "c3.csv")), cfg)
     print("\n" + "; ".join(summary["resets"]))
     assert any("an earlier model's of that name" in r for r in summary["resets"])
     new = json.loads((root / "scores" / "m" / "state.json").read_text())
