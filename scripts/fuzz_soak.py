@@ -236,22 +236,23 @@ class Hostile:
                                          name=f"hostile-{w}", daemon=True) for w in range(threads)]
 
     # the drops ---------------------------------------------------------------------------------
-    def _own(self, path: Path, mode: int = 0o640) -> None:
-        """Give path to the hostile member with mode (a symlink keeps its mode)."""
+    def _own(self, path: Path, mode: int = 0o640, uid: int = HOSTILE_UID) -> None:
+        """Give path to uid (the hostile member by default) with mode (a symlink keeps its mode)."""
         if not path.is_symlink():
             os.chmod(path, mode)
         if os.geteuid() == 0:
-            os.lchown(path, HOSTILE_UID, -1)
+            os.lchown(path, uid, -1)
 
-    def _drop_file(self, name: str, data: bytes, mode: int = 0o640, mtime: float | None = None) -> None:
-        """Write under .NAME, give it to the hostile member (``mtime``: dated so), rename to NAME
-        (the safe way)."""
-        tmp = self.dirs["incoming"] / f".fz-tmp-{os.getpid()}-{threading.get_ident()}"
+    def _drop_file(self, name: str, data: bytes, mode: int = 0o640, mtime: float | None = None,
+                   where: str = "incoming", uid: int = HOSTILE_UID) -> None:
+        """Write under a hidden name in ``where`` (incoming or score), give it to uid (``mtime``:
+        dated so), rename to NAME (the safe way)."""
+        tmp = self.dirs[where] / f".fz-tmp-{os.getpid()}-{threading.get_ident()}"
         tmp.write_bytes(data)
         if mtime is not None:
             os.utime(tmp, (mtime, mtime))
-        self._own(tmp, mode)
-        os.rename(tmp, self.dirs["incoming"] / name)
+        self._own(tmp, mode, uid)
+        os.rename(tmp, self.dirs[where] / name)
 
     def _stalled_write(self, name: str, data: bytes, cut: int, stall_s: float) -> None:
         try:
@@ -407,15 +408,6 @@ class Hostile:
         it.update(variant=variant, entries=entries, regular=regular, dataset=dataset, sidecar=sidecar,
                   dropped_at=time.time())
 
-    def _score_drop(self, name: str, data: bytes, uid: int, mode: int = 0o640) -> None:
-        """Write score/NAME.part, give it to uid, rename it to NAME (docs/alerts.md's way)."""
-        part = self.dirs["score"] / f"{name}.part"
-        part.write_bytes(data)
-        os.chmod(part, mode)
-        if os.geteuid() == 0:
-            os.lchown(part, uid, -1)
-        os.rename(part, self.dirs["score"] / name)
-
     def _chunk_csv(self, rows: int, shift: float = 0.0, start_minute: int = 0) -> bytes:
         """A chunk of the good CSV's columns (a time column and m0..m7), its rows shifted by ``shift``."""
         lines = self.seeds[".csv"].decode().splitlines()
@@ -435,9 +427,9 @@ class Hostile:
         side = {"good-model": _yaml({"model": rng.choice(self.good_models or ["soak0000"])}),
                 "no-such-model": _yaml({"model": f"fz-stolen-{stem}"}),
                 "random": random_sidecar(rng)[1]}[variant]
-        self._score_drop(base + ".yaml", side, HOSTILE_UID)
+        self._drop_file(base + ".yaml", side, where="score")
         time.sleep(rng.uniform(0.0, 0.3))  # the other member's exporter, a moment later
-        self._score_drop(base + ".csv", self._chunk_csv(5), OTHER_UID)
+        self._drop_file(base + ".csv", self._chunk_csv(5), where="score", uid=OTHER_UID)
         return variant, base + ".yaml", base + ".csv"
 
     def _flagged_chunks(self, stem: str, it: dict) -> None:
@@ -454,12 +446,12 @@ class Hostile:
             for c in range(RETRAIN_CHUNKS):
                 chunk = self.dirs["score"] / f"{stem}.csv"
                 limit = min(time.monotonic() + SCORE_WAIT_S, self.deadline)
-                while chunk.exists() or (self.dirs["score"] / f"{stem}.csv.part").exists():
+                while chunk.exists():
                     if self.stop_event.is_set() or time.monotonic() > limit:
                         raise OSError(f"score/{chunk.name} was not taken in time (--timeout-s, or {SCORE_WAIT_S:.0f} s)")
                     time.sleep(0.1)
-                self._score_drop(chunk.name, self._chunk_csv(RETRAIN_CHUNK_ROWS, shift=1000.0,
-                                                             start_minute=600 + c * RETRAIN_CHUNK_ROWS), HOSTILE_UID)
+                self._drop_file(chunk.name, self._chunk_csv(RETRAIN_CHUNK_ROWS, shift=1000.0,
+                                                            start_minute=600 + c * RETRAIN_CHUNK_ROWS), where="score")
                 it["chunks"] = c + 1
         except OSError as e:
             with self._lock:
