@@ -63,24 +63,27 @@ def _results_dir(args) -> str:
         return ScoringConfig().results_dir
 
 
+def _utc(seconds: float) -> str:
+    """Unix seconds as ``2026-12-03T14:00:00Z``."""
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _model_line(v: dict) -> str:
     """One scored model: ``  NAME  last scored ..., N rows scored (F flagged, S segments), ...``."""
     at = v.get("scored_at")
-    when = datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "?"
+    when = _utc(at) if at else "?"
     anomaly = f"ANOMALY ACTIVE: {top_text(v.get('top_metrics'))}" if v.get("active") else "no anomaly"
     drift = f", drift ratio {v['drift_ratio']:.2f}" if isinstance(v.get("drift_ratio"), (int, float)) else ""
     nxt = v.get("next_retrain_at")
-    retrain = (f", next retrain {datetime.fromtimestamp(nxt, timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}"
-               if isinstance(nxt, (int, float)) else "")
-    if isinstance(v.get("next_retrain_data_time"), str) and not isinstance(v.get("retrain_failed"), dict):
-        retrain = f", next retrain once the data reaches {v['next_retrain_data_time']}"
+    retrain = f", next retrain {_utc(nxt)}" if isinstance(nxt, (int, float)) else ""
     failed = v.get("retrain_failed")
+    if isinstance(v.get("next_retrain_data_time"), str) and not isinstance(failed, dict):
+        retrain = f", next retrain once the data reaches {v['next_retrain_data_time']}"
     if isinstance(failed, dict):
         after = failed.get("next_try_at")
         retrain += (f", retraining FAILED {failed.get('failures')} time(s), last at {safe_text(str(failed.get('failed_at')))}:"
                     f" {safe_text(str(failed.get('reason')))[:200]}; next try not before "
-                    + (datetime.fromtimestamp(after, timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-                       if isinstance(after, (int, float)) else "?"))
+                    + (_utc(after) if isinstance(after, (int, float)) else "?"))
     return (f"  {safe_text(v['model'])}  last scored {when}, {v['rows_total']} rows scored ({v['flagged_total']} "
             f"flagged, {v['segments_total']} segments), {anomaly}{drift}{retrain}")
 
@@ -106,8 +109,7 @@ def next_retrains(args, views: dict) -> None:
         trained, data_s = last_trained(cfg.models_dir, name)
         every_s = cfg.retrain.every_s
         if data_s is not None and v.get("last_time") is not None:  # by the data's clock (opt_ds_ops.daemon.retrainer.due)
-            v["next_retrain_data_time"] = datetime.fromtimestamp(data_s + every_s, timezone.utc).strftime(
-                "%Y-%m-%dT%H:%M:%SZ")
+            v["next_retrain_data_time"] = _utc(data_s + every_s)
             continue
         nxt = trained + every_s if trained is not None else None
         v["next_retrain_at"] = max(nxt, after) if nxt is not None and after is not None else nxt
