@@ -43,9 +43,12 @@ bench: venv
 
 # Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py);
 # then 50 scored chunks that each open an anomaly, a SIGKILL in each: every alert said once (scripts/alert_soak.py).
+# SOAK_ARGS and ALERT_SOAK_ARGS size them (CI runs a smaller soak: .ci/run).
+SOAK_ARGS ?=
+ALERT_SOAK_ARGS ?=
 soak: venv
-	$(BIN)/python scripts/soak.py
-	$(BIN)/python scripts/alert_soak.py
+	$(BIN)/python scripts/soak.py $(SOAK_ARGS)
+	$(BIN)/python scripts/alert_soak.py $(ALERT_SOAK_ARGS)
 
 # Daemon fuzz soak: 500 hostile items (corrupt files of every format, random sidecars, FIFOs,
 # links, foreign 0600 files, stalled writers, ...) and 30 good datasets while the daemon is SIGKILLed
