@@ -1,0 +1,221 @@
+"""Incidents: what pages. Flagged rows (a score above the threshold) are evidence; an incident is
+what an operator is told about.
+
+An incident **opens** at a flagged row when at least ``open_share`` of the rows of the last
+``open_window_s`` seconds (that row included) are flagged: a persistence rule, so that one noisy
+row, or a few scattered ones, page nobody. It **starts** at the first flagged row of that window.
+It stays open across short gaps and **closes** once ``quiet_s`` seconds of rows in a row are
+unflagged (a quiet spell); it then ends at its last flagged row. Flagged runs closer together than
+the quiet spell are therefore one incident, not several. Its **severity** is ``critical`` once
+its peak score reached ``critical_ratio`` times the threshold, else ``warning``.
+
+The rule counts rows, not seconds: the seconds are turned into rows with the model's sample period
+(:meth:`IncidentPolicy.rows`). With ``open_window_s: 0`` and ``quiet_s: 0`` every run of
+flagged rows is an incident of its own (each flagged run paged, as ds-ops did before incidents).
+
+:func:`track` is pure and streams: it takes the state a previous chunk left (:class:`Tracker`, JSON-able
+through :meth:`Tracker.to_dict`) and returns the new one, so a series scored chunk by chunk
+opens and closes the same incidents as the whole series scored at once. The offline evaluation
+(``scripts/eval_incidents.py``) and the daemon run this same function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SEVERITIES = ("warning", "critical")
+
+
+@dataclass(frozen=True)
+class IncidentPolicy:
+    """When flagged rows make an incident (the conffile's ``scoring.incident_*`` keys)."""
+
+    open_window_s: float = 600.0
+    open_share: float = 0.5
+    quiet_s: float = 1800.0
+    critical_ratio: float = 2.0
+
+    def rows(self, period_s: float) -> tuple[int, int, int]:
+        """Return (window, need, quiet) in rows for rows ``period_s`` seconds apart: an incident opens
+        when ``need`` of the last ``window`` rows are flagged and closes after ``quiet`` unflagged rows."""
+        period = period_s if period_s and period_s > 0 and math.isfinite(period_s) else 60.0
+        window = max(1, math.ceil(self.open_window_s / period - 1e-9))
+        need = min(window, max(1, math.ceil(self.open_share * window - 1e-9)))
+        quiet = max(1, math.ceil(self.quiet_s / period - 1e-9))
+        return window, need, quiet
+
+
+@dataclass
+class Tracker:
+    """What a series carries between chunks: ``recent`` the flags (0/1) of the rows before the next
+    one, at most ``window - 1`` of them; ``open`` the open incident or None (``id``, ``start_row``,
+    ``start_time``, ``opened_row``, ``opened_time``, ``last_row``, ``last_time`` (its last flagged
+    row), ``quiet`` (unflagged rows since), ``rows_flagged``, ``peak_score``, ``peak_row``,
+    ``peak_time``, ``severity``, ``sums``: each metric's sum of its flagged rows' unsmoothed terms);
+    ``opened``: incidents opened so far (the next one's id is ``opened + 1``)."""
+
+    recent: list = field(default_factory=list)
+    recent_times: list = field(default_factory=list)
+    open: dict | None = None
+    opened: int = 0
+
+    def to_dict(self) -> dict:
+        return {"recent": list(self.recent), "recent_times": list(self.recent_times),
+                "open": dict(self.open) if self.open else None, "opened": self.opened}
+
+    @classmethod
+    def from_dict(cls, obj) -> Tracker:
+        """Return the tracker saved by :meth:`to_dict`; ValueError for anything else."""
+        if obj is None:
+            return cls()
+        if (not isinstance(obj, dict) or not isinstance(obj.get("recent", []), list)
+                or not isinstance(obj.get("recent_times", []), list)
+                or not isinstance(obj.get("opened", 0), int) or isinstance(obj.get("opened", 0), bool)
+                or not (obj.get("open") is None or isinstance(obj.get("open"), dict)
+                        and isinstance(obj["open"].get("sums", []), list))):
+            raise ValueError("incident tracker: a field of the wrong type")
+        recent = [1 if v else 0 for v in obj.get("recent", [])]
+        times = [float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+                 for t in obj.get("recent_times", [])]
+        times = times[-len(recent):] if len(times) >= len(recent) else [None] * (len(recent) - len(times)) + times
+        return cls(recent=recent, recent_times=times if recent else [], open=obj.get("open"),
+                   opened=obj.get("opened", 0))
+
+
+@dataclass
+class Tracked:
+    """One chunk through :func:`track`: ``changes`` ``[("opened" | "closed", row index in the chunk,
+    incident dict)]`` in row order (a closed one is known at the row that completes its quiet
+    spell); ``incident`` (n,) int64, the id of the incident each row belongs to as known after this
+    chunk (0: none); ``tracker`` the state for the next chunk."""
+
+    changes: list
+    incident: np.ndarray
+    tracker: Tracker
+
+
+def severity(peak: float, threshold: float, critical_ratio: float) -> str:
+    return "critical" if threshold > 0 and peak >= critical_ratio * threshold else "warning"
+
+
+def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Tracker, policy: IncidentPolicy,
+          period_s: float, *, row0: int = 0, times: np.ndarray | None = None,
+          cells: np.ndarray | None = None) -> Tracked:
+    """Run the incident rule over one chunk: flags (n,) bool, scores (n,), its first series row
+    ``row0``, epoch seconds ``times`` (n,) or None, unsmoothed terms ``cells`` (n, D) or None (then
+    ``sums`` stay empty). ``tracker`` is not changed. See the module docstring."""
+    window, need, quiet = policy.rows(period_s)
+    flags = np.asarray(flags, dtype=bool)
+    n = flags.shape[0]
+    recent = list(tracker.recent[-(window - 1):]) if window > 1 else []
+    recent_t = list(tracker.recent_times[-len(recent):]) if recent else []
+    recent_t = [None] * (len(recent) - len(recent_t)) + recent_t
+    inc = dict(tracker.open) if tracker.open else None
+    if inc is not None:
+        inc["sums"] = list(inc.get("sums", []))
+    opened = tracker.opened
+    out = np.zeros(n, dtype=np.int64)
+    changes = []
+    def at(i: int) -> float | None:  # row i of the chunk's time; i < 0: a row of the previous chunk's
+        if i < 0:
+            return recent_t[len(recent_t) + i]
+        return float(times[i]) if times is not None else None
+
+    hist = recent + [0] * n  # the flags of the rows before this chunk's, then this chunk's
+    base = len(recent)
+    count = sum(recent)
+    for i in range(n):
+        f = bool(flags[i])
+        hist[base + i] = int(f)
+        count += int(f)
+        if base + i - window >= 0:
+            count -= hist[base + i - window]
+        if inc is not None:
+            if f:
+                out[max(inc["last_row"] - row0 + 1, 0):i + 1] = inc["id"]  # the gap since its last flagged row, and i
+                inc["quiet"] = 0
+                _extend(inc, i, row0, scores, cells, at)
+                inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio)
+            else:
+                inc["quiet"] += 1
+                if inc["quiet"] >= quiet:
+                    changes.append(("closed", i, inc))
+                    inc = None
+            continue
+        if f and count >= need:
+            opened += 1
+            lo = max(i - window + 1, -base)  # the window's first row, maybe in the previous chunk
+            first = next(j for j in range(lo, i + 1) if hist[base + j])
+            inc = {"id": opened, "start_row": row0 + first, "start_time": at(first),
+                   "opened_row": row0 + i, "opened_time": at(i), "last_row": row0 + i, "last_time": at(i),
+                   "quiet": 0, "rows_flagged": 0, "peak_score": float(scores[i]), "peak_row": row0 + i,
+                   "peak_time": at(i), "severity": "warning", "sums": []}
+            for j in range(max(first, 0), i + 1):
+                if hist[base + j]:
+                    _extend(inc, j, row0, scores, cells, at)
+            inc["rows_flagged"] += sum(hist[base + j] for j in range(first, min(0, i + 1)))  # those before the chunk
+            inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio)
+            out[max(first, 0):i + 1] = inc["id"]
+            changes.append(("opened", i, dict(inc, sums=list(inc["sums"]))))
+    keep = hist[-(window - 1):] if window > 1 else []
+    keep_t = ([*recent_t, *(at(i) for i in range(n))][-len(keep):]) if keep else []
+    return Tracked(changes=changes, incident=out,
+                   tracker=Tracker(recent=keep, recent_times=keep_t, open=inc, opened=opened))
+
+
+def incidents_of(scores: np.ndarray, threshold: float, policy: IncidentPolicy, period_s: float) -> list[dict]:
+    """Return the incidents of a whole series of scores (n,), each ``{"start", "opened", "end"
+    (its last flagged row), "severity", "open" (still open at the series' end)}`` (rows)."""
+    scores = np.asarray(scores)
+    done = track(scores > threshold, scores, threshold, Tracker(), policy, period_s)
+    out = [{"start": inc["start_row"], "opened": inc["opened_row"], "end": inc["last_row"],
+            "severity": inc["severity"], "open": False} for kind, _, inc in done.changes if kind == "closed"]
+    if done.tracker.open is not None:
+        inc = done.tracker.open
+        out.append({"start": inc["start_row"], "opened": inc["opened_row"], "end": inc["last_row"],
+                    "severity": inc["severity"], "open": True})
+    return out
+
+
+def operator_figures(incidents: list[dict], labels: np.ndarray, period_s: float, page_lead_s: float = 3600.0) -> dict:
+    """What an operator lives with, from incidents (:func:`incidents_of`) and labels (n,) 0/1:
+
+    ``pages`` (incidents), ``false_pages`` (incidents whose rows touch no labelled row),
+    ``false_per_day`` (over the labels' span), ``segments`` (labelled runs), ``paged`` (the share of
+    labelled runs in which an incident *opened*, or at most ``page_lead_s`` before the run's first
+    row; None without a labelled run) and ``normal_in_alarm`` (the share of unlabelled rows inside
+    an incident, start to end)."""
+    labels = np.asarray(labels).astype(bool)
+    n = labels.shape[0]
+    days = n * period_s / 86400.0
+    alarm = np.zeros(n, dtype=bool)
+    false = 0
+    for inc in incidents:
+        a, b = inc["start"], inc["end"] + 1
+        alarm[a:b] = True
+        false += not labels[a:b].any()
+    d = np.diff(np.r_[0, labels.astype(np.int8), 0])
+    starts, ends = np.flatnonzero(d == 1), np.flatnonzero(d == -1)
+    lead = math.ceil(page_lead_s / period_s)
+    opened = np.array(sorted(inc["opened"] for inc in incidents), dtype=np.int64)
+    paged = sum(bool(((opened >= s - lead) & (opened < e)).any()) for s, e in zip(starts, ends))
+    normal = int((~labels).sum())
+    return {"pages": len(incidents), "false_pages": false, "false_per_day": false / days if days > 0 else 0.0,
+            "segments": len(starts), "paged": paged / len(starts) if len(starts) else None,
+            "normal_in_alarm": float((alarm & ~labels).sum() / normal) if normal else 0.0}
+
+
+def _extend(inc: dict, i: int, row0: int, scores, cells, at) -> None:
+    """Add flagged row i of the chunk to the open incident."""
+    inc["rows_flagged"] += 1
+    inc["last_row"], inc["last_time"] = row0 + i, at(i)
+    s = float(scores[i])
+    if s > inc["peak_score"]:
+        inc.update(peak_score=s, peak_row=row0 + i, peak_time=at(i))
+    if cells is not None:
+        c = np.asarray(cells[i], dtype=np.float64)
+        sums = inc["sums"] or [0.0] * c.shape[0]
+        inc["sums"] = (np.asarray(sums, dtype=np.float64) + c).tolist()
