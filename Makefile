@@ -42,7 +42,7 @@ bench: venv
 	$(BIN)/python scripts/bench_parse.py
 
 # Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py);
-# then 50 scored chunks that each open an anomaly, a SIGKILL in each: every alert said once (scripts/alert_soak.py).
+# then 50 scored chunks that each open an incident, a SIGKILL in each: every incident entry said once (scripts/alert_soak.py).
 # SOAK_ARGS and ALERT_SOAK_ARGS size them (CI runs a smaller soak: .ci/run).
 SOAK_ARGS ?=
 ALERT_SOAK_ARGS ?=

@@ -1,14 +1,26 @@
 #!/usr/bin/env python3
-"""Alert soak: every anomaly is said in the journal exactly once while the daemon is SIGKILLed.
+"""Alert soak: every incident is said in the journal exactly once while the daemon is SIGKILLed.
 
 Everything is real: ``python -m opt_ds_ops.cli daemon`` processes on a temporary root, a model
 trained from the bundled SMD machine-1-2, chunks dropped into score/ the safe way (``.part``, then
 renamed; as root, each given to another member of the group), real SIGKILLs.
 
 * A model ``m`` is trained from SMD rows 3000..6000 (a steady stretch) dropped in incoming/.
-* Then ``--chunks`` chunks of 140 rows each are scored against it, one at a time: 60 normal rows
+* Then ``--chunks`` chunks of 280 rows each are scored against it, one at a time: 150 normal rows
   of the same machine, 20 rows shifted by 8 standard deviations (an anomaly the model flags),
-  60 normal rows, so each chunk opens one anomaly and closes it.
+  110 normal rows, so each chunk opens one incident (opt_ds_ops/scoring/incidents.py).
+* The incident rule is the shipped one, pinned in the soak's conffile: ``incident_open_window_s:
+  0`` (one flagged row opens an incident) and ``incident_quiet_s: 1800``, that is 30 rows of the
+  model's sample period (``train.sample_period_s: 60``, pinned too: the chunks have no time
+  column). The layout of a chunk follows from it: the scores of the shifted rows stay over the
+  threshold some 100 rows past the shift (the score's smoothing; up to ~230 rows for some
+  windows), so an incident closes only ~130 rows after its shift, that is a little into the next
+  chunk (the 110 rows after a shift are fewer) and well before that chunk's own shift (the 150
+  rows before it are more). So most incidents are carried open from one chunk to the next in
+  ``state.json``, across the kills, and their ``incident-closed`` is in the next chunk's results,
+  before the ``incident-opened`` of that chunk's own; the last chunk's incident stays open. (With
+  the old 140-row chunks, 60 + 20 + 60, flagged runs less than 30 rows apart would merge into a
+  few incidents that span many chunks.)
 * The daemon is SIGKILLed once per chunk, at a point drawn at random: ``--targeted-share`` (0.5)
   of the kills are aimed at the moment alerts used to be lost, between the scoring job's results
   (the model's ``state.json``, which marks the chunk scored) and the daemon's journal entries: the
@@ -16,14 +28,18 @@ renamed; as root, each given to another member of the group), real SIGKILLs.
   uniformly random 0..``--kill-max-s`` (0.8) seconds after the drop (a claim, the job's start, the
   scoring, the report). A new daemon is started at once and the chunk must end scored.
 
-Checks: at least 90 % of the chunks opened an anomaly (the rest joined one still open); every
-``anomaly-started`` the scoring results list (each chunk's ``summary.json``) is in
-the daemon logs exactly once, and no other; the same for ``anomaly-ended``; every chunk scored
+Checks: at least 90 % of the chunks opened an incident (the rest joined one still open: a window
+whose own rows the model flags long after the shift); every
+``incident-opened`` the scoring results list (each chunk's ``summary.json``), by incident id and
+row, is in the daemon logs exactly once, and no other; the same for ``incident-escalated`` (a
+warning that became critical: rare here, the shift makes most incidents open critical) and
+``incident-closed``; every chunk scored
 once (no result directory of a job twice); processing/ and score/ empty at the end; the last
 daemon exits 0 on SIGTERM. The daemon logs are the journal's plain lines (not under systemd); the
 entries are the same ``EventLog.event`` calls that go to journald under the unit.
 
-Prints the figures (kills per kind, where each landed, entries per chunk) and exits 1 with one
+Prints the figures (kills per kind, where each landed, entries per chunk, incidents closed in a
+later chunk than they opened) and exits 1 with one
 line per failure on any failure, 0 on success. The root is removed on success unless ``--keep``.
 
 Usage: scripts/alert_soak.py [--chunks 50] [--seed 3] [--targeted-share 0.5] [--kill-max-s 0.8]
@@ -50,11 +66,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import OTHER_UID, READY_TIMEOUT_S, SMD_TRAIN, Daemon, SoakFailure, kill_everything, make_spool  # noqa: E402
 
-ROWS_NORMAL, ROWS_SHIFTED = 60, 20
+ROWS_BEFORE, ROWS_SHIFTED, ROWS_AFTER = 150, 20, 110  # see the docstring: the incident rule's quiet spell
 SHIFT_SD = 8.0
 TRAIN_ROWS = slice(3000, 6000)  # a steady stretch of machine-1-2: the model flags none of it
-STARTED = re.compile(r"\bm: anomaly started at row (\d+)\b")
-ENDED = re.compile(r"\bm: anomaly ended at row (\d+)\b")
+PERIOD_S = 60  # the model's sample period (train.sample_period_s, pinned in the conffile): the chunks have no time
+QUIET_S = 1800  # scoring.incident_quiet_s as shipped (etc/ds-ops/trainer.yaml): 30 rows at PERIOD_S
+# the daemon's plain journal lines (opt_ds_ops/daemon/scoreslot.py): (incident id, row) of each entry
+OPENED = re.compile(r"\bm: (?:warning|critical) incident (\d+) opened at row (\d+)\b")
+CLOSED = re.compile(r"\bm: (?:warning|critical) incident (\d+) closed(?: \(the series was reset\))?: "
+                    r"its last flagged row was row (\d+)\b")
+ESCALATED = re.compile(r"\bm: incident (\d+) is critical at row (\d+)\b")  # a warning that became critical
+KINDS = (("incident-opened", OPENED), ("incident-escalated", ESCALATED), ("incident-closed", CLOSED))
 
 
 def write_config(root: Path) -> Path:
@@ -67,8 +89,12 @@ def write_config(root: Path) -> Path:
         "  settle_s: 0.1",
         "  scan_interval_s: 30.0",
         "  quiet_s: 0.5",
+        "train:",
+        f"  sample_period_s: {PERIOD_S}",
         "scoring:",
         f"  results_dir: {root / 'scores'}",
+        "  incident_open_window_s: 0",
+        f"  incident_quiet_s: {QUIET_S}",
     ]) + "\n")
     return conf
 
@@ -92,13 +118,19 @@ def csv_bytes(rows: np.ndarray) -> bytes:
 def chunks(matrix: np.ndarray, count: int, rng: np.random.Generator) -> list[np.ndarray]:
     """``count`` chunks of normal, shifted and normal rows taken from the model's training rows."""
     sd = matrix[TRAIN_ROWS].std(axis=0) + 1e-3
+    size = ROWS_BEFORE + ROWS_SHIFTED + ROWS_AFTER
     out = []
     for _ in range(count):
-        start = int(rng.integers(TRAIN_ROWS.start, TRAIN_ROWS.stop - 2 * ROWS_NORMAL - ROWS_SHIFTED))
-        rows = matrix[start:start + 2 * ROWS_NORMAL + ROWS_SHIFTED].copy()
-        rows[ROWS_NORMAL:ROWS_NORMAL + ROWS_SHIFTED] += SHIFT_SD * sd
+        start = int(rng.integers(TRAIN_ROWS.start, TRAIN_ROWS.stop - size))
+        rows = matrix[start:start + size].copy()
+        rows[ROWS_BEFORE:ROWS_BEFORE + ROWS_SHIFTED] += SHIFT_SD * sd
         out.append(rows)
     return out
+
+
+def said(text: str, pattern: re.Pattern) -> Counter:
+    """(incident id, row) -> how many times the logs say it."""
+    return Counter((int(i), int(r)) for i, r in pattern.findall(text))
 
 
 def logs_text(logs: Path) -> str:
@@ -180,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SoakFailure(f"--timeout-s {args.timeout_s:.0f} exceeded after {i} chunks")
             before, scored_before = state_mtime(scores), len(scored_jobs(scores))
             targeted = pick.random() < args.targeted_share
-            said0 = len(STARTED.findall(daemon.log()))
+            said0 = sum(len(pattern.findall(daemon.log())) for _, pattern in KINDS)
             drop(score, "m.csv", csv_bytes(rows))
             if targeted:  # the moment the job's results say it is scored: before the daemon has said anything
                 limit = time.monotonic() + 30
@@ -191,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             daemon.kill()
             kind = "targeted" if targeted else "random"
             where = ("before the results" if state_mtime(scores) == before else
-                     "between the results and the journal" if len(STARTED.findall(daemon.log())) == said0
+                     "between the results and the journal"
+                     if sum(len(pattern.findall(daemon.log())) for _, pattern in KINDS) == said0
                      else "after the journal entry")
             landed[f"{kind}: {where}"] += 1
             daemon = start()
@@ -199,24 +232,26 @@ def main(argv: list[str] | None = None) -> int:
                  and not any(score.iterdir()), f"chunk {i + 1} to be scored", 120, daemon)
         text = logs_text(logs)
         summaries = scored_jobs(scores)
-        want_started = Counter(e["row"] for s in summaries for e in s.get("events") or []
-                               if e["event"] == "anomaly-started")
-        want_ended = Counter(e["row"] for s in summaries for e in s.get("events") or [] if e["event"] == "anomaly-ended")
-        got_started = Counter(int(r) for r in STARTED.findall(text))
-        got_ended = Counter(int(r) for r in ENDED.findall(text))
+        events = [(s["job_id"], e) for s in sorted(summaries, key=lambda s: s.get("first_row") or 0)
+                  for e in s.get("events") or []]
+        want = {what: Counter((e["incident"], e["row"]) for _, e in events if e["event"] == what) for what, _ in KINDS}
+        got = {what: said(text, pattern) for what, pattern in KINDS}
+        opened_in = {e["incident"]: job for job, e in events if e["event"] == "incident-opened"}
+        later = sum(1 for job, e in events if e["event"] == "incident-closed" and opened_in.get(e["incident"]) != job)
         jobs = Counter(s["job_id"] for s in summaries)
         if len(summaries) != args.chunks or any(n > 1 for n in jobs.values()):
             fails.append(f"{len(summaries)} scored results for {args.chunks} chunks (a job scored twice: "
                          f"{[j for j, n in jobs.items() if n > 1]})")
-        if len(want_started) < 0.9 * args.chunks:  # a chunk whose shift joins an anomaly still open opens none
-            fails.append(f"only {len(want_started)} of {args.chunks} chunks opened an anomaly: too few to check")
-        for what, want, got in (("anomaly-started", want_started, got_started), ("anomaly-ended", want_ended, got_ended)):
-            lost = sorted(set(want) - set(got))
-            twice = sorted(r for r, n in got.items() if n > 1)
-            extra = sorted(set(got) - set(want))
+        opening = len(set(opened_in.values()))
+        if opening < 0.9 * args.chunks:  # a chunk whose shift joins an incident still open opens none
+            fails.append(f"only {opening} of {args.chunks} chunks opened an incident: too few to check")
+        for what, _ in KINDS:
+            lost = sorted(set(want[what]) - set(got[what]))
+            twice = sorted(r for r, n in got[what].items() if n > 1)
+            extra = sorted(set(got[what]) - set(want[what]))
             if lost or twice or extra:
-                fails.append(f"{what}: {len(lost)} never said (rows {lost[:10]}), {len(twice)} said more than once "
-                             f"(rows {twice[:10]}), {len(extra)} not in any result (rows {extra[:10]})")
+                fails.append(f"{what}: {len(lost)} never said ((incident, row) {lost[:10]}), {len(twice)} said more "
+                             f"than once ({twice[:10]}), {len(extra)} not in any result ({extra[:10]})")
         left = [p.name for p in list(dirs["processing"].iterdir()) + list(score.iterdir())]
         if left:
             fails.append(f"left in processing/ or score/: {left}")
@@ -225,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         if rc != 0:
             fails.append(f"the last daemon exited {rc} on SIGTERM")
         print(f"kills: {dict(sorted(landed.items()))}")
-        print(f"anomaly-started: {sum(got_started.values())} said for {len(want_started)} in the results; "
-              f"anomaly-ended: {sum(got_ended.values())} said for {len(want_ended)}; {number} daemons started")
+        print("; ".join(f"{what}: {sum(got[what].values())} said for {len(want[what])} in the results"
+                        for what, _ in KINDS) + f"; {opening} of {args.chunks} chunks opened an incident, {later} incidents closed in a later chunk's "
+              f"results than the one that opened it; {number} daemons started")
     except SoakFailure as e:
         fails.append(str(e))
     finally:

@@ -6,10 +6,12 @@ at systemd-python's ``send`` inside the daemon process with the time of each ent
 spool, drops the bundled SMD machine-1-2 training file into incoming/ by rename and measures
 drop -> model (the rename to ``done/NAME.result.json``). Then it drops ``--drops`` files of
 ``--rows`` rows (SMD training rows, one metric pushed far out for 100 rows in the middle: one
-anomaly segment each) into score/ the safe way (a sidecar ``model: m`` first, then NAME.part
-renamed to NAME), one at a time, and measures from each rename to its ``summary.json`` under the
-results directory and to its "anomaly started" journal entry. Prints medians and the ratio to the
-training figure; no assertion on them.
+incident each, by the shipped incident rule, ``scoring.incident_*`` left as shipped: the flagged
+rows open it, and the rows after them close it inside the file, before the next file's) into
+score/ the safe way (a sidecar ``model: m`` first, then NAME.part renamed to NAME), one at a
+time, and measures from each rename to its ``summary.json`` under the results directory and to
+its first "incident opened" journal entry. Prints medians and the ratio to the training figure;
+no assertion on them.
 
 Usage: python scripts/bench_score_spool.py [--drops 20] [--rows 1000] [--epochs 1]
 """
@@ -93,7 +95,7 @@ def main() -> int:
     out = open(log, "wb")
     daemon = subprocess.Popen([sys.executable, "-c", CAPTURE, "daemon", "--config", conf], stdout=out,
                               stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    started_id = MESSAGE_IDS["anomaly-started"]
+    opened_id = MESSAGE_IDS["incident-opened"]
     to_results, to_alert = [], []
     try:
         wait(lambda: any(e.get("MESSAGE_ID") == MESSAGE_IDS["daemon-started"] for e in entries(capture)), daemon, log)
@@ -109,12 +111,12 @@ def main() -> int:
             chunk[mid - 50: mid + 50, 5] += 40.0
             data = "".join(",".join(f"{v:.6g}" for v in r) + "\n" for r in chunk).encode()
             rename_in(score, f"c{i:04d}.yaml", b"model: m\n")
-            alerts_before = sum(e.get("MESSAGE_ID") == started_id for e in entries(capture))
+            alerts_before = sum(e.get("MESSAGE_ID") == opened_id for e in entries(capture))
             t = rename_in(score, f"c{i:04d}.csv", data)
             summary = wait(lambda: sorted(glob.glob(os.path.join(root, "scores", "m", "*-*", "summary.json")))[i:i + 1],
                            daemon, log)[0]
             to_results.append(os.stat(summary).st_mtime - t)
-            alert = wait(lambda: [e for e in entries(capture) if e.get("MESSAGE_ID") == started_id][alerts_before:],
+            alert = wait(lambda: [e for e in entries(capture) if e.get("MESSAGE_ID") == opened_id][alerts_before:],
                          daemon, log)
             to_alert.append(alert[0]["T"] - t)
     finally:
@@ -126,7 +128,7 @@ def main() -> int:
           f"rows x 38 dropped by rename into score/, os.cpu_count() = {os.cpu_count()}")
     print(f"  drop -> results (summary.json)   median {med_r:.3f} s  (min {min(to_results):.3f}, "
           f"max {max(to_results):.3f})")
-    print(f"  drop -> journal 'anomaly started' median {med_a:.3f} s  (min {min(to_alert):.3f}, max {max(to_alert):.3f})")
+    print(f"  drop -> journal 'incident opened' median {med_a:.3f} s  (min {min(to_alert):.3f}, max {max(to_alert):.3f})")
     print(f"  training drop -> model (23,694 rows, same daemon): {train_s:.3f} s; "
           f"drop -> results / drop -> model = {med_r / train_s:.3f}")
     shutil.rmtree(root, ignore_errors=True)

@@ -19,12 +19,17 @@ the journal, and whether the retraining kept its promises.
   from the newest row a version was made from to a scored file's last row), so the replay
   retrains as a live server would, however fast it is fed.
 * At the end (the queue empty, the last retraining finished) it prints ``ds-ops status``,
-  ``ds-ops models list``, the daemon's journal lines about retraining, promotion and anomalies,
-  and a summary: chunks, rows scored, retrains, promotions, refusals with the gate's figures, and
-  the segments flagged in the test period against its labelled ones, then the figures an
-  operator lives with over it: alerts, false alarms a day (alerts touching no label), labelled
-  segments paged (an alert starting inside one or at most an hour before it), the share of normal
-  rows in alarm, retrains promoted.
+  ``ds-ops models list``, the daemon's journal lines about retraining and promotion (its
+  ``incident-opened``, ``incident-escalated`` and ``incident-closed`` lines counted, the longest
+  incidents shown), and a
+  summary: chunks, rows scored, retrains, promotions, refusals with the gate's figures, and the
+  segments flagged in the test period against its labelled ones, then the figures an operator
+  lives with over it, from the daemon's incidents (what pages: opt_ds_ops/scoring/incidents.py,
+  the conffile's ``scoring.incident_*`` as shipped): pages (incidents), false pages a day
+  (incidents touching no labelled row), labelled segments paged (an incident *opened* inside one
+  or at most an hour before it: its ``incident-opened`` event's row), the share of normal rows in
+  an incident (from its first to its last flagged row: rows.csv's ``incident`` column), retrains
+  promoted; as :func:`opt_ds_ops.scoring.incidents.operator_figures` computes them.
 
 Checks (exit 1, one line per failure): ``current`` names one whole version after every chunk and
 at the end; every version directory loads (opt_ds_ops.store.versions.load_model) and no ``.tmp-*`` is
@@ -49,6 +54,7 @@ import csv
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -67,6 +73,9 @@ START = datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp()
 PERIOD_S = 60  # SMD: one row a minute (--period-s: ASD has 300)
 READY_TIMEOUT_S = 120.0
 JOB_TIMEOUT_S = 300.0
+# the daemon's incident lines (opt_ds_ops/daemon/scoreslot.py): "NAME: warning incident 3 opened at row ...",
+# "NAME: incident 3 is critical at row ..." (escalated), "NAME: critical incident 3 closed: ..."
+INCIDENT_LINE = re.compile(r": (?:warning |critical )?incident \d+ (opened|closed|is critical)\b")
 JOURNAL_WORDS = ("retraining queued", "model saved", "not promoted", "held by", "series", "failed", "pruned", "suspect",
                  "reset")
 
@@ -204,6 +213,64 @@ def result_flags(results: Path) -> dict[int, bool]:
     return flags
 
 
+def _epoch(iso_time: str) -> int:
+    """Epoch seconds of an ISO 8601 UTC time of the results (rows.csv, summary.json)."""
+    return int(datetime.strptime(iso_time[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp())
+
+
+def result_incidents(results: Path) -> dict[int, dict]:
+    """Every incident of the series by id, from the results (epoch seconds): ``start`` and
+    ``end``, its first and last flagged rows (the rows.csv rows whose ``incident`` column names
+    it: its first flagged row up to its last, with the unflagged rows between them, as far as the
+    chunk that wrote each knew; its ``incident-opened`` event's ``started_time`` too), ``opened``
+    (the row that opened it: that event's ``time``, else its first row's) and ``severity`` (the
+    last said)."""
+    out: dict[int, dict] = {}
+
+    def of(k: int) -> dict:
+        return out.setdefault(k, {"start": None, "end": None, "opened": None, "severity": None})
+
+    for d in sorted(p for p in results.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        with open(d / "rows.csv", newline="") as f:
+            for r in csv.DictReader(f):
+                if r.get("incident"):
+                    inc, t = of(int(r["incident"])), _epoch(r["time"])
+                    inc["start"] = t if inc["start"] is None else min(inc["start"], t)
+                    inc["end"] = t if inc["end"] is None else max(inc["end"], t)
+        try:
+            events = json.loads((d / "summary.json").read_text()).get("events") or []
+        except (OSError, ValueError):
+            events = []
+        for e in events:
+            if (e.get("event") not in ("incident-opened", "incident-escalated", "incident-closed")
+                    or not isinstance(e.get("incident"), int)):
+                continue
+            inc = of(e["incident"])
+            if e["event"] == "incident-opened" and e.get("time"):
+                inc["opened"] = _epoch(e["time"])
+                if e.get("started_time"):
+                    t = _epoch(e["started_time"])
+                    inc["start"] = t if inc["start"] is None else min(inc["start"], t)
+            inc["severity"] = e.get("severity") or inc["severity"]
+    for inc in out.values():
+        if inc["opened"] is None:  # its event left out of a summary (more than MAX_EVENTS in one chunk)
+            inc["opened"] = inc["start"]
+    return {k: v for k, v in out.items() if v["start"] is not None and v["end"] is not None}
+
+
+def incidents_in(incidents: dict[int, dict], first_time: float, n: int, period_s: float) -> list[dict]:
+    """The incidents over n rows from first_time, period_s apart, as
+    :func:`opt_ds_ops.scoring.incidents.incidents_of` gives them (rows of that stretch: ``start``
+    and ``end`` clipped to it, ``opened`` not: one opened before it is not a page of it)."""
+    out = []
+    for inc in incidents.values():
+        a, b, o = (int(round((inc[k] - first_time) / period_s)) for k in ("start", "end", "opened"))
+        if b < 0 or a >= n:
+            continue
+        out.append({"start": max(a, 0), "end": min(b, n - 1), "opened": o, "severity": inc["severity"], "open": False})
+    return sorted(out, key=lambda x: x["start"])
+
+
 def normal_rows_mask(flags: np.ndarray, margin: int, max_rows: int) -> tuple[np.ndarray, int, int]:
     """Written apart from opt_ds_ops.lifecycle.retrain_data: (the rows a retraining may train on: none of a
     flagged run of at most max_rows rows (0: any) nor margin rows either side; runs, runs kept)."""
@@ -274,26 +341,26 @@ def history_copies(done: Path) -> dict[str, Path]:
     return out
 
 
-def operator_figures(flags: np.ndarray, labels: np.ndarray, period_s: float) -> dict:
-    """What an operator lives with over a labelled period, from the rows' flags (n,) and labels (n,):
-    ``alerts`` (flagged segments: each starts with an anomaly-started entry), ``false_alarms``
-    (alerts that touch no labelled row) and ``false_alarms_per_day``, ``labelled`` segments and
-    ``paged`` (an alert *starts* inside the segment or at most an hour before it: a segment inside
-    an alert that began earlier pages nobody), ``normal_in_alarm`` (the share of unlabelled rows
-    flagged), ``days``."""
-    from opt_ds_ops.model.threshold import segments
+def operator_figures(incidents: list[dict], labels: np.ndarray, period_s: float) -> dict:
+    """What an operator lives with over a labelled period, from its incidents (``start``,
+    ``opened``, ``end``: rows of the period, :func:`incidents_in`) and labels (n,), by
+    :func:`opt_ds_ops.scoring.incidents.operator_figures`: ``pages`` (incidents: each opens with an
+    incident-opened entry), ``false_pages`` (incidents that touch no labelled row) and
+    ``false_pages_per_day``, ``labelled`` segments and ``paged`` (an incident *opens* inside the
+    segment or at most an hour before it: a segment inside an incident that opened earlier pages
+    nobody), ``normal_in_alarm`` (the share of unlabelled rows inside an incident, from its first
+    to its last flagged row), ``days``."""
+    from opt_ds_ops.scoring.incidents import operator_figures as figures
 
-    fs, fe = segments(flags)
-    ls, le = segments(labels)
-    hour = max(1, int(round(3600 / period_s)))
-    days = flags.shape[0] * period_s / 86400
-    false = sum(not labels[s:e].any() for s, e in zip(fs, fe))
-    paged = sum(bool(((fs >= s - hour) & (fs < e)).any()) for s, e in zip(ls, le))
-    normal = ~labels
-    return {"days": round(days, 2), "alerts": int(fs.size), "false_alarms": int(false),
-            "false_alarms_per_day": round(false / days, 3) if days else None, "labelled": int(ls.size),
-            "paged": int(paged), "paged_share": round(paged / ls.size, 4) if ls.size else None,
-            "normal_in_alarm": round(float((flags & normal).sum() / normal.sum()), 4) if normal.any() else None}
+    labels = np.asarray(labels).astype(bool)
+    f = figures(incidents, labels, period_s)
+    days = labels.shape[0] * period_s / 86400
+    segments = f["segments"]
+    paged = int(round(f["paged"] * segments)) if segments else 0
+    return {"days": round(days, 2), "pages": f["pages"], "false_pages": f["false_pages"],
+            "false_pages_per_day": round(f["false_per_day"], 3) if days else None, "labelled": segments,
+            "paged": paged, "paged_share": round(paged / segments, 4) if segments else None,
+            "normal_in_alarm": round(f["normal_in_alarm"], 4) if (~labels).any() else None}
 
 
 def segments_vs_labels(flags: np.ndarray, labels: np.ndarray) -> dict:
@@ -403,13 +470,14 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
                              champion=(gate.get("champion") or {}).get("flagged_share"),
                              of_normal=(gate.get("challenger") or {}).get("flagged_share_of_normal"),
                              design=gate.get("design_rate"), rows_gate=gate.get("rows")))
-    # the test period's flags against its labels
+    # the test period's flags, and the daemon's incidents, against its labels
     test_from = train.shape[0]
     times = START + period * np.arange(test_from, end)
     flagged = np.array([flags_by_time.get(int(t), False) for t in times], dtype=bool)
     events = segments_vs_labels(flagged, labels[: max(0, end - test_from)]) if end > test_from else {}
     if events:
-        events["operator"] = operator_figures(flagged, labels[: end - test_from], period)
+        incidents = incidents_in(result_incidents(results), START + period * test_from, end - test_from, period)
+        events["operator"] = operator_figures(incidents, labels[: end - test_from], period)
     figures = {"machine": name, "chunks": chunks, "rows_scored": int(end - n0), "replay_s": round(replay_s, 1),
                "total_s": round(time.monotonic() - t_start, 1), "versions": len(mds), "retrains": retrains,
                "current": current_version(str(name_dir)), "test_period": events,
@@ -421,15 +489,16 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
 def print_report(status: str, models: str, log: str, figures: dict) -> None:
     print("\n$ ds-ops status\n" + status.rstrip())
     print("\n$ ds-ops models list\n" + models.rstrip())
-    print("\n$ journal (the daemon's lines about retraining and promotion; the anomalies counted, the longest shown)")
+    print("\n$ journal (the daemon's lines about retraining and promotion; the incidents counted, the longest shown)")
     lines = log.splitlines()
     for line in lines:
-        if any(w in line for w in JOURNAL_WORDS) and " anomaly " not in line:
+        if any(w in line for w in JOURNAL_WORDS) and not INCIDENT_LINE.search(line):
             print("  " + line[:700])
-    ended = [x for x in lines if ": anomaly ended at row " in x]
-    started = sum(": anomaly started at row " in x for x in lines)
-    print(f"  ... {started} anomaly-started and {len(ended)} anomaly-ended lines; the 5 longest:")
-    for line in sorted(ended, key=lambda x: -int(x.split(" after ")[1].split()[0]))[:5]:
+    kinds = [m.group(1) for x in lines if (m := INCIDENT_LINE.search(x))]
+    closed = [x for x in lines if (m := INCIDENT_LINE.search(x)) and m.group(1) == "closed"]
+    print(f"  ... {kinds.count('opened')} incident-opened, {kinds.count('is critical')} incident-escalated and "
+          f"{len(closed)} incident-closed lines; the 5 longest:")
+    for line in sorted(closed, key=lambda x: -int(x.split(" after ")[1].split()[0]))[:5]:
         print("  " + line[:700])
     r = figures["retrains"]
     promoted = [x for x in r if x["promoted"]]
@@ -452,9 +521,10 @@ def print_report(status: str, models: str, log: str, figures: dict) -> None:
               f"one; {e['labelled_hit']} of {e['labelled']} labelled segments flagged; rows: {e['rows_flagged']} "
               f"flagged, {e['rows_labelled']} labelled, {e['rows_flagged_labelled']} both")
         o = e["operator"]
-        print(f"  as an operator lives it, over {o['days']} days: {o['alerts']} alerts, {o['false_alarms']} false "
-              f"({o['false_alarms_per_day']} a day); {o['paged']} of {o['labelled']} labelled segments paged (an alert "
-              f"starting in it or up to an hour before); {o['normal_in_alarm']:.1%} of normal rows in alarm; "
+        print(f"  as an operator lives it, over {o['days']} days: {o['pages']} incidents paged, {o['false_pages']} "
+              f"false ({o['false_pages_per_day']} a day); {o['paged']} of {o['labelled']} labelled segments paged (an "
+              f"incident opening in it or up to an hour before); {o['normal_in_alarm']:.1%} of normal rows in an "
+              f"incident; "
               f"{sum(1 for x in figures['retrains'] if x['promoted'])} of {len(figures['retrains'])} retrains promoted")
 
 

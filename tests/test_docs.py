@@ -95,7 +95,8 @@ def test_ci_runs_the_test_command_the_readme_gives():
     readme = README.read_text(encoding="utf-8")
     assert re.search(r"^make test\b", readme, re.M), "the README's quick start names `make test`"
     ci = [line.split("#")[0].strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
-    assert "make test" in ci, ".ci/run says it runs the README's test command"
+    assert any(re.fullmatch(r"(stage \S+ )?make test", line) for line in ci), \
+        ".ci/run says it runs the README's test command (maybe through its stage timer)"
 
 
 def _demo_commands(models: Path, build: Path) -> list[list[str]]:

@@ -28,7 +28,7 @@ def test_soak_smoke(tmp_path):
 
 
 def test_alert_soak_smoke(tmp_path):
-    """scripts/alert_soak.py at smoke size: 4 chunks that each open an anomaly, a SIGKILL in each."""
+    """scripts/alert_soak.py at smoke size: 4 chunks that each open an incident, a SIGKILL in each."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "alert_soak.py"), "--chunks", "4", "--root", str(tmp_path / "alerts"),
          "--timeout-s", "400"],

@@ -10,9 +10,9 @@ import numpy as np
 
 from ..config.conffile import DEFAULT_CONFIG_PATH
 from ..dataset import DatasetError, DatasetLimits, load_dataset
-from ..model.detection import evaluate, fmt_metric, load_labels
+from ..model.detection import evaluate, flagged_segments, fmt_metric, load_labels
 from ..scoring.job import ScoringError, match_columns, stored_options
-from ..scoring.series import active_top_metrics, fresh_state, model_metric_names, score_chunk
+from ..scoring.series import fresh_state, model_metric_names, score_chunk
 from ..store.versions import load_model, model_path
 from . import CliError, load_cfg
 
@@ -104,18 +104,6 @@ def run(args) -> int:
         return _scored(args, stored, ds)
 
 
-def segments_of(events: list[dict], state) -> list[dict]:
-    """Return :func:`opt_ds_ops.model.detection.flagged_segments`' dicts from a whole file's series events
-    and its final state (a segment open at the end of the file ends at its last row)."""
-    segs = [{"start": e["started_row"], "end": e["row"], "peak_row": e["peak_row"], "peak_score": e["peak_score"],
-             "top_metrics": e["top_metrics"]} for e in events if e["event"] == "anomaly-ended"]
-    if state.segment is not None:
-        seg = state.segment
-        segs.append({"start": seg["start_row"], "end": state.next_row - 1, "peak_row": seg["peak_row"],
-                     "peak_score": seg["peak_score"], "top_metrics": None})
-    return segs
-
-
 def _scored(args, stored, ds) -> int:
     """Score the loaded dataset ds as a fresh series (the spool's scoring, :mod:`opt_ds_ops.scoring.series`),
     print and write what ``run`` says; return the exit status."""
@@ -128,9 +116,7 @@ def _scored(args, stored, ds) -> int:
     order = ds.time.order if ds.time is not None else None
     if labels is not None and order is not None:
         labels = labels[order]  # the labels follow the file's rows; the rows were sorted by time
-    segs = segments_of(result.events, result.state)
-    if segs and segs[-1]["top_metrics"] is None:
-        segs[-1]["top_metrics"] = active_top_metrics(result.state, names, args.top)
+    segs = flagged_segments(scores, stored.threshold, result.cells.astype(np.float64), names, args.top)
     named = bool(stored.metadata.get("metric_names") or (stored.metadata.get("dataset") or {}).get("header")
                  or ds.header)
     if args.output:

@@ -16,7 +16,8 @@ from datetime import datetime, timezone
 import yaml
 
 from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError, ScoringConfig, SpoolConfig
-from ..daemon.scoreslot import model_views, top_text
+from ..daemon.scoreslot import model_views
+from ..observe.incident_entries import top_text
 from ..observe.journal import safe_text
 from ..spool import Spool, spool_status
 from . import CliError, load_cfg
@@ -69,10 +70,11 @@ def _utc(seconds: float) -> str:
 
 
 def _model_line(v: dict) -> str:
-    """One scored model: ``  NAME  last scored ..., N rows scored (F flagged, S segments), ...``."""
+    """One scored model: ``  NAME  last scored ..., N rows scored (F flagged, I incidents), ...``."""
     at = v.get("scored_at")
     when = _utc(at) if at else "?"
-    anomaly = f"ANOMALY ACTIVE: {top_text(v.get('top_metrics'))}" if v.get("active") else "no anomaly"
+    sev = str(v.get("severity") or "warning").upper()
+    anomaly = f"{sev} INCIDENT OPEN: {top_text(v.get('top_metrics'))}" if v.get("active") else "no open incident"
     drift = f", drift ratio {v['drift_ratio']:.2f}" if isinstance(v.get("drift_ratio"), (int, float)) else ""
     nxt = v.get("next_retrain_at")
     retrain = f", next retrain {_utc(nxt)}" if isinstance(nxt, (int, float)) else ""
@@ -85,7 +87,7 @@ def _model_line(v: dict) -> str:
                     f" {safe_text(str(failed.get('reason')))[:200]}; next try not before "
                     + (_utc(after) if isinstance(after, (int, float)) else "?"))
     return (f"  {safe_text(v['model'])}  last scored {when}, {v['rows_total']} rows scored ({v['flagged_total']} "
-            f"flagged, {v['segments_total']} segments), {anomaly}{drift}{retrain}")
+            f"flagged, {v['incidents_total']} incidents), {anomaly}{drift}{retrain}")
 
 
 def next_retrains(args, views: dict) -> None:

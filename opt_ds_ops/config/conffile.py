@@ -148,12 +148,21 @@ class ScoringConfig:
     when the gap between the previous chunk's last time and this chunk's first time is more than
     this many sample periods (the model's ``sample_period_s``); 0 = never by gap.
     ``results_max_age_days``/``results_max_bytes``: retention of each model's results, as for done/.
+    ``incident_open_window_s``, ``incident_open_share``, ``incident_quiet_s``,
+    ``incident_critical_ratio``: what pages (:mod:`opt_ds_ops.scoring.incidents`): an incident opens
+    when at least open_share of the rows of the last open_window_s seconds are flagged, closes after
+    quiet_s seconds of unflagged rows, and is critical once its peak score reaches critical_ratio
+    times the threshold (chosen in docs/detection-protocol.md, round 4).
     """
 
     results_dir: str = _field("/var/lib/ds-ops/scores", os.path.isabs, "an absolute path")
     max_gap_periods: float = _field(10.0, _non_negative, "a number >= 0 (sample periods; 0: never)")
     results_max_age_days: float = _field(30.0, _non_negative, "days >= 0 (0: keep forever)")
     results_max_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: no limit)")
+    incident_open_window_s: float = _field(0.0, _non_negative, "seconds >= 0 (0: one flagged row opens)")
+    incident_open_share: float = _field(0.5, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    incident_quiet_s: float = _field(1800.0, _non_negative, "seconds >= 0 (0: the first unflagged row closes)")
+    incident_critical_ratio: float = _field(2.0, lambda v: v >= 1, "a number >= 1 (times the threshold)")
 
 
 def _max_jobs_ok(v: str) -> bool:

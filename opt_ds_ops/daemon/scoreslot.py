@@ -9,8 +9,10 @@ names the model, scores with the carried series state and writes ``RESULTS/NAME/
 never parses a user's bytes). One scoring job runs at a time, in claim order, so a model's chunks
 are scored in order; a training job never holds it up (its own slot).
 
-From the job's summary the daemon writes the journal (an ``anomaly-started`` and an
-``anomaly-ended`` entry per segment, PRIORITY warning; a ``scored`` line at info; a reset of
+From the job's summary the daemon writes the journal (an ``incident-opened`` and an
+``incident-closed`` entry per incident, PRIORITY warning, or crit for one that opens critical; an
+``incident-escalated`` one at crit when a warning becomes critical; a
+``scored`` line at info; a reset of
 the carried state at notice) and the Prometheus gauges (:meth:`MetricsWriter.score_done`). A
 scored file's bytes are not kept (its results are its record); a refused one goes to failed/ with
 its stage and reason. A job the daemon was handling when it died runs again at the next start
@@ -30,12 +32,13 @@ import stat
 import time
 import traceback
 
+from ..observe.incident_entries import incident_entry, num as _num
 from ..observe.journal import LOG_ERR, LOG_INFO, LOG_NOTICE, LOG_WARNING, safe_text
 from .dispatch import job_fields
 
 STAGE = "scoring"
 # the largest legal state.json: input_window 256 - 1 context rows x job.max_columns 4096 float32
-# values as JSON (~21 bytes each, 22 MB) plus the segment's sums: 64 MiB leaves room
+# values as JSON (~21 bytes each, 22 MB) plus the open incident's sums: 64 MiB leaves room
 STATE_MAX_BYTES = 64 << 20
 SWEEP_S = 3600.0  # the retention of results walks every model's at start and then at most this often
 STATE_FILE, SUMMARY_FILE = "state.json", "summary.json"  # RESULTS/NAME/state.json, RESULTS/NAME/<result>/summary.json
@@ -132,14 +135,22 @@ def _count(v) -> int:
 def model_view(name: str, state: dict | None, summary: dict | None = None) -> dict:
     """Given a model's state.json (or None) and the summary of its last scored file (or None),
     return what the metrics and ``ds-ops status`` show: ``model``, ``version``, ``scored_at``
-    (Unix seconds), ``rows_total``, ``flagged_total``, ``segments_total`` (the series' counters,
-    state.json's ``rows_scored``, ``rows_flagged``, ``segments``: they survive a restart),
-    ``active``, ``threshold``, ``last_score``, ``top_metrics`` ([{metric, share}], the open segment's),
+    (Unix seconds), ``rows_total``, ``flagged_total``, ``incidents_total`` (the series' counters,
+    state.json's ``rows_scored``, ``rows_flagged``, ``incidents``: they survive a restart),
+    ``active`` (an incident is open), ``severity`` (its severity, or None), ``threshold``,
+    ``last_score``, ``top_metrics`` ([{metric, share}], the open incident's),
     ``last_time`` (the last scored row's data time, Unix seconds, or None). state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
     from ..observe.metrics import _utc_seconds
 
     st, s = state or {}, summary or {}
-    active = (st["segment"] is not None) if "segment" in st else bool(s.get("active"))
+    inc = st.get("incident") if isinstance(st.get("incident"), dict) else None
+    opened = inc.get("open") if inc is not None and isinstance(inc.get("open"), dict) else None
+    if "incident" in st:
+        active, severity = opened is not None, (opened or {}).get("severity")
+    elif "segment" in st:  # a state.json written before incidents (format 1), until the model's next chunk
+        active, severity = st["segment"] is not None, None
+    else:
+        active, severity = bool(s.get("active")), s.get("severity")
     top = _first(st.get("top_metrics"), s.get("top_metrics")) if active else []
     top = top if isinstance(top, list) else []
     return {
@@ -148,8 +159,9 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
         "scored_at": _utc_seconds(_first(st.get("scored_at"), s.get("scored_at"))),
         "rows_total": _count(_first(st.get("rows_scored"), s.get("rows_scored"))),
         "flagged_total": _count(_first(st.get("rows_flagged"), s.get("rows_flagged"))),
-        "segments_total": _count(_first(st.get("segments"), s.get("segments"))),
+        "incidents_total": _count(_first(st.get("incidents"), st.get("segments"), s.get("incidents"))),
         "active": active,
+        "severity": severity if active and severity in ("warning", "critical") else None,
         "threshold": _first(st.get("threshold"), s.get("threshold")),
         "last_score": _first(st.get("last_score"), s.get("last_score")),
         "top_metrics": [t for t in top if isinstance(t, dict)][:3],
@@ -209,27 +221,6 @@ def prune_results(results_dir: str, max_age_days: float, max_bytes: int, now: fl
             total -= size
             removed.append(f"{name}/{entry}")
     return removed
-
-
-def _num(v) -> str:
-    return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "?"
-
-
-def _seconds(v: float) -> str:
-    """``2640 s``; from two hours on with hours beside it: ``10320 s (2.9 h)`` (not ``1.032e+04 s``)."""
-    return f"{v:.0f} s" + (f" ({v / 3600:.1f} h)" if v >= 7200 else "")
-
-
-def top_text(top) -> str:
-    """``disk_util 42%, cpu 30%`` from [{metric, share}] (share 0..1)."""
-    parts = []
-    for t in top or []:
-        share = t.get("share")
-        if isinstance(share, (int, float)) and share < 0.005:
-            continue  # "34 0%": no part of the score worth naming
-        metric = safe_text(str(t.get("metric")))  # a header's name: never a terminal's escape sequence
-        parts.append(f"{metric} {share:.0%}" if isinstance(share, (int, float)) else metric)
-    return ", ".join(parts) or "none"
 
 
 # ---- the daemon's side ------------------------------------------------------------------------------
@@ -517,7 +508,7 @@ class ScoreSlot:
             def mark(key: str) -> None:  # right after its entry was sent
                 os.write(fd, f"{key}\n".encode())
 
-            # a reset first: the events that follow (an anomaly ended by a new version) are its effects
+            # a reset first: the events that follow (an incident closed by a new version) are its effects
             for i, note in enumerate(s.get("resets") or []):
                 if f"reset:{i}" not in said:
                     log.event("score-reset", f"{model}: the carried series state was reset: {safe_text(str(note))}",
@@ -526,29 +517,17 @@ class ScoreSlot:
             for i, ev in enumerate(s.get("events") or []):
                 if f"event:{i}" in said:
                     continue
-                row, at = ev.get("row"), ev.get("time")
-                when = f"row {row}" + (f" ({at})" if at is not None else "")
-                if ev.get("event") == "anomaly-started":
-                    top = top_text(ev.get("top_metrics"))
-                    log.event("anomaly-started", f"{model}: anomaly started at {when}: score {_num(ev.get('score'))} "
-                              f"over threshold {_num(ev.get('threshold'))} (version {version}); top metrics: {top}; "
-                              f"in {file}", priority=LOG_WARNING, model=model, version=version, row=row, time=at,
-                              threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top, job_id=job_id, dataset_file=data_file)
-                elif ev.get("event") == "anomaly-ended":
-                    flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
-                    lasted = f"{ev.get('rows')} rows" + (f", {_seconds(ev['duration_s'])}" if isinstance(
-                        ev.get("duration_s"), (int, float)) else "")  # headerless data has no time: rows only
-                    log.event("anomaly-ended", f"{model}: anomaly ended at {when} after {lasted}, "
-                              f"peak score {_num(ev.get('peak_score'))} (version {flagged_by}); in {file}",
-                              priority=LOG_WARNING, model=model, version=flagged_by, row=row, time=at,
-                              duration_s=ev.get("duration_s"), peak_score=ev.get("peak_score"), job_id=job_id, dataset_file=data_file)
+                entry = incident_entry(ev, model=model, version=version, file=file)
+                if entry is not None:
+                    name, message, priority, fields = entry
+                    log.event(name, message, priority=priority, job_id=job_id, dataset_file=data_file, **fields)
                 mark(f"event:{i}")
             if "scored" not in said:
                 flagged = s.get("flagged") or 0
                 notes = "".join(f"; {safe_text(str(n))}" for n in s.get("notes") or [])  # the file's own
                 log.event("scored", f"{model}: {file} scored with version {version}: {s.get('rows')} rows, {flagged} "
                           f"flagged, last score {_num(s.get('last_score'))} (threshold {_num(s.get('threshold'))})"
-                          f"{', anomaly active' if s.get('active') else ''}{' (replayed)' if replayed else ''}{notes}",
+                          f"{', incident open' if s.get('active') else ''}{' (replayed)' if replayed else ''}{notes}",
                           model=model, version=version, rows=s.get("rows"), flagged_rows=flagged, job_id=job_id, dataset_file=data_file)
                 mark("scored")
         finally:

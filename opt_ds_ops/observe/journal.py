@@ -21,8 +21,8 @@ JOURNAL_SOCKET = "/run/systemd/journal/socket"
 IDENTIFIER = "ds-trainer"
 
 # syslog priorities (journald's PRIORITY field)
-LOG_ERR, LOG_WARNING, LOG_NOTICE, LOG_INFO, LOG_DEBUG = 3, 4, 5, 6, 7
-_LEVEL = {LOG_ERR: "error", LOG_WARNING: "warning", LOG_NOTICE: "notice", LOG_INFO: "info", LOG_DEBUG: "debug"}
+LOG_CRIT, LOG_ERR, LOG_WARNING, LOG_NOTICE, LOG_INFO, LOG_DEBUG = 2, 3, 4, 5, 6, 7
+_LEVEL = {LOG_CRIT: "crit", LOG_ERR: "error", LOG_WARNING: "warning", LOG_NOTICE: "notice", LOG_INFO: "info", LOG_DEBUG: "debug"}
 
 # One MESSAGE_ID per event type. Fixed forever: users put them in `journalctl MESSAGE_ID=...`.
 MESSAGE_IDS = {
@@ -60,8 +60,9 @@ MESSAGE_IDS = {
     # a model published, but suspect
     "model-suspect": "0b1313adf7e84e408c8d906b8a880a57",
     # the scoring spool (opt_ds_ops.daemon.scoreslot)
-    "anomaly-started": "17f35753feab4a35989826267ded2e62",
-    "anomaly-ended": "379debf1a65848c382272b9a47b8d1c5",
+    "incident-opened": "11b636a09ea044bcaf7b04b608e60491",
+    "incident-escalated": "0ea40baf385a4975b8c0293bc985bfb1",
+    "incident-closed": "035698f7f20a429f91bd6a0696bc5fe8",
     "scored": "ea106cd2d0e8460dbd52a64a8af55cca",
     "score-reset": "a25b94c0f1a84ac0b75107a5f6d01c4b",
     "results-pruned": "3bf6754c0bcc476f9a68726f1e49a992",

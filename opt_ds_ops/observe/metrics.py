@@ -67,18 +67,20 @@ METRIC_NAMES = {
     # (RESULTS/NAME/state.json), so they survive a restart of the daemon
     "ds_ops_score_last": "anomaly score of the last row scored, per model",
     "ds_ops_score_threshold": "anomaly-score threshold the last scored file was judged by, per model",
-    "ds_ops_anomaly_active": "1 while an anomaly segment of the model is open (its last row was flagged), else 0",
+    "ds_ops_incident_open": "1 while an incident of the model is open (scoring.incident_*), else 0",
+    "ds_ops_incident_critical": "1 while the model's open incident is critical (its peak reached "
+                                "scoring.incident_critical_ratio times the threshold), else 0",
     "ds_ops_scored_rows_total": "rows scored, per model",
     "ds_ops_flagged_rows_total": "rows flagged as anomalous, per model",
-    "ds_ops_anomaly_segments_total": "anomaly segments started, per model",
+    "ds_ops_incidents_total": "incidents opened, per model",
     "ds_ops_last_scored_timestamp_seconds": "Unix time the model's last file was scored",
     # Retraining: the share flagged over retrain.drift_window over the design rate (opt_ds_ops.daemon.retrainer)
     "ds_ops_model_drift_ratio": "share of rows flagged over retrain.drift_window divided by the design rate, per model",
     "ds_ops_retrain_every_seconds": "retrain.every in seconds (0: no periodic retraining), for rules on a model's age",
-    "ds_ops_anomaly_top_metric_share": "share of the open anomaly's error by metric, its top 3 (rank 1-3), per model",
+    "ds_ops_incident_top_metric_share": "share of the open incident's error by metric, its top 3 (rank 1-3), per model",
 }
 SCORE_COUNTERS = (("ds_ops_scored_rows_total", "rows_total"), ("ds_ops_flagged_rows_total", "flagged_total"),
-                  ("ds_ops_anomaly_segments_total", "segments_total"))
+                  ("ds_ops_incidents_total", "incidents_total"))
 VERDICTS = ("ok", "warn", "fail")
 
 
@@ -280,16 +282,18 @@ class MetricsWriter:
 
     def _score_families(self, reg: CollectorRegistry) -> None:
         """Add the scoring spool's families: one sample per model, the top metrics only
-        for an open segment (3 at most: the label set stays bounded)."""
+        for an open incident (3 at most: the label set stays bounded)."""
         gauges = {n: Gauge(n, METRIC_NAMES[n], ["model"], registry=reg) for n in (
-            "ds_ops_score_last", "ds_ops_score_threshold", "ds_ops_anomaly_active", "ds_ops_last_scored_timestamp_seconds",
+            "ds_ops_score_last", "ds_ops_score_threshold", "ds_ops_incident_open", "ds_ops_incident_critical",
+            "ds_ops_last_scored_timestamp_seconds",
             "ds_ops_model_drift_ratio")}
         counters = {n: Counter(n[: -len("_total")], METRIC_NAMES[n], ["model"], registry=reg) for n, _ in SCORE_COUNTERS}
-        top = Gauge("ds_ops_anomaly_top_metric_share", METRIC_NAMES["ds_ops_anomaly_top_metric_share"],
+        top = Gauge("ds_ops_incident_top_metric_share", METRIC_NAMES["ds_ops_incident_top_metric_share"],
                     ["model", "rank", "metric"], registry=reg)
         for name, v in sorted(self.scores.items()):
             for metric, value in (("ds_ops_score_last", v.get("last_score")), ("ds_ops_score_threshold", v.get("threshold")),
-                                  ("ds_ops_anomaly_active", int(bool(v.get("active")))),
+                                  ("ds_ops_incident_open", int(bool(v.get("active")))),
+                                  ("ds_ops_incident_critical", int(bool(v.get("active")) and v.get("severity") == "critical")),
                                   ("ds_ops_last_scored_timestamp_seconds", v.get("scored_at")),
                                   ("ds_ops_model_drift_ratio", v.get("drift_ratio"))):
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -7,7 +7,8 @@ row, or a few scattered ones, page nobody. It **starts** at the first flagged ro
 It stays open across short gaps and **closes** once ``quiet_s`` seconds of rows in a row are
 unflagged (a quiet spell); it then ends at its last flagged row. Flagged runs closer together than
 the quiet spell are therefore one incident, not several. Its **severity** is ``critical`` once
-its peak score reached ``critical_ratio`` times the threshold, else ``warning``.
+its peak score reached ``critical_ratio`` times the threshold, else ``warning``: an incident that
+opens as a warning and then reaches it is **escalated** (said once, at that row).
 
 The rule counts rows, not seconds: the seconds are turned into rows with the model's sample period
 (:meth:`IncidentPolicy.rows`). With ``open_window_s: 0`` and ``quiet_s: 0`` every run of
@@ -33,10 +34,16 @@ SEVERITIES = ("warning", "critical")
 class IncidentPolicy:
     """When flagged rows make an incident (the conffile's ``scoring.incident_*`` keys)."""
 
-    open_window_s: float = 600.0
+    open_window_s: float = 0.0  # the defaults: round 4's choice (docs/detection-protocol.md)
     open_share: float = 0.5
     quiet_s: float = 1800.0
     critical_ratio: float = 2.0
+
+    @classmethod
+    def from_config(cls, scoring) -> IncidentPolicy:
+        """The rule of the conffile's ``scoring:`` section (:class:`opt_ds_ops.config.conffile.ScoringConfig`)."""
+        return cls(open_window_s=scoring.incident_open_window_s, open_share=scoring.incident_open_share,
+                   quiet_s=scoring.incident_quiet_s, critical_ratio=scoring.incident_critical_ratio)
 
     def rows(self, period_s: float) -> tuple[int, int, int]:
         """Return (window, need, quiet) in rows for rows ``period_s`` seconds apart: an incident opens
@@ -87,9 +94,9 @@ class Tracker:
 
 @dataclass
 class Tracked:
-    """One chunk through :func:`track`: ``changes`` ``[("opened" | "closed", row index in the chunk,
-    incident dict)]`` in row order (a closed one is known at the row that completes its quiet
-    spell); ``incident`` (n,) int64, the id of the incident each row belongs to as known after this
+    """One chunk through :func:`track`: ``changes`` ``[("opened" | "escalated" | "closed", row index
+    in the chunk, incident dict)]`` in row order (escalated: a warning whose peak reached the
+    critical ratio at that row; a closed one is known at the row that completes its quiet spell); ``incident`` (n,) int64, the id of the incident each row belongs to as known after this
     chunk (0: none); ``tracker`` the state for the next chunk."""
 
     changes: list
@@ -138,7 +145,9 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
                 out[max(inc["last_row"] - row0 + 1, 0):i + 1] = inc["id"]  # the gap since its last flagged row, and i
                 inc["quiet"] = 0
                 _extend(inc, i, row0, scores, cells, at)
-                inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio)
+                was, inc["severity"] = inc["severity"], severity(inc["peak_score"], threshold, policy.critical_ratio)
+                if was != inc["severity"]:  # a warning that became critical: said once, at this row
+                    changes.append(("escalated", i, dict(inc, sums=list(inc["sums"]))))
             else:
                 inc["quiet"] += 1
                 if inc["quiet"] >= quiet:

@@ -8,7 +8,7 @@ checks its columns against the model's, scores it as the continuation of the mod
 (:func:`opt_ds_ops.scoring.series.score_chunk`) and writes, under ``scoring.results_dir``::
 
     NAME/state.json                     the series' carried state (SeriesState), last_job = the job
-    NAME/<UTC stamp>-<job id>/rows.csv  row,time,score,anomaly,top_metrics (series rows)
+    NAME/<UTC stamp>-<job id>/rows.csv  row,time,score,anomaly,incident,top_metrics (series rows)
     NAME/<UTC stamp>-<job id>/summary.json
 
 The result directory is written hidden (``.tmp-<job id>``) and renamed into place, then
@@ -43,6 +43,7 @@ from ..lifecycle.history import chunk_drift, record_chunk
 from ..lifecycle.promotion import design_rate
 from ..store.model_dir import model_lineage
 from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
+from .incidents import IncidentPolicy
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
                      score_chunk)
 
@@ -177,13 +178,15 @@ def _write_file(path: str, data: bytes) -> None:
 
 
 def rows_csv(result, times: np.ndarray | None) -> bytes:
-    """Return rows.csv: ``row,time,score,anomaly,top_metrics`` (``time`` only with a time index)."""
+    """Return rows.csv: ``row,time,score,anomaly,incident,top_metrics`` (``time`` only with a time
+    index): ``anomaly`` 1 for a flagged row, ``incident`` the id of the incident the row belongs to
+    (empty when none), ``top_metrics`` a flagged row's own top metrics."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["row"] + (["time"] if times is not None else []) + ["score", "anomaly", "top_metrics"])
-    for i, (s, a) in enumerate(zip(result.scores.tolist(), result.flags.tolist())):
+    w.writerow(["row"] + (["time"] if times is not None else []) + ["score", "anomaly", "incident", "top_metrics"])
+    for i, (s, a, k) in enumerate(zip(result.scores.tolist(), result.flags.tolist(), result.incident.tolist())):
         w.writerow([result.first_row + i] + ([iso_utc(float(times[i]))] if times is not None else [])
-                   + [f"{s:.6g}", int(a), result.top[i]])
+                   + [f"{s:.6g}", int(a), k or "", result.top[i]])
     return buf.getvalue().encode("utf-8")
 
 
@@ -262,8 +265,9 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     types, bounded size; see docs/scoring.md): ``model``, ``version``, ``model_dir``, ``source``,
     ``job_id``, ``rows``, ``first_row``, ``last_row``, ``first_time``, ``last_time``, ``flagged``,
     ``events``, ``events_left_out``, ``notes`` (the file's, e.g. rows sorted), ``resets`` (why the
-    carried state was reset), ``active``, ``top_metrics`` (the open segment's),
-    ``threshold``, ``last_score``, ``rows_scored``, ``rows_flagged``, ``segments`` (the series'),
+    carried state was reset), ``active`` (an incident is open), ``severity`` (the open incident's,
+    or None), ``top_metrics`` (the open incident's), ``threshold``, ``last_score``, ``rows_scored``,
+    ``rows_flagged``, ``incidents`` (the series'),
     ``result_dir``, ``scored_at``, ``drift`` (the history's flagged share against the design rate, for
     retraining), ``replayed`` (True: the job had been scored before a restart).
 
@@ -306,8 +310,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
                 return dict(json.load(f), replayed=True)
         except (OSError, ValueError):  # removed since (retention): never score it twice
             return {"model": name, "job_id": job_id, "source": _clip(source), "replayed": True, "result_dir": None,
-                    "rows_scored": state.rows_scored, "rows_flagged": state.rows_flagged, "segments": state.segments,
-                    "active": state.segment is not None, "events": [], "notes": ["the kept summary is gone"]}
+                    "rows_scored": state.rows_scored, "rows_flagged": state.rows_flagged, "incidents": state.incidents,
+                    "active": state.open_incident is not None, "events": [], "notes": ["the kept summary is gone"]}
     for leftover in _result_dirs(model_dir, job_id):  # a kill after the result's rename, before the state's
         shutil.rmtree(os.path.join(model_dir, leftover))
     try:
@@ -321,7 +325,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     state = state or fresh_state(name, stored)
     times = ds.time.seconds if ds.time is not None else None
     result = score_chunk(stored, np.asarray(ds.data), ds.offset, times, state, names=names,
-                         max_gap_periods=cfg.scoring.max_gap_periods)
+                         max_gap_periods=cfg.scoring.max_gap_periods,
+                         policy=IncidentPolicy.from_config(cfg.scoring))
     bad = np.flatnonzero(~np.isfinite(result.scores))
     if bad.size:  # an inf would stay in the carried smoothing for good: refused before anything is written
         raise ScoringError(f"{_clip(source)}: data row {int(bad[0]) + 1} scores {float(result.scores[bad[0]])} (not "
@@ -340,10 +345,10 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "last_time": iso_utc(float(times[-1])) if times is not None and n else None,
         "flagged": int(result.flags.sum()), "events": events, "events_left_out": left_out,
         "notes": [_clip(x, 400) for x in notes[:20]], "resets": [_clip(x, 400) for x in resets[:20]],
-        "active": result.active,
+        "active": result.active, "severity": (new.open_incident or {}).get("severity"),
         "top_metrics": active_top_metrics(new, names), "threshold": float(stored.threshold),
         "last_score": finite_or_none(new.last_score), "rows_scored": new.rows_scored,
-        "rows_flagged": new.rows_flagged, "segments": new.segments,
+        "rows_flagged": new.rows_flagged, "incidents": new.incidents,
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "replayed": False,
     }
@@ -421,8 +426,8 @@ def sweep_removed(results_dir: str, now: float | None = None) -> list[str]:
 def series_status(results_dir: str) -> list[dict]:
     """Return, per model with a series under results_dir (name order), what ``ds-ops status``
     shows: ``model``, ``version``, ``scored_at`` (the last chunk's scoring time), ``last_time``
-    (its last row's time, ISO UTC or None), ``rows_scored``, ``rows_flagged``, ``segments``,
-    ``active``, ``top_metrics`` (the open segment's), ``last_score``, ``threshold``,
+    (its last row's time, ISO UTC or None), ``rows_scored``, ``rows_flagged``, ``incidents``,
+    ``active``, ``severity``, ``top_metrics`` (the open incident's), ``last_score``, ``threshold``,
     ``last_job``; or ``{"model", "error"}`` for a state that cannot be read. Never raises."""
     out = []
     try:
@@ -440,8 +445,9 @@ def series_status(results_dir: str) -> list[dict]:
         out.append({"model": name, "version": state.version, "scored_at": state.scored_at,
                     "last_time": iso_utc(state.last_time) if state.last_time is not None else None,
                     "rows_scored": state.rows_scored, "rows_flagged": state.rows_flagged,
-                    "segments": state.segments, "active": state.segment is not None,
-                    "top_metrics": state.top_metrics if state.segment is not None else [],
+                    "incidents": state.incidents, "active": state.open_incident is not None,
+                    "severity": (state.open_incident or {}).get("severity"),
+                    "top_metrics": state.top_metrics if state.open_incident is not None else [],
                     "last_score": finite_or_none(state.last_score), "threshold": state.threshold,
                     "last_job": state.last_job})
     return out

@@ -5,12 +5,12 @@ stream scored chunk by chunk equals the whole stream scored at once when each ch
 what the previous one left: :class:`SeriesState` carries the window context (the last
 ``input_window - 1`` standardised and clipped rows), the smoothing's memory (the EMA's numerator
 and denominator in pandas' ``adjust=True`` form, or the last ``score_window - 1`` raw scores of a
-trailing mean), the anomaly segment still open at the chunk's end (first row, peak, and each
-metric's sum of its unsmoothed terms, so its ranking is :func:`opt_ds_ops.model.detection.flagged_segments`'),
-and counters. :func:`score_chunk` is pure: it returns a new state and never changes the one given,
+trailing mean), the incident rule's memory (:mod:`opt_ds_ops.scoring.incidents`: the last flags and
+the incident still open at the chunk's end, with each metric's sum of its flagged rows'
+unsmoothed terms), and counters. What pages is an incident, not a flagged row. :func:`score_chunk` is pure: it returns a new state and never changes the one given,
 so a chunk that is refused never advances the series.
 
-The carried state is reset (a note says why; an open segment is ended first, ``reason: reset``)
+The carried state is reset (a note says why; an open incident is closed first, ``reason: reset``)
 when the model's version changes, when a chunk's first time is before the previous chunk's last,
 or when the gap between them exceeds ``max_gap_periods`` sample periods (:func:`sample_period_s`).
 """
@@ -28,9 +28,10 @@ from ..dataset.core import iso_utc
 from ..model.detection import ScoreError, standardise_rows
 from ..model.network import feature_errors, fold_window, window_rows
 from ..store.versions import StoredModel
+from .incidents import IncidentPolicy, Tracker, track
 
-STATE_FORMAT = 1
-TOP_METRICS = 3  # metrics named per segment and per flagged row
+STATE_FORMAT = 2  # 1: before incidents (an open anomaly segment, ``segment``/``segments``); read and carried over
+TOP_METRICS = 3  # metrics named per incident and per flagged row
 BATCH_ROWS = 65536  # rows through the model at a time
 
 
@@ -42,11 +43,11 @@ class SeriesState:
     seconds (None without a time column); ``ema_num``/``ema_den``: the EMA of the raw score as
     ``num / den`` (``score_smoothing: ema``); ``recent``: the last ``score_window - 1`` raw scores
     (``mean``); ``context``: the last ``input_window - 1`` standardised, clipped rows (float32
-    values); ``segment``: the open anomaly segment or None (``start_row``, ``start_time``,
-    ``peak_score``, ``peak_row``, ``peak_time``, ``sums``: each metric's sum of unsmoothed terms,
-    ``rows``); counters over the series; ``last_job``, ``last_result``, ``scored_at``,
-    ``top_metrics``: the scoring job that wrote this state, its result directory, when, and the
-    open segment's top metrics by name (:func:`opt_ds_ops.scoring.job.score_job` sets them).
+    values); ``incident``: the incident rule's memory (:meth:`opt_ds_ops.scoring.incidents.Tracker.to_dict`:
+    the last flags and the open incident or None, with ``sums``: each metric's sum of unsmoothed terms);
+    ``incidents``: incidents opened so far; counters over the series; ``last_job``, ``last_result``,
+    ``scored_at``, ``top_metrics``: the scoring job that wrote this state, its result directory,
+    when, and the open incident's top metrics by name (:func:`opt_ds_ops.scoring.job.score_job` sets them).
     """
 
     model: str
@@ -57,16 +58,16 @@ class SeriesState:
     ema_den: float = 0.0
     recent: list = field(default_factory=list)
     context: list = field(default_factory=list)
-    segment: dict | None = None
+    incident: dict | None = None
     rows_scored: int = 0
     rows_flagged: int = 0
-    segments: int = 0
+    incidents: int = 0
     last_score: float | None = None
     threshold: float | None = None
     last_job: str | None = None
     last_result: str | None = None
     scored_at: str | None = None  # when last_job wrote it (ISO 8601 UTC)
-    top_metrics: list = field(default_factory=list)  # the open segment's, named (for status and metrics)
+    top_metrics: list = field(default_factory=list)  # the open incident's, named (for status and metrics)
     lineage: str | None = None  # the model's (opt_ds_ops.store.model_dir.model_lineage) when last_job wrote it
 
     def to_dict(self) -> dict:
@@ -76,6 +77,10 @@ class SeriesState:
     @classmethod
     def from_dict(cls, obj: dict) -> SeriesState:
         """Return the state saved by :meth:`to_dict`. Raises ValueError for another format or shape."""
+        if isinstance(obj, dict) and obj.get("format") == 1:  # before incidents: its counters and memory go on
+            n = obj.get("segments", 0)  # the ids of its incidents go on from its segments' count
+            obj = dict(obj, format=STATE_FORMAT, incidents=n,
+                       incident={"recent": [], "open": None, "opened": n if isinstance(n, int) else 0})
         if not isinstance(obj, dict) or obj.get("format") != STATE_FORMAT:
             raise ValueError(f"series state of unknown format (want format {STATE_FORMAT})")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -83,31 +88,40 @@ class SeriesState:
             state = cls(**{k: v for k, v in obj.items() if k in known})
         except TypeError as e:
             raise ValueError(f"series state: {e}") from None
-        numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.segments)
+        numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.incidents)
         if (not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
                 or not isinstance(state.context, list) or not isinstance(state.recent, list)
-                or not (state.segment is None
-                        or isinstance(state.segment, dict) and isinstance(state.segment.get("sums"), list))
                 or not (state.last_time is None or isinstance(state.last_time, (int, float)))):
             raise ValueError("series state: a field of the wrong type")
+        Tracker.from_dict(state.incident)  # ValueError for one of the wrong shape
         return state
+
+    @property
+    def open_incident(self) -> dict | None:
+        """The open incident (:class:`opt_ds_ops.scoring.incidents.Tracker`'s ``open``) or None."""
+        return (self.incident or {}).get("open")
 
 
 @dataclass
 class ChunkResult:
     """One chunk scored: ``scores`` (n,) float32, ``flags`` (n,) bool (``scores > threshold``),
-    ``top`` (n,) the flagged rows' metrics (the open segment's ranking through that row, names
-    joined by ``;``; "" elsewhere), ``first_row`` (the series row of row 0), ``events``,
-    ``notes`` (why the state was reset), the new ``state`` and ``active`` (a segment is open)."""
+    ``top`` (n,) each flagged row's own top metrics (its unsmoothed terms' ranking, names joined by
+    ``;``; "" elsewhere), ``incident`` (n,) int64 the id of the incident each row belongs to as
+    known when the chunk was scored (0: none; rows of an earlier chunk that opened it are not
+    relabelled), ``first_row`` (the series row of row 0), ``events``, ``notes`` (why the state was
+    reset), the new ``state``, ``active`` (an incident is open) and ``cells`` (n, D) float32, the
+    rows' unsmoothed terms (:func:`opt_ds_ops.model.detection.flagged_segments` ranks by them)."""
 
     scores: np.ndarray
     flags: np.ndarray
     top: list
+    incident: np.ndarray
     first_row: int
     events: list
     notes: list
     state: SeriesState
     active: bool
+    cells: np.ndarray | None = None
 
 
 def model_version(stored: StoredModel) -> str:
@@ -175,14 +189,27 @@ def _reset_reason(stored: StoredModel, state: SeriesState, times: np.ndarray | N
     return None
 
 
-def _ended(seg: dict, last_row: int, last_time: float | None, names: list[str], reason: str, top: int,
-           version: str | None) -> dict:
-    duration = (last_time - seg["start_time"]) if last_time is not None and seg["start_time"] is not None else None
-    return {"event": "anomaly-ended", "version": version, "row": last_row, "time": _time(last_time),
-            "started_row": seg["start_row"],
-            "started_time": _time(seg["start_time"]), "rows": seg["rows"], "duration_s": duration,
-            "peak_score": seg["peak_score"], "peak_row": seg["peak_row"], "peak_time": _time(seg["peak_time"]),
-            "top_metrics": _ranked(np.asarray(seg["sums"], dtype=np.float64), names, top), "reason": reason}
+def _closed(inc: dict, names: list[str], reason: str, top: int, version: str | None) -> dict:
+    """The ``incident-closed`` event of an incident (a :class:`opt_ds_ops.scoring.incidents.Tracker` ``open`` dict)."""
+    start, last = inc.get("start_time"), inc.get("last_time")
+    duration = (last - start) if last is not None and start is not None else None
+    return {"event": "incident-closed", "incident": inc["id"], "version": version, "row": inc["last_row"],
+            "time": _time(last), "started_row": inc["start_row"], "started_time": _time(start),
+            "opened_row": inc["opened_row"], "opened_time": _time(inc.get("opened_time")),
+            "rows": inc["last_row"] - inc["start_row"] + 1, "rows_flagged": inc["rows_flagged"],
+            "duration_s": duration, "peak_score": inc["peak_score"], "peak_row": inc["peak_row"],
+            "peak_time": _time(inc.get("peak_time")), "severity": inc["severity"],
+            "top_metrics": _ranked(np.asarray(inc["sums"], dtype=np.float64), names, top) if inc["sums"] else [],
+            "reason": reason}
+
+
+def _opened(inc: dict, names: list[str], top: int, threshold: float, score: float) -> dict:
+    """The ``incident-opened`` event of an incident at the row that opened it."""
+    return {"event": "incident-opened", "incident": inc["id"], "row": inc["opened_row"],
+            "time": _time(inc.get("opened_time")), "started_row": inc["start_row"],
+            "started_time": _time(inc.get("start_time")), "threshold": threshold, "score": score,
+            "peak_score": inc["peak_score"], "severity": inc["severity"], "rows_flagged": inc["rows_flagged"],
+            "top_metrics": _ranked(np.asarray(inc["sums"], dtype=np.float64), names, top) if inc["sums"] else []}
 
 
 def _cells(stored: StoredModel, data: np.ndarray, offset, context: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -235,24 +262,30 @@ def fresh_state(name: str, stored: StoredModel) -> SeriesState:
 
 
 def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None, times: np.ndarray | None,
-                state: SeriesState, *, names: list[str], max_gap_periods: float, top: int = TOP_METRICS) -> ChunkResult:
+                state: SeriesState, *, names: list[str], max_gap_periods: float, top: int = TOP_METRICS,
+                policy: IncidentPolicy | None = None) -> ChunkResult:
     """Given the next chunk of a model's series, data (n, D) float32 (the file's values are data +
     offset, see :class:`opt_ds_ops.dataset.Dataset`) with epoch seconds ``times`` (n,) or None,
     score it as the continuation of ``state`` and return a :class:`ChunkResult`.
 
     The scores equal :func:`opt_ds_ops.model.detection.score_rows` of the whole series to float rounding
-    (the window context and smoothing carry over). ``events``: ``{"event": "anomaly-started",
-    "row", "time", "threshold", "score", "top_metrics"}`` for each segment of ``scores >
-    threshold`` that starts here and ``{"event": "anomaly-ended", "row" (its last row), "time",
-    "started_row", "started_time", "rows", "duration_s" (None without times), "peak_score",
-    "peak_row", "peak_time", "top_metrics", "reason" ("recovered" or "reset"), "version" (the one
-    that flagged it)}`` for each that ends
-    (known at the first row below the threshold, which may be this chunk's first); a segment
-    spanning chunks is one of each. Rows are series rows, times ISO 8601 UTC (None without
-    times); ``top_metrics`` ``[{"metric", "share"}]`` rank the segment's unsmoothed terms as
-    :func:`opt_ds_ops.model.detection.flagged_segments` does (a started event: its first row's). ``names``:
-    the D metric names. ``state`` is not changed. Raises ScoreError if D differs from the model's
-    or ``times`` is not (n,).
+    (the window context and smoothing carry over). Rows over the threshold are flagged; the
+    incident rule ``policy`` (:mod:`opt_ds_ops.scoring.incidents`; None: the defaults, rows
+    :func:`sample_period_s` apart) turns them into incidents, the same whatever the chunks.
+    ``events``: ``{"event": "incident-opened", "incident" (its id in the series), "row" (the row
+    that opened it), "time", "started_row", "started_time" (its first flagged row), "threshold",
+    "score", "peak_score", "severity", "rows_flagged", "top_metrics"}`` for each incident opened
+    here, the same keys with ``"event": "incident-escalated"`` and the row that made a warning
+    critical, and ``{"event": "incident-closed", "incident", "row" (its last flagged row), "time",
+    "started_row", "started_time", "opened_row", "opened_time", "rows", "rows_flagged",
+    "duration_s" (None without times), "peak_score", "peak_row", "peak_time", "severity",
+    "top_metrics", "reason" ("recovered" or "reset"), "version" (the one that flagged it)}`` for
+    each that closes (known once its quiet spell is complete, or at a reset); an incident spanning
+    chunks is one of each. Rows are series rows, times ISO 8601 UTC (None without times);
+    ``top_metrics`` ``[{"metric", "share"}]`` rank the incident's flagged rows' unsmoothed terms as
+    :func:`opt_ds_ops.model.detection.flagged_segments` ranks a segment's. ``names``: the D metric
+    names. ``state`` is not changed. Raises ScoreError if D differs from the model's or ``times``
+    is not (n,).
     """
     want = stored.n_features
     if data.ndim != 2 or data.shape[1] != want:
@@ -261,16 +294,18 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         raise ScoreError(f"times has shape {np.shape(times)}, data has {data.shape[0]} rows")
     if len(names) != want:
         raise ScoreError(f"{len(names)} metric names for {want} features")
+    policy = policy or IncidentPolicy()
     st = SeriesState.from_dict(state.to_dict())  # a copy: the caller's state never moves
     events, notes = [], []
     reason = _reset_reason(stored, st, times, max_gap_periods)
     if reason is not None:
         notes.append(reason)
-        if st.segment is not None:
-            events.append(_ended(st.segment, st.next_row - 1, st.last_time, names, "reset", top, st.version))
-        counters = (st.rows_scored, st.rows_flagged, st.segments)
+        if st.open_incident is not None:
+            events.append(_closed(st.open_incident, names, "reset", top, st.version))
+        counters = (st.rows_scored, st.rows_flagged, st.incidents, Tracker.from_dict(st.incident).opened)
         st = fresh_state(st.model, stored)
-        st.rows_scored, st.rows_flagged, st.segments = counters
+        st.rows_scored, st.rows_flagged, st.incidents = counters[:3]
+        st.incident = Tracker(opened=counters[3]).to_dict()  # incident ids go on counting in the series
     st.version, st.threshold = model_version(stored), float(stored.threshold)
     n, w = data.shape[0], stored.input_window
     context = torch.tensor(st.context, dtype=torch.float32).reshape(-1, want) if st.context else torch.empty(0, want)
@@ -280,51 +315,39 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     flags = scores > stored.threshold
     row0 = st.next_row
     t = np.asarray(times, dtype=np.float64) if times is not None else None
-    at = (lambda i: float(t[i])) if t is not None else (lambda i: None)
+    done = track(flags, scores, float(stored.threshold), Tracker.from_dict(st.incident), policy,
+                 sample_period_s(stored) or 60.0, row0=row0, times=t, cells=cells)
+    for kind, i, inc in done.changes:
+        if kind == "opened":
+            events.append(_opened(inc, names, top, float(stored.threshold), float(scores[i])))
+        elif kind == "escalated":
+            events.append(dict(_opened(inc, names, top, float(stored.threshold), float(scores[i])),
+                               event="incident-escalated", row=row0 + i, time=_time(inc.get("last_time"))))
+        else:
+            events.append(_closed(inc, names, "recovered", top, st.version))  # a new version resets first
     top_rows = [""] * n
-    seg = st.segment
-    if seg is not None and n and not flags[0]:
-        events.append(_ended(seg, row0 - 1, st.last_time, names, "recovered", top, st.version))
-        seg = None
-    d = np.diff(np.r_[0, flags.astype(np.int8), 0])
-    for a, b in zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()):
-        if seg is None:
-            seg = {"start_row": row0 + a, "start_time": at(a), "peak_score": float(scores[a]), "peak_row": row0 + a,
-                   "peak_time": at(a), "sums": [0.0] * want, "rows": 0}
-            st.segments += 1
-            events.append({"event": "anomaly-started", "row": row0 + a, "time": _time(at(a)),
-                           "threshold": float(stored.threshold), "score": float(scores[a]),
-                           "top_metrics": _ranked(cells[a].astype(np.float64), names, top)})
-        # summed row after row from the carried sums: the same additions whatever the chunks
-        running = np.cumsum(np.vstack([np.asarray(seg["sums"], dtype=np.float64)[None], cells[a:b]]), axis=0,
-                            dtype=np.float64)[1:]
-        order = np.argsort(-running, axis=1, kind="stable")[:, :top]
-        for k, i in enumerate(range(a, b)):
-            top_rows[i] = ";".join(names[j] for j in order[k])
-        peak = a + int(np.argmax(scores[a:b]))
-        if float(scores[peak]) > seg["peak_score"]:
-            seg.update(peak_score=float(scores[peak]), peak_row=row0 + peak, peak_time=at(peak))
-        seg["sums"], seg["rows"] = running[-1].tolist(), seg["rows"] + (b - a)
-        if b < n:
-            events.append(_ended(seg, row0 + b - 1, at(b - 1), names, "recovered", top, st.version))
-            seg = None
-    st.segment = seg
+    for i in np.flatnonzero(flags).tolist():
+        order = np.argsort(-cells[i].astype(np.float64), kind="stable")[:top]
+        top_rows[i] = ";".join(names[j] for j in order)
+    st.incident = done.tracker.to_dict()
+    st.incidents += sum(1 for kind, _, _ in done.changes if kind == "opened")
     st.next_row = row0 + n
     if n:
-        st.last_time = at(n - 1)
+        st.last_time = float(t[-1]) if t is not None else None
         st.last_score = float(scores[-1])
     st.context = context.tolist() if w > 1 else []
     st.rows_scored += n
     st.rows_flagged += int(flags.sum())
-    return ChunkResult(scores=scores, flags=flags, top=top_rows, first_row=row0, events=events, notes=notes,
-                       state=st, active=seg is not None)
+    return ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, first_row=row0,
+                       events=events, notes=notes, state=st, active=done.tracker.open is not None, cells=cells)
 
 
 def active_top_metrics(state: SeriesState, names: list[str], top: int = TOP_METRICS) -> list[dict]:
-    """Return the open segment's top metrics ``[{"metric", "share"}]``, or [] without one."""
-    if state.segment is None or len(state.segment["sums"]) != len(names):
+    """Return the open incident's top metrics ``[{"metric", "share"}]``, or [] without one."""
+    inc = state.open_incident
+    if inc is None or len(inc.get("sums") or []) != len(names):
         return []
-    return _ranked(np.asarray(state.segment["sums"], dtype=np.float64), names, top)
+    return _ranked(np.asarray(inc["sums"], dtype=np.float64), names, top)
 
 
 def finite_or_none(v: float | None) -> float | None:

@@ -134,7 +134,7 @@ def test_names_a_member_wrote_reach_the_terminal_escaped(trained):
     out = run_cli("models", "list", "--config", str(conf)).stdout
     print("\n" + out)
     assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out
-    from opt_ds_ops.daemon.scoreslot import top_text
+    from opt_ds_ops.observe.incident_entries import top_text
     shown = top_text([{"metric": "cpu\x1b]0;owned\x07", "share": 0.5}])
     assert shown == "cpu\\x1b]0;owned\\x07 50%"
 

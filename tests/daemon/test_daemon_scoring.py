@@ -144,7 +144,7 @@ def samples(prom: Path) -> dict:
 def test_chunks_are_scored_in_order_and_alert_in_the_journal_prometheus_and_status(tmp_path):
     rows = smd(3000, 1000)
     spike = rows.copy()
-    spike[1200:1300, 5] += 40.0  # one metric far outside anything seen in training: one segment
+    spike[1200:1300, 5] += 40.0  # one metric far outside anything seen in training: one critical incident
     with service(tmp_path) as d:
         train(d, tmp_path)
         for i in range(3):
@@ -160,52 +160,56 @@ def test_chunks_are_scored_in_order_and_alert_in_the_journal_prometheus_and_stat
     assert [s["source"] for s in got] == ["c0.csv", "c1.csv", "c2.csv"]  # claim order
     assert [s["first_row"] for s in got] == [0, 1000, 2000]  # one series across files
     state = read_json(tmp_path / "scores" / "m" / "state.json")
-    assert state["rows_scored"] == 3000 and state["segments"] == 1
+    assert state["rows_scored"] == 3000 and state["incidents"] == 1 and state["incident"]["open"] is None
     # nothing of the scored files is kept: not in score/, processing/, done/ (only the training file)
     assert sorted(os.listdir(spool_dir(tmp_path, "score"))) == []
     assert os.listdir(spool_dir(tmp_path, "processing")) == []
     assert done_names(tmp_path) == {"m.txt.gz"} and failed_names(tmp_path) == set()
     entries = journal(tmp_path)
-    (started,) = [e for e in entries if EVENT[e["MESSAGE_ID"]] == "anomaly-started"]
-    (ended,) = [e for e in entries if EVENT[e["MESSAGE_ID"]] == "anomaly-ended"]
+    (started,) = [e for e in entries if EVENT[e["MESSAGE_ID"]] == "incident-opened"]
+    (ended,) = [e for e in entries if EVENT[e["MESSAGE_ID"]] == "incident-closed"]
+    # one metric of 38 far out: the mean score stays under twice the threshold, a warning throughout
     assert started["PRIORITY"] == ended["PRIORITY"] == "4"
+    assert started["DS_SEVERITY"] == ended["DS_SEVERITY"] == "warning" and started["DS_INCIDENT"] == "1"
+    assert float(ended["DS_PEAK_SCORE"]) < 2 * float(started["DS_THRESHOLD"])
     assert started["DS_MODEL"] == "m" and 1200 <= int(started["DS_ROW"]) < 1300 and started["DS_VERSION"]
     assert "metric_05" in started["DS_TOP_METRICS"] and "metric_05" in started["MESSAGE"]
     assert float(started["DS_SCORE"]) > float(started["DS_THRESHOLD"])
     assert 1299 <= int(ended["DS_ROW"]) < 1400 and float(ended["DS_PEAK_SCORE"]) >= float(started["DS_SCORE"])
-    # journalctl -p warning: exactly the anomalies (and problems: none here)
-    assert [EVENT[e["MESSAGE_ID"]] for e in entries if int(e["PRIORITY"]) <= 4] == ["anomaly-started", "anomaly-ended"]
+    assert ended["DS_REASON"] == "recovered" and ended["DS_STARTED_ROW"] == started["DS_STARTED_ROW"]
+    # journalctl -p warning: exactly the incident (and problems: none here)
+    assert [EVENT[e["MESSAGE_ID"]] for e in entries if int(e["PRIORITY"]) <= 4] == ["incident-opened", "incident-closed"]
     scored = [e for e in entries if EVENT[e["MESSAGE_ID"]] == "scored"]
     assert [e["PRIORITY"] for e in scored] == ["6"] * 3 and [e["DS_ROWS"] for e in scored] == ["1000"] * 3
     m = samples(tmp_path / "prom" / "ds_ops.prom")
     model = (("model", "m"),)
     assert m[("ds_ops_scored_rows_total", model)] == 3000
-    assert m[("ds_ops_anomaly_segments_total", model)] == 1
+    assert m[("ds_ops_incidents_total", model)] == 1
     assert m[("ds_ops_flagged_rows_total", model)] == state["rows_flagged"] > 0
-    assert m[("ds_ops_anomaly_active", model)] == 0
+    assert m[("ds_ops_incident_open", model)] == m[("ds_ops_incident_critical", model)] == 0
     assert m[("ds_ops_score_threshold", model)] == pytest.approx(state["threshold"])
     assert m[("ds_ops_score_last", model)] == pytest.approx(state["last_score"])
     assert time.time() - 600 < m[("ds_ops_last_scored_timestamp_seconds", model)] <= time.time()
-    assert not [k for k in m if k[0] == "ds_ops_anomaly_top_metric_share"]  # no open segment: no sample
+    assert not [k for k in m if k[0] == "ds_ops_incident_top_metric_share"]  # no open incident: no sample
     assert status.returncode == 0, status.stderr
     (line,) = [x for x in status.stdout.splitlines() if x.startswith("  m ")]
-    assert "3000 rows scored" in line and "no anomaly" in line, status.stdout
+    assert "3000 rows scored" in line and "1 incidents" in line and "no open incident" in line, status.stdout
     assert "score/: 0 queued" in status.stdout
     st = json.loads(status_json.stdout)
     assert st["scoring"]["m"]["rows_total"] == 3000 and st["score_queue"] == []
 
 
-def test_an_open_anomaly_shows_its_top_metrics_and_counters_survive_a_restart(tmp_path):
+def test_an_open_incident_shows_its_top_metrics_and_counters_survive_a_restart(tmp_path):
     rows = smd(1000, 1000)
-    rows[900:, 7] += 40.0  # the file ends inside the segment: it stays open
+    rows[900:, 7] += 40.0  # the file ends inside the incident: it stays open
     with service(tmp_path) as d:
         train(d, tmp_path)
         chunk(d, tmp_path, "open", rows)
         d.wait_until(lambda: "scored" in events(tmp_path), "the chunk scored")
     m = samples(tmp_path / "prom" / "ds_ops.prom")
     model = (("model", "m"),)
-    assert m[("ds_ops_anomaly_active", model)] == 1
-    tops = {k: v for k, v in m.items() if k[0] == "ds_ops_anomaly_top_metric_share"}
+    assert m[("ds_ops_incident_open", model)] == m[("ds_ops_incident_critical", model)] == 1
+    tops = {k: v for k, v in m.items() if k[0] == "ds_ops_incident_top_metric_share"}
     assert 1 <= len(tops) <= 3
     assert dict(next(k for k in tops if ("rank", "1") in k[1])[1])["metric"] == "metric_07"
     (tmp_path / "prom" / "ds_ops.prom").unlink()
@@ -215,10 +219,13 @@ def test_an_open_anomaly_shows_its_top_metrics_and_counters_survive_a_restart(tm
         status = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "status", "--config", str(d.conf)],
                                 capture_output=True, text=True, env=base_env(), cwd=REPO, timeout=120)
     assert again[("ds_ops_scored_rows_total", model)] == 1000
-    assert again[("ds_ops_anomaly_active", model)] == 1
+    assert again[("ds_ops_incident_open", model)] == 1
     assert again[("ds_ops_flagged_rows_total", model)] == m[("ds_ops_flagged_rows_total", model)] > 0
     (line,) = [x for x in status.stdout.splitlines() if x.startswith("  m ")]
-    assert "ANOMALY ACTIVE" in line and "metric_07" in line, status.stdout
+    assert "CRITICAL INCIDENT OPEN" in line and "metric_07" in line, status.stdout
+    # `journalctl -p crit` lists the critical incident once: opened critical, or escalated from a warning
+    crit = [EVENT[e["MESSAGE_ID"]] for e in journal(tmp_path) if int(e["PRIORITY"]) <= 2]
+    assert crit in (["incident-opened"], ["incident-escalated"]), crit
 
 
 def test_a_file_for_a_model_without_current_is_refused_to_failed_and_the_daemon_serves_on(tmp_path):

@@ -12,7 +12,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from opt_ds_ops.observe.metrics import MetricsWriter
-from opt_ds_ops.daemon.scoreslot import model_view, model_views, prune_results, top_text
+from opt_ds_ops.daemon.scoreslot import model_view, model_views, prune_results
+from opt_ds_ops.observe.incident_entries import top_text
 
 
 def write_model(results, name: str, state: dict, summary: dict | None = None, result: str = "20261201T000000.000000Z-j1"):
@@ -24,8 +25,10 @@ def write_model(results, name: str, state: dict, summary: dict | None = None, re
     return mdir
 
 
-STATE = {"model": "m", "version": "v1", "rows_scored": 3000, "rows_flagged": 40, "segments": 2, "last_score": 0.9,
-         "threshold": 0.5, "segment": {"start_row": 2900}, "format": 1}
+OPEN = {"id": 2, "start_row": 2900, "severity": "critical", "sums": []}
+STATE = {"model": "m", "version": "v1", "rows_scored": 3000, "rows_flagged": 40, "incidents": 2, "last_score": 0.9,
+         "threshold": 0.5, "incident": {"recent": [], "open": OPEN, "opened": 2}, "format": 2}
+CLOSED = {"recent": [], "open": None, "opened": 2}
 SUMMARY = {"model": "m", "version": "v1", "active": True, "scored_at": "2026-12-01T00:00:00.000000Z",
            "top_metrics": [{"metric": "disk_util", "share": 0.6}, {"metric": "cpu", "share": 0.3},
                            {"metric": "net", "share": 0.05}, {"metric": "mem", "share": 0.05}]}
@@ -34,13 +37,23 @@ SUMMARY = {"model": "m", "version": "v1", "active": True, "scored_at": "2026-12-
 def test_a_models_view_takes_its_counters_from_state_json_and_its_top_metrics_from_the_last_summary(tmp_path):
     write_model(tmp_path, "m", STATE, SUMMARY)
     (v,) = model_views(str(tmp_path)).values()
-    assert (v["rows_total"], v["flagged_total"], v["segments_total"]) == (3000, 40, 2)
+    assert (v["rows_total"], v["flagged_total"], v["incidents_total"]) == (3000, 40, 2)
     assert v["active"] and [t["metric"] for t in v["top_metrics"]] == ["disk_util", "cpu", "net"]
+    assert v["severity"] == "critical"
     assert v["scored_at"] == 1796083200.0 and v["last_score"] == 0.9 and v["threshold"] == 0.5
 
 
-def test_a_closed_segment_shows_no_top_metrics_and_a_broken_state_json_no_model(tmp_path):
-    write_model(tmp_path, "m", dict(STATE, segment=None), SUMMARY)
+def test_a_state_json_written_before_incidents_still_shows_its_model(tmp_path):
+    """Until a model's next chunk after an upgrade, its format-1 state.json (an open ``segment``,
+    a ``segments`` count) still gives status and the metrics its counters and open anomaly."""
+    old = {k: v for k, v in STATE.items() if k not in ("incident", "incidents")}
+    write_model(tmp_path, "m", dict(old, format=1, segments=5, segment={"start_row": 2900}), SUMMARY)
+    v = model_views(str(tmp_path))["m"]
+    assert v["incidents_total"] == 5 and v["active"] and v["severity"] is None
+
+
+def test_a_closed_incident_shows_no_top_metrics_and_a_broken_state_json_no_model(tmp_path):
+    write_model(tmp_path, "m", dict(STATE, incident=CLOSED), SUMMARY)
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "state.json").write_text("{not json")
     os.mkfifo(tmp_path / "fifo-model")  # a FIFO is never opened (read_small)
@@ -55,18 +68,24 @@ def test_a_summary_named_by_a_hostile_last_result_is_not_read(tmp_path):
     assert model_views(str(tmp_path))["m"]["scored_at"] is None
 
 
-def test_the_metrics_show_the_top_metric_shares_of_an_open_segment_only_three_of_them():
+def test_the_metrics_show_the_top_metric_shares_of_an_open_incident_only_three_of_them():
     m = MetricsWriter("", "/nonexistent")
     m.score_done(model_view("m", STATE, SUMMARY))
-    m.score_done(model_view("calm", dict(STATE, segment=None), SUMMARY))
+    m.score_done(model_view("calm", dict(STATE, incident=CLOSED), SUMMARY))
+    m.score_done(model_view("warm", dict(STATE, incident=dict(STATE["incident"], open=dict(OPEN, severity="warning"))),
+                            SUMMARY))
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for fam in text_string_to_metric_families(generate_latest(m.registry()).decode()) for s in fam.samples}
-    tops = sorted(k for k in got if k[0] == "ds_ops_anomaly_top_metric_share")
-    assert sorted(dict(k[1])["rank"] for k in tops) == ["1", "2", "3"] and all(dict(k[1])["model"] == "m" for k in tops)
-    assert got[("ds_ops_anomaly_active", (("model", "m"),))] == 1
-    assert got[("ds_ops_anomaly_active", (("model", "calm"),))] == 0
+    tops = sorted(k for k in got if k[0] == "ds_ops_incident_top_metric_share" and dict(k[1])["model"] == "m")
+    assert sorted(dict(k[1])["rank"] for k in tops) == ["1", "2", "3"]
+    assert not [k for k in got if k[0] == "ds_ops_incident_top_metric_share" and dict(k[1])["model"] == "calm"]
+    assert got[("ds_ops_incident_open", (("model", "m"),))] == 1
+    assert got[("ds_ops_incident_open", (("model", "calm"),))] == 0
+    assert got[("ds_ops_incident_critical", (("model", "m"),))] == 1
+    assert got[("ds_ops_incident_critical", (("model", "warm"),))] == 0
+    assert got[("ds_ops_incident_open", (("model", "warm"),))] == 1
     assert got[("ds_ops_scored_rows_total", (("model", "m"),))] == 3000
-    assert got[("ds_ops_anomaly_segments_total", (("model", "calm"),))] == 2
+    assert got[("ds_ops_incidents_total", (("model", "calm"),))] == 2
 
 
 def test_results_past_their_age_go_but_state_json_the_newest_and_hidden_ones_stay(tmp_path):
@@ -160,9 +179,11 @@ class DyingJournal(Journal):
         super().event(event, message, **fields)
 
 
-EVENTS = [{"event": "anomaly-ended", "row": 9, "version": "v1", "duration_s": 60.0, "peak_score": 2.0},
-          {"event": "anomaly-started", "row": 12, "threshold": 0.5, "score": 0.9, "top_metrics": []}]
-SCORED = dict(SUMMARY, version="v2", rows=20, flagged=8, rows_scored=3020, rows_flagged=48, segments=3,
+EVENTS = [{"event": "incident-closed", "incident": 2, "row": 9, "version": "v1", "duration_s": 60.0, "rows": 2,
+           "rows_flagged": 2, "peak_score": 2.0, "severity": "critical", "reason": "reset", "top_metrics": []},
+          {"event": "incident-opened", "incident": 3, "row": 12, "started_row": 12, "threshold": 0.5, "score": 0.9,
+           "severity": "warning", "top_metrics": []}]
+SCORED = dict(SUMMARY, version="v2", rows=20, flagged=8, rows_scored=3020, rows_flagged=48, incidents=3,
               events=EVENTS, resets=["the model's current version changed from v1 to v2: the series starts again"],
               notes=["rows sorted by time"], replayed=False)
 
@@ -170,7 +191,7 @@ SCORED = dict(SUMMARY, version="v2", rows=20, flagged=8, rows_scored=3020, rows_
 def test_a_replayed_summary_journals_no_anomaly_and_no_reset_again(tmp_path):
     """Said once: a summary reported whole and then replayed (the daemon killed before it
     removed the job) says nothing again; the reset comes before the events it caused."""
-    assert [e["event"] for e in report(tmp_path, SCORED)] == ["score-reset", "anomaly-ended", "anomaly-started",
+    assert [e["event"] for e in report(tmp_path, SCORED)] == ["score-reset", "incident-closed", "incident-opened",
                                                              "scored"]
     assert [e["event"] for e in report(tmp_path, dict(SCORED, replayed=True))] == []
 
@@ -181,8 +202,8 @@ def test_a_summary_the_daemon_died_on_is_said_after_the_restart_only_where_it_wa
     first = report(tmp_path, SCORED, fail_after=2)
     again = report(tmp_path, dict(SCORED, replayed=True))
     print(f"\nbefore the kill: {[e['event'] for e in first]}; after the restart: {[e['event'] for e in again]}")
-    assert [e["event"] for e in first] == ["score-reset", "anomaly-ended"]
-    assert [e["event"] for e in again] == ["anomaly-started", "scored"]
+    assert [e["event"] for e in first] == ["score-reset", "incident-closed"]
+    assert [e["event"] for e in again] == ["incident-opened", "scored"]
     assert "(replayed)" in again[-1]["message"]
 
 
@@ -192,7 +213,7 @@ def test_a_summary_scored_before_a_kill_that_came_before_any_entry_is_said_whole
     assert report(tmp_path, SCORED, fail_after=0) == []
     again = report(tmp_path, dict(SCORED, replayed=True))
     print(f"\nafter the restart: {[e['event'] for e in again]}")
-    assert [e["event"] for e in again] == ["score-reset", "anomaly-ended", "anomaly-started", "scored"]
+    assert [e["event"] for e in again] == ["score-reset", "incident-closed", "incident-opened", "scored"]
 
 
 def test_only_resets_are_journaled_as_score_reset_the_files_notes_go_in_the_scored_line(tmp_path):
@@ -201,10 +222,22 @@ def test_only_resets_are_journaled_as_score_reset_the_files_notes_go_in_the_scor
     assert "rows sorted by time" in entries[-1]["message"]
 
 
-def test_an_anomaly_ended_by_a_new_version_is_journaled_with_the_version_that_flagged_it(tmp_path):
-    entries = [e for e in report(tmp_path, SCORED) if e["event"].startswith("anomaly-")]
-    assert entries[0]["version"] == "v1" and "(version v1)" in entries[0]["message"]
+def test_an_incident_closed_by_a_new_version_is_journaled_with_the_version_that_flagged_it(tmp_path):
+    entries = [e for e in report(tmp_path, SCORED) if e["event"].startswith("incident-")]
+    assert entries[0]["version"] == "v1" and "(2 rows flagged, version v1)" in entries[0]["message"]
+    assert "critical incident 2 closed (the series was reset)" in entries[0]["message"], entries[0]["message"]
     assert entries[1]["version"] == "v2"
+
+
+def test_an_incident_is_journaled_at_the_priority_of_its_severity(tmp_path):
+    """A critical incident opens at PRIORITY crit (2), a warning one at warning (4): an operator's
+    `journalctl -p crit` shows only what is critical."""
+    crit = dict(SCORED, resets=[], events=[dict(EVENTS[1], severity="critical")])
+    (opened, _scored) = report(tmp_path / "crit", crit)
+    assert opened["priority"] == 2 and opened["severity"] == "critical" and opened["incident"] == 3
+    assert opened["message"].startswith("m: critical incident 3 opened at row 12"), opened["message"]
+    (opened, _scored) = report(tmp_path / "warn", dict(crit, events=[EVENTS[1]]))
+    assert opened["priority"] == 4 and "warning incident 3 opened" in opened["message"]
 
 
 def test_a_scored_file_prunes_only_its_own_models_results(tmp_path):
@@ -236,9 +269,10 @@ def test_a_state_json_over_a_mebibyte_still_shows_its_model(tmp_path):
     assert model_views(str(tmp_path))["m"]["rows_total"] == 3000
 
 
-def test_an_anomaly_of_headerless_data_ends_after_its_rows_and_names_only_metrics_with_a_share(tmp_path):
-    untimed = dict(SCORED, resets=[], events=[{"event": "anomaly-ended", "row": 570, "rows": 44, "duration_s": None,
-                                               "peak_score": 69.4}])
+def test_an_incident_of_headerless_data_ends_after_its_rows_and_names_only_metrics_with_a_share(tmp_path):
+    untimed = dict(SCORED, resets=[], events=[{"event": "incident-closed", "incident": 1, "row": 570, "rows": 44,
+                                               "rows_flagged": 40, "duration_s": None, "peak_score": 69.4,
+                                               "severity": "critical", "reason": "recovered", "top_metrics": []}])
     (ended, *_rest) = report(tmp_path / "untimed", untimed)
     assert "after 44 rows," in ended["message"] and "?" not in ended["message"], ended["message"]
     timed = dict(untimed, events=[dict(untimed["events"][0], duration_s=2640.0)])
@@ -255,7 +289,7 @@ def test_said_keys_count_only_for_the_summary_they_were_said_of(tmp_path):
     summary's entries are all said, the old keys do not hide them."""
     report(tmp_path, dict(SCORED, result_dir="/r/first"), fail_after=2)
     again = report(tmp_path, dict(SCORED, result_dir="/r/second"))
-    assert [e["event"] for e in again] == ["score-reset", "anomaly-ended", "anomaly-started", "scored"]
+    assert [e["event"] for e in again] == ["score-reset", "incident-closed", "incident-opened", "scored"]
 
 
 def test_the_back_off_of_a_model_that_failed_for_months_is_a_day_not_an_overflow():

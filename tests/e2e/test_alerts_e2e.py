@@ -1,4 +1,4 @@
-"""End-to-end: ds-ops's anomaly alerts through Debian 12's own Prometheus (``make e2e``).
+"""End-to-end: ds-ops's incident alerts through Debian 12's own Prometheus (``make e2e``).
 
 A container of its own (test_deb_e2e.py's upgrades and purge stay out of the way): ds-ops from
 DS_OPS_DEB, then Debian's prometheus-node-exporter and prometheus from the .debs that rootfs.sh
@@ -6,17 +6,25 @@ keeps in the root file system (the container has no network), wired as docs/INST
 Prometheus scrapes the node exporter on localhost:9100 and evaluates the rules ds-ops ships every
 SCRAPE_S seconds. A member of group ds-ops drops SMD machine-1-2's training file into incoming/,
 then a labelled stretch of its test period, in chunks, into score/. Checked through Prometheus's
-HTTP API on localhost: the ds_ops series come through the node exporter, the shipped anomaly
-alert fires while the anomaly is open and resolves after it; and ``journalctl -u ds-trainer -p
-warning`` holds one started and one ended entry per segment, with their catalog text (``-x``).
+HTTP API on localhost: the ds_ops series come through the node exporter, the shipped incident
+alert (DsOpsIncident; DsOpsIncidentCritical too when the incident is critical) fires while the
+incident is open and resolves once it closes; and ``journalctl -u ds-trainer -p warning`` holds
+one incident-opened and one incident-closed entry per incident (and an incident-escalated one per
+warning that became critical), with their catalog text (``-x``).
 
 Keeping it honest: the shipped rules file passes ``promtool check rules`` as it is. Its ``for:``
 durations (minutes) are too long to wait for, so Prometheus loads a copy in which only the rules'
 ``for:`` (and a group's ``interval:``, if set) are cut to FOR_S; every expression, label and
 annotation is the shipped one. Where the chunks end is planned from ``ds-ops score`` of the
-whole stretch (the chunked series scores as the whole file does): every chunk but one
-ends on a row clearly under the threshold, that one inside the anomaly, so the alert can only
-fire there, and does only if the daemon carries the anomaly across files.
+whole stretch (the chunked series scores as the whole file does): the incidents expected are
+those :func:`opt_ds_ops.scoring.incidents.track` makes of its flagged rows with the incident rule
+of the installed conffile (``scoring.incident_*`` as shipped: flagged runs less than
+``incident_quiet_s``, 30 minutes, apart are one incident, which closes only after that long
+without a flagged row) and the model's sample period (the SMD files have no time column: rows
+``train.sample_period_s`` apart). Every chunk but one ends after a whole quiet spell of rows
+clearly under the threshold (no incident can be open there), that one on a row clearly over it
+inside the labelled incident, so the alert can only fire there, and does only if the daemon
+carries the incident across files.
 """
 
 from __future__ import annotations
@@ -26,15 +34,20 @@ import io
 import json
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import urlencode
 
+import numpy as np
 import pytest
 import yaml
 
 from nspawn import Container, ContainerError, cached_rootfs
+from opt_ds_ops.config.conffile import DEFAULT_CONFIG_PATH, load_config
 from opt_ds_ops.observe.journal import MESSAGE_IDS
+from opt_ds_ops.scoring.incidents import IncidentPolicy, Tracker, track
 from test_deb_e2e import catalog_entry
 
 pytestmark = pytest.mark.e2e
@@ -57,9 +70,10 @@ SCRAPE_S = 2                             # Prometheus's scrape and evaluation in
 FOR_S = 4                                # the test copy's for: (the shipped file's are minutes)
 TRAIN_TIMEOUT_S = 300
 SCORED_TIMEOUT_S = 60                    # a chunk dropped -> its rows counted in Prometheus
-ALERT_TIMEOUT_S = 60                     # the anomaly open in Prometheus -> its alert firing / gone
-PRE_ROWS, POST_ROWS = 500, 300           # rows of the test period around the anomaly
-CALM, HOT = 0.8, 1.2                     # a chunk ends on a row under CALM x threshold, or over HOT x
+ALERT_TIMEOUT_S = 60                     # the incident open in Prometheus -> its alert firing / gone
+PRE_ROWS, POST_ROWS = 500, 300           # rows of the test period around the incident
+CALM, HOT = 0.8, 1.2                     # a chunk ends after a quiet spell under CALM x threshold, or over HOT x
+CRITICAL_MARGIN = 1e-3                   # a peak this close (relative) to critical_ratio x threshold: not asserted
 
 PROM_CONFIG_TEXT = f"""\
 # ds-ops e2e: Prometheus scrapes the node exporter and evaluates ds-ops's rules every {SCRAPE_S} s
@@ -119,7 +133,8 @@ def diagnostics(box: Container) -> str:
             ("journalctl -u ds-trainer", f"journalctl -u {UNIT} -n 80 --no-pager -o short-precise"),
             ("journalctl -u prometheus -u prometheus-node-exporter",
              "journalctl -u prometheus -u prometheus-node-exporter -n 40 --no-pager -o short-precise"),
-            ("ds_ops.prom (score and anomaly series)", f"grep -E 'score|anomal|scored|flagged' {TEXTFILE_DIR}/ds_ops.prom"),
+            ("ds_ops.prom (score and incident series)",
+             f"grep -E 'score|incident|scored|flagged' {TEXTFILE_DIR}/ds_ops.prom"),
             ("score/ and results", f"ls -la {SPOOL}/score {SPOOL}/failed; ls -laR /var/lib/ds-ops/scores | tail -n 30")):
         r = box.run(argv, check=False, timeout=60)
         parts.append(f"---- {title}\n{r.stdout}{r.stderr}")
@@ -260,10 +275,12 @@ def test_the_node_exporter_serves_the_ds_ops_series_of_a_training_job(box):
 def test_prometheus_loads_the_shipped_rules(box):
     box.run(["promtool", "check", "rules", SHIPPED_RULES])            # the shipped file, as it is
     shipped = yaml.safe_load(box.run(["cat", SHIPPED_RULES]).stdout)
-    anomaly = shipped_alert(shipped, "ds_ops_anomaly_active")
+    incident = shipped_alert(shipped, "ds_ops_incident_open")
+    critical = shipped_alert(shipped, "ds_ops_incident_critical")
     stalled = shipped_alert(shipped, "ds_ops_last_scored_timestamp_seconds")
-    print(f"shipped rules: {anomaly['alert']} for {anomaly.get('for', '0s')}, {stalled['alert']} for "
-          f"{stalled.get('for', '0s')}; the test copy's for: {FOR_S}s")
+    print(f"shipped rules: {incident['alert']} for {incident.get('for', '0s')}, {critical['alert']} for "
+          f"{critical.get('for', '0s')}, {stalled['alert']} for {stalled.get('for', '0s')}; the test copy's for: "
+          f"{FOR_S}s where set")
     box.run(f"cat > {TEST_RULES}", input=yaml.safe_dump(shortened(shipped), sort_keys=False))
     box.run(f"cat > {PROM_CONFIG}", input=PROM_CONFIG_TEXT + PROM_RULE_FILES)
     box.run(["promtool", "check", "config", PROM_CONFIG])               # and the copy, through the config
@@ -271,10 +288,12 @@ def test_prometheus_loads_the_shipped_rules(box):
 
     def rules_evaluated():
         rules = {r["name"]: r for g in api(box, "rules")["groups"] for r in g["rules"]}
-        names = (anomaly["alert"], stalled["alert"])
+        names = (incident["alert"], critical["alert"], stalled["alert"])
         return all(rules.get(n, {}).get("health") == "ok" for n in names) and rules
     rules = wait("Prometheus to evaluate the ds-ops rules", 60, rules_evaluated)
-    assert rules[anomaly["alert"]]["duration"] == FOR_S, rules[anomaly["alert"]]
+    for rule in (incident, critical, stalled):  # the shipped incident rules have no for: (an incident is already
+        want = FOR_S if "for" in rule else 0     # persistent); the API says 0 for none
+        assert rules[rule["alert"]]["duration"] == want, rules[rule["alert"]]
 
 
 def read_period(box: Container, first: int, rows: int, name: str) -> None:
@@ -298,49 +317,111 @@ def labelled(rows: list[dict], seg: dict) -> bool:
     return any(r["label"] == "1" for r in rows[seg["start"]: seg["end"] + 1])
 
 
-def plan(box: Container) -> tuple[list[tuple[int, int]], int, list[dict]]:
-    """Choose the stretch of the test period and its chunks: return ([(first, end) rows of each
-    chunk], the index of the chunk that ends inside the anomaly, the stretch's flagged segments).
-    The anomaly is the longest flagged segment over labelled rows of the whole period."""
+def incident_rule(box: Container) -> tuple[IncidentPolicy, float]:
+    """Return the daemon's incident rule: the installed conffile's ``scoring.incident_*`` (as
+    shipped), and the model's seconds between rows as the daemon takes them
+    (:func:`opt_ds_ops.scoring.series.sample_period_s`, else 60)."""
+    from opt_ds_ops.scoring.series import sample_period_s
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(box.run(["cat", DEFAULT_CONFIG_PATH]).stdout)
+        f.flush()
+        policy = IncidentPolicy.from_config(load_config(f.name).scoring)
+    md = json.loads(box.run(["cat", f"{MODELS}/{MODEL}/current/metadata.json"]).stdout)
+    return policy, sample_period_s(SimpleNamespace(metadata=md)) or 60.0
+
+
+def incidents(rows: list[dict], threshold: float, policy: IncidentPolicy, period_s: float) -> list[dict]:
+    """Return the incidents the daemon makes of ``ds-ops score``'s rows scored as one series, in
+    order: ``id`` (1, 2, ...: a fresh series), ``start`` (its first flagged row), ``opened`` (the
+    row that opened it), ``end`` (its last flagged row), ``opened_severity``, ``escalated`` (the
+    row at which a warning became critical, or None), ``severity`` (at the end) and ``open``
+    (still open after the last row). The flags are ds-ops score's own (its
+    ``anomaly`` column: score > threshold at full precision); the scores, for the severities, its
+    6 significant digits."""
+    flags = np.array([r["anomaly"] == "1" for r in rows], dtype=bool)
+    scores = np.array([float(r["score"]) for r in rows], dtype=np.float64)
+    done = track(flags, scores, threshold, Tracker(), policy, period_s)
+    out: dict[int, dict] = {}
+    for kind, i, inc in done.changes:  # i: the row (one chunk from row 0)
+        if kind == "opened":
+            out[inc["id"]] = {"id": inc["id"], "start": inc["start_row"], "opened": inc["opened_row"],
+                              "opened_severity": inc["severity"], "escalated": None}
+        elif kind == "escalated":
+            out[inc["id"]]["escalated"] = i
+        elif kind == "closed":
+            out[inc["id"]].update(end=inc["last_row"], severity=inc["severity"], open=False)
+    if done.tracker.open is not None:
+        inc = done.tracker.open
+        out[inc["id"]].update(end=inc["last_row"], severity=inc["severity"], open=True)
+    return list(out.values())
+
+
+def plan(box: Container, policy: IncidentPolicy, period_s: float) -> dict:
+    """Choose the stretch of the test period and its chunks: return ``chunks`` ([(first, end) rows
+    of each chunk]), ``hot`` (the index of the chunk that ends inside the incident), ``incidents``
+    (the stretch's, :func:`incidents`), ``flagged`` (its flagged rows) and ``critical`` (whether
+    the incident is critical at the end of the hot chunk; None too close to tell). The incident
+    is the longest over labelled rows of the whole period."""
     summary, rows = score_whole(box, "test-period")
-    segs = [g for g in summary["segments"] if labelled(rows, g)]
-    assert segs, f"ds-ops score flags no labelled anomaly of the test period: {summary['segments']}"
-    g = max(segs, key=lambda s: s["end"] - s["start"])
+    incs = [g for g in incidents(rows, summary["threshold"], policy, period_s) if labelled(rows, g)]
+    assert incs, f"ds-ops score flags no labelled anomaly of the test period: {summary['segments']}"
+    g = max(incs, key=lambda s: s["end"] - s["start"])
     first = max(0, g["start"] - PRE_ROWS)
     read_period(box, first, g["end"] + 1 + POST_ROWS - first, "stretch")
     summary, rows = score_whole(box, "stretch")                  # scored cold from the stretch's first row
     threshold = summary["threshold"]
     score = [float(r["score"]) for r in rows]
-    calm = [s < CALM * threshold for s in score]
-    g = max((s for s in summary["segments"] if labelled(rows, s)), key=lambda s: s["end"] - s["start"])
-    inside = [i for i in range(g["start"], g["end"]) if score[i] > HOT * threshold]  # not its last row
-    assert inside, f"no row of the anomaly {g} is over {HOT} x the threshold {threshold}"
+    _, _, quiet = policy.rows(period_s)
+    calm_row = [s < CALM * threshold for s in score]
+
+    def calm(e: int) -> bool:
+        """A chunk that ends before row e ends with no incident open: its last quiet rows clearly unflagged."""
+        return e >= quiet and all(calm_row[e - quiet:e])
+
+    g = max((s for s in incidents(rows, threshold, policy, period_s) if labelled(rows, s)),
+            key=lambda s: s["end"] - s["start"])
+    inside = [i for i in range(g["start"], g["end"]) if score[i] > HOT * threshold]  # not its last flagged row
+    assert inside, f"no row of the incident {g} is over {HOT} x the threshold {threshold}"
     m = inside[len(inside) // 2]
-    end = max(i for i in range(len(rows)) if calm[i]) + 1       # the stretch ends calm: trim after that
-    assert end > g["end"] + 10, (end, g)
+    end = max(e for e in range(len(rows) + 1) if calm(e))       # the stretch ends calm: trim after that
+    assert end > g["end"] + quiet, (end, g, quiet)
 
     def cuts(lo: int, hi: int, k: int) -> list[int]:
-        """Return the ends of k chunks of rows lo..hi-1: hi, and k-1 ends after calm rows near equal parts."""
+        """Return the ends of k chunks of rows lo..hi-1: hi, and k-1 calm ends near equal parts."""
         ends = {hi}
         for j in range(1, k):
             ideal = lo + (hi - lo) * j // k
-            ends.add(min((i + 1 for i in range(lo + 1, hi - 1) if calm[i]), key=lambda c: abs(c - ideal), default=hi))
+            ends.add(min((e for e in range(lo + 2, hi) if calm(e)), key=lambda c: abs(c - ideal), default=hi))
         return sorted(ends)
 
-    before = cuts(0, max(i + 1 for i in range(g["start"]) if calm[i]), 2)
+    calm_before = [e for e in range(1, g["start"] + 1) if calm(e)]
+    assert calm_before, f"no quiet spell of {quiet} rows under {CALM} x the threshold before the incident {g}"
+    before = cuts(0, max(calm_before), 2)
     ends = before + [m + 1] + cuts(m + 1, end, 3)
-    assert all(calm[e - 1] for e in ends if e != m + 1), (ends, g)
+    assert all(calm(e) for e in ends if e != m + 1), (ends, g)
     chunks = list(zip([0] + ends[:-1], ends))
-    print(f"stretch: test rows {first}..{first + end - 1}, threshold {threshold:.4f}, anomaly rows {g} "
-          f"(labelled), chunks {chunks}, chunk {len(before)} ends inside it (row {m}, score {score[m]:.4f})")
-    return chunks, len(before), [s for s in summary["segments"] if s["start"] < end]
+    incs = incidents(rows[:end], threshold, policy, period_s)  # the daemon scores rows 0..end-1 only
+    assert not any(i["open"] for i in incs), incs               # the last chunk ends calm
+    peak = max(score[g["start"]: m + 1])
+    bound = policy.critical_ratio * threshold
+    critical = None if abs(peak - bound) <= CRITICAL_MARGIN * bound else peak >= bound
+    print(f"stretch: test rows {first}..{first + end - 1}, threshold {threshold:.4f}, incident rule {policy} at "
+          f"{period_s:g} s a row (quiet spell {quiet} rows); incident {g} (labelled), chunks {chunks}, chunk "
+          f"{len(before)} ends inside it (row {m}, score {score[m]:.4f}, peak so far {peak:.4f}: critical {critical}); "
+          f"{len(incs)} incidents in all: {incs}")
+    return {"chunks": chunks, "hot": len(before), "incidents": incs, "critical": critical,
+            "flagged": sum(r["anomaly"] == "1" for r in rows[:end])}
 
 
-def test_the_shipped_anomaly_alert_fires_for_the_anomaly_and_resolves_after_it(box):
+def test_the_shipped_incident_alert_fires_for_the_incident_and_resolves_after_it(box):
     shipped = yaml.safe_load(box.run(["cat", SHIPPED_RULES]).stdout)
-    name = shipped_alert(shipped, "ds_ops_anomaly_active")["alert"]
+    name = shipped_alert(shipped, "ds_ops_incident_open")["alert"]
+    crit = shipped_alert(shipped, "ds_ops_incident_critical")["alert"]
+    policy, period_s = incident_rule(box)
     read_period(box, 0, 1 << 30, "test-period")
-    chunks, hot, segs = plan(box)
+    p = plan(box, policy, period_s)
+    chunks, hot, incs = p["chunks"], p["hot"], p["incidents"]
     started = time.monotonic()
     total = 0
     for k, (lo, hi) in enumerate(chunks):
@@ -350,33 +431,47 @@ def test_the_shipped_anomaly_alert_fires_for_the_anomaly_and_resolves_after_it(b
         total += hi - lo
         wait(f"chunk {k}'s rows counted in Prometheus ({total} in all)", SCORED_TIMEOUT_S,
              lambda: value(box, f'ds_ops_scored_rows_total{{model="{MODEL}"}}') == total)
-        active = value(box, f'ds_ops_anomaly_active{{model="{MODEL}"}}')
-        assert active == (k == hot), f"after chunk {k} (rows {lo}..{hi - 1}): ds_ops_anomaly_active {active}"
+        opened = value(box, f'ds_ops_incident_open{{model="{MODEL}"}}')
+        assert opened == (k == hot), f"after chunk {k} (rows {lo}..{hi - 1}): ds_ops_incident_open {opened}"
+        critical = value(box, f'ds_ops_incident_critical{{model="{MODEL}"}}')
+        if k != hot:
+            assert critical == 0, f"after chunk {k} (rows {lo}..{hi - 1}): ds_ops_incident_critical {critical}"
+        elif p["critical"] is not None:
+            assert critical == p["critical"], (f"after chunk {k}: ds_ops_incident_critical {critical}, "
+                                               f"want {p['critical']}")
         if k < hot:
-            assert alerts(box, name) == [], f"{name} pending or firing before the anomaly"
+            assert alerts(box, name) == [] and alerts(box, crit) == [], f"{name} or {crit} pending or firing before it"
         elif k == hot:
             firing = wait(f"{name} firing", FOR_S + ALERT_TIMEOUT_S,
                           lambda: [a for a in alerts(box, name) if a["state"] == "firing"])
             print(f"{name} firing {time.monotonic() - started:.1f} s after the first chunk: {firing[0]['labels']}")
-            top = query(box, f'ds_ops_anomaly_top_metric_share{{model="{MODEL}"}}')
+            if critical == 1:
+                wait(f"{crit} firing", FOR_S + ALERT_TIMEOUT_S,
+                     lambda: [a for a in alerts(box, crit) if a["state"] == "firing"])
+            else:
+                assert alerts(box, crit) == [], f"{crit} pending or firing for a warning incident"
+            top = query(box, f'ds_ops_incident_top_metric_share{{model="{MODEL}"}}')
             assert {s["metric"]["rank"] for s in top} >= {"1"}, top
-        elif k == hot + 1:                       # the anomaly ended in this chunk: resolved at the next evaluation
-            wait(f"{name} resolved", ALERT_TIMEOUT_S, lambda: alerts(box, name) == [])
+        elif k == hot + 1:                       # the incident closed in this chunk: resolved at the next evaluation
+            wait(f"{name} and {crit} resolved", ALERT_TIMEOUT_S,
+                 lambda: alerts(box, name) == [] and alerts(box, crit) == [])
         else:
-            assert alerts(box, name) == [], f"{name} again after the anomaly"
+            assert alerts(box, name) == [] and alerts(box, crit) == [], f"{name} or {crit} again after the incident"
     print(f"{len(chunks)} chunks, {total} rows scored and the alert resolved in {time.monotonic() - started:.1f} s")
-    # the segments counter's alert sees the segments that begin and end inside one file too (never
-    # in ds_ops_anomaly_active), where its first sample is 0 (increase() counts from there)
-    seen = shipped_alert(shipped, "ds_ops_anomaly_segments_total")["alert"]
-    if all(s["start"] >= chunks[0][1] for s in segs):
-        wait(f"{seen} firing", ALERT_TIMEOUT_S, lambda: [a for a in alerts(box, seen) if a["state"] == "firing"])
+    # the incidents counter's alert sees the incidents that open and close inside one file too (never
+    # in ds_ops_incident_open): the incident of the hot chunk (not the first) opened after the counter's first
+    # sample, the first chunk's, so increase() counts it
+    seen = shipped_alert(shipped, "ds_ops_incidents_total")["alert"]
+    assert hot >= 1 and any(i["opened"] >= chunks[0][1] for i in incs), (hot, chunks, incs)
+    wait(f"{seen} firing", ALERT_TIMEOUT_S, lambda: [a for a in alerts(box, seen) if a["state"] == "firing"])
     # through the query API too: it fired (in the TSDB), and fires no more
     assert query(box, f'ALERTS{{alertname="{name}",model="{MODEL}"}}') == []
     assert value(box, f'max_over_time(ALERTS{{alertname="{name}",model="{MODEL}",alertstate="firing"}}[10m])') == 1
-    assert value(box, f'ds_ops_flagged_rows_total{{model="{MODEL}"}}') == sum(s["end"] + 1 - s["start"] for s in segs)
-    assert value(box, f'ds_ops_anomaly_segments_total{{model="{MODEL}"}}') == len(segs)
-    assert query(box, f'ds_ops_anomaly_top_metric_share{{model="{MODEL}"}}') == []
-    check_journal(box, segs)
+    assert value(box, f'ds_ops_flagged_rows_total{{model="{MODEL}"}}') == p["flagged"]
+    assert value(box, f'ds_ops_incidents_total{{model="{MODEL}"}}') == len(incs)
+    assert value(box, f'ds_ops_incident_open{{model="{MODEL}"}}') == 0
+    assert query(box, f'ds_ops_incident_top_metric_share{{model="{MODEL}"}}') == []
+    check_journal(box, incs)
 
 
 def warnings(box: Container) -> list[dict]:
@@ -385,23 +480,40 @@ def warnings(box: Container) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def check_journal(box: Container, segs: list[dict]) -> None:
-    """One anomaly-started and one anomaly-ended entry per flagged segment of the stretch, at
-    priority warning, however many chunks a segment spans; nothing routine at that priority; and
-    each entry's catalog text, filled with its fields, in ``journalctl -x``."""
-    ids = {MESSAGE_IDS["anomaly-started"]: "started", MESSAGE_IDS["anomaly-ended"]: "ended"}
-    def all_ended():
+def check_journal(box: Container, incs: list[dict]) -> None:
+    """One incident-opened and one incident-closed entry per incident of the stretch (its id, the
+    row that opened it and its first flagged row; its last flagged row), however many chunks and
+    flagged runs an incident spans; at priority warning, crit for an incident opened critical;
+    one incident-escalated entry, at crit, per incident that opened as a warning and became
+    critical (the row that made it so); nothing routine at warning or above; and each entry's
+    catalog text, filled with its fields, in ``journalctl -x``."""
+    ids = {MESSAGE_IDS["incident-opened"]: "opened", MESSAGE_IDS["incident-closed"]: "closed"}
+    def all_closed():
         found = warnings(box)
-        return found if sum(e.get("MESSAGE_ID") == MESSAGE_IDS["anomaly-ended"] for e in found) >= len(segs) else None
-    entries = wait("the anomaly entries in the journal (journald writes asynchronously)", 30, all_ended)
+        return found if sum(e.get("MESSAGE_ID") == MESSAGE_IDS["incident-closed"] for e in found) >= len(incs) else None
+    entries = wait("the incident entries in the journal (journald writes asynchronously)", 30, all_closed)
     mine = [e for e in entries if e.get("MESSAGE_ID") in ids and e.get("DS_MODEL") == MODEL]
-    assert [int(e["DS_ROW"]) for e in mine if ids[e["MESSAGE_ID"]] == "started"] == [s["start"] for s in segs], mine
-    assert [int(e["DS_ROW"]) for e in mine if ids[e["MESSAGE_ID"]] == "ended"] == [s["end"] for s in segs], mine
-    assert {e["PRIORITY"] for e in mine} == {"4"}, mine
+    opened = [e for e in mine if ids[e["MESSAGE_ID"]] == "opened"]
+    closed = [e for e in mine if ids[e["MESSAGE_ID"]] == "closed"]
+    assert [(int(e["DS_INCIDENT"]), int(e["DS_ROW"]), int(e["DS_STARTED_ROW"])) for e in opened] == [
+        (i["id"], i["opened"], i["start"]) for i in incs], (incs, mine)
+    assert [(int(e["DS_INCIDENT"]), int(e["DS_ROW"]), e.get("DS_REASON")) for e in closed] == [
+        (i["id"], i["end"], "recovered") for i in incs], (incs, mine)
+    assert [(e["PRIORITY"], e["DS_SEVERITY"]) for e in opened] == [
+        ("2" if i["opened_severity"] == "critical" else "4", i["opened_severity"]) for i in incs], (incs, opened)
+    assert {e["PRIORITY"] for e in closed} == {"4"}, closed
+    events = ["incident-opened", "incident-closed"]
+    if "incident-escalated" in MESSAGE_IDS:
+        escalated = [e for e in entries if e.get("MESSAGE_ID") == MESSAGE_IDS["incident-escalated"]
+                     and e.get("DS_MODEL") == MODEL]
+        assert [(int(e["DS_INCIDENT"]), int(e["DS_ROW"]), e["PRIORITY"]) for e in escalated] == [
+            (i["id"], i["escalated"], "2") for i in incs if i["escalated"] is not None], (incs, escalated)
+        mine += escalated
+        events += ["incident-escalated"] if escalated else []
     routine = {MESSAGE_IDS[k] for k in ("scored", "job-saved", "job-claimed")}
     assert [e["MESSAGE"] for e in entries if e.get("MESSAGE_ID") in routine] == []
     out = box.run(["journalctl", "-x", "-u", UNIT, "-p", "warning", "--no-pager"]).stdout
-    for event in ("anomaly-started", "anomaly-ended"):
+    for event in events:
         entry = next(e for e in mine if e["MESSAGE_ID"] == MESSAGE_IDS[event])
         filled = [re.sub(r"@([A-Z0-9_]+)@", lambda m: entry.get(m.group(1), m.group(0)), line)
                   for line in catalog_entry(event)]

@@ -36,7 +36,7 @@ def promtool() -> str:
 def test_promtool_accepts_the_shipped_rules(promtool):
     r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 11 rules found" in r.stdout
+    assert "SUCCESS: 12 rules found" in r.stdout
 
 
 def test_the_rules_use_only_series_the_daemon_writes():
@@ -51,43 +51,58 @@ evaluation_interval: 1m
 tests:
   - interval: 1m
     input_series:
-      # model m: anomalous from minute 3 to minute 12; model quiet: never
-      - series: 'ds_ops_anomaly_active{{model="m", instance="h:9100", job="node"}}'
+      # model m: an incident open from minute 3 to minute 12, critical from minute 6 to 11; model quiet: none
+      - series: 'ds_ops_incident_open{{model="m", instance="h:9100", job="node"}}'
         values: '0 0 0 1x9 0x10'
-      - series: 'ds_ops_anomaly_active{{model="quiet", instance="h:9100", job="node"}}'
+      - series: 'ds_ops_incident_critical{{model="m", instance="h:9100", job="node"}}'
+        values: '0 0 0 0 0 0 1x5 0x10'
+      - series: 'ds_ops_incident_open{{model="quiet", instance="h:9100", job="node"}}'
+        values: '0x20'
+      - series: 'ds_ops_incident_critical{{model="quiet", instance="h:9100", job="node"}}'
         values: '0x20'
       - series: 'ds_ops_score_last{{model="m", instance="h:9100", job="node"}}'
         values: '0.1x20'
     alert_rule_test:
-      - {{eval_time: 7m, alertname: DsOpsAnomalyActive, exp_alerts: []}}
-      - eval_time: 9m
-        alertname: DsOpsAnomalyActive
+      - {{eval_time: 2m, alertname: DsOpsIncident, exp_alerts: []}}
+      - eval_time: 3m
+        alertname: DsOpsIncident
         exp_alerts:
           - exp_labels: {{severity: warning, model: m, instance: "h:9100", job: node}}
             exp_annotations:
-              summary: "Anomaly in m on h:9100"
+              summary: "Incident in m on h:9100"
               description: >-
-                ds-ops model m has flagged its telemetry as anomalous for 5 minutes (last score 0.1).
-                The top metrics are in ds_ops_anomaly_top_metric_share{{model="m"}}, in
-                `journalctl -u ds-trainer -p warning` and in `ds-ops status`.
-      - {{eval_time: 14m, alertname: DsOpsAnomalyActive, exp_alerts: []}}
+                ds-ops model m has an open incident: its telemetry is over the anomaly threshold
+                (last score 0.1). The top metrics are in ds_ops_incident_top_metric_share{{model="m"}},
+                in `journalctl -u ds-trainer -p warning` and in `ds-ops status`.
+      - {{eval_time: 14m, alertname: DsOpsIncident, exp_alerts: []}}
+      - {{eval_time: 5m, alertname: DsOpsIncidentCritical, exp_alerts: []}}
+      - eval_time: 6m
+        alertname: DsOpsIncidentCritical
+        exp_alerts:
+          - exp_labels: {{severity: critical, model: m, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "Critical incident in m on h:9100"
+              description: >-
+                ds-ops model m has an open incident whose peak score is at least twice its threshold.
+                The top metrics are in ds_ops_incident_top_metric_share{{model="m"}} and `ds-ops status`.
+      - {{eval_time: 12m, alertname: DsOpsIncidentCritical, exp_alerts: []}}
   - interval: 1m
     input_series:
-      # one segment counted at minute 5 (it began and ended inside one scored file)
-      - series: 'ds_ops_anomaly_segments_total{{model="m", instance="h:9100", job="node"}}'
+      # one incident counted at minute 5 (it opened and closed inside one scored file)
+      - series: 'ds_ops_incidents_total{{model="m", instance="h:9100", job="node"}}'
         values: '2x4 3x40'
     alert_rule_test:
-      - {{eval_time: 4m, alertname: DsOpsAnomalySeen, exp_alerts: []}}
+      - {{eval_time: 4m, alertname: DsOpsIncidentSeen, exp_alerts: []}}
       - eval_time: 10m
-        alertname: DsOpsAnomalySeen
+        alertname: DsOpsIncidentSeen
         exp_alerts:
           - exp_labels: {{severity: info, model: m, instance: "h:9100", job: node}}
             exp_annotations:
-              summary: "Anomaly segment(s) in m on h:9100 in the last 15 minutes"
+              summary: "Incident(s) in m on h:9100 in the last 15 minutes"
               description: >-
-                ds-ops model m flagged about 1 anomaly segment(s) in the last 15 minutes;
+                ds-ops model m opened about 1 incident(s) in the last 15 minutes;
                 `journalctl -u ds-trainer -p warning` has their start, end and top metrics.
-      - {{eval_time: 30m, alertname: DsOpsAnomalySeen, exp_alerts: []}}
+      - {{eval_time: 30m, alertname: DsOpsIncidentSeen, exp_alerts: []}}
   - interval: 1m
     input_series:
       # model m scored at minute 0 (Unix time 0 in promtool's clock) and never again; model new

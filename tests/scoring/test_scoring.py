@@ -90,9 +90,12 @@ def test_chunks_dropped_one_after_another_score_as_the_whole_period(store, cfg, 
     np.testing.assert_allclose([float(r["score"]) for r in rows], whole, rtol=1e-5, atol=1e-6)  # %.6g in the file
     flagged = [int(r["row"]) for r in rows if r["anomaly"] == "1"]
     assert flagged and flagged == np.flatnonzero(whole > stored.threshold).tolist()
-    started = [e for e in events if e["event"] == "anomaly-started"]
-    assert started and all(m["metric"] in NAMES for e in started for m in e["top_metrics"])
+    opened = [e for e in events if e["event"] == "incident-opened"]
+    assert opened and all(m["metric"] in NAMES for e in opened for m in e["top_metrics"])
     assert all(r["top_metrics"].split(";")[0] in NAMES for r in rows if r["anomaly"] == "1")
+    # rows.csv names each row's incident: every flagged row is in one, and the incidents are the series'
+    assert all(r["incident"] for r in rows if r["anomaly"] == "1")
+    assert {int(r["incident"]) for r in rows if r["incident"]} == {e["incident"] for e in opened}
     state = json.loads((tmp_path / "scores" / "m1" / "state.json").read_text())
     assert state["rows_scored"] == test.shape[0] and state["last_job"] == job_id(k - 1)
 

@@ -1,5 +1,6 @@
 """One series per model across chunks: a labelled SMD test period scored in chunks
-equals it scored whole, for every smoothing and window setting; resets; the state is not moved."""
+equals it scored whole (scores and incidents), for every smoothing and window setting and incident
+rule; resets; the state is not moved."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from conftest import SMD_LABELS, SMD_TEST
 from opt_ds_ops.config.conffile import TrainConfig
 from opt_ds_ops.health.device import plan_device
 from opt_ds_ops.model.detection import ScoreError, flagged_segments, in_memory_model, score_with_cells
+from opt_ds_ops.scoring.incidents import IncidentPolicy, incidents_of
 from opt_ds_ops.scoring.series import SeriesState, fresh_state, sample_period_s, score_chunk
 from opt_ds_ops.training.fit import train
 
@@ -45,59 +47,89 @@ def models(smd_rows):
     return out
 
 
-def scored_in(stored, data, k, times=None):
+ROWS_RULE = IncidentPolicy(open_window_s=0, quiet_s=0)  # every flagged run its own incident (segments)
+PERSIST = IncidentPolicy(open_window_s=600, open_share=0.5, quiet_s=1800)  # 5 of 10 rows open, 30 rows close
+
+
+def scored_in(stored, data, k, times=None, policy=None):
     """Score data in k consecutive chunks; return (scores, events, final state)."""
     state, scores, events = fresh_state("m", stored), [], []
     for part in np.array_split(np.arange(data.shape[0]), k):
         r = score_chunk(stored, data[part], None, None if times is None else times[part], state, names=NAMES,
-                        max_gap_periods=10)
+                        max_gap_periods=10, policy=policy)
         assert r.first_row == part[0] and r.notes == []
         state, scores, events = r.state, scores + [r.scores], events + r.events
     return np.concatenate(scores), events, state
 
 
-def segments_of(events, state):
-    segs = [(e["started_row"], e["row"], e["peak_row"], [m["metric"] for m in e["top_metrics"]])
-            for e in events if e["event"] == "anomaly-ended"]
-    if state.segment is not None:
-        segs.append((state.segment["start_row"], state.next_row - 1, state.segment["peak_row"], None))
-    return segs
+def incidents_from(events, state):
+    """(first flagged row, row that opened it, last flagged row, top metrics or None) per incident."""
+    got = [(e["started_row"], e["opened_row"], e["row"], [m["metric"] for m in e["top_metrics"]])
+           for e in events if e["event"] == "incident-closed"]
+    if state.open_incident is not None:
+        inc = state.open_incident
+        got.append((inc["start_row"], inc["opened_row"], inc["last_row"], None))
+    return got
 
 
 @pytest.mark.parametrize("k", [1, 7, 50])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_a_period_scored_in_chunks_equals_it_scored_whole(models, test_period, setting, k):
-    """Acceptance 1: the same scores (to 1e-6), flagged segments and events in 1, 7 and 50 chunks."""
+    """The same scores (to 1e-6), incidents and events in 1, 7 and 50 chunks; with the rule that
+    makes every flagged run an incident, the incidents are the flagged segments, top metrics too."""
     stored = models[setting]
     whole, cells = score_with_cells(stored, test_period)
-    expected = flagged_segments(whole, stored.threshold, cells, NAMES)
-    assert len(expected) >= 3  # the labelled anomalies are flagged: there are segments to split
-    scores, events, state = scored_in(stored, test_period, k)
+    segments = flagged_segments(whole, stored.threshold, cells, NAMES)
+    assert len(segments) >= 3  # the labelled anomalies are flagged: there are incidents to split
+    scores, events, state = scored_in(stored, test_period, k, policy=ROWS_RULE)
     np.testing.assert_allclose(scores, whole, rtol=0, atol=1e-6)
-    got = segments_of(events, state)
-    assert [(g[0], g[1], g[2]) for g in got] == [(e["start"], e["end"], e["peak_row"]) for e in expected]
-    closed = [e for e in expected if e["end"] < test_period.shape[0] - 1 or state.segment is None]
+    got = incidents_from(events, state)
+    assert [(g[0], g[2]) for g in got] == [(e["start"], e["end"]) for e in segments]
+    assert [g[1] for g in got] == [e["start"] for e in segments]  # one flagged row opens it
+    closed = [e for e in segments if e["end"] < test_period.shape[0] - 1 or state.open_incident is None]
     assert [g[3] for g in got if g[3] is not None] == [[m["metric"] for m in e["top_metrics"]] for e in closed]
-    started = [e for e in events if e["event"] == "anomaly-started"]
-    assert [e["row"] for e in started] == [e["start"] for e in expected]  # one started per segment
+    opened = [e for e in events if e["event"] == "incident-opened"]
+    assert [e["incident"] for e in opened] == list(range(1, len(segments) + 1))
     assert state.rows_scored == 3000 and state.rows_flagged == int((whole > stored.threshold).sum())
-    assert state.segments == len(expected)
-    reference, ref_events, _ = scored_in(stored, test_period, 1)
+    assert state.incidents == len(segments)
+    reference, ref_events, _ = scored_in(stored, test_period, 1, policy=ROWS_RULE)
     assert json.dumps(events, sort_keys=True) == json.dumps(ref_events, sort_keys=True)
 
 
-def test_a_segment_spanning_chunks_is_one_started_and_one_ended_event(models, test_period):
+@pytest.mark.parametrize("k", [1, 7, 50, 300])
+@pytest.mark.parametrize("policy", [None, PERSIST], ids=["shipped", "persist"])
+def test_incidents_in_chunks_are_the_incidents_of_the_whole_period(models, test_period, policy, k):
+    """The shipped rule (flagged runs < 30 min apart are one incident) and a persistence rule open and
+    close the same incidents however the series is cut, as incidents_of finds them in the whole."""
+    stored = models["defaults"]
+    whole, _ = score_with_cells(stored, test_period)
+    rule = policy or IncidentPolicy()
+    expected = incidents_of(whole, stored.threshold, rule, 60.0)
+    segments = flagged_segments(whole, stored.threshold, np.zeros((whole.shape[0], 38)), NAMES)
+    assert 1 <= len(expected) < len(segments)  # the rule merges or drops some flagged runs
+    _, events, state = scored_in(stored, test_period, k, policy=policy)
+    got = incidents_from(events, state)
+    assert [(g[0], g[1], g[2]) for g in got] == [(e["start"], e["opened"], e["end"]) for e in expected]
+    sev = [e["severity"] for e in events if e["event"] == "incident-closed"]
+    assert sev == [e["severity"] for e in expected if not e["open"]]
+    assert state.incidents == len(expected)
+
+
+def test_an_incident_spanning_chunks_is_one_opened_and_one_closed_event(models, test_period):
     stored = models["defaults"]
     whole, cells = score_with_cells(stored, test_period)
     seg = max(flagged_segments(whole, stored.threshold, cells, NAMES), key=lambda g: g["end"] - g["start"])
     assert seg["end"] - seg["start"] >= 4
     cut = (seg["start"] + seg["end"]) // 2
     state = fresh_state("m", stored)
-    first = score_chunk(stored, test_period[:cut], None, None, state, names=NAMES, max_gap_periods=10)
-    assert first.active and first.events[-1]["event"] == "anomaly-started" and first.events[-1]["row"] == seg["start"]
-    second = score_chunk(stored, test_period[cut:], None, None, first.state, names=NAMES, max_gap_periods=10)
-    ended = [e for e in second.events if e["event"] == "anomaly-ended"]
-    assert not [e for e in second.events if e["event"] == "anomaly-started" and e["row"] == cut]
+    first = score_chunk(stored, test_period[:cut], None, None, state, names=NAMES, max_gap_periods=10,
+                        policy=ROWS_RULE)
+    assert first.active and first.events[-1]["event"] == "incident-opened" and first.events[-1]["row"] == seg["start"]
+    assert set(first.incident[seg["start"]:cut].tolist()) == {first.events[-1]["incident"]}  # rows.csv's column
+    second = score_chunk(stored, test_period[cut:], None, None, first.state, names=NAMES, max_gap_periods=10,
+                         policy=ROWS_RULE)
+    ended = [e for e in second.events if e["event"] == "incident-closed"]
+    assert not [e for e in second.events if e["event"] == "incident-opened" and e["row"] == cut]
     assert ended[0]["started_row"] == seg["start"] and ended[0]["row"] == seg["end"]
     assert ended[0]["rows"] == seg["end"] - seg["start"] + 1 and ended[0]["peak_row"] == seg["peak_row"]
     assert ended[0]["top_metrics"][0]["metric"] == seg["top_metrics"][0]["metric"]
@@ -116,6 +148,21 @@ def test_the_state_round_trips_through_json_exactly(models, test_period):
         SeriesState.from_dict(dict(first.state.to_dict(), format=99))
 
 
+def test_a_state_written_before_incidents_is_read_and_its_series_goes_on(models, test_period):
+    """An upgrade keeps each model's series: a format-1 state.json (an open anomaly ``segment`` and
+    a ``segments`` count) is read, its counters and carried context kept, the old segment dropped."""
+    stored = models["input_window 4"]
+    first = score_chunk(stored, test_period[:1500], None, None, fresh_state("m", stored), names=NAMES,
+                        max_gap_periods=10)
+    old = {k: v for k, v in first.state.to_dict().items() if k not in ("incident", "incidents")}
+    old.update(format=1, segments=7, segment={"start_row": 1400, "sums": [0.0] * 38})
+    state = SeriesState.from_dict(json.loads(json.dumps(old)))
+    assert state.incidents == 7 and state.open_incident is None and state.next_row == 1500
+    r = score_chunk(stored, test_period[1500:], None, None, state, names=NAMES, max_gap_periods=10)
+    b = score_chunk(stored, test_period[1500:], None, None, first.state, names=NAMES, max_gap_periods=10)
+    assert r.notes == [] and np.array_equal(r.scores, b.scores)  # the window context carried over
+
+
 def test_score_chunk_never_changes_the_state_it_is_given(models, test_period):
     stored = models["defaults"]
     state = score_chunk(stored, test_period[:700], None, None, fresh_state("m", stored), names=NAMES,
@@ -128,7 +175,7 @@ def test_score_chunk_never_changes_the_state_it_is_given(models, test_period):
 
 
 def _active_state(stored, data, times=None):
-    """Score up to the middle of a flagged segment; return (rows scored, state with an open segment)."""
+    """Score up to the middle of a flagged segment; return (rows scored, state with an open incident)."""
     whole = score_with_cells(stored, data)[0]
     flagged = np.flatnonzero(whole > stored.threshold)
     cut = int(flagged[len(flagged) // 2]) + 1
@@ -140,7 +187,7 @@ def _active_state(stored, data, times=None):
     return cut, r.state
 
 
-def test_a_new_current_version_resets_the_series_and_ends_the_open_segment(models, test_period):
+def test_a_new_current_version_resets_the_series_and_closes_the_open_incident(models, test_period):
     stored = models["defaults"]
     cut, state = _active_state(stored, test_period)
     stored.metadata = dict(stored.metadata, version="v2")
@@ -149,7 +196,7 @@ def test_a_new_current_version_resets_the_series_and_ends_the_open_segment(model
     finally:
         stored.metadata = dict(stored.metadata, version="v1")
     assert r.notes and "changed from v1 to v2" in r.notes[0]
-    assert r.events[0]["event"] == "anomaly-ended" and r.events[0]["reason"] == "reset"
+    assert r.events[0]["event"] == "incident-closed" and r.events[0]["reason"] == "reset"
     assert r.events[0]["row"] == cut - 1 and r.first_row == 0 and r.state.version == "v2"
     assert r.events[0]["version"] == "v1"  # the version that flagged it, not the new one
     fresh = score_with_cells(stored, test_period[cut:])[0]

@@ -1,0 +1,69 @@
+"""The journal's words for a model's incidents: one entry per event of a scored file's summary
+(:mod:`opt_ds_ops.scoring.series`: ``incident-opened``, ``incident-escalated``, ``incident-closed``),
+with its priority (crit for what is critical, warning otherwise) and its fields. The daemon's
+scoring slot (:mod:`opt_ds_ops.daemon.scoreslot`) sends them, each once; ``ds-ops status`` names
+metrics the same way (:func:`top_text`)."""
+
+from __future__ import annotations
+
+from .journal import LOG_CRIT, LOG_WARNING, safe_text
+
+
+def num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "?"
+
+
+def seconds(v: float) -> str:
+    """``2640 s``; from two hours on with hours beside it: ``10320 s (2.9 h)`` (not ``1.032e+04 s``)."""
+    return f"{v:.0f} s" + (f" ({v / 3600:.1f} h)" if v >= 7200 else "")
+
+
+def top_text(top) -> str:
+    """``disk_util 42%, cpu 30%`` from [{metric, share}] (share 0..1)."""
+    parts = []
+    for t in top or []:
+        share = t.get("share")
+        if isinstance(share, (int, float)) and share < 0.005:
+            continue  # "34 0%": no part of the score worth naming
+        metric = safe_text(str(t.get("metric")))  # a header's name: never a terminal's escape sequence
+        parts.append(f"{metric} {share:.0%}" if isinstance(share, (int, float)) else metric)
+    return ", ".join(parts) or "none"
+
+
+def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, str, int, dict] | None:
+    """Return (event, message, priority, fields) of one summary event of model's scored ``file``
+    (scored with ``version``), or None for an event of another kind."""
+    kind = ev.get("event")
+    row, at = ev.get("row"), ev.get("time")
+    when = f"row {row}" + (f" ({at})" if at is not None else "")
+    top = top_text(ev.get("top_metrics"))
+    common = {"model": model, "incident": ev.get("incident"), "row": row, "time": at,
+              "started_row": ev.get("started_row")}
+    if kind == "incident-opened":
+        sev = str(ev.get("severity") or "warning")
+        began = ev.get("started_time") or f"row {ev.get('started_row')}"
+        return (kind, f"{model}: {sev} incident {ev.get('incident')} opened at {when} (flagged since {began}): score "
+                      f"{num(ev.get('score'))} over threshold {num(ev.get('threshold'))} (version {version}); top "
+                      f"metrics: {top}; in {file}",
+                LOG_CRIT if sev == "critical" else LOG_WARNING,
+                dict(common, version=version, severity=sev, started_time=ev.get("started_time"),
+                     threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top))
+    if kind == "incident-escalated":
+        return (kind, f"{model}: incident {ev.get('incident')} is critical at {when}: score {num(ev.get('score'))}, "
+                      f"peak {num(ev.get('peak_score'))} over threshold {num(ev.get('threshold'))} (version "
+                      f"{version}); top metrics: {top}; in {file}",
+                LOG_CRIT,
+                dict(common, version=version, severity="critical", threshold=ev.get("threshold"),
+                     score=ev.get("score"), top_metrics=top))
+    if kind == "incident-closed":
+        flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
+        lasted = f"{ev.get('rows')} rows" + (f", {seconds(ev['duration_s'])}" if isinstance(
+            ev.get("duration_s"), (int, float)) else "")  # headerless data has no time: rows only
+        why = " (the series was reset)" if ev.get("reason") == "reset" else ""
+        return (kind, f"{model}: {ev.get('severity') or 'warning'} incident {ev.get('incident')} closed{why}: its "
+                      f"last flagged row was {when}, after {lasted}, peak score {num(ev.get('peak_score'))} "
+                      f"({ev.get('rows_flagged')} rows flagged, version {flagged_by}); top metrics: {top}; in {file}",
+                LOG_WARNING,
+                dict(common, version=flagged_by, severity=ev.get("severity"), duration_s=ev.get("duration_s"),
+                     peak_score=ev.get("peak_score"), reason=ev.get("reason")))
+    return None
