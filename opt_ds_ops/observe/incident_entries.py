@@ -30,11 +30,22 @@ def top_text(top) -> str:
     return ", ".join(parts) or "none"
 
 
+# the events of a summary written before incidents (an anomaly segment each): a job scored by the old
+# daemon and killed before it journaled them is replayed by the new one, which must still say them
+LEGACY = {"anomaly-started": "incident-opened", "anomaly-ended": "incident-closed"}
+
+
 def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, str, int, dict] | None:
     """Return (event, message, priority, fields) of one summary event of model's scored ``file``
     (scored with ``version``), or None for an event of another kind."""
     kind = ev.get("event")
+    if kind in LEGACY:  # a summary scored before incidents, replayed after the upgrade: said as what it was
+        ev = dict(ev, event=LEGACY[kind], incident=None, severity=ev.get("severity") or "warning",
+                  started_row=ev.get("started_row", ev.get("row")), started_time=ev.get("started_time", ev.get("time")),
+                  reason=ev.get("reason"), rows_flagged=ev.get("rows"))
+        kind = ev["event"]
     row, at = ev.get("row"), ev.get("time")
+    name = f"incident {ev.get('incident')}" if ev.get("incident") is not None else "anomaly (scored before incidents)"
     when = f"row {row}" + (f" ({at})" if at is not None else "")
     top = top_text(ev.get("top_metrics"))
     common = {"model": model, "incident": ev.get("incident"), "row": row, "time": at,
@@ -42,25 +53,25 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
     if kind == "incident-opened":
         sev = str(ev.get("severity") or "warning")
         began = ev.get("started_time") or f"row {ev.get('started_row')}"
-        return (kind, f"{model}: {sev} incident {ev.get('incident')} opened at {when} (flagged since {began}): score "
+        return (kind, f"{model}: {sev} {name} opened at {when} (flagged since {began}): score "
                       f"{num(ev.get('score'))} over threshold {num(ev.get('threshold'))} (version {version}); top "
                       f"metrics: {top}; in {file}",
                 LOG_CRIT if sev == "critical" else LOG_WARNING,
                 dict(common, version=version, severity=sev, started_time=ev.get("started_time"),
                      threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top))
     if kind == "incident-escalated":
-        return (kind, f"{model}: incident {ev.get('incident')} is critical at {when}: score {num(ev.get('score'))}, "
+        return (kind, f"{model}: {name} is critical at {when}: score {num(ev.get('score'))}, "
                       f"peak {num(ev.get('peak_score'))} over threshold {num(ev.get('threshold'))} (version "
                       f"{version}); top metrics: {top}; in {file}",
                 LOG_CRIT,
-                dict(common, version=version, severity="critical", threshold=ev.get("threshold"),
-                     score=ev.get("score"), top_metrics=top))
+                dict(common, version=version, severity="critical", started_time=ev.get("started_time"),
+                     threshold=ev.get("threshold"), score=ev.get("score"), top_metrics=top))
     if kind == "incident-closed":
         flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
         lasted = f"{ev.get('rows')} rows" + (f", {seconds(ev['duration_s'])}" if isinstance(
             ev.get("duration_s"), (int, float)) else "")  # headerless data has no time: rows only
         why = " (the series was reset)" if ev.get("reason") == "reset" else ""
-        return (kind, f"{model}: {ev.get('severity') or 'warning'} incident {ev.get('incident')} closed{why}: its "
+        return (kind, f"{model}: {ev.get('severity') or 'warning'} {name} closed{why}: its "
                       f"last flagged row was {when}, after {lasted}, peak score {num(ev.get('peak_score'))} "
                       f"({ev.get('rows_flagged')} rows flagged, version {flagged_by}); top metrics: {top}; in {file}",
                 LOG_WARNING,

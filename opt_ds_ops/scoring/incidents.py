@@ -66,30 +66,82 @@ class Tracker:
 
     recent: list = field(default_factory=list)
     recent_times: list = field(default_factory=list)
+    recent_scores: list = field(default_factory=list)
+    recent_cells: list = field(default_factory=list)
     open: dict | None = None
     opened: int = 0
 
     def to_dict(self) -> dict:
         return {"recent": list(self.recent), "recent_times": list(self.recent_times),
+                "recent_scores": list(self.recent_scores), "recent_cells": [list(c) for c in self.recent_cells],
                 "open": dict(self.open) if self.open else None, "opened": self.opened}
 
     @classmethod
     def from_dict(cls, obj) -> Tracker:
-        """Return the tracker saved by :meth:`to_dict`; ValueError for anything else."""
+        """Return the tracker saved by :meth:`to_dict`; ValueError for anything else (a field of the
+        wrong type or shape, an open incident without its keys)."""
         if obj is None:
             return cls()
-        if (not isinstance(obj, dict) or not isinstance(obj.get("recent", []), list)
-                or not isinstance(obj.get("recent_times", []), list)
-                or not isinstance(obj.get("opened", 0), int) or isinstance(obj.get("opened", 0), bool)
-                or not (obj.get("open") is None or isinstance(obj.get("open"), dict)
-                        and isinstance(obj["open"].get("sums", []), list))):
-            raise ValueError("incident tracker: a field of the wrong type")
-        recent = [1 if v else 0 for v in obj.get("recent", [])]
-        times = [float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
-                 for t in obj.get("recent_times", [])]
-        times = times[-len(recent):] if len(times) >= len(recent) else [None] * (len(recent) - len(times)) + times
-        return cls(recent=recent, recent_times=times if recent else [], open=obj.get("open"),
-                   opened=obj.get("opened", 0))
+        if not isinstance(obj, dict):
+            raise ValueError("incident tracker: not a mapping")
+        try:
+            recent = [1 if v else 0 for v in _list(obj, "recent")]
+            n = len(recent)
+            times = [_number_or_none(t) for t in _list(obj, "recent_times")][-n:] if n else []
+            scores = [float(_number(v)) for v in _list(obj, "recent_scores")][-n:] if n else []
+            cells = [[float(_number(x)) for x in _list({"c": c}, "c")] for c in _list(obj, "recent_cells")][-n:] if n else []
+            opened = obj.get("opened", 0)
+            if not isinstance(opened, int) or isinstance(opened, bool) or opened < 0:
+                raise ValueError("opened is not an integer >= 0")
+            inc = obj.get("open")
+            if inc is not None:
+                inc = _checked_open(inc)
+        except (TypeError, OverflowError, KeyError) as e:
+            raise ValueError(f"incident tracker: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"incident tracker: {e}") from None
+        pad = lambda xs, fill: [fill] * (n - len(xs)) + xs  # noqa: E731 (older states carry fewer)
+        return cls(recent=recent, recent_times=pad(times, None) if n else [],
+                   recent_scores=pad(scores, 0.0) if n else [], recent_cells=cells if len(cells) == n else [],
+                   open=inc, opened=opened)
+
+
+_OPEN_INTS = ("id", "start_row", "opened_row", "last_row", "quiet", "rows_flagged", "peak_row")
+_OPEN_TIMES = ("start_time", "opened_time", "last_time", "peak_time")
+
+
+def _list(obj: dict, key: str) -> list:
+    v = obj.get(key, [])
+    if not isinstance(v, list):
+        raise ValueError(f"{key} is not a list")
+    return v
+
+
+def _number(v) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(float(v)):
+        raise ValueError(f"{v!r} is not a finite number")
+    return v
+
+
+def _number_or_none(v) -> float | None:
+    return None if v is None else float(_number(v))
+
+
+def _checked_open(inc) -> dict:
+    """The open incident of a saved tracker, its keys and types checked."""
+    if not isinstance(inc, dict):
+        raise ValueError("open is not a mapping")
+    out = dict(inc)
+    for k in _OPEN_INTS:
+        if not isinstance(out.get(k), int) or isinstance(out.get(k), bool):
+            raise ValueError(f"open.{k} is not an integer")
+    for k in _OPEN_TIMES:
+        out[k] = _number_or_none(out.get(k))
+    out["peak_score"] = float(_number(out.get("peak_score")))
+    if out.get("severity") not in SEVERITIES:
+        raise ValueError("open.severity is not warning or critical")
+    out["sums"] = [float(_number(x)) for x in _list(out, "sums")]
+    return out
 
 
 @dataclass
@@ -104,8 +156,10 @@ class Tracked:
     tracker: Tracker
 
 
-def severity(peak: float, threshold: float, critical_ratio: float) -> str:
-    return "critical" if threshold > 0 and peak >= critical_ratio * threshold else "warning"
+def severity(peak: float, threshold: float, critical_ratio: float, was: str = "warning") -> str:
+    """``critical`` once the peak reached critical_ratio x threshold, or if it already was (a severity
+    never falls back while the incident is open, even if the ratio is raised)."""
+    return "critical" if was == "critical" or (threshold > 0 and peak >= critical_ratio * threshold) else "warning"
 
 
 def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Tracker, policy: IncidentPolicy,
@@ -117,22 +171,36 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
     window, need, quiet = policy.rows(period_s)
     flags = np.asarray(flags, dtype=bool)
     n = flags.shape[0]
-    recent = list(tracker.recent[-(window - 1):]) if window > 1 else []
-    recent_t = list(tracker.recent_times[-len(recent):]) if recent else []
-    recent_t = [None] * (len(recent) - len(recent_t)) + recent_t
+    keep_n = window - 1  # the rows a later opening window may reach back to
+    recent = list(tracker.recent[-keep_n:]) if keep_n else []
+    base = len(recent)
+    # the rows before this chunk, as carried: times, scores and terms (for an opening window that reaches them)
+    prev_t = list(tracker.recent_times[-base:]) if base else []
+    prev_s = list(tracker.recent_scores[-base:]) if base else []
+    prev_c = list(tracker.recent_cells[-base:]) if base and len(tracker.recent_cells) >= base else []
     inc = dict(tracker.open) if tracker.open else None
     if inc is not None:
         inc["sums"] = list(inc.get("sums", []))
     opened = tracker.opened
     out = np.zeros(n, dtype=np.int64)
     changes = []
+
     def at(i: int) -> float | None:  # row i of the chunk's time; i < 0: a row of the previous chunk's
         if i < 0:
-            return recent_t[len(recent_t) + i]
+            return prev_t[base + i] if len(prev_t) == base else None
         return float(times[i]) if times is not None else None
 
+    def score(i: int) -> float:
+        return float(prev_s[base + i]) if i < 0 else float(scores[i])
+
+    def terms(i: int):
+        if cells is None:
+            return None
+        if i >= 0:
+            return cells[i]
+        return prev_c[base + i] if prev_c else None
+
     hist = recent + [0] * n  # the flags of the rows before this chunk's, then this chunk's
-    base = len(recent)
     count = sum(recent)
     for i in range(n):
         f = bool(flags[i])
@@ -144,8 +212,9 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
             if f:
                 out[max(inc["last_row"] - row0 + 1, 0):i + 1] = inc["id"]  # the gap since its last flagged row, and i
                 inc["quiet"] = 0
-                _extend(inc, i, row0, scores, cells, at)
-                was, inc["severity"] = inc["severity"], severity(inc["peak_score"], threshold, policy.critical_ratio)
+                _extend(inc, row0 + i, score(i), terms(i), at(i))
+                was = inc["severity"]
+                inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio, was)
                 if was != inc["severity"]:  # a warning that became critical: said once, at this row
                     changes.append(("escalated", i, dict(inc, sums=list(inc["sums"]))))
             else:
@@ -153,26 +222,34 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
                 if inc["quiet"] >= quiet:
                     changes.append(("closed", i, inc))
                     inc = None
+                    # its rows are spent: a later incident's opening window counts only rows after it
+                    hist[: base + i + 1] = [0] * (base + i + 1)
+                    count = 0
             continue
         if f and count >= need:
             opened += 1
             lo = max(i - window + 1, -base)  # the window's first row, maybe in the previous chunk
             first = next(j for j in range(lo, i + 1) if hist[base + j])
             inc = {"id": opened, "start_row": row0 + first, "start_time": at(first),
-                   "opened_row": row0 + i, "opened_time": at(i), "last_row": row0 + i, "last_time": at(i),
-                   "quiet": 0, "rows_flagged": 0, "peak_score": float(scores[i]), "peak_row": row0 + i,
-                   "peak_time": at(i), "severity": "warning", "sums": []}
-            for j in range(max(first, 0), i + 1):
+                   "opened_row": row0 + i, "opened_time": at(i), "last_row": row0 + first, "last_time": at(first),
+                   "quiet": 0, "rows_flagged": 0, "peak_score": score(first), "peak_row": row0 + first,
+                   "peak_time": at(first), "severity": "warning", "sums": []}
+            for j in range(first, i + 1):
                 if hist[base + j]:
-                    _extend(inc, j, row0, scores, cells, at)
-            inc["rows_flagged"] += sum(hist[base + j] for j in range(first, min(0, i + 1)))  # those before the chunk
+                    _extend(inc, row0 + j, score(j), terms(j), at(j))
             inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio)
             out[max(first, 0):i + 1] = inc["id"]
             changes.append(("opened", i, dict(inc, sums=list(inc["sums"]))))
-    keep = hist[-(window - 1):] if window > 1 else []
-    keep_t = ([*recent_t, *(at(i) for i in range(n))][-len(keep):]) if keep else []
+    keep = hist[-keep_n:] if keep_n else []
+    k = len(keep)
+    all_t = [*(prev_t if len(prev_t) == base else [None] * base), *(at(i) for i in range(n))]
+    all_s = [*(float(v) for v in prev_s), *(float(v) for v in np.asarray(scores, dtype=np.float64)[-k:])] if k else []
+    all_c = []
+    if k and cells is not None and (prev_c or base == 0):
+        all_c = [*(list(map(float, c)) for c in prev_c), *(np.asarray(cells[-k:], dtype=np.float64).tolist())]
     return Tracked(changes=changes, incident=out,
-                   tracker=Tracker(recent=keep, recent_times=keep_t, open=inc, opened=opened))
+                   tracker=Tracker(recent=keep, recent_times=all_t[-k:] if k else [], recent_scores=all_s[-k:],
+                                   recent_cells=all_c[-k:] if len(all_c) >= k else [], open=inc, opened=opened))
 
 
 def incidents_of(scores: np.ndarray, threshold: float, policy: IncidentPolicy, period_s: float) -> list[dict]:
@@ -217,14 +294,13 @@ def operator_figures(incidents: list[dict], labels: np.ndarray, period_s: float,
             "normal_in_alarm": float((alarm & ~labels).sum() / normal) if normal else 0.0}
 
 
-def _extend(inc: dict, i: int, row0: int, scores, cells, at) -> None:
-    """Add flagged row i of the chunk to the open incident."""
+def _extend(inc: dict, row: int, score: float, terms, time: float | None) -> None:
+    """Add a flagged series row (its score, unsmoothed terms (D,) or None, time) to the open incident."""
     inc["rows_flagged"] += 1
-    inc["last_row"], inc["last_time"] = row0 + i, at(i)
-    s = float(scores[i])
-    if s > inc["peak_score"]:
-        inc.update(peak_score=s, peak_row=row0 + i, peak_time=at(i))
-    if cells is not None:
-        c = np.asarray(cells[i], dtype=np.float64)
+    inc["last_row"], inc["last_time"] = row, time
+    if score > inc["peak_score"]:
+        inc.update(peak_score=score, peak_row=row, peak_time=time)
+    if terms is not None:
+        c = np.asarray(terms, dtype=np.float64)
         sums = inc["sums"] or [0.0] * c.shape[0]
         inc["sums"] = (np.asarray(sums, dtype=np.float64) + c).tolist()

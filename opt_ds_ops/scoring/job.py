@@ -164,7 +164,7 @@ def read_state(path: str) -> tuple[SeriesState | None, str | None]:
             return SeriesState.from_dict(json.load(f)), None
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, OverflowError, KeyError) as e:
         return None, f"the series state {path} could not be read ({_clip(e)}): the series starts again"
 
 

@@ -79,8 +79,8 @@ class SeriesState:
         """Return the state saved by :meth:`to_dict`. Raises ValueError for another format or shape."""
         if isinstance(obj, dict) and obj.get("format") == 1:  # before incidents: its counters and memory go on
             n = obj.get("segments", 0)  # the ids of its incidents go on from its segments' count
-            obj = dict(obj, format=STATE_FORMAT, incidents=n,
-                       incident={"recent": [], "open": None, "opened": n if isinstance(n, int) else 0})
+            n = int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) and 0 <= n < 2 ** 53 else 0
+            obj = dict(obj, format=STATE_FORMAT, incidents=n, incident={"recent": [], "open": None, "opened": n})
         if not isinstance(obj, dict) or obj.get("format") != STATE_FORMAT:
             raise ValueError(f"series state of unknown format (want format {STATE_FORMAT})")
         known = {f.name for f in dataclasses.fields(cls)}

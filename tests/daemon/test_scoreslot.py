@@ -284,6 +284,21 @@ def test_an_incident_of_headerless_data_ends_after_its_rows_and_names_only_metri
     assert top_text([{"metric": "5", "share": 0.0}]) == "none"
 
 
+def test_a_summary_scored_before_incidents_and_replayed_after_the_upgrade_is_still_said(tmp_path):
+    """The old daemon scored a chunk and was stopped before it journaled its anomaly; the upgraded
+    daemon replays the kept summary: its anomaly-started/-ended events are said (as incident
+    entries), not dropped."""
+    old = dict(SCORED, resets=[], replayed=True,
+               events=[{"event": "anomaly-ended", "row": 9, "version": "v1", "rows": 4, "duration_s": 180.0,
+                        "started_row": 6, "peak_score": 2.0, "reason": "recovered", "top_metrics": []},
+                       {"event": "anomaly-started", "row": 12, "time": "2026-12-01T00:12:00Z", "threshold": 0.5,
+                        "score": 0.9, "top_metrics": [{"metric": "cpu", "share": 0.9}]}])
+    entries = report(tmp_path, old)
+    assert [e["event"] for e in entries] == ["incident-closed", "incident-opened", "scored"]
+    assert entries[1]["message"].startswith("m: warning anomaly (scored before incidents) opened at row 12 "), entries[1]
+    assert "cpu 90%" in entries[1]["message"] and "after 4 rows, 180 s" in entries[0]["message"]
+
+
 def test_said_keys_count_only_for_the_summary_they_were_said_of(tmp_path):
     """A job killed after part of its report, then scored anew (its kept summary gone): the new
     summary's entries are all said, the old keys do not hide them."""

@@ -83,8 +83,9 @@ tests:
             exp_annotations:
               summary: "Critical incident in m on h:9100"
               description: >-
-                ds-ops model m has an open incident whose peak score is at least twice its threshold.
-                The top metrics are in ds_ops_incident_top_metric_share{{model="m"}} and `ds-ops status`.
+                ds-ops model m has an open incident whose peak score reached scoring.incident_critical_ratio
+                (2 as shipped) times its threshold. The top metrics are in
+                ds_ops_incident_top_metric_share{{model="m"}} and `ds-ops status`.
       - {{eval_time: 12m, alertname: DsOpsIncidentCritical, exp_alerts: []}}
   - interval: 1m
     input_series:

@@ -267,6 +267,11 @@ def _event_calls() -> dict[str, list[set[str]]]:
                      or isinstance(node.func.value, ast.Name) and node.func.value.id == "log")):
             continue
         event = node.args[0]
+        if _is_incident_entry_call(node):  # the scoring slot sends what incident_entry returns
+            explicit = {kw.arg for kw in node.keywords if kw.arg not in (None, "priority")}
+            for name, keys in _incident_entry_fields().items():
+                calls.setdefault(name, []).append(keys | explicit)
+            continue
         assert isinstance(event, ast.Constant) and isinstance(event.value, str), f"line {node.lineno}: event name"
         keys = set()
         for kw in node.keywords:
@@ -279,6 +284,26 @@ def _event_calls() -> dict[str, list[set[str]]]:
                 keys.add(kw.arg)
         calls.setdefault(event.value, []).append(keys)
     return calls
+
+
+def _is_incident_entry_call(node: ast.Call) -> bool:
+    """``log.event(name, message, priority=priority, ..., **fields)`` where name, message, priority
+    and fields unpack :func:`opt_ds_ops.observe.incident_entries.incident_entry` (scoreslot)."""
+    return (isinstance(node.args[0], ast.Name) and node.args[0].id == "name"
+            and any(kw.arg is None and isinstance(kw.value, ast.Name) and kw.value.id == "fields" for kw in node.keywords))
+
+
+def _incident_entry_fields() -> dict[str, set[str]]:
+    """{event: the field names incident_entry gives it}, from a summary event of each kind."""
+    from opt_ds_ops.observe.incident_entries import incident_entry
+
+    out = {}
+    for kind in ("incident-opened", "incident-escalated", "incident-closed"):
+        name, _message, _priority, fields = incident_entry({"event": kind, "incident": 1, "row": 5}, model="m",
+                                                           version="v", file="f.csv")
+        assert name == kind
+        out[name] = set(fields)
+    return out
 
 
 def sent_fields() -> dict[str, set[str]]:
