@@ -87,7 +87,12 @@ def _model_line(v: dict) -> str:
                     f" {safe_text(str(failed.get('reason')))[:200]}; next try not before "
                     + (_utc(after) if isinstance(after, (int, float)) else "?"))
     return (f"  {safe_text(v['model'])}  last scored {when}, {v['rows_total']} rows scored ({v['flagged_total']} "
-            f"flagged, {v['incidents_total']} incidents), {anomaly}{drift}{retrain}")
+            f"flagged, {_count(v['incidents_total'], 'incident')}, {v.get('critical_total', 0)} critical), "
+            f"{anomaly}{drift}{retrain}")
+
+
+def _count(n, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def next_retrains(args, views: dict) -> None:

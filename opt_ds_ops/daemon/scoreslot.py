@@ -135,8 +135,9 @@ def _count(v) -> int:
 def model_view(name: str, state: dict | None, summary: dict | None = None) -> dict:
     """Given a model's state.json (or None) and the summary of its last scored file (or None),
     return what the metrics and ``ds-ops status`` show: ``model``, ``version``, ``scored_at``
-    (Unix seconds), ``rows_total``, ``flagged_total``, ``incidents_total`` (the series' counters,
-    state.json's ``rows_scored``, ``rows_flagged``, ``incidents``: they survive a restart),
+    (Unix seconds), ``rows_total``, ``flagged_total``, ``incidents_total``, ``critical_total`` (the
+    series' counters, state.json's ``rows_scored``, ``rows_flagged``, ``incidents``,
+    ``critical_incidents``: they survive a restart),
     ``active`` (an incident is open), ``severity`` (its severity, or None), ``threshold``,
     ``last_score``, ``top_metrics`` ([{metric, share}], the open incident's),
     ``last_time`` (the last scored row's data time, Unix seconds, or None). state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
@@ -160,6 +161,7 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
         "rows_total": _count(_first(st.get("rows_scored"), s.get("rows_scored"))),
         "flagged_total": _count(_first(st.get("rows_flagged"), s.get("rows_flagged"))),
         "incidents_total": _count(_first(st.get("incidents"), st.get("segments"), s.get("incidents"))),
+        "critical_total": _count(_first(st.get("critical_incidents"), s.get("critical_incidents"))),
         "active": active,
         "severity": severity if active and severity in ("warning", "critical") else None,
         "threshold": _first(st.get("threshold"), s.get("threshold")),

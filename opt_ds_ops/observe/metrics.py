@@ -73,6 +73,7 @@ METRIC_NAMES = {
     "ds_ops_scored_rows_total": "rows scored, per model",
     "ds_ops_flagged_rows_total": "rows flagged as anomalous, per model",
     "ds_ops_incidents_total": "incidents opened, per model",
+    "ds_ops_critical_incidents_total": "incidents that opened critical or were escalated to critical, per model",
     "ds_ops_last_scored_timestamp_seconds": "Unix time the model's last file was scored",
     # Retraining: the share flagged over retrain.drift_window over the design rate (opt_ds_ops.daemon.retrainer)
     "ds_ops_model_drift_ratio": "share of rows flagged over retrain.drift_window divided by the design rate, per model",
@@ -80,7 +81,8 @@ METRIC_NAMES = {
     "ds_ops_incident_top_metric_share": "share of the open incident's error by metric, its top 3 (rank 1-3), per model",
 }
 SCORE_COUNTERS = (("ds_ops_scored_rows_total", "rows_total"), ("ds_ops_flagged_rows_total", "flagged_total"),
-                  ("ds_ops_incidents_total", "incidents_total"))
+                  ("ds_ops_incidents_total", "incidents_total"),
+                  ("ds_ops_critical_incidents_total", "critical_total"))
 VERDICTS = ("ok", "warn", "fail")
 
 

@@ -348,7 +348,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "active": result.active, "severity": (new.open_incident or {}).get("severity"),
         "top_metrics": active_top_metrics(new, names), "threshold": float(stored.threshold),
         "last_score": finite_or_none(new.last_score), "rows_scored": new.rows_scored,
-        "rows_flagged": new.rows_flagged, "incidents": new.incidents,
+        "rows_flagged": new.rows_flagged, "incidents": new.incidents, "critical_incidents": new.critical_incidents,
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "replayed": False,
     }

@@ -45,7 +45,8 @@ class SeriesState:
     (``mean``); ``context``: the last ``input_window - 1`` standardised, clipped rows (float32
     values); ``incident``: the incident rule's memory (:meth:`opt_ds_ops.scoring.incidents.Tracker.to_dict`:
     the last flags and the open incident or None, with ``sums``: each metric's sum of unsmoothed terms);
-    ``incidents``: incidents opened so far; counters over the series; ``last_job``, ``last_result``,
+    ``incidents``: incidents opened so far; ``critical_incidents``: those that were or became
+    critical (counted when they opened critical or were escalated); counters over the series; ``last_job``, ``last_result``,
     ``scored_at``, ``top_metrics``: the scoring job that wrote this state, its result directory,
     when, and the open incident's top metrics by name (:func:`opt_ds_ops.scoring.job.score_job` sets them).
     """
@@ -62,6 +63,7 @@ class SeriesState:
     rows_scored: int = 0
     rows_flagged: int = 0
     incidents: int = 0
+    critical_incidents: int = 0
     last_score: float | None = None
     threshold: float | None = None
     last_job: str | None = None
@@ -88,7 +90,8 @@ class SeriesState:
             state = cls(**{k: v for k, v in obj.items() if k in known})
         except TypeError as e:
             raise ValueError(f"series state: {e}") from None
-        numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.incidents)
+        numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.incidents,
+                   state.critical_incidents)
         if (not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
                 or not isinstance(state.context, list) or not isinstance(state.recent, list)
                 or not (state.last_time is None or isinstance(state.last_time, (int, float)))):
@@ -302,10 +305,11 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         notes.append(reason)
         if st.open_incident is not None:
             events.append(_closed(st.open_incident, names, "reset", top, st.version))
-        counters = (st.rows_scored, st.rows_flagged, st.incidents, Tracker.from_dict(st.incident).opened)
+        counters = (st.rows_scored, st.rows_flagged, st.incidents, st.critical_incidents,
+                    Tracker.from_dict(st.incident).opened)
         st = fresh_state(st.model, stored)
-        st.rows_scored, st.rows_flagged, st.incidents = counters[:3]
-        st.incident = Tracker(opened=counters[3]).to_dict()  # incident ids go on counting in the series
+        st.rows_scored, st.rows_flagged, st.incidents, st.critical_incidents = counters[:4]
+        st.incident = Tracker(opened=counters[4]).to_dict()  # incident ids go on counting in the series
     st.version, st.threshold = model_version(stored), float(stored.threshold)
     n, w = data.shape[0], stored.input_window
     context = torch.tensor(st.context, dtype=torch.float32).reshape(-1, want) if st.context else torch.empty(0, want)
@@ -331,6 +335,8 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         top_rows[i] = ";".join(names[j] for j in order)
     st.incident = done.tracker.to_dict()
     st.incidents += sum(1 for kind, _, _ in done.changes if kind == "opened")
+    st.critical_incidents += sum(1 for kind, _, inc in done.changes
+                                 if kind == "escalated" or kind == "opened" and inc["severity"] == "critical")
     st.next_row = row0 + n
     if n:
         st.last_time = float(t[-1]) if t is not None else None

@@ -193,7 +193,7 @@ def test_chunks_are_scored_in_order_and_alert_in_the_journal_prometheus_and_stat
     assert not [k for k in m if k[0] == "ds_ops_incident_top_metric_share"]  # no open incident: no sample
     assert status.returncode == 0, status.stderr
     (line,) = [x for x in status.stdout.splitlines() if x.startswith("  m ")]
-    assert "3000 rows scored" in line and "1 incidents" in line and "no open incident" in line, status.stdout
+    assert "3000 rows scored" in line and "1 incident, 0 critical)" in line and "no open incident" in line, status.stdout
     assert "score/: 0 queued" in status.stdout
     st = json.loads(status_json.stdout)
     assert st["scoring"]["m"]["rows_total"] == 3000 and st["score_queue"] == []
@@ -226,6 +226,7 @@ def test_an_open_incident_shows_its_top_metrics_and_counters_survive_a_restart(t
     # `journalctl -p crit` lists the critical incident once: opened critical, or escalated from a warning
     crit = [EVENT[e["MESSAGE_ID"]] for e in journal(tmp_path) if int(e["PRIORITY"]) <= 2]
     assert crit in (["incident-opened"], ["incident-escalated"]), crit
+    assert m[("ds_ops_critical_incidents_total", model)] == again[("ds_ops_critical_incidents_total", model)] == 1
 
 
 def test_a_file_for_a_model_without_current_is_refused_to_failed_and_the_daemon_serves_on(tmp_path):

@@ -26,7 +26,8 @@ def write_model(results, name: str, state: dict, summary: dict | None = None, re
 
 
 OPEN = {"id": 2, "start_row": 2900, "severity": "critical", "sums": []}
-STATE = {"model": "m", "version": "v1", "rows_scored": 3000, "rows_flagged": 40, "incidents": 2, "last_score": 0.9,
+STATE = {"model": "m", "version": "v1", "rows_scored": 3000, "rows_flagged": 40, "incidents": 2,
+         "critical_incidents": 1, "last_score": 0.9,
          "threshold": 0.5, "incident": {"recent": [], "open": OPEN, "opened": 2}, "format": 2}
 CLOSED = {"recent": [], "open": None, "opened": 2}
 SUMMARY = {"model": "m", "version": "v1", "active": True, "scored_at": "2026-12-01T00:00:00.000000Z",
@@ -86,6 +87,7 @@ def test_the_metrics_show_the_top_metric_shares_of_an_open_incident_only_three_o
     assert got[("ds_ops_incident_open", (("model", "warm"),))] == 1
     assert got[("ds_ops_scored_rows_total", (("model", "m"),))] == 3000
     assert got[("ds_ops_incidents_total", (("model", "calm"),))] == 2
+    assert got[("ds_ops_critical_incidents_total", (("model", "m"),))] == 1
 
 
 def test_results_past_their_age_go_but_state_json_the_newest_and_hidden_ones_stay(tmp_path):

@@ -36,7 +36,7 @@ def promtool() -> str:
 def test_promtool_accepts_the_shipped_rules(promtool):
     r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 12 rules found" in r.stdout
+    assert "SUCCESS: 13 rules found" in r.stdout
 
 
 def test_the_rules_use_only_series_the_daemon_writes():
@@ -104,6 +104,23 @@ tests:
                 ds-ops model m opened about 1 incident(s) in the last 15 minutes;
                 `journalctl -u ds-trainer -p warning` has their start, end and top metrics.
       - {{eval_time: 30m, alertname: DsOpsIncidentSeen, exp_alerts: []}}
+  - interval: 1m
+    input_series:
+      # a critical incident counted at minute 5 (opened, escalated and closed inside one scored file)
+      - series: 'ds_ops_critical_incidents_total{{model="m", instance="h:9100", job="node"}}'
+        values: '0x4 1x40'
+    alert_rule_test:
+      - {{eval_time: 4m, alertname: DsOpsCriticalIncidentSeen, exp_alerts: []}}
+      - eval_time: 10m
+        alertname: DsOpsCriticalIncidentSeen
+        exp_alerts:
+          - exp_labels: {{severity: critical, model: m, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "Critical incident(s) in m on h:9100 in the last 15 minutes"
+              description: >-
+                ds-ops model m had about 1 critical incident(s) in the last 15 minutes;
+                `journalctl -u ds-trainer -p crit` has each one.
+      - {{eval_time: 30m, alertname: DsOpsCriticalIncidentSeen, exp_alerts: []}}
   - interval: 1m
     input_series:
       # model m scored at minute 0 (Unix time 0 in promtool's clock) and never again; model new

@@ -113,6 +113,7 @@ def test_incidents_in_chunks_are_the_incidents_of_the_whole_period(models, test_
     sev = [e["severity"] for e in events if e["event"] == "incident-closed"]
     assert sev == [e["severity"] for e in expected if not e["open"]]
     assert state.incidents == len(expected)
+    assert state.critical_incidents == sum(e["severity"] == "critical" for e in expected) > 0
 
 
 def test_an_incident_spanning_chunks_is_one_opened_and_one_closed_event(models, test_period):
