@@ -86,9 +86,20 @@ def _model_line(v: dict) -> str:
         retrain += (f", retraining FAILED {failed.get('failures')} time(s), last at {safe_text(str(failed.get('failed_at')))}:"
                     f" {safe_text(str(failed.get('reason')))[:200]}; next try not before "
                     + (_utc(after) if isinstance(after, (int, float)) else "?"))
+    reg = v.get("regime")
+    regime = ""
+    if isinstance(reg, dict):
+        moved = ", ".join(f"{safe_text(str(m.get('metric')))} {_num(m.get('before'))} -> {_num(m.get('after'))}"
+                          for m in reg.get("metrics") or [])
+        regime = (f", CHANGE OF REGIME since {safe_text(str(reg.get('started_time') or '?'))} ({moved}) scored against "
+                  "the new levels, not yet learned by a retraining")
     return (f"  {safe_text(v['model'])}  last scored {when}, {v['rows_total']} rows scored ({v['flagged_total']} "
             f"flagged, {_count(v['incidents_total'], 'incident')}, {v.get('critical_total', 0)} critical), "
-            f"{anomaly}{drift}{retrain}")
+            f"{anomaly}{regime}{drift}{retrain}")
+
+
+def _num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "?"
 
 
 def _count(n, noun: str) -> str:

@@ -153,7 +153,10 @@ class ScoringConfig:
     ``incident_critical_ratio``: what pages (:mod:`opt_ds_ops.scoring.incidents`): an incident opens
     when at least open_share of the rows of the last open_window_s seconds are flagged, closes after
     quiet_s seconds of unflagged rows, and is critical once its peak score reaches critical_ratio
-    times the threshold (chosen in docs/detection-protocol.md, round 4).
+    times the threshold (chosen in docs/detection-protocol.md, round 4). ``regime_after_s``,
+    ``regime_shift_sd``: an incident open this long whose alarm is explained by metrics that moved
+    at least this many training SDs and stayed is a change of regime (:mod:`opt_ds_ops.scoring.regime`):
+    said once, then the series is re-baselined (0 seconds: off).
     """
 
     results_dir: str = _field("/var/lib/ds-ops/scores", os.path.isabs, "an absolute path")
@@ -166,6 +169,9 @@ class ScoringConfig:
     incident_quiet_s: float = _field(1800.0, lambda v: _non_negative(v) and math.isfinite(v),
                                      "seconds >= 0 (0: the first unflagged row closes)")
     incident_critical_ratio: float = _field(2.0, lambda v: 1 <= v < math.inf, "a number >= 1 (times the threshold)")
+    regime_after_s: float = _field(21600.0, lambda v: _non_negative(v) and math.isfinite(v),
+                                   "seconds >= 0 (0: a change of regime is never recognised)")
+    regime_shift_sd: float = _field(3.0, lambda v: 0 < v < math.inf, "a number > 0 (training standard deviations)")
 
 
 def _max_jobs_ok(v: str) -> bool:
@@ -403,7 +409,9 @@ class RetrainConfig:
     ``exclude_max_rows`` is kept (a change of regime, not an incident; 0: every one left out).
     ``every``: retrain each model this long after its current version was trained (empty: off);
     ``drift_rate``: retrain when the share of rows flagged over the last ``drift_window`` is
-    above this multiple of the design rate (0: off)."""
+    above this multiple of the design rate (0: off); ``regime_learn_s``: retrain a model on the rows
+    of a change of regime once this many seconds of them were scored (0: never; the re-baseline
+    stays until another version)."""
 
     window: str = _field("100000", _window_ok, "a number of rows >= 1 or a duration like 7d, 36h, 90m")
     max_history_bytes: int = _field(64 << 20, _positive, "bytes > 0")
@@ -413,6 +421,8 @@ class RetrainConfig:
                         "empty (off) or a duration like 24h, 7d")
     drift_window: str = _field("1440", _window_ok, "a number of rows >= 1 or a duration like 24h")
     drift_rate: float = _field(0.0, _non_negative, "a multiple of the design rate >= 0 (0: off)")
+    regime_learn_s: float = _field(172800.0, lambda v: _non_negative(v) and math.isfinite(v),
+                                   "seconds >= 0 (0: a change of regime is not retrained on)")
 
     @property
     def every_s(self) -> float:

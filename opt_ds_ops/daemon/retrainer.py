@@ -154,6 +154,7 @@ class Retrainer:
         self.d = daemon
         self.drift_for: dict[str, str] = {}  # model -> the current version a drift retraining was queued for
         self.drift: dict[str, float] = {}  # model -> the last drift ratio (metrics)
+        self.regime_for: dict[str, tuple] = {}  # model -> (current version, change of regime) a retraining was queued for
 
     def on_scored(self, summary: dict) -> str | None:
         """Queue a retraining of the summary's model if it is due; return its job id or None."""
@@ -169,9 +170,21 @@ class Retrainer:
         wait_until = next_try_s(cfg.retrain, read_failure(cfg.scoring.results_dir, name))
         if wait_until is not None and time.time() < wait_until:
             return None  # the last retraining failed: its back-off first
+        hist = history_path(cfg.scoring.results_dir, name)
+        regime = summary.get("regime")
+        if isinstance(regime, dict) and cfg.retrain.regime_learn_s > 0:
+            key = (version, regime.get("id"))
+            if self.regime_for.get(name) != key:  # a change of regime not yet learned: its rows first, then the rest
+                if not regime.get("learn_due") or not os.path.isfile(hist):
+                    return None
+                metrics = ", ".join(str(m) for m in (regime.get("metrics") or [])[:5])
+                why = (f"a change of regime ({metrics}) since {regime.get('started_time') or 'series row'}: "
+                       f"{regime.get('rows')} rows of it scored (retrain.regime_learn_s {cfg.retrain.regime_learn_s:g})")
+                job_id = self.queue(name, hist, "regime", why, rows=int(regime.get("rows") or 0))
+                self.regime_for[name] = key
+                return job_id
         trained_s, data_s = last_trained(cfg.models_dir, name)
         why = due(cfg.retrain, summary, trained_s, time.time(), data_s)
-        hist = history_path(cfg.scoring.results_dir, name)
         if why is None or not os.path.isfile(hist):
             return None
         job_id = self.queue(name, hist, *why)
@@ -204,9 +217,10 @@ class Retrainer:
         except FileNotFoundError:
             pass
 
-    def queue(self, name: str, hist: str, trigger: str, why: str) -> str:
+    def queue(self, name: str, hist: str, trigger: str, why: str, rows: int = 0) -> str:
         """Make processing/JOB (a copy of the history, its record) and put it in the training
-        queue; journal ``retrain-queued``. Raises OSError."""
+        queue; journal ``retrain-queued``. ``rows`` > 0: train on the history's newest ``rows`` rows
+        only (a change of regime's). Raises OSError."""
         spool, job_id = self.d.spool, new_job_id()
         jdir = spool.job_dir(job_id)
         os.mkdir(jdir, 0o750)
@@ -218,6 +232,8 @@ class Retrainer:
         record = {"job_id": job_id, "kind": KIND, "model": name, "dataset": f"{name}.history.npz",
                   "data_file": DATA_FILE, "state": "claimed", "claimed_at": utc_now(), "trigger": trigger,
                   "why": why, "uploader_uid": None, "window": self.d.cfg.retrain.window}
+        if rows > 0:
+            record["newest_rows"] = rows
         save_record(spool, record)
         fsync_dir(jdir)
         self.d.records[job_id] = record
@@ -257,9 +273,12 @@ def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, 
         raise ValueError(f"model {record['model']} has no current version any more (removed since this retraining "
                          "was queued?); not retrained")
     out, held = spool.job_path(job_id, "normal.npy"), spool.job_path(job_id, HELD_FILE)
+    newest = record.get("newest_rows")
+    newest = newest if isinstance(newest, int) and not isinstance(newest, bool) and newest > 0 else 0
     info = write_history_dataset(spool.job_path(job_id, DATA_FILE), out, cfg.retrain.exclude_margin,
-                                 cfg.retrain.exclude_max_rows, held_path=held)
-    meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at")}, "excluded": info}
+                                 cfg.retrain.exclude_max_rows, held_path=held, newest=newest)
+    meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at", "newest_rows")},
+            "excluded": info}
     reads = parent.get("dataset") or {}
     meta["reads_as"] = {k: reads.get(k) for k in READS_AS if k in reads}
     meta["reads_as"]["inherited_from"] = parent.get("version")

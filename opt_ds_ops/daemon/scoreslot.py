@@ -140,7 +140,8 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
     ``critical_incidents``: they survive a restart),
     ``active`` (an incident is open), ``severity`` (its severity, or None), ``threshold``,
     ``last_score``, ``top_metrics`` ([{metric, share}], the open incident's),
-    ``last_time`` (the last scored row's data time, Unix seconds, or None). state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
+    ``last_time`` (the last scored row's data time, Unix seconds, or None), ``regime_total``
+    (changes of regime said in the series), ``regime`` (the one not yet learned, or None). state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
     from ..observe.metrics import _utc_seconds
 
     st, s = state or {}, summary or {}
@@ -169,7 +170,18 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
         "top_metrics": [t for t in top if isinstance(t, dict)][:3],
         "drift_ratio": (s.get("drift") or {}).get("drift_ratio"),  # the last scored file's
         "last_time": st.get("last_time") if isinstance(st.get("last_time"), (int, float)) else None,  # data time
+        "regime_total": _count(st.get("regime_changes")),
+        "regime": _regime_view(st.get("regime")),
     }
+
+
+def _regime_view(reg) -> dict | None:
+    """The series' change of regime not yet learned (state.json ``regime``) as status shows it:
+    ``time``, ``started_time``, ``metrics`` [{metric, before, after, shift_sd}] (5 at most), or None."""
+    if not isinstance(reg, dict):
+        return None
+    metrics = [m for m in reg.get("metrics") or [] if isinstance(m, dict)][:5]
+    return {"id": reg.get("id"), "time": reg.get("time"), "started_time": reg.get("start_time"), "metrics": metrics}
 
 
 def model_views(results_dir: str) -> dict[str, dict]:

@@ -120,19 +120,24 @@ def held_back_range(flags: np.ndarray, times: np.ndarray | None, fraction: float
 
 
 def write_history_dataset(history_path: str, out_path: str, margin: int, max_rows: int,
-                          held_path: str | None = None) -> dict:
+                          held_path: str | None = None, newest: int = 0) -> dict:
     """Write the normal rows of the scoring history at history_path as a float64 ``.npy`` at
     out_path (the dataset of a retraining job, trained through :func:`opt_ds_ops.training.job.run_job`);
     return the ``excluded`` record. With ``held_path``, the newest rows of the history
     (:func:`held_back_range`, flagged rows included) are written there instead, for the promotion
     gate: neither the cut, the training nor the challenger's threshold sees them; ``excluded``
     then counts the older rows only and says the held-back range (``held_back``). Raises
-    ValueError for a missing, unreadable or too small history, OSError if a file cannot be written."""
+    ValueError for a missing, unreadable or too small history, OSError if a file cannot be written.
+    ``newest`` > 0: only the history's newest ``newest`` rows (a change of regime's, to learn the
+    new levels from; ``excluded.newest_rows`` says how many there were)."""
     from .history import History, read_history
 
     h = read_history(history_path)
     if h is None:
         raise ValueError(f"{history_path}: no scoring history to retrain from")
+    if newest > 0:
+        k = min(newest, h.flags.shape[0])
+        h = History(values=h.values[-k:], offset=h.offset, flags=h.flags[-k:], times=h.times[-k:])
     held = None
     if held_path is not None:
         held = held_back_range(h.flags, h.times)
@@ -142,6 +147,8 @@ def write_history_dataset(history_path: str, out_path: str, margin: int, max_row
         h = History(values=h.values[:cut], offset=h.offset, flags=h.flags[:cut], times=h.times[:cut])
     rows, info = history_dataset(h, margin, max_rows)
     _save(out_path, rows)
+    if newest > 0:
+        info = dict(info, newest_rows=newest)
     return dict(info, held_back=held) if held is not None else info
 
 

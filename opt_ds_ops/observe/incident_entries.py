@@ -1,5 +1,6 @@
 """The journal's words for a model's incidents: one entry per event of a scored file's summary
-(:mod:`opt_ds_ops.scoring.series`: ``incident-opened``, ``incident-escalated``, ``incident-closed``),
+(:mod:`opt_ds_ops.scoring.series`: ``incident-opened``, ``incident-escalated``, ``incident-closed``,
+``regime-changed``),
 with its priority (crit for what is critical, warning otherwise) and its fields. The daemon's
 scoring slot (:mod:`opt_ds_ops.daemon.scoreslot`) sends them, each once; ``ds-ops status`` names
 metrics the same way (:func:`top_text`)."""
@@ -70,11 +71,24 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
         flagged_by = ev.get("version") or version  # a reset by a new version: the old one flagged it
         lasted = f"{ev.get('rows')} rows" + (f", {seconds(ev['duration_s'])}" if isinstance(
             ev.get("duration_s"), (int, float)) else "")  # headerless data has no time: rows only
-        why = " (the series was reset)" if ev.get("reason") == "reset" else ""
+        why = {"reset": " (the series was reset)",
+               "regime": " as a change of regime (see the next line)"}.get(ev.get("reason"), "")
         return (kind, f"{model}: {ev.get('severity') or 'warning'} {name} closed{why}: its "
                       f"last flagged row was {when}, after {lasted}, peak score {num(ev.get('peak_score'))} "
                       f"({ev.get('rows_flagged')} rows flagged, version {flagged_by}); top metrics: {top}; in {file}",
                 LOG_WARNING,
                 dict(common, version=flagged_by, severity=ev.get("severity"), duration_s=ev.get("duration_s"),
                      peak_score=ev.get("peak_score"), reason=ev.get("reason")))
+    if kind == "regime-changed":
+        moved = "; ".join(f"{safe_text(str(m.get('metric')))} {num(m.get('before'))} -> {num(m.get('after'))} "
+                          f"({num(m.get('shift_sd'))} sd)" for m in (ev.get("metrics") or [])[:5])
+        more = ev.get("metrics_shifted", 0) - min(5, len(ev.get("metrics") or []))
+        more_text = f" and {more} more" if isinstance(more, int) and more > 0 else ""
+        began = ev.get("started_time") or f"row {ev.get('started_row')}"
+        return (kind, f"{model}: change of regime at {when}: since {began} {moved}{more_text} moved and stayed "
+                      f"(version {ev.get('version') or version}); scored against the new levels from now on, "
+                      f"and learned by a retraining once retrain.regime_learn_s of them are scored; in {file}",
+                LOG_WARNING,
+                dict(common, version=ev.get("version") or version, regime=ev.get("regime"),
+                     started_time=ev.get("started_time"), metrics=moved))
     return None

@@ -75,6 +75,9 @@ METRIC_NAMES = {
     "ds_ops_incidents_total": "incidents opened, per model",
     "ds_ops_critical_incidents_total": "incidents that opened critical or were escalated to critical, per model",
     "ds_ops_last_scored_timestamp_seconds": "Unix time the model's last file was scored",
+    "ds_ops_regime_changes_total": "changes of regime said (scoring.regime_*), per model",
+    "ds_ops_regime_unlearned": "1 while the model's series is re-baselined for a change of regime that no promoted "
+                               "version has learned yet, else 0",
     # Retraining: the share flagged over retrain.drift_window over the design rate (opt_ds_ops.daemon.retrainer)
     "ds_ops_model_drift_ratio": "share of rows flagged over retrain.drift_window divided by the design rate, per model",
     "ds_ops_retrain_every_seconds": "retrain.every in seconds (0: no periodic retraining), for rules on a model's age",
@@ -82,7 +85,8 @@ METRIC_NAMES = {
 }
 SCORE_COUNTERS = (("ds_ops_scored_rows_total", "rows_total"), ("ds_ops_flagged_rows_total", "flagged_total"),
                   ("ds_ops_incidents_total", "incidents_total"),
-                  ("ds_ops_critical_incidents_total", "critical_total"))
+                  ("ds_ops_critical_incidents_total", "critical_total"),
+                  ("ds_ops_regime_changes_total", "regime_total"))
 VERDICTS = ("ok", "warn", "fail")
 
 
@@ -288,7 +292,7 @@ class MetricsWriter:
         gauges = {n: Gauge(n, METRIC_NAMES[n], ["model"], registry=reg) for n in (
             "ds_ops_score_last", "ds_ops_score_threshold", "ds_ops_incident_open", "ds_ops_incident_critical",
             "ds_ops_last_scored_timestamp_seconds",
-            "ds_ops_model_drift_ratio")}
+            "ds_ops_model_drift_ratio", "ds_ops_regime_unlearned")}
         counters = {n: Counter(n[: -len("_total")], METRIC_NAMES[n], ["model"], registry=reg) for n, _ in SCORE_COUNTERS}
         top = Gauge("ds_ops_incident_top_metric_share", METRIC_NAMES["ds_ops_incident_top_metric_share"],
                     ["model", "rank", "metric"], registry=reg)
@@ -297,7 +301,8 @@ class MetricsWriter:
                                   ("ds_ops_incident_open", int(bool(v.get("active")))),
                                   ("ds_ops_incident_critical", int(bool(v.get("active")) and v.get("severity") == "critical")),
                                   ("ds_ops_last_scored_timestamp_seconds", v.get("scored_at")),
-                                  ("ds_ops_model_drift_ratio", v.get("drift_ratio"))):
+                                  ("ds_ops_model_drift_ratio", v.get("drift_ratio")),
+                                  ("ds_ops_regime_unlearned", int(v.get("regime") is not None))):
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     gauges[metric].labels(model=name).set(value)
             for metric, key in SCORE_COUNTERS:

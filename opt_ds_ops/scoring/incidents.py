@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .regime import RegimePolicy, add_levels, shifted, weight
+
 SEVERITIES = ("warning", "critical")
 
 
@@ -141,19 +143,28 @@ def _checked_open(inc) -> dict:
     if out.get("severity") not in SEVERITIES:
         raise ValueError("open.severity is not warning or critical")
     out["sums"] = [float(_number(x)) for x in _list(out, "sums")]
+    if any(k in out for k in ("lmean", "lvar", "lrows")):  # a change of regime's levels (opt_ds_ops.scoring.regime)
+        out["lmean"] = [float(_number(x)) for x in _list(out, "lmean")]
+        out["lvar"] = [float(_number(x)) for x in _list(out, "lvar")]
+        lrows = out.get("lrows", 0)
+        if not isinstance(lrows, int) or isinstance(lrows, bool) or lrows < 0 or len(out["lmean"]) != len(out["lvar"]):
+            raise ValueError("open.lrows, lmean or lvar is of the wrong shape")
     return out
 
 
 @dataclass
 class Tracked:
     """One chunk through :func:`track`: ``changes`` ``[("opened" | "escalated" | "closed", row index
-    in the chunk, incident dict)]`` in row order (escalated: a warning whose peak reached the
+    in the chunk, incident dict)]`` in row order (``"regime"``: the open incident is a change of regime,
+    its dict with ``shift`` ``[(column, mean level)]``; it is closed and tracking stops at that row,
+    ``stopped``, for the caller to re-baseline the rows after it; escalated: a warning whose peak reached the
     critical ratio at that row; a closed one is known at the row that completes its quiet spell); ``incident`` (n,) int64, the id of the incident each row belongs to as known after this
     chunk (0: none); ``tracker`` the state for the next chunk."""
 
     changes: list
     incident: np.ndarray
     tracker: Tracker
+    stopped: int | None = None  # the chunk's row at which a change of regime closed the incident: rows after it are not tracked
 
 
 def severity(peak: float, threshold: float, critical_ratio: float, was: str = "warning") -> str:
@@ -164,11 +175,17 @@ def severity(peak: float, threshold: float, critical_ratio: float, was: str = "w
 
 def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Tracker, policy: IncidentPolicy,
           period_s: float, *, row0: int = 0, times: np.ndarray | None = None,
-          cells: np.ndarray | None = None) -> Tracked:
+          cells: np.ndarray | None = None, levels: np.ndarray | None = None,
+          regime: RegimePolicy | None = None) -> Tracked:
     """Run the incident rule over one chunk: flags (n,) bool, scores (n,), its first series row
     ``row0``, epoch seconds ``times`` (n,) or None, unsmoothed terms ``cells`` (n, D) or None (then
-    ``sums`` stay empty). ``tracker`` is not changed. See the module docstring."""
+    ``sums`` stay empty), standardised levels ``levels`` (n, D) or None and the change-of-regime
+    rule ``regime`` (None: off; :mod:`opt_ds_ops.scoring.regime`). ``tracker`` is not changed. See
+    the module docstring."""
     window, need, quiet = policy.rows(period_s)
+    regime_rows = regime.rows(period_s) if regime is not None and levels is not None else 0
+    alpha = weight(regime_rows)
+    stopped = None
     flags = np.asarray(flags, dtype=bool)
     n = flags.shape[0]
     keep_n = window - 1  # the rows a later opening window may reach back to
@@ -213,6 +230,14 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
                 out[max(inc["last_row"] - row0 + 1, 0):i + 1] = inc["id"]  # the gap since its last flagged row, and i
                 inc["quiet"] = 0
                 _extend(inc, row0 + i, score(i), terms(i), at(i))
+                if regime_rows:
+                    add_levels(inc, levels[i], alpha)
+                    shift = shifted(inc, regime, regime_rows, row0 + i)
+                    if shift is not None:  # said once; the caller re-baselines the rows after i
+                        changes.append(("regime", i, dict(inc, shift=shift)))
+                        inc, stopped = None, i
+                        hist[: base + i + 1] = [0] * (base + i + 1)
+                        break
                 was = inc["severity"]
                 inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio, was)
                 if was != inc["severity"]:  # a warning that became critical: said once, at this row
@@ -237,17 +262,21 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
             for j in range(first, i + 1):
                 if hist[base + j]:
                     _extend(inc, row0 + j, score(j), terms(j), at(j))
+                    if regime_rows and j >= 0:
+                        add_levels(inc, levels[j], alpha)
             inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio)
             out[max(first, 0):i + 1] = inc["id"]
             changes.append(("opened", i, dict(inc, sums=list(inc["sums"]))))
+    end = n if stopped is None else stopped + 1  # the rows tracked
+    hist = hist[: base + end]
     keep = hist[-keep_n:] if keep_n else []
     k = len(keep)
-    all_t = [*(prev_t if len(prev_t) == base else [None] * base), *(at(i) for i in range(n))]
-    all_s = [*(float(v) for v in prev_s), *(float(v) for v in np.asarray(scores, dtype=np.float64)[-k:])] if k else []
+    all_t = [*(prev_t if len(prev_t) == base else [None] * base), *(at(i) for i in range(end))]
+    all_s = [*(float(v) for v in prev_s), *(float(v) for v in np.asarray(scores, dtype=np.float64)[:end][-k:])] if k else []
     all_c = []
     if k and cells is not None and (prev_c or base == 0):
-        all_c = [*(list(map(float, c)) for c in prev_c), *(np.asarray(cells[-k:], dtype=np.float64).tolist())]
-    return Tracked(changes=changes, incident=out,
+        all_c = [*(list(map(float, c)) for c in prev_c), *(np.asarray(cells[:end][-k:], dtype=np.float64).tolist())]
+    return Tracked(changes=changes, incident=out[:end], stopped=stopped,
                    tracker=Tracker(recent=keep, recent_times=all_t[-k:] if k else [], recent_scores=all_s[-k:],
                                    recent_cells=all_c[-k:] if len(all_c) >= k else [], open=inc, opened=opened))
 

@@ -44,8 +44,9 @@ from ..lifecycle.promotion import design_rate
 from ..store.model_dir import model_lineage
 from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
 from .incidents import IncidentPolicy
+from .regime import RegimePolicy
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
-                     score_chunk)
+                     sample_period_s, score_chunk)
 
 STATE_FILE, ROWS_FILE, SUMMARY_FILE = "state.json", "rows.csv", "summary.json"
 JOB_FILE, SIDECAR_FILE = "job.json", "sidecar.yaml"
@@ -201,6 +202,21 @@ def json_safe(obj):
     return obj
 
 
+def regime_summary(state, period_s: float | None, learn_s: float) -> dict | None:
+    """The summary's ``regime``: the series' change of regime not yet learned (None without one):
+    ``id``, ``time`` (when it was said), ``started_time``, ``metrics`` (the shifted metrics, named),
+    ``rows`` (rows of the new regime scored so far, from the incident's first row), ``learn_due``
+    (at least ``retrain.regime_learn_s`` seconds of them: the daemon retrains on them,
+    :mod:`opt_ds_ops.daemon.retrainer`)."""
+    reg = state.regime
+    if not reg:
+        return None
+    rows = max(0, int(state.next_row) - int(reg.get("start_row") or 0))
+    due = bool(learn_s > 0 and rows * (period_s or 60.0) >= learn_s)
+    return {"id": reg.get("id"), "time": reg.get("time"), "started_time": reg.get("start_time"),
+            "metrics": [m.get("metric") for m in reg.get("metrics") or []][:20], "rows": rows, "learn_due": due}
+
+
 def _clip_events(events: list[dict]) -> tuple[list[dict], int]:
     if len(events) <= MAX_EVENTS:
         return events, 0
@@ -326,7 +342,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     times = ds.time.seconds if ds.time is not None else None
     result = score_chunk(stored, np.asarray(ds.data), ds.offset, times, state, names=names,
                          max_gap_periods=cfg.scoring.max_gap_periods,
-                         policy=IncidentPolicy.from_config(cfg.scoring))
+                         policy=IncidentPolicy.from_config(cfg.scoring), regime=RegimePolicy.from_config(cfg.scoring))
     bad = np.flatnonzero(~np.isfinite(result.scores))
     if bad.size:  # an inf would stay in the carried smoothing for good: refused before anything is written
         raise ScoringError(f"{_clip(source)}: data row {int(bad[0]) + 1} scores {float(result.scores[bad[0]])} (not "
@@ -352,6 +368,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "replayed": False,
     }
+    summary["regime"] = regime_summary(new, sample_period_s(stored), cfg.retrain.regime_learn_s)
     summary["drift"] = chunk_drift(model_dir, job_id, result.flags, times, cfg.retrain.drift_window,  # for retraining
                                    design_rate(stored.metadata))
     summary = json_safe(summary)

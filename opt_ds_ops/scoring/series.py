@@ -29,6 +29,7 @@ from ..model.detection import ScoreError, standardise_rows
 from ..model.network import feature_errors, fold_window, window_rows
 from ..store.versions import StoredModel
 from .incidents import IncidentPolicy, Tracker, track
+from .regime import RegimePolicy, described
 
 STATE_FORMAT = 2  # 1: before incidents (an open anomaly segment, ``segment``/``segments``); read and carried over
 TOP_METRICS = 3  # metrics named per incident and per flagged row
@@ -71,6 +72,9 @@ class SeriesState:
     scored_at: str | None = None  # when last_job wrote it (ISO 8601 UTC)
     top_metrics: list = field(default_factory=list)  # the open incident's, named (for status and metrics)
     lineage: str | None = None  # the model's (opt_ds_ops.store.model_dir.model_lineage) when last_job wrote it
+    rebase: list = field(default_factory=list)  # a change of regime's shift per metric (standardised units), or []
+    regime: dict | None = None  # the last change of regime of this version (opt_ds_ops.scoring.regime), not yet learned
+    regime_changes: int = 0
 
     def to_dict(self) -> dict:
         """Return the state as plain JSON types, with ``format``."""
@@ -97,6 +101,12 @@ class SeriesState:
                 or not (state.last_time is None or isinstance(state.last_time, (int, float)))):
             raise ValueError("series state: a field of the wrong type")
         Tracker.from_dict(state.incident)  # ValueError for one of the wrong shape
+        if (not isinstance(state.rebase, list)
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in state.rebase)
+                or not (state.regime is None or isinstance(state.regime, dict))
+                or not isinstance(state.regime_changes, int) or isinstance(state.regime_changes, bool)):
+            raise ValueError("series state: a change of regime's field of the wrong type")
         return state
 
     @property
@@ -125,6 +135,7 @@ class ChunkResult:
     state: SeriesState
     active: bool
     cells: np.ndarray | None = None
+    stopped: int | None = None  # (internal) the row of a change of regime in a piece
 
 
 def model_version(stored: StoredModel) -> str:
@@ -215,12 +226,19 @@ def _opened(inc: dict, names: list[str], top: int, threshold: float, score: floa
             "top_metrics": _ranked(np.asarray(inc["sums"], dtype=np.float64), names, top) if inc["sums"] else []}
 
 
-def _cells(stored: StoredModel, data: np.ndarray, offset, context: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """Return (the chunk's normalised errors (n, D) float32, the new window context (<= w-1, D))."""
+def _cells(stored: StoredModel, data: np.ndarray, offset, context: torch.Tensor,
+           rebase: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """Return (the chunk's normalised errors (n, D) float32, its standardised levels (n, D) float32,
+    before clipping and after the series' ``rebase`` (D,) (a change of regime's shift) is taken
+    off, the new window context (<= w-1, D))."""
     w = stored.input_window
     out = np.empty(data.shape, dtype=np.float32)
+    levels = np.empty(data.shape, dtype=np.float32)
     for start in range(0, data.shape[0], BATCH_ROWS):
         x = standardise_rows(stored, data[start : start + BATCH_ROWS], offset)
+        if rebase is not None:
+            x -= torch.from_numpy(rebase.astype(np.float32))
+        levels[start : start + x.shape[0]] = x.numpy()
         if stored.input_clip > 0:
             x.clamp_(-stored.input_clip, stored.input_clip)
         xw = window_rows(x, w, context=context)
@@ -228,7 +246,7 @@ def _cells(stored: StoredModel, data: np.ndarray, offset, context: torch.Tensor)
         out[start : start + x.shape[0]] = fold_window(cells, w, stored.window_error).numpy()
         if w > 1:
             context = torch.cat([context, x])[-(w - 1):]
-    return out, context
+    return out, levels, context
 
 
 def _smoothed(stored: StoredModel, raw: np.ndarray, state: SeriesState) -> np.ndarray:
@@ -266,7 +284,7 @@ def fresh_state(name: str, stored: StoredModel) -> SeriesState:
 
 def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None, times: np.ndarray | None,
                 state: SeriesState, *, names: list[str], max_gap_periods: float, top: int = TOP_METRICS,
-                policy: IncidentPolicy | None = None) -> ChunkResult:
+                policy: IncidentPolicy | None = None, regime: RegimePolicy | None = None) -> ChunkResult:
     """Given the next chunk of a model's series, data (n, D) float32 (the file's values are data +
     offset, see :class:`opt_ds_ops.dataset.Dataset`) with epoch seconds ``times`` (n,) or None,
     score it as the continuation of ``state`` and return a :class:`ChunkResult`.
@@ -282,9 +300,14 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     critical, and ``{"event": "incident-closed", "incident", "row" (its last flagged row), "time",
     "started_row", "started_time", "opened_row", "opened_time", "rows", "rows_flagged",
     "duration_s" (None without times), "peak_score", "peak_row", "peak_time", "severity",
-    "top_metrics", "reason" ("recovered" or "reset"), "version" (the one that flagged it)}`` for
-    each that closes (known once its quiet spell is complete, or at a reset); an incident spanning
-    chunks is one of each. Rows are series rows, times ISO 8601 UTC (None without times);
+    "top_metrics", "reason" ("recovered", "reset" or "regime"), "version" (the one that flagged
+    it)}`` for each that closes (known once its quiet spell is complete, or at a reset); an incident
+    spanning chunks is one of each. With ``regime`` (:class:`opt_ds_ops.scoring.regime.RegimePolicy`;
+    None: off), an incident that is a change of regime closes (``reason: regime``) and is followed by
+    ``{"event": "regime-changed", "regime" (its number in the series), "row", "time",
+    "started_row", "started_time", "incident", "version", "metrics": [{"metric", "before", "after",
+    "shift_sd"}] (the 10 largest shifts), "metrics_shifted"}``; the rows after it are scored
+    re-baselined (the state's ``rebase``), and the state's ``regime`` keeps it until a new version. Rows are series rows, times ISO 8601 UTC (None without times);
     ``top_metrics`` ``[{"metric", "share"}]`` rank the incident's flagged rows' unsmoothed terms as
     :func:`opt_ds_ops.model.detection.flagged_segments` ranks a segment's. ``names``: the D metric
     names. ``state`` is not changed. Raises ScoreError if D differs from the model's or ``times``
@@ -307,26 +330,73 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
             events.append(_closed(st.open_incident, names, "reset", top, st.version))
         counters = (st.rows_scored, st.rows_flagged, st.incidents, st.critical_incidents,
                     Tracker.from_dict(st.incident).opened)
+        same = st.version == model_version(stored)  # a gap or time backwards: the re-baseline stays with its version
+        kept = (st.rebase, st.regime) if same else ([], None)
+        changes = st.regime_changes
         st = fresh_state(st.model, stored)
         st.rows_scored, st.rows_flagged, st.incidents, st.critical_incidents = counters[:4]
         st.incident = Tracker(opened=counters[4]).to_dict()  # incident ids go on counting in the series
+        st.rebase, st.regime, st.regime_changes = kept[0], kept[1], changes
     st.version, st.threshold = model_version(stored), float(stored.threshold)
+    if st.rebase and len(st.rebase) != want:
+        notes.append(f"the carried re-baseline has {len(st.rebase)} metrics, the model {want}: dropped")
+        st.rebase, st.regime = [], None
+    t = np.asarray(times, dtype=np.float64) if times is not None else None
+    pieces, start, n = [], 0, data.shape[0]
+    while True:  # a change of regime re-baselines the rows after it: they are scored from there again
+        part = _piece(stored, data[start:], offset, None if t is None else t[start:], st, names, top, policy, regime)
+        if part.stopped is not None and part.stopped < n - start - 1:  # only rows up to it are valid: again
+            end = start + part.stopped + 1
+            part = _piece(stored, data[start:end], offset, None if t is None else t[start:end], st, names, top,
+                          policy, regime)
+        events.extend(part.events)
+        pieces.append(part)
+        st, start = part.state, start + part.scores.shape[0]
+        if part.stopped is None:
+            break
+        events.extend(_regime_changed(stored, part, names, top))
+        if start >= n:
+            break
+    cat = lambda k: np.concatenate([getattr(p, k) for p in pieces])  # noqa: E731
+    return ChunkResult(scores=cat("scores"), flags=cat("flags"), top=[x for p in pieces for x in p.top],
+                       incident=cat("incident"), first_row=pieces[0].first_row, events=events, notes=notes, state=st,
+                       active=st.open_incident is not None, cells=cat("cells"))
+
+
+def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, state: SeriesState, names: list[str],
+           top: int, policy: IncidentPolicy, regime: RegimePolicy | None) -> ChunkResult:
+    """Score rows as the continuation of ``state`` (a copy is returned, the state given is not
+    changed); ``stopped`` (set on the result) is the row at which a change of regime was found, and
+    then only the rows up to it are valid for the caller (:func:`score_chunk` scores them again)."""
+    st = SeriesState.from_dict(state.to_dict())
+    want = stored.n_features
     n, w = data.shape[0], stored.input_window
     context = torch.tensor(st.context, dtype=torch.float32).reshape(-1, want) if st.context else torch.empty(0, want)
-    cells, context = _cells(stored, data, offset, context)
+    rebase = np.asarray(st.rebase, dtype=np.float64) if st.rebase else None
+    cells, levels, context = _cells(stored, data, offset, context, rebase)
     raw = cells.mean(axis=1) if n else np.empty(0, dtype=np.float32)
     scores = _smoothed(stored, raw, st).astype(np.float32)
     flags = scores > stored.threshold
     row0 = st.next_row
-    t = np.asarray(times, dtype=np.float64) if times is not None else None
     done = track(flags, scores, float(stored.threshold), Tracker.from_dict(st.incident), policy,
-                 sample_period_s(stored) or 60.0, row0=row0, times=t, cells=cells)
+                 sample_period_s(stored) or 60.0, row0=row0, times=t, cells=cells, levels=levels, regime=regime)
+    if done.stopped is not None and done.stopped < n - 1:
+        part = ChunkResult(scores=scores, flags=flags, top=[], incident=done.incident, first_row=row0, events=[],
+                           notes=[], state=st, active=False, cells=cells)
+        part.stopped = done.stopped
+        return part
+    events = []
     for kind, i, inc in done.changes:
         if kind == "opened":
             events.append(_opened(inc, names, top, float(stored.threshold), float(scores[i])))
         elif kind == "escalated":
             events.append(dict(_opened(inc, names, top, float(stored.threshold), float(scores[i])),
                                event="incident-escalated", row=row0 + i, time=_time(inc.get("last_time"))))
+        elif kind == "regime":
+            events.append(_closed(inc, names, "regime", top, st.version))
+            st.regime = {"shift": [list(p) for p in inc["shift"]], "row": row0 + i, "time": _time(inc.get("last_time")),
+                         "start_row": inc["start_row"], "start_time": _time(inc.get("start_time")),
+                         "incident": inc["id"]}
         else:
             events.append(_closed(inc, names, "recovered", top, st.version))  # a new version resets first
     top_rows = [""] * n
@@ -344,8 +414,38 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     st.context = context.tolist() if w > 1 else []
     st.rows_scored += n
     st.rows_flagged += int(flags.sum())
-    return ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, first_row=row0,
-                       events=events, notes=notes, state=st, active=done.tracker.open is not None, cells=cells)
+    part = ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, first_row=row0,
+                       events=events, notes=[], state=st, active=done.tracker.open is not None, cells=cells)
+    part.stopped = done.stopped
+    return part
+
+
+def _regime_changed(stored: StoredModel, part: ChunkResult, names: list[str], top: int) -> list[dict]:
+    """After a piece that ended on a change of regime: move the series' baseline by the shift (in
+    place, on ``part.state``) and return the ``regime-changed`` event."""
+    st = part.state
+    reg = st.regime
+    want = stored.n_features
+    before = np.asarray(st.rebase, dtype=np.float64) if st.rebase else np.zeros(want)
+    after = before.copy()
+    shift = [(int(j), float(m)) for j, m in reg["shift"]]
+    for j, m in shift:
+        after[j] += m
+    metrics = described(shift, names, stored.mean.double().numpy(), stored.std.double().numpy(), before)
+    st.rebase = after.tolist()
+    # the smoothing's memory holds the old baseline's scores: it starts again, and the window's
+    # context rows are moved as the rows after them will be
+    st.ema_num, st.ema_den, st.recent = 0.0, 0.0, []
+    if st.context:
+        ctx = np.asarray(st.context, dtype=np.float32).reshape(-1, want)
+        ctx -= (after - before).astype(np.float32)
+        st.context = ctx.tolist()
+    st.regime_changes += 1
+    st.regime = {"id": st.regime_changes, "row": reg["row"], "time": reg["time"], "start_row": reg["start_row"],
+                 "start_time": reg["start_time"], "metrics": metrics, "incident": reg["incident"]}
+    return [{"event": "regime-changed", "regime": st.regime_changes, "row": reg["row"], "time": reg["time"],
+             "started_row": reg["start_row"], "started_time": reg["start_time"], "incident": reg["incident"],
+             "version": st.version, "metrics": metrics[:max(top, 10)], "metrics_shifted": len(metrics)}]
 
 
 def active_top_metrics(state: SeriesState, names: list[str], top: int = TOP_METRICS) -> list[dict]:

@@ -36,7 +36,7 @@ def promtool() -> str:
 def test_promtool_accepts_the_shipped_rules(promtool):
     r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 13 rules found" in r.stdout
+    assert "SUCCESS: 15 rules found" in r.stdout
 
 
 def test_the_rules_use_only_series_the_daemon_writes():
@@ -247,6 +247,51 @@ tests:
                 About 6 datasets or chunks were moved to failed/ in the last hour.
                 `ds-ops status` lists the latest with their reasons (failed/NAME.error.json).
       - {{eval_time: 140m, alertname: DsOpsJobsFailing, exp_alerts: []}}
+  - interval: 1m
+    input_series:
+      # m: a change of regime said at minute 120, re-baselined and never learned; learned: said at
+      # minute 120, learned by a version promoted at hour 30
+      - series: 'ds_ops_regime_changes_total{{model="m", instance="h:9100", job="node"}}'
+        values: '0x119 1x4600'
+      - series: 'ds_ops_regime_unlearned{{model="m", instance="h:9100", job="node"}}'
+        values: '0x119 1x4600'
+      - series: 'ds_ops_regime_changes_total{{model="learned", instance="h:9100", job="node"}}'
+        values: '0x119 1x4600'
+      - series: 'ds_ops_regime_unlearned{{model="learned", instance="h:9100", job="node"}}'
+        values: '0x119 1x1680 0x2920'
+    alert_rule_test:
+      - {{eval_time: 119m, alertname: DsOpsRegimeChanged, exp_alerts: []}}
+      - eval_time: 125m
+        alertname: DsOpsRegimeChanged
+        exp_alerts:
+          - exp_labels: {{severity: info, model: m, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "Model m on h:9100 met a change of regime"
+              description: >-
+                Some metrics of m moved to a new level and stayed there. The journal's
+                "change of regime" entry names them with their old and new levels (`journalctl -u ds-trainer
+                -g "change of regime"`); the model is scored against the new levels and retrained on them
+                after retrain.regime_learn_s. If the change was not wanted, that is what to look after.
+          - exp_labels: {{severity: info, model: learned, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "Model learned on h:9100 met a change of regime"
+              description: >-
+                Some metrics of learned moved to a new level and stayed there. The journal's
+                "change of regime" entry names them with their old and new levels (`journalctl -u ds-trainer
+                -g "change of regime"`); the model is scored against the new levels and retrained on them
+                after retrain.regime_learn_s. If the change was not wanted, that is what to look after.
+      - {{eval_time: 4h, alertname: DsOpsRegimeChanged, exp_alerts: []}}
+      - {{eval_time: 73h, alertname: DsOpsRegimeNotLearned, exp_alerts: []}}
+      - eval_time: 75h
+        alertname: DsOpsRegimeNotLearned
+        exp_alerts:
+          - exp_labels: {{severity: warning, model: m, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "Model m on h:9100 has not learned a change of regime"
+              description: >-
+                m has been scored against re-baselined levels for 3 days: no version that
+                knows the new regime was promoted. `ds-ops status` says whether its retrainings fail (a
+                back-off); `ds-ops models list m` whether the gate refused one.
   - interval: 1m
     input_series:
       # m: scored every minute at 20 times its design rate; ok: at once; gone: as drifted, but its

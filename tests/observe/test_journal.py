@@ -298,7 +298,7 @@ def _incident_entry_fields() -> dict[str, set[str]]:
     from opt_ds_ops.observe.incident_entries import incident_entry
 
     out = {}
-    for kind in ("incident-opened", "incident-escalated", "incident-closed"):
+    for kind in ("incident-opened", "incident-escalated", "incident-closed", "regime-changed"):
         name, _message, _priority, fields = incident_entry({"event": kind, "incident": 1, "row": 5}, model="m",
                                                            version="v", file="f.csv")
         assert name == kind

@@ -1,0 +1,114 @@
+"""A change of regime: flagged rows that are a sustained shift of some metrics, not an incident.
+
+After a kernel upgrade, a new workload or a resized disk, some metrics move to a new level and stay
+there. The model, trained on the old levels, flags every row from then on: one incident that never
+closes, and every real incident inside it pages nobody. ds-ops tells that apart from an incident and
+says it once, then learns it:
+
+* **Detected** on an open incident that has lasted at least ``after_s`` seconds with at least half
+  of its rows flagged. Over its flagged rows each metric's standardised level (its value in the
+  model's scaling, before clipping) has a recent mean ``m`` and spread ``s`` (exponentially
+  weighted over about a quarter of ``after_s``, so the rows before the shift have all but left them). A metric has **shifted**
+  when ``|m| >= shift_sd`` (training standard deviations from the level the series is scored
+  against) and ``s <= |m| / 2`` (it moved and stayed: a level, not a storm). It is a change of
+  regime when some metrics shifted and they carry at least half of the incident's reconstruction
+  error (the incident's ``sums``): the shift explains the alarm.
+* **Said once**: the incident closes (``reason: regime``) and an event ``regime-changed`` names
+  the metrics with their old and new levels in the data's units.
+* **Re-baselined at once**: from the next row on, the series is scored with those metrics moved
+  back by their shift (``rebase``, standardised units, carried in the series state), so rows on
+  the new levels look like the old normal and a real incident on top of them still stands out.
+* **Learned behind the gate**: once ``retrain.regime_learn_s`` seconds of rows of the new regime
+  were scored, the daemon retrains the model on them (:mod:`opt_ds_ops.daemon.retrainer`, trigger
+  ``regime``); a promoted version knows the new levels, and its series starts again without the
+  rebase. A challenger the gate refuses leaves the rebase in place.
+
+The functions here are pure: :func:`opt_ds_ops.scoring.incidents.track` calls :func:`shifted` on an
+open incident's carried level sums, and :mod:`opt_ds_ops.scoring.series` applies the rebase.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+EXPLAINS = 0.5  # the shifted metrics must carry at least this share of the incident's error
+STEADY = 0.5  # a shifted metric's spread over the incident is at most this share of its shift
+SUSTAINED = 0.5  # the incident's rows must be flagged at least this share of the time
+
+
+@dataclass(frozen=True)
+class RegimePolicy:
+    """When an incident is a change of regime (the conffile's ``scoring.regime_*`` keys)."""
+
+    after_s: float = 21600.0  # 0: never (every alarm stays an incident)
+    shift_sd: float = 3.0
+
+    @classmethod
+    def from_config(cls, scoring) -> RegimePolicy:
+        return cls(after_s=scoring.regime_after_s, shift_sd=scoring.regime_shift_sd)
+
+    def rows(self, period_s: float) -> int:
+        """The rows an incident must span before it is checked (0: off), rows ``period_s`` apart."""
+        if self.after_s <= 0:
+            return 0
+        period = period_s if period_s and period_s > 0 and math.isfinite(period_s) else 60.0
+        return max(2, math.ceil(self.after_s / period - 1e-9))
+
+
+def shifted(inc: dict, policy: RegimePolicy, min_rows: int, row: int) -> list[tuple[int, float]] | None:
+    """Given an open incident at series row ``row`` (its ``lmean``/``lvar``/``lrows``: each metric's
+    exponentially weighted mean and variance of its flagged rows' standardised levels and how many
+    rows, and ``sums``: their errors), return the shifted metrics ``[(column, mean level)]`` by
+    size of shift if it is a change of regime (see the module docstring), else None."""
+    span = row - inc["start_row"] + 1
+    n = int(inc.get("lrows") or 0)
+    if not min_rows or span < min_rows or n < min_rows // 2 or inc["rows_flagged"] < SUSTAINED * span:
+        return None
+    m = np.asarray(inc["lmean"], dtype=np.float64)
+    sd = np.sqrt(np.maximum(np.asarray(inc["lvar"], dtype=np.float64), 0.0))
+    moved = (np.abs(m) >= policy.shift_sd) & (sd <= STEADY * np.abs(m))
+    if not moved.any():
+        return None
+    err = np.asarray(inc.get("sums") or [], dtype=np.float64)
+    if err.shape == m.shape and err.sum() > 0 and err[moved].sum() < EXPLAINS * err.sum():
+        return None
+    cols = np.flatnonzero(moved)
+    cols = cols[np.argsort(-np.abs(m[cols]), kind="stable")]
+    return [(int(j), float(m[j])) for j in cols]
+
+
+def weight(min_rows: int) -> float:
+    """The exponential weight of a new row in the level statistics: a span of a quarter of
+    ``min_rows``, so that by the time an incident is checked the rows before a shift weigh less
+    than 0.2 % (``(1 - 2 / (min_rows / 4 + 1)) ** (3 min_rows / 4)``)."""
+    return 2.0 / (max(min_rows // 4, 1) + 1)
+
+
+def add_levels(inc: dict, levels, alpha: float) -> None:
+    """Add one flagged row's standardised levels (D,) to the open incident's level statistics
+    (exponentially weighted with ``alpha``; the first row starts them)."""
+    x = np.asarray(levels, dtype=np.float64)
+    if not np.isfinite(x).all():
+        return
+    if not inc.get("lmean"):
+        inc["lmean"], inc["lvar"], inc["lrows"] = x.tolist(), [0.0] * x.shape[0], 1
+        return
+    m, v = np.asarray(inc["lmean"]), np.asarray(inc["lvar"])
+    d = x - m
+    inc["lmean"] = (m + alpha * d).tolist()
+    inc["lvar"] = ((1.0 - alpha) * (v + alpha * d * d)).tolist()
+    inc["lrows"] = int(inc.get("lrows") or 0) + 1
+
+
+def described(shift: list[tuple[int, float]], names: list[str], mean: np.ndarray, std: np.ndarray,
+              rebase: np.ndarray) -> list[dict]:
+    """The event's ``metrics``: ``[{"metric", "before", "after", "shift_sd"}]`` in the data's units
+    (``mean``/``std``: the model's scaling; ``rebase``: the series' shift before this one)."""
+    out = []
+    for j, m in shift:
+        before = float(mean[j] + rebase[j] * std[j])
+        out.append({"metric": names[j], "before": before, "after": float(before + m * std[j]), "shift_sd": m})
+    return out
