@@ -77,7 +77,7 @@ JOB_TIMEOUT_S = 300.0
 # "NAME: incident 3 is critical at row ..." (escalated), "NAME: critical incident 3 closed: ..."
 INCIDENT_LINE = re.compile(r": (?:warning |critical )?incident \d+ (opened|closed|is critical)\b")
 JOURNAL_WORDS = ("retraining queued", "model saved", "not promoted", "held by", "series", "failed", "pruned", "suspect",
-                 "reset")
+                 "reset", "change of regime at")
 
 
 class ReplayFailure(RuntimeError):
@@ -118,11 +118,25 @@ def write_csv(path: Path, rows: np.ndarray, first_row: int, period_s: float = PE
 
 
 def write_config(root: Path, args) -> Path:
-    lines = [f"models_dir: {root / 'models'}", "device: cpu", "spool:", f"  dir: {root / 'spool'}", "  settle_s: 0.2",
-             "  scan_interval_s: 1", "  quiet_s: 0.5", "scoring:", f"  results_dir: {root / 'scores'}",
-             "retrain:", f'  every: "{args.every}"', f"  window: {args.window}"]
+    """The replay's conffile: its own paths and a quick spool; ``retrain.every`` and ``window`` from
+    the options unless ``--shipped`` (then the shipped defaults); ``--set SECTION.KEY=VALUE`` last."""
+    sections: dict[str, dict[str, str]] = {
+        "spool": {"dir": str(root / "spool"), "settle_s": "0.2", "scan_interval_s": "1", "quiet_s": "0.5"},
+        "scoring": {"results_dir": str(root / "scores")}, "retrain": {}, "train": {}}
+    if not args.shipped:
+        sections["retrain"].update(every=f'"{args.every}"', window=args.window)
     if args.max_steps:
-        lines += ["train:", f"  max_steps: {args.max_steps}"]
+        sections["train"]["max_steps"] = str(args.max_steps)
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        section, _, leaf = key.partition(".")
+        if not section or not leaf or not _:
+            raise SystemExit(f"--set {item!r}: want SECTION.KEY=VALUE")
+        sections.setdefault(section, {})[leaf] = value
+    lines = [f"models_dir: {root / 'models'}", "device: cpu"]
+    for section, keys in sections.items():
+        if keys:
+            lines += [f"{section}:"] + [f"  {k}: {v}" for k, v in keys.items()]
     conf = root / "trainer.yaml"
     conf.write_text("\n".join(lines) + "\n")
     return conf
@@ -306,6 +320,15 @@ def check_retrain(md: dict, history_copy: Path | None, flags_by_time: dict, marg
         failures.append(f"{v}: no copy of the history it trained on in done/")
         return {}
     h = read_history(str(history_copy))
+    given = [flags_by_time.get(int(t)) for t in h.times]
+    if None in given or not np.array_equal(np.array(given, dtype=bool), h.flags):
+        failures.append(f"{v}: the history's flags are not those the scoring results gave the same rows")
+    newest = (md.get("retrain") or {}).get("newest_rows")
+    if isinstance(newest, int) and newest > 0:  # a change of regime's retraining: its newest rows only
+        from opt_ds_ops.lifecycle.history import History
+
+        k = min(newest, h.flags.size)
+        h = History(values=h.values[-k:], offset=h.offset, flags=h.flags[-k:], times=h.times[-k:])
     n = h.flags.size
     cut = n - min(max(1, int(round(n * 0.1))), n - 2)  # the newest tenth is held back for the gate, before the cut
     held = ex.get("held_back") or {}
@@ -317,9 +340,6 @@ def check_retrain(md: dict, history_copy: Path | None, flags_by_time: dict, marg
     if (ex.get("rows_in"), ex.get("rows_left_out"), ex.get("segments")) != (cut, left, runs):
         failures.append(f"{v}: excluded says {ex.get('rows_in')} in, {ex.get('rows_left_out')} left out, "
                         f"{ex.get('segments')} segments; its history before the held-back rows: {cut}, {left}, {runs}")
-    given = [flags_by_time.get(int(t)) for t in h.times]
-    if None in given or not np.array_equal(np.array(given, dtype=bool), h.flags):
-        failures.append(f"{v}: the history's flags are not those the scoring results gave the same rows")
     buf = io.BytesIO()
     np.save(buf, h.rows()[:cut][keep], allow_pickle=False)
     if hashlib.sha256(buf.getvalue()).hexdigest() != (md.get("dataset") or {}).get("sha256"):
@@ -395,7 +415,9 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
     print(f"replay of {name}: {n0} rows ({args.train_days:g} days) to train, then rows {n0}..{end} "
           f"({(end - n0) / per_day:.1f} days, {train.shape[0] - n0 if end > train.shape[0] else end - n0} of train, "
           f"{max(0, end - train.shape[0])} of test) in chunks of {per_chunk} rows; {args.day_s:g} s a day; "
-          f"retrain.every {args.every} (the data's clock), window {args.window}; root {root}", flush=True)
+          + ("retraining as shipped" if args.shipped else
+             f"retrain.every {args.every} (the data's clock), window {args.window}")
+          + "".join(f", {x}" for x in args.set or []) + f"; root {root}", flush=True)
     t_start = time.monotonic()
     d = Daemon(conf)
     try:
@@ -445,7 +467,7 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
     h = read_history(str(results / HISTORY_FILE))
     if h is None or h.values.shape[0] != h.flags.shape[0] or np.any(np.diff(h.times) <= 0):
         failures.append(f"the history {results / HISTORY_FILE} is missing or not in time order")
-    elif h.times[-1] - h.times[0] > 7 * 86400 and args.window == "7d":
+    elif h.times[-1] - h.times[0] > 7 * 86400 and args.window == "7d" and not args.shipped:
         failures.append(f"the history spans {(h.times[-1] - h.times[0]) / 86400:.2f} days, over its window 7d")
     # every retraining against the flags its history had
     flags_by_time = result_flags(results)
@@ -481,7 +503,8 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
     figures = {"machine": name, "chunks": chunks, "rows_scored": int(end - n0), "replay_s": round(replay_s, 1),
                "total_s": round(time.monotonic() - t_start, 1), "versions": len(mds), "retrains": retrains,
                "current": current_version(str(name_dir)), "test_period": events,
-               "history_rows": int(h.values.shape[0]) if h is not None else None}
+               "history_rows": int(h.values.shape[0]) if h is not None else None,
+               "regime_changes": sum(1 for x in log.splitlines() if ": change of regime at " in x)}
     print_report(status, models, log, figures)
     return figures, failures
 
@@ -542,6 +565,10 @@ def main(argv=None) -> int:
     p.add_argument("--every", default="2.5d", help="retrain.every (the data's clock; default 2.5d)")
     p.add_argument("--window", default="7d", help="retrain.window (default 7d of the data's clock)")
     p.add_argument("--max-steps", type=int, default=0, help="train.max_steps (0: as shipped)")
+    p.add_argument("--shipped", action="store_true",
+                   help="retraining as shipped (retrain.every, window, drift_rate, ...), not --every/--window")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="a conffile key for the replay, e.g. scoring.regime_after_s=0 (repeatable)")
     p.add_argument("--root", help="work in this folder (kept) instead of a temporary one")
     p.add_argument("--keep", action="store_true", help="keep the temporary root")
     p.add_argument("--json", help="write the figures to this file")

@@ -417,10 +417,10 @@ class RetrainConfig:
     max_history_bytes: int = _field(64 << 20, _positive, "bytes > 0")
     exclude_margin: int = _field(30, _non_negative, "rows >= 0")
     exclude_max_rows: int = _field(1440, _non_negative, "rows >= 0 (0: no limit)")
-    every: str = _field("", lambda v: v == "" or (_window_ok(v) and parse_window(v)[1] > 0),
+    every: str = _field("7d", lambda v: v == "" or (_window_ok(v) and parse_window(v)[1] > 0),
                         "empty (off) or a duration like 24h, 7d")
     drift_window: str = _field("1440", _window_ok, "a number of rows >= 1 or a duration like 24h")
-    drift_rate: float = _field(0.0, _non_negative, "a multiple of the design rate >= 0 (0: off)")
+    drift_rate: float = _field(10.0, _non_negative, "a multiple of the design rate >= 0 (0: off)")
     regime_learn_s: float = _field(172800.0, lambda v: _non_negative(v) and math.isfinite(v),
                                    "seconds >= 0 (0: a change of regime is not retrained on)")
 

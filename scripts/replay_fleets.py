@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Round 6 of docs/detection-protocol.md: a month of every shared machine of both fleets replayed
+through the real daemon (scripts/replay_month.py, the shipped defaults), for each configuration:
+``before`` (the defaults before this round: no retraining, no change of regime; reported, not a
+candidate) and the candidates, in the order used for ties. Prints each machine's figures (false
+pages a day, labelled segments paged, normal rows in alarm, retrains promoted, changes of regime)
+and each fleet's means, then the folds and the choice by the rule fixed in the protocol.
+
+Usage: scripts/replay_fleets.py [--jobs 2] [--out build/round6] [--only CONFIG ...] [--machines M ...]
+Each replay writes OUT/CONFIG-MACHINE.json and .log; one already there is not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SHARED = os.path.join(REPO, "..", "shared", "data")
+FLEETS = {"smd": 60.0, "asd": 300.0}
+CONFIGS = {  # name -> replay_month.py --set items (on top of --shipped)
+    "before": ["retrain.every=\"\"", "retrain.drift_rate=0", "scoring.regime_after_s=0"],
+    "unattended": ["scoring.regime_after_s=0"],
+    "unattended-regime": ["scoring.regime_after_s=21600", "scoring.regime_shift_sd=3"],
+}
+CANDIDATES = ("unattended", "unattended-regime")
+BUDGET, TIE = 1.0, 0.01
+
+
+def machines(fleet: str) -> list[str]:
+    names = os.listdir(os.path.join(SHARED, fleet, "test"))
+    return sorted({f.split(".txt")[0] for f in names if ".txt" in f})
+
+
+def run(config: str, fleet: str, machine: str, out: str) -> str:
+    path = os.path.join(out, f"{config}-{machine}.json")
+    if os.path.exists(path):
+        return path
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "replay_month.py"), "--corpus", os.path.join(SHARED, fleet),
+           "--period-s", str(FLEETS[fleet]), "--machine", machine, "--shipped", "--day-s", "2", "--json", path + ".part"]
+    for item in CONFIGS[config]:
+        cmd += ["--set", item]
+    with open(os.path.join(out, f"{config}-{machine}.log"), "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    os.rename(path + ".part", path)
+    return path
+
+
+def figures(path: str) -> dict | None:
+    doc = json.load(open(path))
+    f = doc.get("figures") or {}
+    o = (f.get("test_period") or {}).get("operator")
+    if not o:
+        return None
+    r = f.get("retrains") or []
+    return {"false_per_day": o["false_pages_per_day"], "paged": o["paged_share"], "normal_in_alarm": o["normal_in_alarm"],
+            "pages": o["pages"], "retrains": len(r), "promoted": sum(1 for x in r if x.get("promoted")),
+            "regimes": f.get("regime_changes", 0), "failures": len(doc.get("failures") or [])}
+
+
+def objective(m: dict) -> float:
+    return m["paged"] - m["normal_in_alarm"] if m["false_per_day"] <= BUDGET else -m["false_per_day"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(REPO, "build", "round6"))
+    ap.add_argument("--only", nargs="*", default=list(CONFIGS))
+    ap.add_argument("--machines", nargs="*")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    todo = [(c, fl, m) for fl in FLEETS for m in machines(fl) if not args.machines or m in args.machines
+            for c in args.only]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        paths = dict(zip(todo, pool.map(lambda t: run(*t, args.out), todo)))
+    means = {}
+    for fl in FLEETS:
+        print(f"\n{fl.upper()}: false pages a day / labelled segments paged / normal rows in alarm / retrains promoted "
+              "/ changes of regime")
+        print(f"{'machine':<13}" + "".join(f"{c:>40}" for c in args.only))
+        rows = {c: [] for c in args.only}
+        for m in machines(fl):
+            if args.machines and m not in args.machines:
+                continue
+            cells = []
+            for c in args.only:
+                f = figures(paths[c, fl, m])
+                rows[c].append(f)
+                cells.append("failed" if f is None else
+                             f"{f['false_per_day']:5.2f} {100 * (f['paged'] or 0):5.1f}% {100 * f['normal_in_alarm']:5.1f}% "
+                             f"{f['promoted']:2d}/{f['retrains']:<2d} {f['regimes']:2d}" + (" !" if f["failures"] else ""))
+            print(f"{m:<13}" + "".join(x.rjust(40) for x in cells))
+        for c in args.only:
+            ok = [f for f in rows[c] if f is not None]
+            paged = [f["paged"] for f in ok if f["paged"] is not None]
+            means[c, fl] = {"false_per_day": float(np.mean([f["false_per_day"] for f in ok])),
+                            "paged": float(np.mean(paged)) if paged else 0.0,
+                            "normal_in_alarm": float(np.mean([f["normal_in_alarm"] for f in ok])),
+                            "promoted": int(sum(f["promoted"] for f in ok)), "retrains": int(sum(f["retrains"] for f in ok)),
+                            "regimes": int(sum(f["regimes"] for f in ok)), "machines": len(ok)}
+        print(f"{'mean':<13}" + "".join(
+            (f"{means[c, fl]['false_per_day']:5.2f} {100 * means[c, fl]['paged']:5.1f}% "
+             f"{100 * means[c, fl]['normal_in_alarm']:5.1f}% {means[c, fl]['promoted']:2d}/{means[c, fl]['retrains']:<2d} "
+             f"{means[c, fl]['regimes']:2d}").rjust(40) for c in args.only))
+        print(f"{'objective':<13}" + "".join(f"{objective(means[c, fl]):.4f}".rjust(40) for c in args.only))
+    cands = [c for c in CANDIDATES if c in args.only]
+    if len(cands) == len(CANDIDATES):
+        print(f"\nfolds (leave one fleet out; objective: paged less normal rows in alarm within {BUDGET:g} false page a day):")
+        for pick, held in (("smd", "asd"), ("asd", "smd")):
+            best = max(objective(means[c, pick]) for c in cands)
+            chosen = next(c for c in cands if objective(means[c, pick]) >= best - TIE)
+            m = means[chosen, held]
+            print(f"  chosen on {pick.upper()}: {chosen}; held out {held.upper()}: {m['false_per_day']:.2f} false a day, "
+                  f"{100 * m['paged']:.1f}% paged, {100 * m['normal_in_alarm']:.1f}% normal rows in alarm")
+        both = {c: (objective(means[c, "smd"]) + objective(means[c, "asd"])) / 2 for c in cands}
+        best = max(both.values())
+        tied = [c for c in cands if both[c] >= best - TIE]
+        print("  mean objective over the two fleets: " + ", ".join(f"{c} {both[c]:.4f}" for c in cands))
+        print(f"  choice: {tied[0]}" + (f" (tied within {TIE} with {', '.join(tied[1:])}; the first)" if len(tied) > 1 else ""))
+    with open(os.path.join(args.out, "means.json"), "w") as f:
+        json.dump({f"{c}/{fl}": v for (c, fl), v in means.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
