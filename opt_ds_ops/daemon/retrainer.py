@@ -180,7 +180,8 @@ class Retrainer:
                 metrics = ", ".join(str(m) for m in (regime.get("metrics") or [])[:5])
                 why = (f"a change of regime ({metrics}) since {regime.get('started_time') or 'series row'}: "
                        f"{regime.get('rows')} rows of it scored (retrain.regime_learn_s {cfg.retrain.regime_learn_s:g})")
-                job_id = self.queue(name, hist, "regime", why, rows=int(regime.get("rows") or 0))
+                job_id = self.queue(name, hist, "regime", why,
+                                    regime={"rows": int(regime.get("rows") or 0), "shift": regime.get("shift") or []})
                 self.regime_for[name] = key
                 return job_id
         trained_s, data_s = last_trained(cfg.models_dir, name)
@@ -217,10 +218,12 @@ class Retrainer:
         except FileNotFoundError:
             pass
 
-    def queue(self, name: str, hist: str, trigger: str, why: str, rows: int = 0) -> str:
+    def queue(self, name: str, hist: str, trigger: str, why: str, regime: dict | None = None) -> str:
         """Make processing/JOB (a copy of the history, its record) and put it in the training
-        queue; journal ``retrain-queued``. ``rows`` > 0: train on the history's newest ``rows`` rows
-        only (a change of regime's). Raises OSError."""
+        queue; journal ``retrain-queued``. ``regime``: a change of regime to learn (``rows``: the
+        history's newest rows are its; ``shift``: ``[[column, delta]]``, data units): the older rows
+        are moved to its levels before training (:func:`opt_ds_ops.lifecycle.retrain_data.rebased_history`).
+        Raises OSError."""
         spool, job_id = self.d.spool, new_job_id()
         jdir = spool.job_dir(job_id)
         os.mkdir(jdir, 0o750)
@@ -232,8 +235,8 @@ class Retrainer:
         record = {"job_id": job_id, "kind": KIND, "model": name, "dataset": f"{name}.history.npz",
                   "data_file": DATA_FILE, "state": "claimed", "claimed_at": utc_now(), "trigger": trigger,
                   "why": why, "uploader_uid": None, "window": self.d.cfg.retrain.window}
-        if rows > 0:
-            record["newest_rows"] = rows
+        if regime:
+            record["regime"] = regime
         save_record(spool, record)
         fsync_dir(jdir)
         self.d.records[job_id] = record
@@ -273,11 +276,10 @@ def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, 
         raise ValueError(f"model {record['model']} has no current version any more (removed since this retraining "
                          "was queued?); not retrained")
     out, held = spool.job_path(job_id, "normal.npy"), spool.job_path(job_id, HELD_FILE)
-    newest = record.get("newest_rows")
-    newest = newest if isinstance(newest, int) and not isinstance(newest, bool) and newest > 0 else 0
+    regime = record.get("regime") if isinstance(record.get("regime"), dict) else None
     info = write_history_dataset(spool.job_path(job_id, DATA_FILE), out, cfg.retrain.exclude_margin,
-                                 cfg.retrain.exclude_max_rows, held_path=held, newest=newest)
-    meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at", "newest_rows")},
+                                 cfg.retrain.exclude_max_rows, held_path=held, regime=regime)
+    meta = {"retrain": {k: record.get(k) for k in ("trigger", "why", "window", "claimed_at", "regime")},
             "excluded": info}
     reads = parent.get("dataset") or {}
     meta["reads_as"] = {k: reads.get(k) for k in READS_AS if k in reads}

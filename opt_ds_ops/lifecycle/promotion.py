@@ -81,7 +81,8 @@ def _share(scores: np.ndarray, threshold: float) -> float:
 
 def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np.ndarray,
          offset: np.ndarray | None, labels: np.ndarray | None, *, flag_tolerance: float,
-         pr_auc_tolerance: float, rows_from: str, held_range: dict | None = None, labels_from: str | None = None) -> dict:
+         pr_auc_tolerance: float, rows_from: str, held_range: dict | None = None, labels_from: str | None = None,
+         champion_shift=None) -> dict:
     """Given the challenger (a TrainResult and its metadata), the held-back ``rows`` (n, D; the
     data's ``offset``), their ``labels`` (n,) bool or None, return the ``promotion`` record:
     ``{mode, promote, failed, reason, rows, rows_from, design_rate, challenger: {...}, champion:
@@ -90,7 +91,10 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     says the version is kept, not made current;
     ``failed`` names the first test it failed (None if none). A champion that cannot score these
     rows (other columns, unreadable) is no obstacle: the reason says so. Raises nothing for bad
-    models; ScoreError only for rows of the wrong shape for the challenger."""
+    models; ScoreError only for rows of the wrong shape for the challenger. ``champion_shift``
+    ``[[column, delta]]`` (data units): the champion scores the rows moved back by it, as its series
+    scores them now (a change of regime's re-baseline, :mod:`opt_ds_ops.scoring.regime`): a challenger
+    must beat the champion as it runs, not as it ran before the change."""
     rows = rows[-MAX_GATE_ROWS:]
     if labels is not None:
         labels = labels[-rows.shape[0]:]
@@ -104,9 +108,11 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     champ, champ_note = None, None
     try:
         stored = load_model(os.path.join(models_dir, safe_model_name(name), CURRENT))
-        s = score_rows(stored, rows, offset=offset)
+        s = score_rows(stored, _moved_back(rows, champion_shift), offset=offset)
         champ = {"version": stored.metadata.get("version"), "flagged_share": _share(s, stored.threshold),
                  "threshold": stored.threshold}
+        if champion_shift:
+            champ["rebased_by"] = [[int(j), float(v)] for j, v in champion_shift]
         normal = s <= stored.threshold
     except (StoreError, ScoreError, OSError) as e:
         champ_note = f"no champion to compare with ({str(e).splitlines()[0][:200]})"
@@ -133,6 +139,17 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     else:
         promote = failed is None
     return dict(doc, promote=promote, failed=failed, reason=reason)
+
+
+def _moved_back(rows: np.ndarray, shift) -> np.ndarray:
+    """rows with each ``[column, delta]`` of shift taken off (a copy), or rows as they are."""
+    if not shift:
+        return rows
+    out = np.array(rows, dtype=np.float64, copy=True)
+    for j, delta in shift:
+        if isinstance(j, int) and 0 <= j < out.shape[1] and isinstance(delta, (int, float)) and math.isfinite(delta):
+            out[:, j] -= float(delta)
+    return out
 
 
 def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol: float) -> tuple[str | None, str]:
@@ -233,10 +250,11 @@ def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str,
         else:
             labels, labels_from = file_labels(data_path, ds.data.shape[0], incidents)
             rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), labels)
+        regime = (metadata.get("retrain") or {}).get("regime") or {}
         return gate(mode, result, metadata, cfg.models_dir, name, rows, offset, labels,
                     flag_tolerance=cfg.store.promote_flag_tolerance,
                     pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where, held_range=held_range,
-                    labels_from=labels_from)
+                    labels_from=labels_from, champion_shift=regime.get("shift") if held_back_path else None)
     except (ScoreError, ValueError, MemoryError, OSError) as e:
         return {"mode": mode, "promote": mode == "always", "failed": "gate-error",
                 "reason": f"the gate could not run: {str(e).splitlines()[0][:300]}"}

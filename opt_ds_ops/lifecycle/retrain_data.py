@@ -120,7 +120,7 @@ def held_back_range(flags: np.ndarray, times: np.ndarray | None, fraction: float
 
 
 def write_history_dataset(history_path: str, out_path: str, margin: int, max_rows: int,
-                          held_path: str | None = None, newest: int = 0) -> dict:
+                          held_path: str | None = None, regime: dict | None = None) -> dict:
     """Write the normal rows of the scoring history at history_path as a float64 ``.npy`` at
     out_path (the dataset of a retraining job, trained through :func:`opt_ds_ops.training.job.run_job`);
     return the ``excluded`` record. With ``held_path``, the newest rows of the history
@@ -128,16 +128,17 @@ def write_history_dataset(history_path: str, out_path: str, margin: int, max_row
     gate: neither the cut, the training nor the challenger's threshold sees them; ``excluded``
     then counts the older rows only and says the held-back range (``held_back``). Raises
     ValueError for a missing, unreadable or too small history, OSError if a file cannot be written.
-    ``newest`` > 0: only the history's newest ``newest`` rows (a change of regime's, to learn the
-    new levels from; ``excluded.newest_rows`` says how many there were)."""
+    ``regime``: a change of regime to learn (:func:`rebased_history`): ``rows`` (the history's
+    newest rows are the new regime's) and ``shift`` ``[[column, delta]]`` in the data's units; the
+    older rows are moved by it, so that the whole history, held-back rows included, is in the new
+    regime's levels (``excluded.regime`` says so)."""
     from .history import History, read_history
 
     h = read_history(history_path)
     if h is None:
         raise ValueError(f"{history_path}: no scoring history to retrain from")
-    if newest > 0:
-        k = min(newest, h.flags.shape[0])
-        h = History(values=h.values[-k:], offset=h.offset, flags=h.flags[-k:], times=h.times[-k:])
+    if regime:
+        h, moved = rebased_history(h, regime)
     held = None
     if held_path is not None:
         held = held_back_range(h.flags, h.times)
@@ -147,9 +148,34 @@ def write_history_dataset(history_path: str, out_path: str, margin: int, max_row
         h = History(values=h.values[:cut], offset=h.offset, flags=h.flags[:cut], times=h.times[:cut])
     rows, info = history_dataset(h, margin, max_rows)
     _save(out_path, rows)
-    if newest > 0:
-        info = dict(info, newest_rows=newest)
+    if regime:
+        info = dict(info, regime=moved)
     return dict(info, held_back=held) if held is not None else info
+
+
+def rebased_history(h, regime: dict):
+    """Return (the history with its rows before a change of regime moved to the new levels, what
+    was moved: ``{"rows": the new regime's rows, "rows_moved", "shift": [[column, delta]]}``).
+    ``regime``: ``rows`` (the newest rows of the history that are the new regime's: not moved) and
+    ``shift`` ``[[column, delta]]`` (data units). A bad shift (a column out of range, a delta not
+    finite) raises ValueError."""
+    from .history import History
+
+    n, d = h.values.shape
+    rows = int(regime.get("rows") or 0)
+    shift = regime.get("shift") or []
+    old = max(0, n - max(rows, 0))
+    values = h.rows()
+    for item in shift:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise ValueError(f"a change of regime's shift {item!r} is not [column, delta]")
+        j, delta = item
+        if not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < d or not isinstance(delta, (int, float)) \
+                or not np.isfinite(delta):
+            raise ValueError(f"a change of regime's shift {item!r} is not a column of {d} and a finite delta")
+        values[:old, j] += float(delta)
+    moved = History(values=values - h.offset, offset=h.offset, flags=h.flags, times=h.times, last_job=h.last_job)
+    return moved, {"rows": rows, "rows_moved": old, "shift": [[int(j), float(v)] for j, v in shift]}
 
 
 def _save(path: str, rows: np.ndarray) -> None:

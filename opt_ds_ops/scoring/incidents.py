@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .regime import RegimePolicy, add_levels, shifted, weight
+from .regime import RegimePolicy, add_levels, shifted, tail_rows, weight
 
 SEVERITIES = ("warning", "critical")
 
@@ -149,6 +149,9 @@ def _checked_open(inc) -> dict:
         lrows = out.get("lrows", 0)
         if not isinstance(lrows, int) or isinstance(lrows, bool) or lrows < 0 or len(out["lmean"]) != len(out["lvar"]):
             raise ValueError("open.lrows, lmean or lvar is of the wrong shape")
+        out["ltail"] = [[float(_number(x)) for x in _list({"r": r}, "r")] for r in _list(out, "ltail")]
+        if any(len(r) != len(out["lmean"]) for r in out["ltail"]):
+            raise ValueError("open.ltail is of the wrong shape")
     return out
 
 
@@ -184,7 +187,7 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
     the module docstring."""
     window, need, quiet = policy.rows(period_s)
     regime_rows = regime.rows(period_s) if regime is not None and levels is not None else 0
-    alpha = weight(regime_rows)
+    alpha, tail = weight(regime_rows), tail_rows(regime_rows)
     stopped = None
     flags = np.asarray(flags, dtype=bool)
     n = flags.shape[0]
@@ -231,7 +234,7 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
                 inc["quiet"] = 0
                 _extend(inc, row0 + i, score(i), terms(i), at(i))
                 if regime_rows:
-                    add_levels(inc, levels[i], alpha)
+                    add_levels(inc, levels[i], alpha, tail)
                     shift = shifted(inc, regime, regime_rows, row0 + i)
                     if shift is not None:  # said once; the caller re-baselines the rows after i
                         changes.append(("regime", i, dict(inc, shift=shift)))
@@ -263,7 +266,7 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
                 if hist[base + j]:
                     _extend(inc, row0 + j, score(j), terms(j), at(j))
                     if regime_rows and j >= 0:
-                        add_levels(inc, levels[j], alpha)
+                        add_levels(inc, levels[j], alpha, tail)
             inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio)
             out[max(first, 0):i + 1] = inc["id"]
             changes.append(("opened", i, dict(inc, sums=list(inc["sums"]))))

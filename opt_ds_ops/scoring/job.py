@@ -202,19 +202,23 @@ def json_safe(obj):
     return obj
 
 
-def regime_summary(state, period_s: float | None, learn_s: float) -> dict | None:
+def regime_summary(state, period_s: float | None, learn_s: float, std) -> dict | None:
     """The summary's ``regime``: the series' change of regime not yet learned (None without one):
     ``id``, ``time`` (when it was said), ``started_time``, ``metrics`` (the shifted metrics, named),
-    ``rows`` (rows of the new regime scored so far, from the incident's first row), ``learn_due``
-    (at least ``retrain.regime_learn_s`` seconds of them: the daemon retrains on them,
-    :mod:`opt_ds_ops.daemon.retrainer`)."""
+    ``rows`` (rows of the new regime scored so far, from the incident's first row), ``shift``
+    (``[[column, delta]]``: the series' whole re-baseline in the data's units, ``std`` the model's
+    scaling), ``learn_due`` (at least ``retrain.regime_learn_s`` seconds of rows of it: the daemon
+    retrains on them, :mod:`opt_ds_ops.daemon.retrainer`)."""
     reg = state.regime
     if not reg:
         return None
     rows = max(0, int(state.next_row) - int(reg.get("start_row") or 0))
     due = bool(learn_s > 0 and rows * (period_s or 60.0) >= learn_s)
+    sd = np.asarray(std, dtype=np.float64)
+    shift = [[j, float(v * sd[j])] for j, v in enumerate(state.rebase or []) if v and j < sd.shape[0]]
     return {"id": reg.get("id"), "time": reg.get("time"), "started_time": reg.get("start_time"),
-            "metrics": [m.get("metric") for m in reg.get("metrics") or []][:20], "rows": rows, "learn_due": due}
+            "metrics": [m.get("metric") for m in reg.get("metrics") or []][:20], "rows": rows, "learn_due": due,
+            "shift": shift}
 
 
 def _clip_events(events: list[dict]) -> tuple[list[dict], int]:
@@ -368,7 +372,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "replayed": False,
     }
-    summary["regime"] = regime_summary(new, sample_period_s(stored), cfg.retrain.regime_learn_s)
+    summary["regime"] = regime_summary(new, sample_period_s(stored), cfg.retrain.regime_learn_s,
+                                       stored.std.double().numpy())
     summary["drift"] = chunk_drift(model_dir, job_id, result.flags, times, cfg.retrain.drift_window,  # for retraining
                                    design_rate(stored.metadata))
     summary = json_safe(summary)

@@ -19,9 +19,12 @@ says it once, then learns it:
   back by their shift (``rebase``, standardised units, carried in the series state), so rows on
   the new levels look like the old normal and a real incident on top of them still stands out.
 * **Learned behind the gate**: once ``retrain.regime_learn_s`` seconds of rows of the new regime
-  were scored, the daemon retrains the model on them (:mod:`opt_ds_ops.daemon.retrainer`, trigger
-  ``regime``); a promoted version knows the new levels, and its series starts again without the
-  rebase. A challenger the gate refuses leaves the rebase in place.
+  were scored, the daemon retrains the model (:mod:`opt_ds_ops.daemon.retrainer`, trigger
+  ``regime``) on its whole history with the rows before the change moved to the new levels
+  (:func:`opt_ds_ops.lifecycle.retrain_data.rebased_history`): the new regime's few days alone
+  make a model that flags most of the days after them (a threshold fit on too little), the history
+  moved keeps what the model knew; a promoted version knows the new levels, and its series
+  starts again without the rebase. A challenger the gate refuses leaves the rebase in place.
 
 The functions here are pure: :func:`opt_ds_ops.scoring.incidents.track` calls :func:`shifted` on an
 open incident's carried level sums, and :mod:`opt_ds_ops.scoring.series` applies the rebase.
@@ -87,12 +90,15 @@ def weight(min_rows: int) -> float:
     return 2.0 / (max(min_rows // 4, 1) + 1)
 
 
-def add_levels(inc: dict, levels, alpha: float) -> None:
+def add_levels(inc: dict, levels, alpha: float, tail: int = 0) -> None:
     """Add one flagged row's standardised levels (D,) to the open incident's level statistics
-    (exponentially weighted with ``alpha``; the first row starts them)."""
+    (exponentially weighted with ``alpha``; the first row starts them), and keep the last ``tail``
+    rows themselves (``ltail``: what :func:`refined` fits the new levels on)."""
     x = np.asarray(levels, dtype=np.float64)
     if not np.isfinite(x).all():
         return
+    if tail > 0:
+        inc["ltail"] = [*(inc.get("ltail") or [])[-(tail - 1):], [float(v) for v in x]] if tail > 1 else [x.tolist()]
     if not inc.get("lmean"):
         inc["lmean"], inc["lvar"], inc["lrows"] = x.tolist(), [0.0] * x.shape[0], 1
         return
@@ -103,12 +109,55 @@ def add_levels(inc: dict, levels, alpha: float) -> None:
     inc["lrows"] = int(inc.get("lrows") or 0) + 1
 
 
+def tail_rows(min_rows: int) -> int:
+    """Rows of an open incident kept for :func:`refined`: a quarter of ``min_rows``, 8 to 120."""
+    return max(8, min(120, min_rows // 4)) if min_rows else 0
+
+
+REFINE_STEPS = 10
+
+
+def refined(stored, shift: list[tuple[int, float]], tail) -> list[tuple[int, float]]:
+    """Fit the shifts to the model: starting from the shifted metrics' mean levels, move each by
+    the mean of its residual (standardised value less shift less the model's reconstruction) over
+    the incident's last rows ``tail`` (k, D), ``REFINE_STEPS`` times. A metric the model reconstructs
+    from the others (its level follows them) is then re-baselined where the model expects it, not
+    at a mean that may sit a fraction of an SD off, which a metric with a small error scale would
+    still flag. Fewer than 8 rows, or a windowed model: the mean levels as they are."""
+    import torch
+
+    from ..model.network import window_rows
+
+    rows = np.asarray(tail or [], dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[0] < 8 or rows.shape[1] != stored.n_features or not shift:
+        return shift
+    d, w = stored.n_features, stored.input_window
+    delta = np.zeros(d)
+    cols = [j for j, _ in shift]
+    for j, m in shift:
+        delta[j] = m
+    model = stored.model
+    model.eval()
+    with torch.no_grad():
+        for _ in range(REFINE_STEPS):
+            x = torch.from_numpy((rows - delta).astype(np.float32))
+            if stored.input_clip > 0:
+                x = x.clamp(-stored.input_clip, stored.input_clip)
+            recon = model(window_rows(x, w) if w > 1 else x).float()[:, -d:]
+            resid = (x - recon).double().numpy().mean(axis=0)
+            delta[cols] += resid[cols]
+    if not np.isfinite(delta).all():
+        return shift
+    return [(j, float(delta[j])) for j in cols]
+
+
 def described(shift: list[tuple[int, float]], names: list[str], mean: np.ndarray, std: np.ndarray,
               rebase: np.ndarray) -> list[dict]:
-    """The event's ``metrics``: ``[{"metric", "before", "after", "shift_sd"}]`` in the data's units
+    """The event's ``metrics``: ``[{"metric", "column", "before", "after", "shift_sd"}]`` in the data's units
     (``mean``/``std``: the model's scaling; ``rebase``: the series' shift before this one)."""
     out = []
     for j, m in shift:
         before = float(mean[j] + rebase[j] * std[j])
-        out.append({"metric": names[j], "before": before, "after": float(before + m * std[j]), "shift_sd": m})
+        out.append({"metric": names[j], "column": j, "before": before, "after": float(before + m * std[j]),
+                    "shift_sd": m})
     return out

@@ -29,7 +29,7 @@ from ..model.detection import ScoreError, standardise_rows
 from ..model.network import feature_errors, fold_window, window_rows
 from ..store.versions import StoredModel
 from .incidents import IncidentPolicy, Tracker, track
-from .regime import RegimePolicy, described
+from .regime import RegimePolicy, described, refined
 
 STATE_FORMAT = 2  # 1: before incidents (an open anomaly segment, ``segment``/``segments``); read and carried over
 TOP_METRICS = 3  # metrics named per incident and per flagged row
@@ -394,7 +394,7 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
                                event="incident-escalated", row=row0 + i, time=_time(inc.get("last_time"))))
         elif kind == "regime":
             events.append(_closed(inc, names, "regime", top, st.version))
-            st.regime = {"shift": [list(p) for p in inc["shift"]], "row": row0 + i, "time": _time(inc.get("last_time")),
+            st.regime = {"shift": [list(p) for p in inc["shift"]], "tail": inc.get("ltail") or [], "row": row0 + i, "time": _time(inc.get("last_time")),
                          "start_row": inc["start_row"], "start_time": _time(inc.get("start_time")),
                          "incident": inc["id"]}
         else:
@@ -420,6 +420,25 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     return part
 
 
+def _warm_smoothing(stored: StoredModel, tail, moved: np.ndarray, st: SeriesState) -> None:
+    """After a re-baseline: the smoothing's memory as if the incident's last rows (``tail``: their
+    standardised levels before the re-baseline, (k, D); :func:`opt_ds_ops.scoring.regime.tail_rows`)
+    had been scored against the new levels (``moved``: the shift just added, standardised), so the
+    rows after it are smoothed as any others; a memory started from nothing would score the next
+    rows unsmoothed. The tail is carried in the series state, so chunks change nothing."""
+    st.ema_num, st.ema_den, st.recent = 0.0, 0.0, []
+    rows = np.asarray(tail or [], dtype=np.float64)
+    if stored.score_window <= 1 or rows.ndim != 2 or not rows.shape[0] or rows.shape[1] != stored.n_features:
+        return
+    x = torch.from_numpy((rows - moved).astype(np.float32))
+    if stored.input_clip > 0:
+        x = x.clamp(-stored.input_clip, stored.input_clip)
+    w = stored.input_window
+    cells = feature_errors(stored.model, window_rows(x, w)) / stored.error_scale
+    raw = fold_window(cells, w, stored.window_error).numpy().mean(axis=1)
+    _smoothed(stored, raw.astype(np.float32), st)
+
+
 def _regime_changed(stored: StoredModel, part: ChunkResult, names: list[str], top: int) -> list[dict]:
     """After a piece that ended on a change of regime: move the series' baseline by the shift (in
     place, on ``part.state``) and return the ``regime-changed`` event."""
@@ -428,14 +447,14 @@ def _regime_changed(stored: StoredModel, part: ChunkResult, names: list[str], to
     want = stored.n_features
     before = np.asarray(st.rebase, dtype=np.float64) if st.rebase else np.zeros(want)
     after = before.copy()
-    shift = [(int(j), float(m)) for j, m in reg["shift"]]
+    shift = refined(stored, [(int(j), float(m)) for j, m in reg["shift"]], reg.get("tail"))
     for j, m in shift:
         after[j] += m
     metrics = described(shift, names, stored.mean.double().numpy(), stored.std.double().numpy(), before)
     st.rebase = after.tolist()
-    # the smoothing's memory holds the old baseline's scores: it starts again, and the window's
-    # context rows are moved as the rows after them will be
-    st.ema_num, st.ema_den, st.recent = 0.0, 0.0, []
+    _warm_smoothing(stored, reg.get("tail"), after - before, st)
+    # the window's context rows are moved as the rows after them will be (the smoothing's memory is
+    # warmed on the new levels above: _warm_smoothing)
     if st.context:
         ctx = np.asarray(st.context, dtype=np.float32).reshape(-1, want)
         ctx -= (after - before).astype(np.float32)

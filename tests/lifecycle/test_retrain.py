@@ -255,6 +255,7 @@ def test_a_level_shift_fires_the_drift_trigger_and_the_retrained_model_is_promot
     # the shipped training (the plateau rule, at most 600 steps): both models train as in production
     conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5, extra=[
         "scoring:", f"  results_dir: {tmp_path / 'scores'}",
+        "  regime_after_s: 0",  # the drift trigger, not a change of regime (tests/daemon/test_daemon_regime.py)
         "retrain:", "  drift_window: 2000", "  drift_rate: 5", "  exclude_max_rows: 500"])
     # SMD rows 3000..6000: a steady stretch, so that the simulated shift is the only change (a model of its
     # first 1,800 rows flags 0 % of the rest; in rows 0..3000 one of rows 0..1800 flags 88 % of rows 1800..2000,
@@ -315,7 +316,8 @@ def test_due_says_which_trigger_fired_and_needs_a_full_drift_window():
     from opt_ds_ops.daemon.retrainer import due
 
     drifting = {"drift": {"rows": 1000, "flagged_share": 0.2, "design_rate": 0.01, "drift_ratio": 20.0}}
-    assert due(RetrainConfig(), drifting, 0.0, 1e9) is None  # both off by default
+    assert due(RetrainConfig(every="", drift_rate=0), drifting, 0.0, 1e9) is None  # both off
+    assert due(RetrainConfig(), drifting, 0.0, 1e9)[0] == "every"  # on by default: 7 days since its training
     trig, why = due(RetrainConfig(drift_rate=5, drift_window="1000"), drifting, None, 0)
     assert trig == "drift" and "20.0 x the design rate" in why
     assert due(RetrainConfig(drift_rate=5, drift_window="2000"), drifting, None, 0) is None  # window not full
@@ -333,6 +335,7 @@ def test_a_sigkill_during_retraining_leaves_one_current_the_history_and_no_half_
 
     conf = write_config(tmp_path, epochs=200, batch_size=64, scan_interval_s=0.5, extra=[
         "scoring:", f"  results_dir: {tmp_path / 'scores'}",
+        "  regime_after_s: 0",  # the drift trigger, not a change of regime
         "retrain:", "  drift_window: 1000", "  drift_rate: 5", "  exclude_max_rows: 500"])
     new_regime = shifted(smd_rows[:3000])
     d = Daemon(conf)
@@ -428,6 +431,7 @@ def test_a_promoted_retraining_reads_the_exporters_chunks_as_the_version_it_retr
 
     conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5, extra=[
         "scoring:", f"  results_dir: {tmp_path / 'scores'}",
+        "  regime_after_s: 0",  # the drift trigger, not a change of regime (tests/daemon/test_daemon_regime.py)
         "retrain:", "  drift_window: 2000", "  drift_rate: 5", "  exclude_max_rows: 500"])
     names = [f"metric_{i}" for i in range(smd_rows.shape[1])]
     steady = smd_rows[3000:6000]
