@@ -96,6 +96,7 @@ def test_a_level_shift_is_said_once_learned_and_a_real_incident_after_it_pages(t
         d.wait_until(lambda: len(versions(tmp_path, "m")) == 2 and not any(spool_dir(tmp_path, "processing").iterdir()),
                      "the retrained version")
         second = versions(tmp_path, "m")[1]
+        assert d.log().count("retraining queued") == 1, "the drift trigger did not wait for the change of regime"
         md = read_metadata(str(tmp_path / "models" / "m" / second))
         assert md["retrain"]["trigger"] == "regime" and 2880 <= md["retrain"]["regime"]["rows"] <= 5 * CHUNK
         moved = md["excluded"]["regime"]
