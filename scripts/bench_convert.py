@@ -31,7 +31,7 @@ import numpy as np
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, REPO)
 
-from opt_ds_ops.config.conffile import parse_size  # noqa: E402
+from opt_ds_ops.config.sizes import parse_size  # noqa: E402
 
 BATCH_ROWS = 1_000_000
 

@@ -14,7 +14,8 @@ from conftest import REPO
 def test_a_replay_retrains_by_retrain_every_judges_each_challenger_and_keeps_the_invariants(tmp_path):
     out = tmp_path / "figures.json"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "replay_month.py"), "--smd", str(REPO / "data" / "smd"),
-                        "--days", "3", "--every", "1d", "--max-steps", "300", "--root", str(tmp_path / "root"),
+                        "--days", "3", "--every", "1d", "--max-steps", "300",
+                        "--set", "retrain.drift_rate=0", "--root", str(tmp_path / "root"),
                         "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=170)
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from .sizes import JOB_BASE_BYTES, mem_total_bytes, parse_size, size_ok
 from .yamlpos import key_position, yaml_problem
 
 DEFAULT_CONFIG_PATH = "/etc/ds-ops/trainer.yaml"
@@ -217,64 +218,6 @@ class DaemonConfig:
         return None if self.distributed_nproc == "auto" else int(self.distributed_nproc)
 
 
-def _size_ok(v: str) -> bool:
-    try:
-        parse_size(v, 1 << 40)
-    except ValueError:
-        return False
-    return True
-
-
-def parse_size(value: str, total: int) -> int:
-    """Return a size in bytes from ``"8589934592"``, ``"8G"`` (K/M/G/T, powers of 1024) or ``"50%"`` of total.
-
-    The forms systemd's ``MemoryMax=`` takes. Raises ValueError for anything else or a size <= 0.
-    """
-    text = str(value).strip()
-    units = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-    try:
-        if text.endswith("%"):
-            pct = float(text[:-1])
-            if not 0 < pct <= 100:
-                raise ValueError
-            size = int(total * pct / 100)
-        elif text[-1:].upper() in units:
-            size = int(float(text[:-1]) * units[text[-1].upper()])
-        else:
-            size = int(text)
-    except (ValueError, IndexError, OverflowError):  # OverflowError: inf or 1e400 of a unit
-        raise ValueError(f"not a size: {value!r}") from None
-    if size <= 0:
-        raise ValueError(f"not a size > 0: {value!r}")
-    return size
-
-
-def mem_total_bytes() -> int:
-    """Return the machine's RAM (bytes) from ``os.sysconf`` (MemTotal)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-# What a job process holds before any dataset (bytes of RLIMIT_DATA, i.e. VmData): torch, numpy,
-# pyarrow and ds-ops imported and one small training run, measured 365 MiB with torch 2.13 CPU. The
-# least a job's base is taken to be; a job measures its own (:func:`data_segment_bytes`), which is
-# larger with a CUDA build of torch: 1.35 GB after ``import torch`` (2.11+cu130, NVIDIA H200
-# machine), 1.41 GB once CUDA is initialised.
-JOB_BASE_BYTES = 400 * 1024**2
-
-
-def data_segment_bytes() -> int:
-    """Return this process's data segment (``VmData`` of /proc/self/status, bytes): what counts
-    against ``RLIMIT_DATA``; 0 where it cannot be read."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmData:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 @dataclass(frozen=True)
 class JobConfig:
     """Limits of one training job, which runs in its own process under the daemon.
@@ -293,7 +236,7 @@ class JobConfig:
     health gate (NVML) may take this long before the job is deferred as hung.
     """
 
-    memory_max: str = _field("50%", _size_ok, "bytes, a size like 8G, or a percentage of RAM like 50%")
+    memory_max: str = _field("50%", size_ok, "bytes, a size like 8G, or a percentage of RAM like 50%")
     max_decompressed_bytes: int = _field(16 * 1024**3, _positive, "bytes > 0")
     max_columns: int = _field(4096, _positive, "an integer >= 1")
     max_matrix_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: a quarter of memory_max beyond the job's own memory)")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..config.conffile import JOB_BASE_BYTES, Config, mem_total_bytes, parse_size
+from ..config.conffile import Config
+from ..config.sizes import JOB_BASE_BYTES, mem_total_bytes, parse_size
 
 # The unit's own share beside its jobs: the daemon and the forkserver each import torch (about
 # 230 MB resident with the CPU build, measured), torchrun's launcher for a distributed job a third

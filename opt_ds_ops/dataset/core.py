@@ -82,7 +82,7 @@ class DatasetLimits:
                     base_bytes: int = 0, refuse_constant: bool = False) -> DatasetLimits:
         """Return the limits of the conffile's ``job`` section (the matrix: ``matrix_budget_bytes(base_bytes)``,
         ``base_bytes`` being what the job's process holds already, see
-        :func:`opt_ds_ops.config.conffile.data_segment_bytes`).
+        :func:`opt_ds_ops.config.sizes.data_segment_bytes`).
 
         ``max_dataset_bytes`` (``spool.max_dataset_bytes``) also bounds the decompressed bytes: a
         9.6 KB ``.csv.gz`` that inflates to 3.8 MB passes a 1 MB limit on the file's size only.

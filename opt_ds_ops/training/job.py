@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..config.conffile import Config, ConfigError, DatasetConfig, config_to_dict, data_segment_bytes
+from ..config.conffile import Config, ConfigError, DatasetConfig, config_to_dict
+from ..config.sizes import data_segment_bytes
 from ..config.sidecar import SIDECAR_MAX_BYTES, SIDECAR_SUFFIXES, parse_sidecar
 from ..dataset import Dataset, DatasetError, DatasetLimits, SpillError, dataset_stem, file_sha256, load_dataset
 from ..fsutil import pid_alive, read_small, user_name

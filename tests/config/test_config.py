@@ -103,7 +103,8 @@ def test_the_matrix_budget_leaves_the_jobs_own_measured_memory_aside():
     """A quarter of memory_max beyond what the process holds: VmData (read from /proc, as a job
     does; this test process has torch and numpy loaded, more than 100 MiB), never less than
     JOB_BASE_BYTES; an explicit max_matrix_bytes wins."""
-    from opt_ds_ops.config.conffile import JOB_BASE_BYTES, JobConfig, data_segment_bytes
+    from opt_ds_ops.config.conffile import JobConfig
+    from opt_ds_ops.config.sizes import JOB_BASE_BYTES, data_segment_bytes
 
     held = data_segment_bytes()
     assert held > 100 * 1024**2

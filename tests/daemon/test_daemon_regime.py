@@ -1,4 +1,4 @@
-"""A change of regime through the real daemon with the shipped defaults (issue 28, acceptance 3):
+"""A change of regime through the real daemon with the shipped defaults:
 two metrics of a machine move to new levels and stay there. The daemon says so once, naming the
 metrics with their old and new levels (journal, summary, status, metrics), no incident stays open
 on the new regime, the model is retrained on the new regime's rows after retrain.regime_learn_s

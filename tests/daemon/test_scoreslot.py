@@ -313,7 +313,8 @@ def test_the_back_off_of_a_model_that_failed_for_months_is_a_day_not_an_overflow
     from opt_ds_ops.config.conffile import RetrainConfig
     from opt_ds_ops.daemon.retrainer import next_try_s
 
-    assert next_try_s(RetrainConfig(), {"failed_at_s": 0.0, "failures": 5000}) == 86400.0
+    assert next_try_s(RetrainConfig(every=""), {"failed_at_s": 0.0, "failures": 5000}) == 86400.0
+    assert next_try_s(RetrainConfig(every="7d"), {"failed_at_s": 0.0, "failures": 5000}) == 7 * 86400.0
 
 
 def test_a_retrain_every_shorter_than_the_back_off_does_not_shorten_it():
