@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Round 6 of docs/detection-protocol.md: a month of every shared machine of both fleets replayed
-through the real daemon (scripts/replay_month.py, the shipped defaults), for each configuration:
-``before`` (the defaults before this round: no retraining, no change of regime; reported, not a
-candidate) and the candidates, in the order used for ties. Prints each machine's figures (false
-pages a day, labelled segments paged, normal rows in alarm, retrains promoted, changes of regime)
-and each fleet's means, then the folds and the choice by the rule fixed in the protocol.
+"""Rounds 6 and 7 of docs/detection-protocol.md: a month of every shared machine of both fleets
+replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
+configuration of the round: round 6, ``before`` (the defaults before it: no retraining, no change
+of regime; reported, not a candidate) and its candidates; round 7, the alarm budget's candidates;
+in the order used for ties. Prints each machine's figures (false pages a day, labelled segments
+paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
+the folds and the choice by the rule fixed in the protocol.
 
-Usage: scripts/replay_fleets.py [--jobs 2] [--out build/round6] [--only CONFIG ...] [--machines M ...]
+Usage: scripts/replay_fleets.py [--round 6] [--jobs 2] [--out build/roundN] [--only CONFIG ...] [--machines M ...]
 Each replay writes OUT/CONFIG-MACHINE.json and .log; one already there is not run again.
 """
 
@@ -24,12 +25,17 @@ import numpy as np
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SHARED = os.path.join(REPO, "..", "shared", "data")
 FLEETS = {"smd": 60.0, "asd": 300.0}
-CONFIGS = {  # name -> replay_month.py --set items (on top of --shipped)
-    "before": ["retrain.every=\"\"", "retrain.drift_rate=0", "scoring.regime_after_s=0"],
-    "unattended": ["scoring.regime_after_s=0"],
-    "unattended-regime": ["scoring.regime_after_s=21600", "scoring.regime_shift_sd=3"],
+ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of --shipped, the candidates)
+    6: ({"before": ["retrain.every=\"\"", "retrain.drift_rate=0", "scoring.regime_after_s=0"],
+         "unattended": ["scoring.regime_after_s=0"],
+         "unattended-regime": ["scoring.regime_after_s=21600", "scoring.regime_shift_sd=3"]},
+        ("unattended", "unattended-regime")),
+    7: ({"model-threshold": ["scoring.alarm_budget_per_day=0"],
+         "budget-1": ["scoring.alarm_budget_per_day=1", "scoring.alarm_budget_days=14"],
+         "budget-0.5": ["scoring.alarm_budget_per_day=0.5", "scoring.alarm_budget_days=14"]},
+        ("model-threshold", "budget-1", "budget-0.5")),
 }
-CANDIDATES = ("unattended", "unattended-regime")
+CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01
 
 
@@ -39,6 +45,7 @@ def machines(fleet: str) -> list[str]:
 
 
 def run(config: str, fleet: str, machine: str, out: str) -> str:
+    """Replay one machine with one configuration of the round (CONFIGS) into out; return its JSON."""
     path = os.path.join(out, f"{config}-{machine}.json")
     if os.path.exists(path):
         return path
@@ -70,11 +77,16 @@ def objective(m: dict) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    global CONFIGS, CANDIDATES
+    ap.add_argument("--round", type=int, default=6, choices=sorted(ROUNDS))
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(REPO, "build", "round6"))
-    ap.add_argument("--only", nargs="*", default=list(CONFIGS))
+    ap.add_argument("--out")
+    ap.add_argument("--only", nargs="*")
     ap.add_argument("--machines", nargs="*")
     args = ap.parse_args()
+    CONFIGS, CANDIDATES = ROUNDS[args.round]
+    args.out = args.out or os.path.join(REPO, "build", f"round{args.round}")
+    args.only = args.only or list(CONFIGS)
     os.makedirs(args.out, exist_ok=True)
     todo = [(c, fl, m) for fl in FLEETS for m in machines(fl) if not args.machines or m in args.machines
             for c in args.only]

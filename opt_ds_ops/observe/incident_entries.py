@@ -1,13 +1,13 @@
 """The journal's words for a model's incidents: one entry per event of a scored file's summary
 (:mod:`opt_ds_ops.scoring.series`: ``incident-opened``, ``incident-escalated``, ``incident-closed``,
-``regime-changed``),
+``regime-changed``, ``threshold-calibrated``),
 with its priority (crit for what is critical, warning otherwise) and its fields. The daemon's
 scoring slot (:mod:`opt_ds_ops.daemon.scoreslot`) sends them, each once; ``ds-ops status`` names
 metrics the same way (:func:`top_text`)."""
 
 from __future__ import annotations
 
-from .journal import LOG_CRIT, LOG_WARNING, safe_text
+from .journal import LOG_CRIT, LOG_INFO, LOG_WARNING, safe_text
 
 
 def num(v) -> str:
@@ -30,6 +30,8 @@ def top_text(top) -> str:
         parts.append(f"{metric} {share:.0%}" if isinstance(share, (int, float)) else metric)
     return ", ".join(parts) or "none"
 
+
+KINDS = ("incident-opened", "incident-escalated", "incident-closed", "regime-changed", "threshold-calibrated")
 
 # the events of a summary written before incidents (an anomaly segment each): a job scored by the old
 # daemon and killed before it journaled them is replayed by the new one, which must still say them
@@ -91,4 +93,14 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                 LOG_WARNING,
                 dict(common, version=ev.get("version") or version, regime=ev.get("regime"),
                      started_time=ev.get("started_time"), metrics=moved))
+    if kind == "threshold-calibrated":
+        alarms = ev.get("alarms")
+        return (kind, f"{model}: threshold {num(ev.get('threshold'))} from {when} on (was {num(ev.get('previous'))}; "
+                      f"the model's {num(ev.get('model_threshold'))}): the lowest at which its last "
+                      f"{num(ev.get('days'))} days scored give at most {num(ev.get('budget_per_day'))} alarms a day"
+                      + (f" ({alarms} alarms)" if isinstance(alarms, int) else "")
+                      + f" (version {ev.get('version') or version}); in {file}",
+                LOG_INFO,
+                dict(common, version=ev.get("version") or version, threshold=ev.get("threshold"),
+                     previous=ev.get("previous")))
     return None

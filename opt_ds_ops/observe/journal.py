@@ -64,6 +64,7 @@ MESSAGE_IDS = {
     "incident-escalated": "0ea40baf385a4975b8c0293bc985bfb1",
     "incident-closed": "035698f7f20a429f91bd6a0696bc5fe8",
     "regime-changed": "0302889c564747638597689a8ffb8b9c",
+    "threshold-calibrated": "a7014d6e81a5441e90ef808c150b8823",
     "scored": "ea106cd2d0e8460dbd52a64a8af55cca",
     "score-reset": "a25b94c0f1a84ac0b75107a5f6d01c4b",
     "results-pruned": "3bf6754c0bcc476f9a68726f1e49a992",

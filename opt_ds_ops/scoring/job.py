@@ -44,6 +44,7 @@ from ..lifecycle.promotion import design_rate
 from ..store.model_dir import model_lineage
 from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
 from .incidents import IncidentPolicy
+from .calibration import CalibrationPolicy
 from .regime import RegimePolicy
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
                      sample_period_s, score_chunk)
@@ -286,7 +287,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     ``job_id``, ``rows``, ``first_row``, ``last_row``, ``first_time``, ``last_time``, ``flagged``,
     ``events``, ``events_left_out``, ``notes`` (the file's, e.g. rows sorted), ``resets`` (why the
     carried state was reset), ``active`` (an incident is open), ``severity`` (the open incident's,
-    or None), ``top_metrics`` (the open incident's), ``threshold``, ``last_score``, ``rows_scored``,
+    or None), ``top_metrics`` (the open incident's), ``threshold`` (in force at the last row:
+    the model's, or the alarm budget's), ``model_threshold``, ``last_score``, ``rows_scored``,
     ``rows_flagged``, ``incidents`` (the series'),
     ``result_dir``, ``scored_at``, ``drift`` (the history's flagged share against the design rate, for
     retraining), ``replayed`` (True: the job had been scored before a restart).
@@ -346,7 +348,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     times = ds.time.seconds if ds.time is not None else None
     result = score_chunk(stored, np.asarray(ds.data), ds.offset, times, state, names=names,
                          max_gap_periods=cfg.scoring.max_gap_periods,
-                         policy=IncidentPolicy.from_config(cfg.scoring), regime=RegimePolicy.from_config(cfg.scoring))
+                         policy=IncidentPolicy.from_config(cfg.scoring), regime=RegimePolicy.from_config(cfg.scoring),
+                         calibration=CalibrationPolicy.from_config(cfg.scoring))
     bad = np.flatnonzero(~np.isfinite(result.scores))
     if bad.size:  # an inf would stay in the carried smoothing for good: refused before anything is written
         raise ScoringError(f"{_clip(source)}: data row {int(bad[0]) + 1} scores {float(result.scores[bad[0]])} (not "
@@ -366,7 +369,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
         "flagged": int(result.flags.sum()), "events": events, "events_left_out": left_out,
         "notes": [_clip(x, 400) for x in notes[:20]], "resets": [_clip(x, 400) for x in resets[:20]],
         "active": result.active, "severity": (new.open_incident or {}).get("severity"),
-        "top_metrics": active_top_metrics(new, names), "threshold": float(stored.threshold),
+        "top_metrics": active_top_metrics(new, names), "threshold": float(new.threshold),
+        "model_threshold": float(stored.threshold),
         "last_score": finite_or_none(new.last_score), "rows_scored": new.rows_scored,
         "rows_flagged": new.rows_flagged, "incidents": new.incidents, "critical_incidents": new.critical_incidents,
         "result_dir": os.path.join(model_dir, result_name), "scored_at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),

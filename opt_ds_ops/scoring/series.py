@@ -28,6 +28,8 @@ from ..dataset.core import iso_utc
 from ..model.detection import ScoreError, standardise_rows
 from ..model.network import feature_errors, fold_window, window_rows
 from ..store.versions import StoredModel
+from . import calibration as calib
+from .calibration import CalibrationPolicy
 from .incidents import IncidentPolicy, Tracker, track
 from .regime import RegimePolicy, described, refined
 
@@ -75,6 +77,7 @@ class SeriesState:
     rebase: list = field(default_factory=list)  # a change of regime's shift per metric (standardised units), or []
     regime: dict | None = None  # the last change of regime of this version (opt_ds_ops.scoring.regime), not yet learned
     regime_changes: int = 0
+    calibration: dict | None = None  # the alarm budget's (opt_ds_ops.scoring.calibration), or None: off
 
     def to_dict(self) -> dict:
         """Return the state as plain JSON types, with ``format``."""
@@ -107,6 +110,8 @@ class SeriesState:
                 or not (state.regime is None or isinstance(state.regime, dict))
                 or not isinstance(state.regime_changes, int) or isinstance(state.regime_changes, bool)):
             raise ValueError("series state: a change of regime's field of the wrong type")
+        if not (state.calibration is None or isinstance(state.calibration, dict)):
+            raise ValueError("series state: the alarm budget's field of the wrong type")
         return state
 
     @property
@@ -284,7 +289,8 @@ def fresh_state(name: str, stored: StoredModel) -> SeriesState:
 
 def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None, times: np.ndarray | None,
                 state: SeriesState, *, names: list[str], max_gap_periods: float, top: int = TOP_METRICS,
-                policy: IncidentPolicy | None = None, regime: RegimePolicy | None = None) -> ChunkResult:
+                policy: IncidentPolicy | None = None, regime: RegimePolicy | None = None,
+                calibration: CalibrationPolicy | None = None) -> ChunkResult:
     """Given the next chunk of a model's series, data (n, D) float32 (the file's values are data +
     offset, see :class:`opt_ds_ops.dataset.Dataset`) with epoch seconds ``times`` (n,) or None,
     score it as the continuation of ``state`` and return a :class:`ChunkResult`.
@@ -307,7 +313,11 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     ``{"event": "regime-changed", "regime" (its number in the series), "row", "time",
     "started_row", "started_time", "incident", "version", "metrics": [{"metric", "before", "after",
     "shift_sd"}] (the 10 largest shifts), "metrics_shifted"}``; the rows after it are scored
-    re-baselined (the state's ``rebase``), and the state's ``regime`` keeps it until a new version. Rows are series rows, times ISO 8601 UTC (None without times);
+    re-baselined (the state's ``rebase``), and the state's ``regime`` keeps it until a new version.
+    With ``calibration`` (:class:`opt_ds_ops.scoring.calibration.CalibrationPolicy`; None or a
+    budget of 0: the model's threshold) the threshold is set again at the first row of each day,
+    ``{"event": "threshold-calibrated", "row", "time", "version", "threshold", "previous",
+    "model_threshold", "days", "alarms", "budget_per_day"}`` when it changes. Rows are series rows, times ISO 8601 UTC (None without times);
     ``top_metrics`` ``[{"metric", "share"}]`` rank the incident's flagged rows' unsmoothed terms as
     :func:`opt_ds_ops.model.detection.flagged_segments` ranks a segment's. ``names``: the D metric
     names. ``state`` is not changed. Raises ScoreError if D differs from the model's or ``times``
@@ -332,29 +342,42 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
                     Tracker.from_dict(st.incident).opened)
         same = st.version == model_version(stored)  # a gap or time backwards: the re-baseline stays with its version
         kept = (st.rebase, st.regime) if same else ([], None)
-        changes = st.regime_changes
+        changes, cal = st.regime_changes, (st.calibration if same else None)
+        if cal is not None:
+            calib.gap(cal)
         st = fresh_state(st.model, stored)
+        st.calibration = cal
         st.rows_scored, st.rows_flagged, st.incidents, st.critical_incidents = counters[:4]
         st.incident = Tracker(opened=counters[4]).to_dict()  # incident ids go on counting in the series
         st.rebase, st.regime, st.regime_changes = kept[0], kept[1], changes
     st.version, st.threshold = model_version(stored), float(stored.threshold)
+    on = calibration is not None and calibration.on
+    if not on:
+        st.calibration = None
+    elif not calib.valid(st.calibration, st.threshold):
+        st.calibration = calib.fresh(st.threshold)
+    else:
+        st.threshold = float(st.calibration["threshold"])
     if st.rebase and len(st.rebase) != want:
         notes.append(f"the carried re-baseline has {len(st.rebase)} metrics, the model {want}: dropped")
         st.rebase, st.regime = [], None
     t = np.asarray(times, dtype=np.float64) if times is not None else None
+    period = sample_period_s(stored) or 60.0
+    cuts = calib.day_cuts(t, st.next_row, data.shape[0], period) if on else []  # the threshold moves only at a new day
     pieces, start, n = [], 0, data.shape[0]
     while True:  # a change of regime re-baselines the rows after it: they are scored from there again
-        part = _piece(stored, data[start:], offset, None if t is None else t[start:], st, names, top, policy, regime)
-        if part.stopped is not None and part.stopped < n - start - 1:  # only rows up to it are valid: again
+        stop = next((c for c in cuts if c > start), n)
+        part = _piece(stored, data[start:stop], offset, None if t is None else t[start:stop], st, names, top, policy,
+                      regime, calibration if on else None)
+        if part.stopped is not None and part.stopped < stop - start - 1:  # only rows up to it are valid: again
             end = start + part.stopped + 1
             part = _piece(stored, data[start:end], offset, None if t is None else t[start:end], st, names, top,
-                          policy, regime)
+                          policy, regime, calibration if on else None)
         events.extend(part.events)
         pieces.append(part)
         st, start = part.state, start + part.scores.shape[0]
-        if part.stopped is None:
-            break
-        events.extend(_regime_changed(stored, part, names, top))
+        if part.stopped is not None:
+            events.extend(_regime_changed(stored, part, names, top))
         if start >= n:
             break
     cat = lambda k: np.concatenate([getattr(p, k) for p in pieces])  # noqa: E731
@@ -364,33 +387,44 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
 
 
 def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, state: SeriesState, names: list[str],
-           top: int, policy: IncidentPolicy, regime: RegimePolicy | None) -> ChunkResult:
+           top: int, policy: IncidentPolicy, regime: RegimePolicy | None,
+           calibration: CalibrationPolicy | None = None) -> ChunkResult:
     """Score rows as the continuation of ``state`` (a copy is returned, the state given is not
     changed); ``stopped`` (set on the result) is the row at which a change of regime was found, and
-    then only the rows up to it are valid for the caller (:func:`score_chunk` scores them again)."""
+    then only the rows up to it are valid for the caller (:func:`score_chunk` scores them again).
+    With ``calibration`` the rows are of one day, and its threshold is set at the first."""
     st = SeriesState.from_dict(state.to_dict())
     want = stored.n_features
     n, w = data.shape[0], stored.input_window
+    events = []
+    if calibration is not None and n:
+        day = calib.day_of(None if t is None else float(t[0]), st.next_row, sample_period_s(stored) or 60.0)
+        moved = calib.roll(st.calibration, day, calibration, sample_period_s(stored) or 60.0)
+        st.threshold = float(st.calibration["threshold"])
+        if moved is not None:
+            events.append(dict(moved, event="threshold-calibrated", row=st.next_row,
+                               time=_time(None if t is None else float(t[0])), version=st.version,
+                               model_threshold=float(stored.threshold), budget_per_day=calibration.budget_per_day))
+    threshold = float(st.threshold)
     context = torch.tensor(st.context, dtype=torch.float32).reshape(-1, want) if st.context else torch.empty(0, want)
     rebase = np.asarray(st.rebase, dtype=np.float64) if st.rebase else None
     cells, levels, context = _cells(stored, data, offset, context, rebase)
     raw = cells.mean(axis=1) if n else np.empty(0, dtype=np.float32)
     scores = _smoothed(stored, raw, st).astype(np.float32)
-    flags = scores > stored.threshold
+    flags = scores > threshold
     row0 = st.next_row
-    done = track(flags, scores, float(stored.threshold), Tracker.from_dict(st.incident), policy,
+    done = track(flags, scores, threshold, Tracker.from_dict(st.incident), policy,
                  sample_period_s(stored) or 60.0, row0=row0, times=t, cells=cells, levels=levels, regime=regime)
     if done.stopped is not None and done.stopped < n - 1:
-        part = ChunkResult(scores=scores, flags=flags, top=[], incident=done.incident, first_row=row0, events=[],
+        part = ChunkResult(scores=scores, flags=flags, top=[], incident=done.incident, first_row=row0, events=events,
                            notes=[], state=st, active=False, cells=cells)
         part.stopped = done.stopped
         return part
-    events = []
     for kind, i, inc in done.changes:
         if kind == "opened":
-            events.append(_opened(inc, names, top, float(stored.threshold), float(scores[i])))
+            events.append(_opened(inc, names, top, threshold, float(scores[i])))
         elif kind == "escalated":
-            events.append(dict(_opened(inc, names, top, float(stored.threshold), float(scores[i])),
+            events.append(dict(_opened(inc, names, top, threshold, float(scores[i])),
                                event="incident-escalated", row=row0 + i, time=_time(inc.get("last_time"))))
         elif kind == "regime":
             events.append(_closed(inc, names, "regime", top, st.version))
@@ -414,6 +448,8 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     st.context = context.tolist() if w > 1 else []
     st.rows_scored += n
     st.rows_flagged += int(flags.sum())
+    if calibration is not None:
+        calib.add(st.calibration, scores)
     part = ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, first_row=row0,
                        events=events, notes=[], state=st, active=done.tracker.open is not None, cells=cells)
     part.stopped = done.stopped

@@ -295,10 +295,10 @@ def _is_incident_entry_call(node: ast.Call) -> bool:
 
 def _incident_entry_fields() -> dict[str, set[str]]:
     """{event: the field names incident_entry gives it}, from a summary event of each kind."""
-    from opt_ds_ops.observe.incident_entries import incident_entry
+    from opt_ds_ops.observe.incident_entries import KINDS, incident_entry
 
     out = {}
-    for kind in ("incident-opened", "incident-escalated", "incident-closed", "regime-changed"):
+    for kind in KINDS:
         name, _message, _priority, fields = incident_entry({"event": kind, "incident": 1, "row": 5}, model="m",
                                                            version="v", file="f.csv")
         assert name == kind

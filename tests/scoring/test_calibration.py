@@ -1,0 +1,144 @@
+"""The threshold kept to an alarm budget (opt_ds_ops.scoring.calibration): at the first row of each
+day each series sets its threshold to the lowest at which its last days scored give at most the
+budget's alarms a day, never under the model's own; the same in one chunk or many; bounded state."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from opt_ds_ops.config.conffile import TrainConfig
+from opt_ds_ops.health.device import plan_device
+from opt_ds_ops.model.detection import in_memory_model
+from opt_ds_ops.model.threshold import alarms_at
+from opt_ds_ops.scoring import calibration as calib
+from opt_ds_ops.scoring.calibration import EDGES, CalibrationPolicy
+from opt_ds_ops.scoring.incidents import IncidentPolicy
+from opt_ds_ops.scoring.series import SeriesState, fresh_state, score_chunk
+from opt_ds_ops.training.fit import train
+
+NAMES = [f"m{j}" for j in range(38)]
+DAY = 1440  # 1-minute rows
+BUDGET = CalibrationPolicy(budget_per_day=1.0, days=3.0, min_days=1.0)
+
+
+@pytest.fixture(scope="module")
+def model(smd_rows):
+    torch.manual_seed(0)
+    stored = in_memory_model(train(smd_rows[:6000], TrainConfig(max_steps=150), plan_device("cpu", "off")))
+    stored.metadata = {"version": "v1", "config": {"train": {"sample_period_s": 60.0}}}
+    return stored
+
+
+@pytest.fixture(scope="module")
+def period(smd_rows):
+    """Rows 6000-17519 of machine-1-2's training file, unseen by the model: 8 days of 1-minute rows."""
+    return smd_rows[6000:6000 + 8 * DAY]
+
+
+def scored(stored, rows, k, policy=BUDGET, times=None):
+    state, parts = fresh_state("m", stored), []
+    for idx in np.array_split(np.arange(rows.shape[0]), k):
+        r = score_chunk(stored, rows[idx], None, None if times is None else times[idx], state, names=NAMES,
+                        max_gap_periods=10, policy=IncidentPolicy(), calibration=policy)
+        state = r.state
+        parts.append(r)
+    return (np.concatenate([p.scores for p in parts]), np.concatenate([p.flags for p in parts]),
+            [e for p in parts for e in p.events], state)
+
+
+def test_the_run_histogram_counts_what_alarms_at_counts_from_the_scores():
+    rng = np.random.default_rng(0)
+    cal = calib.fresh(2.0)
+    scores = np.abs(rng.standard_cauchy(5000)).astype(np.float32) * 2.0
+    for part in np.array_split(scores, 7):  # across chunks: the run that spans a boundary is counted once
+        calib.add(cal, part)
+    delta = np.zeros(EDGES.size + 1, dtype=np.int64)
+    for b, v in cal["runs"].items():
+        delta[int(b)] += v
+    assert np.array_equal(np.cumsum(delta)[: EDGES.size], alarms_at(scores.astype(np.float64), EDGES * 2.0))
+    assert cal["rows"] == 5000
+
+
+def test_the_threshold_is_the_lowest_within_the_budget_over_the_last_days_and_never_under_the_models(model, period):
+    base = float(model.threshold)
+    plain, plain_flags, _, _ = scored(model, period, 1, policy=None)
+    scores, flags, events, state = scored(model, period, 1)
+    assert np.array_equal(scores, plain)  # the scores are the model's; only the threshold moves
+    moves = [e for e in events if e["event"] == "threshold-calibrated"]
+    assert moves and all(e["row"] % DAY == 0 for e in moves)
+    threshold = np.full(period.shape[0], base)
+    for e in moves:
+        threshold[e["row"]:] = e["threshold"]
+    assert np.array_equal(flags, scores > threshold.astype(np.float32))
+    for day in range(1, 8):  # what the threshold of each day must be, from the scores alone
+        days = scores[max(0, day - 3) * DAY: day * DAY].astype(np.float64)
+        runs = alarms_at(days, EDGES * base)
+        over = np.flatnonzero(runs > math.floor(BUDGET.budget_per_day * days.size / DAY + 1e-9))
+        k = max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))
+        assert threshold[day * DAY] == pytest.approx(EDGES[k] * base, rel=1e-12), day
+    assert threshold.min() == base and threshold.max() > base  # machine-1-2 drifts past its threshold
+    day_alarms = [alarms_at(scores[d * DAY:(d + 1) * DAY].astype(np.float64), np.array([threshold[d * DAY]]))[0]
+                  for d in range(8)]
+    plain_alarms = [alarms_at(plain[d * DAY:(d + 1) * DAY].astype(np.float64), np.array([base]))[0] for d in range(8)]
+    print(f"alarms a day, the model's threshold {[int(a) for a in plain_alarms]}, the budget's {[int(a) for a in day_alarms]}")
+    assert sum(day_alarms[1:]) < sum(plain_alarms[1:])
+    assert int(plain_flags.sum()) > int(flags.sum())
+    assert state.threshold == threshold[-1] and len(state.calibration["days"]) <= 3  # bounded: the last days only
+    assert len(json.dumps(state.calibration)) < 20000
+
+
+@pytest.mark.parametrize("k", [5, 37])
+def test_the_same_in_one_chunk_or_many(model, period, k):
+    one = scored(model, period, 1)
+    many = scored(model, period, k)
+    assert np.array_equal(one[0], many[0]) and np.array_equal(one[1], many[1])
+    assert [e for e in one[2] if e["event"] == "threshold-calibrated"] == \
+        [e for e in many[2] if e["event"] == "threshold-calibrated"]
+    assert one[3].calibration == many[3].calibration
+
+
+def test_days_follow_the_rows_times_and_a_gap_keeps_the_history(model, period):
+    t0 = 1_700_000_000.0 - (1_700_000_000.0 % 86400) + 3600  # an hour into a UTC day
+    times = t0 + 60.0 * np.arange(period.shape[0])
+    times[5 * DAY:] += 3 * 3600  # three hours missing: the series starts again, the same version
+    _, _, events, state = scored(model, period, 4, times=times)
+    moves = [e for e in events if e["event"] == "threshold-calibrated"]
+    assert moves and all("T00:00:00" in e["time"] for e in moves), [e["time"] for e in moves]
+    assert all(e["row"] % DAY == 23 * 60 for e in moves if e["row"] < 5 * DAY)  # 23 hours into the rows
+    assert state.calibration["days"] and state.calibration["base"] == float(model.threshold)
+
+
+def test_a_new_version_starts_from_its_own_threshold(model, period):
+    _, _, _, state = scored(model, period[: 3 * DAY], 1)
+    assert state.threshold > float(model.threshold)
+    other = _retrained(model)
+    r = score_chunk(other, period[3 * DAY: 3 * DAY + 100], None, None, state, names=NAMES, max_gap_periods=10,
+                    policy=IncidentPolicy(), calibration=BUDGET)
+    assert r.state.threshold == float(other.threshold) and r.state.calibration["days"] == []
+    assert r.state.calibration["base"] == float(other.threshold)
+
+
+def _retrained(model):
+    """Another version of the model: trained on other rows, its own threshold."""
+    rows = model.mean.numpy() + np.random.default_rng(1).standard_normal((3000, 38)) * model.std.numpy()
+    torch.manual_seed(1)
+    other = in_memory_model(train(rows.astype(np.float32), TrainConfig(max_steps=50), plan_device("cpu", "off")))
+    other.metadata = {"version": "v2", "config": {"train": {"sample_period_s": 60.0}}}
+    return other
+
+
+def test_off_is_the_models_threshold_and_a_state_with_a_bad_calibration_starts_it_again(model, period):
+    plain, flags, events, state = scored(model, period[:2 * DAY], 1, policy=None)
+    assert state.calibration is None and np.array_equal(flags, plain > np.float32(model.threshold))
+    assert not [e for e in events if e["event"] == "threshold-calibrated"]
+    broken = SeriesState.from_dict(dict(state.to_dict(), calibration={"base": float(model.threshold), "days": "x"}))
+    r = score_chunk(model, period[2 * DAY: 2 * DAY + 10], None, None, broken, names=NAMES, max_gap_periods=10,
+                    policy=IncidentPolicy(), calibration=BUDGET)
+    assert r.state.calibration["days"] == [] and r.state.threshold == float(model.threshold)
+    with pytest.raises(ValueError):
+        SeriesState.from_dict(dict(state.to_dict(), calibration=[1, 2]))
