@@ -323,12 +323,11 @@ def check_retrain(md: dict, history_copy: Path | None, flags_by_time: dict, marg
     given = [flags_by_time.get(int(t)) for t in h.times]
     if None in given or not np.array_equal(np.array(given, dtype=bool), h.flags):
         failures.append(f"{v}: the history's flags are not those the scoring results gave the same rows")
-    newest = (md.get("retrain") or {}).get("newest_rows")
-    if isinstance(newest, int) and newest > 0:  # a change of regime's retraining: its newest rows only
-        from opt_ds_ops.lifecycle.history import History
+    regime = (md.get("retrain") or {}).get("regime")
+    if isinstance(regime, dict):  # a change of regime's retraining: the rows before it moved to its levels
+        from opt_ds_ops.lifecycle.retrain_data import rebased_history
 
-        k = min(newest, h.flags.size)
-        h = History(values=h.values[-k:], offset=h.offset, flags=h.flags[-k:], times=h.times[-k:])
+        h, _ = rebased_history(h, regime)
     n = h.flags.size
     cut = n - min(max(1, int(round(n * 0.1))), n - 2)  # the newest tenth is held back for the gate, before the cut
     held = ex.get("held_back") or {}

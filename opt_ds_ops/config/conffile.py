@@ -172,7 +172,7 @@ class ScoringConfig:
     incident_quiet_s: float = _field(1800.0, lambda v: _non_negative(v) and math.isfinite(v),
                                      "seconds >= 0 (0: the first unflagged row closes)")
     incident_critical_ratio: float = _field(2.0, lambda v: 1 <= v < math.inf, "a number >= 1 (times the threshold)")
-    regime_after_s: float = _field(21600.0, lambda v: _non_negative(v) and math.isfinite(v),
+    regime_after_s: float = _field(0.0, lambda v: _non_negative(v) and math.isfinite(v),
                                    "seconds >= 0 (0: a change of regime is never recognised)")
     regime_shift_sd: float = _field(3.0, lambda v: 0 < v < math.inf, "a number > 0 (training standard deviations)")
     alarm_budget_per_day: float = _field(0.0, lambda v: 0 <= v < math.inf, "alarms a day >= 0 (0: off)")
