@@ -35,7 +35,8 @@ def write_rows(path, rows: np.ndarray, first: int) -> None:
 
 
 def test_a_level_shift_is_said_once_learned_and_a_real_incident_after_it_pages(tmp_path, smd_rows):
-    # the shipped conffile's scoring and retraining (only paths and the spool's pace are the test's)
+    # the shipped conffile's scoring and retraining (only paths and the spool's pace are the test's),
+    # with the change of regime turned on (off as shipped: docs/detection-protocol.md, round 6)
     conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5,
                         extra=["scoring:", f"  results_dir: {tmp_path / 'scores'}", "  regime_after_s: 21600"])
     # a quiet stretch of machine-1-2: a model of rows 12000..15000 flags under 1 % of the 8,640 after them
