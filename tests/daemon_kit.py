@@ -299,3 +299,14 @@ def save_version(tmp_path, model_name: str, job_id: str, *, publish: bool) -> st
         finally:
             store.publish = real
     return model_dir
+
+
+def prom_samples(prom_path: Path) -> dict[tuple, float]:
+    """Parse a ds_ops.prom with prometheus_client's parser: {(name, sorted labels): value}; {} while
+    it is absent (the daemon says it is ready before its first write of the file)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not prom_path.exists():
+        return {}
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(prom_path.read_text()) for s in family.samples}

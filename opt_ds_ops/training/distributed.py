@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import queue
+import re
 import tempfile
 import threading
 import time
@@ -248,18 +249,53 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _failure(out_dir: str, log_path: str, rc: int) -> str:
-    """Return why the ranks failed: the first error a rank wrote (``rank 1: ...``), else torchrun's
-    last log line."""
-    errors = []
+    """Return why the ranks failed: a rank killed without an error file of its own (a signal, torchrun's
+    root cause: the others' errors are then only its consequence), else the first error a rank wrote
+    (``rank 1: ...``), else what torchrun's log says (:func:`_torchrun_cause`)."""
+    errors = {}
     for path in glob.glob(os.path.join(out_dir, "error-rank*.json")):
         with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
-            errors.append(json.load(f))
-    if errors:
-        first = min(errors, key=lambda e: (e["time"], e["rank"]))
-        return f"distributed training failed on rank {first['rank']} of {first['world_size']}: {first['message']}"
+            e = json.load(f)
+            errors[e["rank"]] = e
     with open(log_path, encoding="utf-8", errors="replace") as f:
         lines = [ln.strip() for ln in f if ln.strip()]
-    return f"distributed training failed (torchrun exit code {rc}): {lines[-1] if lines else 'no message'}"
+    root = _root_cause(lines)
+    killed = root is not None and root[1].startswith("-") and root[0] not in errors
+    if errors and not killed:
+        first = min(errors.values(), key=lambda e: (e["time"], e["rank"]))
+        return f"distributed training failed on rank {first['rank']} of {first['world_size']}: {first['message']}"
+    return f"distributed training failed (torchrun exit code {rc}): {_torchrun_cause(lines, root)}"
+
+
+_ROOT_FIELD = re.compile(r"^(rank|exitcode)\s*:\s*(\S+)(.*)$")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b:?")
+_ROOT_HEADING = "Root Cause (first observed failure):"
+
+
+def _root_cause(lines: list[str]) -> tuple[int, str, str] | None:
+    """Return (rank, exit code, signal name or "") of the root cause in torchrun's failure summary,
+    None without one."""
+    if _ROOT_HEADING not in lines:
+        return None
+    fields = {}
+    for ln in lines[lines.index(_ROOT_HEADING) + 1:]:
+        m = _ROOT_FIELD.match(ln)
+        if m and m[1] not in fields:
+            fields[m[1]] = (m[2], m[3])
+    if "rank" not in fields or "exitcode" not in fields or not fields["rank"][0].isdigit():
+        return None
+    signame = re.search(r"\((SIG\w+)\)", fields["exitcode"][1])
+    return int(fields["rank"][0]), fields["exitcode"][0], signame[1] if signame else ""
+
+
+def _torchrun_cause(lines: list[str], root: tuple[int, str, str] | None) -> str:
+    """Return the root cause's rank and exit code, and the last exception line a rank printed before
+    torchrun's summary; else the log's last line."""
+    summary = next((i for i, ln in enumerate(lines) if ln.startswith("=====")), len(lines))
+    raised = [ln for ln in lines[:summary] if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln]
+    parts = [f"rank {root[0]} ended with exit code {root[1]}" + (f" ({root[2]})" if root[2] else "")] if root else []
+    parts += raised[-1:]
+    return "; ".join(parts) or (lines[-1] if lines else "no message")
 
 
 def _read_result(path: str, plan: DevicePlan, offset: np.ndarray | None) -> TrainResult:

@@ -17,7 +17,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, SMD_TRAIN, run_cli
-from daemon_kit import Daemon, copy_smd, done_names, failed_names, run_until, spool_dir, versions, write_config
+from daemon_kit import (Daemon, copy_smd, done_names, failed_names, prom_samples, run_until, spool_dir, versions,
+                        write_config)
 from opt_ds_ops.observe.metrics import METRIC_NAMES
 
 NAME_RULE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")  # Prometheus's metric name rule
@@ -25,15 +26,6 @@ NAME_RULE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")  # Prometheus's metric nam
 
 def started(d: Daemon) -> None:
     d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
-
-
-def samples(prom_path) -> dict[tuple, float]:
-    """Parse ds_ops.prom with prometheus_client's parser: {(name, sorted labels): value}."""
-    out = {}
-    for family in text_string_to_metric_families(prom_path.read_text()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def smd_without_rows(dest, n: int) -> None:
@@ -58,11 +50,11 @@ def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
             smd_without_rows(spool_dir(tmp_path, "incoming") / "m.txt.gz", n)
             d.wait_until(lambda: f"{n} versions" if len(versions(tmp_path, "m")) == min(n, 2) and
                          (prom / "ds_ops.prom").exists() and
-                         samples(prom / "ds_ops.prom").get(("ds_ops_jobs_finished_total", (("result", "done"),))) == n
+                         prom_samples(prom / "ds_ops.prom").get(("ds_ops_jobs_finished_total", (("result", "done"),))) == n
                          else None, f"job {n} and its metrics")
         (spool_dir(tmp_path, "incoming") / "bad.csv").write_text("1,2\n")
         d.wait_until(lambda: failed_names(tmp_path) == {"bad.csv"}, "the bad file")
-        d.wait_until(lambda: samples(prom / "ds_ops.prom").get(("ds_ops_jobs_finished_total", (("result", "failed"),)))
+        d.wait_until(lambda: prom_samples(prom / "ds_ops.prom").get(("ds_ops_jobs_finished_total", (("result", "failed"),)))
                      == 1, "the failure in the metrics")
         assert d.stop()[0] == 0
     finally:
@@ -77,7 +69,7 @@ def test_metrics_pruning_and_retention_after_real_jobs(tmp_path):
     last = json.loads((spool_dir(tmp_path, "done") / "m.txt.gz.result.json").read_text())
     assert last["version"] == versions(tmp_path, "m")[-1], "the newest one stays"
     assert log.count("past the retention of done/") == 2
-    got = samples(prom / "ds_ops.prom")
+    got = prom_samples(prom / "ds_ops.prom")
     names = {name for name, _ in got}
     families = {f.name for f in text_string_to_metric_families((prom / "ds_ops.prom").read_text())}
     assert all(NAME_RULE.match(n) for n in names)
@@ -141,18 +133,18 @@ def test_the_last_results_survive_a_restart_for_staleness_alerts(tmp_path):
         started(d)
         copy_smd(spool_dir(tmp_path, "incoming") / "m.txt.gz")
         (spool_dir(tmp_path, "incoming") / "bad.csv").write_text("1,2\n")
-        d.wait_until(lambda: all((n, ()) in samples(prom / "ds_ops.prom") for n in last) or None,
+        d.wait_until(lambda: all((n, ()) in prom_samples(prom / "ds_ops.prom") for n in last) or None,
                      "a success and a failure in the metrics", timeout_s=120)
         assert d.stop()[0] == 0
     finally:
         d.kill()
-    before = samples(prom / "ds_ops.prom")
+    before = prom_samples(prom / "ds_ops.prom")
     d = Daemon(conf)  # a restart: no job since
     try:
         started(d)
-        d.wait_until(lambda: samples(prom / "ds_ops.prom")[("ds_ops_daemon_start_time_seconds", ())]
+        d.wait_until(lambda: prom_samples(prom / "ds_ops.prom")[("ds_ops_daemon_start_time_seconds", ())]
                      > before[("ds_ops_daemon_start_time_seconds", ())] or None, "the new daemon's metrics")
-        after = samples(prom / "ds_ops.prom")
+        after = prom_samples(prom / "ds_ops.prom")
         assert d.stop()[0] == 0
     finally:
         d.kill()

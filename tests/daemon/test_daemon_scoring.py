@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, SMD_TRAIN
 from daemon_kit import (
-    START_TIMEOUT_S, Daemon, as_service_user, base_env, done_names, failed_names, read_json, spool_dir, write_config,
+    START_TIMEOUT_S, Daemon, as_service_user, base_env, done_names, failed_names, prom_samples, read_json, spool_dir,
+    write_config,
 )
 from opt_ds_ops.observe.journal import MESSAGE_IDS
 
@@ -133,14 +133,6 @@ def smd(n: int, start: int = 0) -> np.ndarray:
     return np.loadtxt(SMD_TRAIN, delimiter=",", dtype=np.float32)[start:start + n]
 
 
-def samples(prom: Path) -> dict:
-    out = {}
-    for fam in text_string_to_metric_families(prom.read_text()):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def test_chunks_are_scored_in_order_and_alert_in_the_journal_prometheus_and_status(tmp_path):
     rows = smd(3000, 1000)
     spike = rows.copy()
@@ -181,7 +173,7 @@ def test_chunks_are_scored_in_order_and_alert_in_the_journal_prometheus_and_stat
     assert [EVENT[e["MESSAGE_ID"]] for e in entries if int(e["PRIORITY"]) <= 4] == ["incident-opened", "incident-closed"]
     scored = [e for e in entries if EVENT[e["MESSAGE_ID"]] == "scored"]
     assert [e["PRIORITY"] for e in scored] == ["6"] * 3 and [e["DS_ROWS"] for e in scored] == ["1000"] * 3
-    m = samples(tmp_path / "prom" / "ds_ops.prom")
+    m = prom_samples(tmp_path / "prom" / "ds_ops.prom")
     model = (("model", "m"),)
     assert m[("ds_ops_scored_rows_total", model)] == 3000
     assert m[("ds_ops_incidents_total", model)] == 1
@@ -206,7 +198,7 @@ def test_an_open_incident_shows_its_top_metrics_and_counters_survive_a_restart(t
         train(d, tmp_path)
         chunk(d, tmp_path, "open", rows)
         d.wait_until(lambda: "scored" in events(tmp_path), "the chunk scored")
-    m = samples(tmp_path / "prom" / "ds_ops.prom")
+    m = prom_samples(tmp_path / "prom" / "ds_ops.prom")
     model = (("model", "m"),)
     assert m[("ds_ops_incident_open", model)] == m[("ds_ops_incident_critical", model)] == 1
     tops = {k: v for k, v in m.items() if k[0] == "ds_ops_incident_top_metric_share"}
@@ -215,7 +207,7 @@ def test_an_open_incident_shows_its_top_metrics_and_counters_survive_a_restart(t
     (tmp_path / "prom" / "ds_ops.prom").unlink()
     with service(tmp_path) as d:  # a new daemon: the counters come back from state.json
         d.wait_until(lambda: (tmp_path / "prom" / "ds_ops.prom").exists(), "the metrics written")
-        again = samples(tmp_path / "prom" / "ds_ops.prom")
+        again = prom_samples(tmp_path / "prom" / "ds_ops.prom")
         status = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "status", "--config", str(d.conf)],
                                 capture_output=True, text=True, env=base_env(), cwd=REPO, timeout=120)
     assert again[("ds_ops_scored_rows_total", model)] == 1000

@@ -121,6 +121,16 @@ def test_a_failing_rank_is_named_and_no_rank_outlives_the_launch(tmp_path, monke
     assert _processes_mentioning(str(out)) == []
 
 
+def test_a_rank_killed_without_an_error_of_its_own_is_named_from_torchruns_summary(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests"))
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(TrainingError) as e:
+        run_ranks(2, ["--dir", str(out)], str(out), None, module="ddp_rank_killed")
+    assert str(e.value) == "distributed training failed (torchrun exit code 1): rank 1 ended with exit code -9 (SIGKILL)"
+    assert _processes_mentioning(str(out)) == []
+
+
 @pytest.mark.parametrize("sig, code, last_words", [(signal.SIGINT, 130, "ds-ops: interrupted"),
                                                     (signal.SIGTERM, 1, "stopped by SIGTERM")])
 def test_a_stopped_train_nproc_leaves_no_rank_and_no_temporary_files(tmp_path, smd_rows, sig, code, last_words):
