@@ -30,6 +30,7 @@ from .commands import daemon as daemon_cmd  # noqa: E402
 from .commands import doctor as doctor_cmd  # noqa: E402
 from .commands import evaluate as evaluate_cmd  # noqa: E402
 from .commands import models as models_cmd  # noqa: E402
+from .commands import pull as pull_cmd  # noqa: E402
 from .commands import report as report_cmd  # noqa: E402
 from .commands import requeue as requeue_cmd  # noqa: E402
 from .commands import score as score_cmd  # noqa: E402
@@ -43,7 +44,7 @@ from .store.versions import StoreError  # noqa: E402
 from .training.job import JobError  # noqa: E402
 
 COMMANDS = [train_cmd, score_cmd, evaluate_cmd, doctor_cmd, daemon_cmd, status_cmd, models_cmd,
-            requeue_cmd, check_config_cmd, report_cmd]
+            requeue_cmd, check_config_cmd, report_cmd, pull_cmd]
 USER_ERRORS = (CliError, ConfigError, DatasetError, DeviceError, JobError, ScoreError, StoreError)
 
 

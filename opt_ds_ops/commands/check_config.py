@@ -17,6 +17,7 @@ import threading
 from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError, config_to_dict, load_config
 from ..daemon.budget import job_processes, this_process_budget
 from ..daemon.sandbox import distributed_refusal
+from ..sources.sourcefile import load_source
 
 NVML_TIMEOUT_S = 10.0  # a GPU count that takes longer is given up (no GPUs counted)
 
@@ -25,6 +26,8 @@ def add_parser(sub) -> None:
     s = sub.add_parser("check-config", help="validate the conffile (exit 1 with the file, key and rule)")
     s.add_argument("--config", help=f"configuration file (default: {DEFAULT_CONFIG_PATH})")
     s.add_argument("--json", action="store_true", help="print the effective configuration as JSON")
+    s.add_argument("--source", action="append", default=[], metavar="FILE",
+                   help="also validate this source file of ds-ops pull (/etc/ds-ops/sources/NAME.yaml); repeatable")
     s.set_defaults(func=run)
 
 
@@ -45,9 +48,10 @@ def gpu_count(timeout_s: float = NVML_TIMEOUT_S) -> int | None:
 
 
 def run(args) -> int:
-    """Exit 0 and print ``FILE: ok`` and the memory per job process; 1 with one ``ds-ops: error:
-    FILE: ...`` line (ConfigError) for a missing, unreadable or invalid file, a feature this
-    process's sandbox refuses or a memory budget below what a job process needs."""
+    """Exit 0 and print ``FILE: ok`` and the memory per job process (and a line per ``--source``);
+    1 with one ``ds-ops: error: FILE: ...`` line (ConfigError) for a missing, unreadable or invalid
+    file (the conffile or a source), a feature this process's sandbox refuses or a memory budget
+    below what a job process needs."""
     path = args.config or os.environ.get("DS_OPS_CONFIG") or DEFAULT_CONFIG_PATH
     cfg = load_config(path)
     why = distributed_refusal(cfg)
@@ -62,10 +66,14 @@ def run(args) -> int:
     for head, budget in budgets:
         if budget.problem():
             raise ConfigError(f"{path}: {head}{budget.problem()}")
+    sources = [load_source(f) for f in args.source]
     if args.json:
         print(json.dumps(dict(config_to_dict(cfg), source=path), sort_keys=True))
     else:
         print(f"{path}: ok")
         for head, budget in budgets:
             print(f"{head}{budget.line()}")
+        for src in sources:
+            print(f"{src.path}: ok: {len(src.series)} series from {src.options.prometheus}, one model per "
+                  f"{src.options.host_label}, a row every {src.options.step}, shard {src.options.shard}")
     return 0

@@ -75,6 +75,10 @@ MESSAGE_IDS = {
     "model-not-promoted": "a515b79e6a324719b5c77ded5882454e",
     # the same bytes dropped again (opt_ds_ops.spool.duplicate)
     "job-duplicate": "0c578f2a949b4dcc8d0bd5b1b8ddbc2f",
+    # the puller (ds-ops pull, opt_ds_ops.sources): telemetry in from Prometheus
+    "source-pulled": "bda322535a0c416994b7e82b3b3aebd3",
+    "source-host": "bbd4cab5470841b1b0e8dcadb29a304d",
+    "source-unavailable": "ac973f7bcef44c2a9ee1bf3417459dd2",
 }
 
 # Routine progress: no catalog entry, so `journalctl -x` prints nothing under each of these lines

@@ -23,6 +23,7 @@ import pytest
 import systemd.journal
 
 from daemon_kit import Daemon, base_env, copy_smd, done_names, failed_names, spool_dir, write_config
+from opt_ds_ops.commands import pull as pull_cmd
 from opt_ds_ops.daemon import dispatch, duties, outcome, recovery, retrainer, scoreslot, service, slots
 from opt_ds_ops.observe import journal
 from opt_ds_ops.observe.journal import MESSAGE_IDS, ROUTINE, EventLog, field_name
@@ -240,7 +241,7 @@ def parse_catalog(text: str) -> dict[str, dict]:
 def _event_calls() -> dict[str, list[set[str]]]:
     """Return {event: [keyword names of each ``self.log.event(event, ...)`` call in the daemon's
     modules (service.py and the roles it is made of, scoreslot.py and retrainer.py: ``self.d.log.event``
-    and ``log.event``)]}.
+    and ``log.event``) and the puller's (commands/pull.py: ``self.log.event``)]}.
 
     ``**job_fields(record)`` (and ``**fields`` where every ``fields = `` is that call) counts as
     the keys of job_fields's returned dict; ``priority`` is not a field. Any other ``**`` fails: the
@@ -248,7 +249,8 @@ def _event_calls() -> dict[str, list[set[str]]]:
     """
     own = [ast.parse(Path(m.__file__).read_text()) for m in (service, slots, dispatch, outcome, recovery, duties)]
     trees = own + [ast.parse(Path(scoreslot.__file__).read_text()),  # the scoring slot's events
-                   ast.parse(Path(retrainer.__file__).read_text())]  # retraining's
+                   ast.parse(Path(retrainer.__file__).read_text()),  # retraining's
+                   ast.parse(Path(pull_cmd.__file__).read_text())]  # the puller's (ds-ops pull)
 
     def is_fields_call(node) -> bool:
         return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "job_fields"

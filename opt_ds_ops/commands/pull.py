@@ -1,0 +1,155 @@
+"""``ds-ops pull SOURCE``: read telemetry from Prometheus into the spool, one model per host.
+
+SOURCE is a source file (``/etc/ds-ops/sources/NAME.yaml``, :mod:`opt_ds_ops.sources.sourcefile`).
+Each pull (every ``score_every``; once with ``--once``) writes a new host's training window into
+``incoming/`` and each trained host's new rows into ``score/``, the safe way, as the member of
+group ds-ops it runs as (the unit ``ds-pull@NAME.service`` runs it as the service user, outside
+the daemon's sandbox). Prometheus down or slow: the pull fails whole (nothing written, nothing
+marked done), is said once in the journal, and is tried again with back-off (5 s doubling, at
+most ``score_every``); the next pull that succeeds covers the gap, up to ``catch_up``. Metrics
+``ds_ops_pull_*`` go to ``ds_ops_pull_NAME.prom`` in ``metrics.textfile_dir`` when it exists.
+``--now`` sets the clock of a ``--once`` pull (a replay or a test advances it by hand).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError
+from ..observe.journal import LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog
+from ..sources.metrics import PullMetrics
+from ..sources.prometheus import Prometheus, PrometheusError
+from ..sources.puller import PullReport, load_state, pull, save_state
+from ..sources.sourcefile import Source, load_source
+from . import CliError, load_cfg
+
+DEFAULT_STATE_DIR = "/var/lib/ds-ops/pull"
+BACKOFF_FIRST_S = 5.0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("pull", help="read telemetry from Prometheus into the spool: one model per host (a source file)")
+    s.add_argument("source", metavar="SOURCE", help="the source file (/etc/ds-ops/sources/NAME.yaml)")
+    s.add_argument("--config", help=f"configuration file naming spool.dir and metrics.textfile_dir (default: {DEFAULT_CONFIG_PATH} if present)")
+    s.add_argument("--spool-dir", help="spool directory (default: spool.dir from the config)")
+    s.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help=f"where the puller keeps its state (default: {DEFAULT_STATE_DIR})")
+    s.add_argument("--shard", metavar="I/N", help="this server's shard of the hosts (default: the source's shard:)")
+    s.add_argument("--once", action="store_true", help="one pull, then exit (exit 1 if it failed)")
+    s.add_argument("--now", type=float, metavar="EPOCH", help="with --once: the pull's clock, in epoch seconds")
+    s.set_defaults(func=run)
+
+
+def _with_shard(source: Source, shard: str | None) -> Source:
+    if shard is None:
+        return source
+    import dataclasses
+
+    from ..config.conffile import _build
+
+    options = _build(type(source.options), {**dataclasses.asdict(source.options), "shard": shard}, "--shard")
+    return dataclasses.replace(source, options=options)
+
+
+def run(args) -> int:
+    """Exit 0 (a loop stopped by SIGTERM, or a --once pull that succeeded); 1 for a bad source or
+    configuration, or a --once pull that failed."""
+    if args.now is not None and not args.once:
+        raise CliError("--now sets the clock of one pull: give --once too")
+    cfg = load_cfg(args, {})
+    try:
+        source = _with_shard(load_source(args.source), args.shard)
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+    spool_root = args.spool_dir or cfg.spool.dir
+    for which in ("incoming", "score"):
+        if not os.access(os.path.join(spool_root, which), os.W_OK | os.X_OK):
+            raise CliError(f"cannot write {os.path.join(spool_root, which)}: run as a member of group ds-ops "
+                           "(the unit ds-pull@NAME.service runs as the user ds-ops)")
+    try:
+        os.makedirs(args.state_dir, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"cannot create {args.state_dir}: {e.strerror}") from None
+    puller = Puller(source, spool_root, os.path.join(args.state_dir, source.name + ".json"),
+                    PullMetrics(source, cfg.metrics.textfile_dir), EventLog(identifier="ds-pull"))
+    if args.once:
+        return 0 if puller.once(time.time() if args.now is None else args.now) else 1
+    puller.forever()
+    return 0
+
+
+class Puller:
+    """The pull loop of one source: state, back-off, journal and metrics around :func:`pull`."""
+
+    def __init__(self, source: Source, spool_root: str, state_path: str, metrics: PullMetrics, log: EventLog):
+        self.source, self.spool_root, self.state_path = source, spool_root, state_path
+        self.metrics, self.log = metrics, log
+        self.prom = Prometheus(source.options.prometheus, source.options.timeout_s, source.options.max_response_bytes)
+        self.failures = 0
+        self.stop = threading.Event()
+
+    def once(self, now: float) -> bool:
+        """One pull at ``now``; return True if it succeeded. The state is saved only after a success."""
+        try:
+            state = load_state(self.state_path)
+        except (OSError, ValueError) as e:
+            raise CliError(f"cannot read the puller's state: {e}") from None
+        t0 = time.monotonic()
+        try:
+            report = pull(self.source, self.prom, self.spool_root, state, now)
+        except PrometheusError as e:
+            self.failures += 1
+            if self.failures == 1 or not e.unavailable:
+                self.log.event("source-unavailable", f"{self.source.name}: pull failed, nothing written: {e}",
+                               priority=LOG_WARNING, source=self.source.name)
+            self.metrics.failed(e.unavailable)
+            return False
+        save_state(self.state_path, state)
+        if self.failures:
+            self.log.event("source-unavailable", f"{self.source.name}: pulling again after {self.failures} failed "
+                           "pull(s); the gap is covered up to catch_up", priority=LOG_NOTICE, source=self.source.name)
+        self.failures = 0
+        self.say(report, state, time.monotonic() - t0)
+        self.metrics.pulled(report, state, now)
+        return True
+
+    def say(self, report: PullReport, state: dict, took_s: float) -> None:
+        name = self.source.name
+        for host, (model, rows, path) in report.trained.items():
+            self.log.event("source-host", f"{name}: new host {host}: {rows} rows to incoming/ to train model {model}",
+                           source=name, host=host, model_name=model)
+        for host, history in report.waiting.items():
+            self.log.event("source-host", f"{name}: host {host} has {history / 3600:.1f} h of complete rows; "
+                           f"its model is trained once it has min_history ({self.source.options.min_history})",
+                           source=name, host=host)
+        for host, last in report.gone.items():
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last)) if last else "never"
+            self.log.event("source-host", f"{name}: host {host} is not in Prometheus's answer (last row {when}); "
+                           "its model stays, its scoring waits", priority=LOG_NOTICE, source=name, host=host)
+        for host, why in report.refused.items():
+            self.log.event("source-host", f"{name}: host {host}: {why}", priority=LOG_WARNING, source=name, host=host)
+        for host, skipped in report.skipped_s.items():
+            self.log.event("source-host", f"{name}: host {host}: {skipped / 3600:.1f} h of rows left unscored: the gap "
+                           f"was longer than catch_up ({self.source.options.catch_up})", priority=LOG_WARNING,
+                           source=name, host=host)
+        missing = sum(sum(m.values()) for m in report.missing.values())
+        worst = ", ".join(f"{host}: " + ", ".join(f"{s} {n}" for s, n in sorted(m.items())[:3])
+                          for host, m in sorted(report.missing.items())[:3])
+        rows = sum(r[1] for r in report.scored.values())
+        self.log.event("source-pulled", f"{name}: pulled up to {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(report.end))} "
+                       f"in {took_s:.1f} s: {len(report.scored)} chunk(s) of {rows} rows to score/, "
+                       f"{len(report.trained)} training file(s) to incoming/"
+                       + (f"; {missing} step(s) left out for want of a value ({worst})" if missing else ""),
+                       priority=LOG_INFO if not missing else LOG_NOTICE, source=name, rows=rows)
+
+    def forever(self) -> None:
+        """Pull every score_every (aligned to it), with back-off after a failure, until SIGTERM/SIGINT."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop.set())
+        every = self.source.seconds("score_every")
+        while not self.stop.is_set():
+            ok = self.once(time.time())
+            wait = every - time.time() % every if ok else min(every, BACKOFF_FIRST_S * 2 ** (self.failures - 1))
+            self.stop.wait(wait)

@@ -1,0 +1,247 @@
+"""The puller against a real Prometheus (Debian's package): history of real SMD rows backfilled
+with promtool as 12 hosts, each scenario a host of its own (tests/prometheus_kit.py). One pull at a
+time with the clock set by hand, as ``ds-ops pull --once --now`` does."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SMD_TRAIN
+from opt_ds_ops.dataset import load_dataset
+from opt_ds_ops.sources.prometheus import MAX_POINTS, Prometheus, PrometheusError
+from opt_ds_ops.sources.puller import load_state, pull, save_state, shard_of
+from opt_ds_ops.sources.sourcefile import parse_source
+from prometheus_kit import PrometheusServer, openmetrics
+
+DAY = 86400.0
+T0 = 1_790_000_000 // 86400 * 86400.0   # 2026-09-21T00:00Z: the history's first step
+STEPS = 2 * 1440                           # two days of 1-minute rows
+HOSTS = [f"h{i}:9100" for i in range(8)]
+LATE, GONE, GAPPY = "late:9100", "gone:9100", "gappy:9100"
+GAP = (T0 + 1.7 * DAY, 10)                 # gappy's smd_a has no value for 10 steps from here
+RESET = T0 + 1.75 * DAY                    # h0's counter starts again from 0 here
+SOURCE = """prometheus: {url}
+step: 1m
+train_window: 2d
+min_history: 6h
+score_every: 5m
+delay: 0s
+catch_up: {catch_up}
+shard: {shard}
+series:
+  - name: smd_a
+    query: smd_a
+  - name: smd_b
+    query: smd_b
+  - name: req_rate
+    query: sum by (instance) (rate(requests_total[5m]))
+"""
+
+
+def history() -> tuple[str, dict]:
+    """OpenMetrics text of every host, and {host: {time: (smd_a, smd_b)}} as written."""
+    rows = np.loadtxt(SMD_TRAIN, delimiter=",", dtype=np.float64)[:, [0, 9]]
+    rng = np.random.default_rng(7)
+    fam = {"smd_a": ("gauge", {}), "smd_b": ("gauge", {}), "requests": ("counter", {})}
+    truth = {}
+    for k, host in enumerate(HOSTS + [LATE, GONE, GAPPY]):
+        first, last = (1.45 * DAY if host == LATE else 0), (1.1 * DAY if host == GONE else 2 * DAY)
+        times = [T0 + 60 * i for i in range(STEPS) if first <= 60 * i < last]
+        part = rows[1000 + 50 * k:1000 + 50 * k + STEPS] + 0.01 * k  # per-host offset: the hosts differ
+        a = [(t, float(part[i, 0])) for i, t in enumerate(times)
+             if not (host == GAPPY and GAP[0] <= t < GAP[0] + 60 * GAP[1])]
+        fam["smd_a"][1][host] = a
+        fam["smd_b"][1][host] = [(t, float(part[i, 1])) for i, t in enumerate(times)]
+        count, counter = 0.0, []
+        for t in times:
+            count = 0.0 if host == HOSTS[0] and t == RESET else count + float(rng.integers(50, 61))
+            counter.append((t, count))
+        fam["requests"][1][host] = counter
+        truth[host] = {t: (dict(a).get(t), v) for t, v in fam["smd_b"][1][host]}
+    return openmetrics(fam), truth
+
+
+@pytest.fixture(scope="module")
+def prom(tmp_path_factory):
+    text, truth = history()
+    # a job whose targets are the hosts, sharded by Prometheus's own hashmod into label "shard"
+    shards = ("[{job_name: shards, static_configs: [{targets: [%s]}], relabel_configs: [{source_labels: [__address__], "
+              "modulus: 2, target_label: shard, action: hashmod}]}]" % ", ".join(f'"{h}"' for h in HOSTS + [LATE, GONE, GAPPY]))
+    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), text, shards).start()
+    server.truth = truth
+    yield server
+    server.stop()
+
+
+def source(prom, shard="0/1", catch_up="1d", url=None):
+    return parse_source(SOURCE.format(url=url or prom.url, shard=shard, catch_up=catch_up).encode(), "node.yaml", "node")
+
+
+def spool_at(root):
+    for d in ("incoming", "score"):
+        (root / "spool" / d).mkdir(parents=True, exist_ok=True)
+    return str(root / "spool")
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_path, prom):
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Prometheus(prom.url)
+    first = pull(src, client, spool, state, T0 + 1.2 * DAY)
+    assert set(first.trained) == set(HOSTS) | {GONE, GAPPY} and not first.scored  # LATE has no row yet
+    name, rows, path = first.trained["h3:9100"]
+    assert (name, rows) == ("h3_9100", int(1.2 * 1440))  # the first step has no rate() yet: one sample
+    assert first.missing["h3:9100"] == {"req_rate": 1}
+    assert (tmp_path / "spool" / "incoming" / "h3_9100.train-20260922T044800Z.yaml").read_text() == \
+        "name: h3_9100\ntime_column: time\n"
+    table = read_csv(path)
+    assert table[0] == ["time", "smd_a", "smd_b", "req_rate"]
+    for line in table[1:]:  # Prometheus's values, as written, at their own times: no value invented
+        t = float(line[0])
+        assert (float(line[1]), float(line[2])) == prom.truth["h3:9100"][t]
+    ds = load_dataset(path)
+    assert ds.header == ["smd_a", "smd_b", "req_rate"] and ds.data.shape == (rows, 3) and ds.time is not None
+    # the next interval: five new rows per trained host, into score/ with the model named
+    second = pull(src, client, spool, state, T0 + 1.2 * DAY + 300)
+    assert not second.trained and set(second.scored) == set(HOSTS) | {GAPPY} and set(second.gone) == {GONE}
+    name, rows, path = second.scored["h3:9100"]
+    assert rows == 5 and [float(r[0]) for r in read_csv(path)[1:]] == [T0 + 1.2 * DAY + 60 * i for i in range(1, 6)]
+    assert (tmp_path / "spool" / "score" / (path.rsplit("/", 1)[1][:-4] + ".yaml")).read_text() == \
+        "model: h3_9100\ntime_column: time\n"
+    assert not list((tmp_path / "spool").rglob("*.part")) and not list((tmp_path / "spool").rglob(".*"))
+    assert pull(src, client, spool, state, T0 + 1.2 * DAY + 359).scored == {}  # no whole new step yet
+
+
+def test_a_host_appears_waits_for_its_history_and_one_goes(tmp_path, prom):
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Prometheus(prom.url)
+    pull(src, client, spool, state, T0 + 1.2 * DAY)
+    seen = pull(src, client, spool, state, T0 + 1.6 * DAY)  # LATE has 3.6 h of rows: under min_history (6 h)
+    assert seen.waiting == {LATE: pytest.approx(0.15 * DAY - 60)} and LATE not in seen.trained
+    # backfilled history has no staleness marker: Prometheus repeats a last sample for its 5-minute lookback
+    assert seen.gone == {GONE: T0 + 1.1 * DAY - 60 + 300} and GONE in state["hosts"]
+    assert pull(src, client, spool, state, T0 + 1.62 * DAY).waiting == {}  # looked at again hourly, not each pull
+    later = pull(src, client, spool, state, T0 + 1.75 * DAY)
+    assert later.trained[LATE][1] == int(0.3 * 1440)
+    assert state["hosts"][GONE]["last_seen"] == T0 + 1.1 * DAY - 60 + 300
+
+
+def test_steps_without_a_value_are_left_out_and_said_never_zero(tmp_path, prom):
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Prometheus(prom.url)
+    pull(src, client, spool, state, GAP[0] - 3600)
+    report = pull(src, client, spool, state, GAP[0] + 3600)
+    # Prometheus looks back 5 minutes for a sample: the first 5 steps of the gap still have the last value
+    assert report.missing[GAPPY] == {"smd_a": GAP[1] - 5}
+    times = [float(r[0]) for r in read_csv(report.scored[GAPPY][2])[1:]]
+    assert len(times) == 120 - (GAP[1] - 5) and GAP[0] + 60 * 7 not in times
+    assert all("0.0" != r[1] for r in read_csv(report.scored[GAPPY][2])[1:])
+
+
+def test_a_counter_reset_is_no_jump_in_its_rate(tmp_path, prom):
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Prometheus(prom.url)
+    pull(src, client, spool, state, RESET - 3600)
+    report = pull(src, client, spool, state, RESET + 3600)
+    rate = np.array([float(r[3]) for r in read_csv(report.scored[HOSTS[0]][2])[1:]])
+    assert len(rate) == 120 and 50 / 60 * 0.8 <= rate.min() and rate.max() <= 60 / 60 * 1.2
+
+
+def test_a_range_over_prometheus_points_limit_is_asked_in_pieces(prom):
+    step = 15.0  # two days at 15 s: 11,520 points per series, over the 11,000 one answer may hold
+    got = Prometheus(prom.url).query_range("smd_b", T0, T0 + 2 * DAY - step, step, "instance")
+    assert (2 * DAY / step) > MAX_POINTS and len(got["h5:9100"]) == 2 * DAY / step
+    assert got["h5:9100"][T0 + 60] == prom.truth["h5:9100"][T0 + 60][1]
+
+
+def test_shards_share_the_hosts_each_once(tmp_path, prom):
+    modelled = []
+    for i in range(2):
+        spool, state = spool_at(tmp_path / str(i)), load_state(str(tmp_path / f"{i}.json"))
+        report = pull(source(prom, shard=f"{i}/2"), Prometheus(prom.url), spool, state, T0 + 1.2 * DAY)
+        assert all(shard_of(h, 2) == i for h in state["hosts"])
+        modelled.append(set(report.trained))
+    assert modelled[0] | modelled[1] == set(HOSTS) | {GONE, GAPPY} and not modelled[0] & modelled[1]
+    assert modelled[0] and modelled[1]
+    # the shard each host has by Prometheus's own hashmod (its targets API shows the relabelled labels)
+    deadline, theirs = time.monotonic() + 60, {}
+    while len(theirs) < 11 and time.monotonic() < deadline:  # the scrape manager takes its targets a moment after start
+        time.sleep(0.5)
+        with urllib.request.urlopen(prom.url + "/api/v1/targets", timeout=30) as r:
+            targets = json.load(r)["data"]["activeTargets"]
+        theirs = {t["labels"]["instance"]: int(t["labels"]["shard"]) for t in targets if t["labels"]["job"] == "shards"}
+    assert len(theirs) == 11 and theirs == {h: shard_of(h, 2) for h in theirs}
+
+
+def test_prometheus_down_writes_nothing_and_the_next_pull_covers_the_gap(tmp_path, prom):
+    spool, state_path = spool_at(tmp_path), str(tmp_path / "state.json")
+    src, client = source(prom, catch_up="1h"), Prometheus(prom.url, timeout_s=5)
+    state = load_state(state_path)
+    pull(src, client, spool, state, T0 + 1.2 * DAY)
+    save_state(state_path, state)
+    before = sorted(p.name for p in (tmp_path / "spool").rglob("*"))
+    down = Prometheus(f"http://127.0.0.1:{_closed_port()}", timeout_s=5)
+    with pytest.raises(PrometheusError) as e:
+        pull(src, down, spool, load_state(state_path), T0 + 1.2 * DAY + 300)
+    assert e.value.unavailable and "not reachable" in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "spool").rglob("*")) == before
+    # back after 3 hours: the last hour is pulled (catch_up), the two before it are said to be skipped
+    state = load_state(state_path)
+    report = pull(src, client, spool, state, T0 + 1.2 * DAY + 3 * 3600)
+    assert report.scored["h1:9100"][1] == 60 and report.skipped_s["h1:9100"] == pytest.approx(2 * 3600)
+
+
+def test_an_answer_over_the_bound_is_refused_whole(tmp_path, prom):
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    small = Prometheus(prom.url, max_response_bytes=64 * 1024)
+    with pytest.raises(PrometheusError, match="over max_response_bytes"):
+        pull(source(prom), small, spool, state, T0 + 1.2 * DAY)
+    assert not list((tmp_path / "spool").rglob("*.csv")) and state["hosts"] == {}
+
+
+def test_ds_ops_pull_once_logs_each_host_and_writes_its_metrics(tmp_path, prom):
+    spool = spool_at(tmp_path)
+    (tmp_path / "prom").mkdir()
+    (tmp_path / "trainer.yaml").write_text(f"spool:\n  dir: {spool}\nmetrics:\n  textfile_dir: {tmp_path / 'prom'}\n")
+    (tmp_path / "node.yaml").write_text(SOURCE.format(url=prom.url, shard="0/1", catch_up="1d"))
+    cmd = [sys.executable, "-m", "opt_ds_ops.cli", "pull", str(tmp_path / "node.yaml"), "--config",
+           str(tmp_path / "trainer.yaml"), "--state-dir", str(tmp_path / "state"), "--once"]
+    p = subprocess.run([*cmd, "--now", str(T0 + 1.2 * DAY)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "node: new host h0:9100: 1728 rows to incoming/ to train model h0_9100" in p.stderr
+    assert "0 chunk(s) of 0 rows to score/, 10 training file(s) to incoming/" in p.stderr
+    state = json.loads((tmp_path / "state" / "node.json").read_text())
+    assert state["hosts"]["h0:9100"]["scored_until"] == T0 + 1.2 * DAY
+    prom_text = (tmp_path / "prom" / "ds_ops_pull_node.prom").read_text()
+    assert 'ds_ops_pull_up{source="node"} 1.0' in prom_text and 'ds_ops_pull_hosts{source="node",state="trained"} 10.0' in prom_text
+    (tmp_path / "bad.yaml").write_text("series: []\n")
+    p = subprocess.run([*cmd[:4], str(tmp_path / "bad.yaml"), *cmd[5:]], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 1 and "key 'series' must be a list" in p.stderr
+
+
+def _closed_port() -> int:
+    from prometheus_kit import free_port
+
+    return free_port()
+
+
+def test_every_query_of_the_shipped_node_exporter_source_is_promql_prometheus_accepts(prom):
+    from opt_ds_ops.sources.sourcefile import load_source
+
+    src = load_source(str(REPO / "docs" / "examples" / "node-exporter.source.yaml"))
+    for s in src.series:  # a bad query is HTTP 400 (bad_data): query_range raises naming it
+        assert Prometheus(prom.url).query_range(s.query, T0, T0 + 600, 60, "instance") == {}, s.name
+    with pytest.raises(PrometheusError, match="HTTP 400"):
+        Prometheus(prom.url).query_range("sum by (instance (x)", T0, T0 + 600, 60, "instance")
