@@ -3,7 +3,7 @@
 SOURCE is a source file (``/etc/ds-ops/sources/NAME.yaml``, :mod:`opt_ds_ops.sources.sourcefile`).
 Each pull (every ``score_every``; once with ``--once``) writes a new host's training window into
 ``incoming/`` and each trained host's new rows into ``score/``, the safe way, as the member of
-group ds-ops it runs as (the unit ``ds-pull@NAME.service`` runs it as the service user, outside
+group ds-ops it runs as (the unit ``ds-pull@NAME.service`` runs it as the user ds-pull, outside
 the daemon's sandbox). Prometheus down or slow: the pull fails whole (nothing written, nothing
 marked done), is said once in the journal, and is tried again with back-off (5 s doubling, at
 most ``score_every``); the next pull that succeeds covers the gap, up to ``catch_up``. Metrics
@@ -67,13 +67,13 @@ def run(args) -> int:
     for which in ("incoming", "score"):
         if not os.access(os.path.join(spool_root, which), os.W_OK | os.X_OK):
             raise CliError(f"cannot write {os.path.join(spool_root, which)}: run as a member of group ds-ops "
-                           "(the unit ds-pull@NAME.service runs as the user ds-ops)")
+                           "(the unit ds-pull@NAME.service runs as the user ds-pull, a member)")
     try:
         os.makedirs(args.state_dir, exist_ok=True)
     except OSError as e:
         raise CliError(f"cannot create {args.state_dir}: {e.strerror}") from None
     puller = Puller(source, spool_root, os.path.join(args.state_dir, source.name + ".json"),
-                    PullMetrics(source, cfg.metrics.textfile_dir), EventLog(identifier="ds-pull"))
+                    PullMetrics(source, cfg.metrics.textfile_dir), EventLog(identifier="ds-pull"), cfg.models_dir)
     if args.once:
         return 0 if puller.once(time.time() if args.now is None else args.now) else 1
     puller.forever()
@@ -83,34 +83,49 @@ def run(args) -> int:
 class Puller:
     """The pull loop of one source: state, back-off, journal and metrics around :func:`pull`."""
 
-    def __init__(self, source: Source, spool_root: str, state_path: str, metrics: PullMetrics, log: EventLog):
+    def __init__(self, source: Source, spool_root: str, state_path: str, metrics: PullMetrics, log: EventLog,
+                 models_dir: str):
         self.source, self.spool_root, self.state_path = source, spool_root, state_path
-        self.metrics, self.log = metrics, log
+        self.metrics, self.log, self.models_dir = metrics, log, models_dir
         self.prom = Prometheus(source.options.prometheus, source.options.timeout_s, source.options.max_response_bytes)
         self.failures = 0
+        self.last_error = ""
         self.stop = threading.Event()
 
+    def model_ready(self, name: str) -> bool:
+        """Whether model ``name`` has a current version (the store is readable by group ds-ops)."""
+        return os.path.exists(os.path.join(self.models_dir, name, "current"))
+
+    def failed(self, message: str, unavailable: bool) -> bool:
+        """Count a failed pull; say it when it is the first of a streak or says something new."""
+        self.failures += 1
+        if message != self.last_error:
+            self.log.event("source-unavailable", f"{self.source.name}: pull failed, nothing marked pulled: {message}",
+                           priority=LOG_WARNING, source=self.source.name)
+        self.last_error = message
+        self.metrics.failed(unavailable)
+        return False
+
     def once(self, now: float) -> bool:
-        """One pull at ``now``; return True if it succeeded. The state is saved only after a success."""
+        """One pull at ``now``; return True if it succeeded. The state is saved only after a success;
+        a drop whose state could not be saved is made again by the next pull (the same training
+        file's name for the same end; a chunk the daemon already took is refused there, not lost)."""
         try:
             state = load_state(self.state_path)
         except (OSError, ValueError) as e:
             raise CliError(f"cannot read the puller's state: {e}") from None
         t0 = time.monotonic()
         try:
-            report = pull(self.source, self.prom, self.spool_root, state, now)
+            report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready)
+            save_state(self.state_path, state)
         except PrometheusError as e:
-            self.failures += 1
-            if self.failures == 1 or not e.unavailable:
-                self.log.event("source-unavailable", f"{self.source.name}: pull failed, nothing written: {e}",
-                               priority=LOG_WARNING, source=self.source.name)
-            self.metrics.failed(e.unavailable)
-            return False
-        save_state(self.state_path, state)
+            return self.failed(str(e), e.unavailable)
+        except OSError as e:
+            return self.failed(f"{e.strerror or e} ({e.filename})", False)
         if self.failures:
             self.log.event("source-unavailable", f"{self.source.name}: pulling again after {self.failures} failed "
                            "pull(s); the gap is covered up to catch_up", priority=LOG_NOTICE, source=self.source.name)
-        self.failures = 0
+        self.failures, self.last_error = 0, ""
         self.say(report, state, time.monotonic() - t0)
         self.metrics.pulled(report, state, now)
         return True
@@ -134,6 +149,9 @@ class Puller:
             self.log.event("source-host", f"{name}: host {host}: {skipped / 3600:.1f} h of rows left unscored: the gap "
                            f"was longer than catch_up ({self.source.options.catch_up})", priority=LOG_WARNING,
                            source=name, host=host)
+        for host in report.forgotten:
+            self.log.event("source-host", f"{name}: host {host} forgotten: never trained, and not seen for "
+                           f"train_window ({self.source.options.train_window})", source=name, host=host)
         missing = sum(sum(m.values()) for m in report.missing.values())
         worst = ", ".join(f"{host}: " + ", ".join(f"{s} {n}" for s, n in sorted(m.items())[:3])
                           for host, m in sorted(report.missing.items())[:3])
@@ -141,6 +159,7 @@ class Puller:
         self.log.event("source-pulled", f"{name}: pulled up to {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(report.end))} "
                        f"in {took_s:.1f} s: {len(report.scored)} chunk(s) of {rows} rows to score/, "
                        f"{len(report.trained)} training file(s) to incoming/"
+                       + (f", {len(report.pending)} host(s) waiting for their model's first version" if report.pending else "")
                        + (f"; {missing} step(s) left out for want of a value ({worst})" if missing else ""),
                        priority=LOG_INFO if not missing else LOG_NOTICE, source=name, rows=rows)
 

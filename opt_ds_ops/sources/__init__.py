@@ -4,9 +4,10 @@ A *source* (``/etc/ds-ops/sources/NAME.yaml``, root's configuration, checked by 
 check-config --source``) names a Prometheus server, the series to read (PromQL, one column each,
 named as alerts will say it), the label that makes one model per host and the clock: step,
 training window, scoring interval. The puller (``ds-ops pull``, unit ``ds-pull@NAME.service``,
-outside the daemon's sandbox, as the service user) is just a well-behaved member of group ds-ops:
+outside the daemon's sandbox, as the user ds-pull) is just a well-behaved member of group ds-ops:
 it writes each host's training window into ``incoming/`` and each new interval into ``score/`` the
-safe way (sidecar first, then ``.part`` renamed), with column names, a time column and the model's
+safe way (sidecar first, then the CSV, each renamed into place from a hidden temporary name),
+with column names, a time column and the model's
 name. Everything after the drop is the daemon's, unchanged.
 
 * :mod:`~opt_ds_ops.sources.sourcefile`: the source file, parsed and validated once.

@@ -12,6 +12,11 @@ from .puller import PullReport
 from .sourcefile import Source
 
 
+PULL_METRIC_NAMES = ("ds_ops_pull_up", "ds_ops_pull_last_success_time_seconds", "ds_ops_pull_end_time_seconds",
+                     "ds_ops_pull_failures_total", "ds_ops_pull_rows_total", "ds_ops_pull_missing_steps_total",
+                     "ds_ops_pull_hosts", "ds_ops_pull_host_last_seen_time_seconds")
+
+
 class PullMetrics:
     def __init__(self, source: Source, textfile_dir: str):
         self.path = os.path.join(textfile_dir, f"ds_ops_pull_{source.name}.prom") if textfile_dir else ""
@@ -50,13 +55,12 @@ class PullMetrics:
         self.rows.labels(n, "train").inc(sum(r[1] for r in report.trained.values()))
         self.rows.labels(n, "score").inc(sum(r[1] for r in report.scored.values()))
         self.missing.labels(n).inc(sum(sum(m.values()) for m in report.missing.values()))
-        hosts = state["hosts"]
-        counts = {"trained": 0, "waiting": 0, "gone": len(report.gone)}
-        for host, entry in hosts.items():
-            counts["trained" if entry.get("scored_until") is not None else "waiting"] += 1
-            if entry.get("scored_until") is not None and entry.get("last_seen") is not None:
+        counts = {"trained": 0, "waiting": 0, "gone": 0}
+        for host, entry in state["hosts"].items():
+            trained = entry.get("scored_until") is not None
+            counts["waiting" if not trained else "gone" if entry.get("gone") else "trained"] += 1
+            if trained and entry.get("last_seen") is not None:
                 self.last_seen.labels(n, host).set(entry["last_seen"])
-        counts["trained"] -= counts["gone"]
         for s, v in counts.items():
             self.hosts.labels(n, s).set(v)
         self.write()

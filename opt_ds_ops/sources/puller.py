@@ -1,22 +1,30 @@
 """One pull of a source: which hosts to train and which to score, over which steps, and the drops.
 
-Each pull ends at the newest whole step ``delay`` behind now (``end``). A host of this server's
-shard (:func:`shard_of`, Prometheus's ``hashmod``) is in one of three states, kept in the
-puller's state file (``STATE_DIR/SOURCE.json``, written atomically after each pull):
+Each pull ends at the newest whole step ``delay`` behind now (``end``; steps are whole seconds,
+so every time on the grid is an exact integer). A host of this server's shard (:func:`shard_of`,
+Prometheus's ``hashmod``) is in one of three states, kept in the puller's state file
+(``STATE_DIR/SOURCE.json``, written atomically after each pull):
 
 * **waiting**: seen, not trained. When it has ``min_history`` of complete rows within the last
   ``train_window``, its rows go to ``incoming/`` as one training file, and it is *trained* from
-  ``end``. A new host is looked at in the pull that first sees it, a waiting one again hourly.
-* **trained**: each pull writes its rows after ``scored_until`` up to ``end`` to ``score/`` (at
-  most ``catch_up`` of them: a gap longer than that after an outage is left unscored, and said).
+  ``end``. Every pull asks for the last ``score_every`` of every series, so a new host is seen in
+  the first pull it is in Prometheus; one with too little history is looked at again hourly, and
+  forgotten when it has not been seen for a ``train_window``.
+* **trained**: once its model has a ``current`` version in the store (until then its rows wait,
+  up to ``catch_up``), each pull writes its rows after ``scored_until`` up to ``end`` to
+  ``score/`` (at most ``catch_up`` of them: a longer gap after an outage is left unscored, and said).
 * **gone**: trained, but absent from Prometheus's answer: nothing is written, ``scored_until``
-  stays, and the state says when it was last seen. Its model stays in the store.
+  stays, and the state says when it was last seen. Its model stays in the store. When it comes
+  back, its gap is asked for on its own (up to ``catch_up``): a gone host never widens the others'
+  queries.
 
 A row is a step at which every series has a value for the host. A step where some series has
 none (a scrape missed, a series not yet there) is left out, and the pull says how many and of
-which series: the time column shows the gap, and no value is ever invented. Each drop is the
-spool's safe way: the sidecar (``name:``/``model:``, ``time_column: time``) renamed into place
-first, then the CSV written as ``.part`` and renamed.
+which series: the time column shows the gap, and no value is ever invented. Values are kept on the
+step grid as float64 arrays (8 bytes a point: a first pull of 1,000 hosts, 7 days at 1 minute and
+16 series holds 1.3 GB), and only for the hosts the pull needs. Each drop is the spool's safe way:
+the sidecar (``name:``/``model:``, ``time_column: time``) and then the CSV, each written under a
+hidden temporary name (which the daemon never claims) and renamed into place, fsync'ed.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..fsutil import write_atomic
 from ..spool.layout import INCOMING, SCORE
@@ -36,6 +47,7 @@ from .sourcefile import Source
 
 STATE_FORMAT = 1
 RECHECK_WAITING_S = 3600.0  # a host with too little history is looked at again this often
+PIECE_POINTS = 1440  # points per series per query of a long range: an answer stays near 45 KB a host
 
 
 def shard_of(host: str, of: int) -> int:
@@ -52,10 +64,12 @@ class PullReport:
     trained: dict = field(default_factory=dict)      # host -> (model, rows, path)
     scored: dict = field(default_factory=dict)       # host -> (model, rows, path)
     waiting: dict = field(default_factory=dict)      # host -> seconds of complete history so far
+    pending: dict = field(default_factory=dict)      # host -> model without a current version yet
     gone: dict = field(default_factory=dict)         # host -> last seen (epoch seconds) or None
     missing: dict = field(default_factory=dict)      # host -> {series: steps without a value}
-    refused: dict = field(default_factory=dict)      # host -> why no model is made of it
+    refused: dict = field(default_factory=dict)      # host -> why no model is made of it, or no file written
     skipped_s: dict = field(default_factory=dict)    # host -> seconds of an outage left unscored (catch_up)
+    forgotten: list = field(default_factory=list)    # waiting hosts not seen for a train_window
 
 
 def load_state(path: str) -> dict:
@@ -64,7 +78,7 @@ def load_state(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except FileNotFoundError:
-        return {"format": STATE_FORMAT, "hosts": {}, "checked_at": None}
+        return {"format": STATE_FORMAT, "hosts": {}}
     if state.get("format") != STATE_FORMAT:
         raise ValueError(f"{path}: state format {state.get('format')!r}, this ds-ops reads {STATE_FORMAT}")
     return state
@@ -74,62 +88,89 @@ def save_state(path: str, state: dict) -> None:
     write_atomic(path, (json.dumps(state, sort_keys=True, indent=1) + "\n").encode(), prefix=".state.tmp-", mode=0o640)
 
 
-def _grid(start: float, end: float, step: float) -> list[float]:
-    n = int(math.floor((end - start) / step + 1e-9)) + 1
-    return [start + i * step for i in range(max(n, 0))]
+@dataclass
+class Window:
+    """Values of every series on the step grid start, start + step, ..., end: per host an array
+    (series, steps), NaN where Prometheus gave no value."""
+
+    start: float
+    end: float
+    step: float
+    hosts: dict[str, np.ndarray]
+
+    def times(self) -> np.ndarray:
+        return self.start + self.step * np.arange(int(round((self.end - self.start) / self.step)) + 1)
 
 
-def _fetch(prom: Prometheus, source: Source, start: float, end: float) -> dict[str, list[dict[float, float]]]:
-    """Return {host: [points of series 1, ...]} over [start, end] for every series of source."""
-    out: dict[str, list[dict[float, float]]] = {}
-    label = source.options.host_label
-    for i, s in enumerate(source.series):
-        for host, points in prom.query_range(s.query, start, end, source.step_s, label).items():
-            out.setdefault(host, [{} for _ in source.series])[i] = points
-        if len(out) > source.options.max_hosts:
-            raise PrometheusError(f"{len(out)} hosts answer {s.name!r}, over max_hosts ({source.options.max_hosts})")
-    return out
+def _fetch(prom: Prometheus, source: Source, start: float, end: float, keep: Callable[[str], bool]) -> Window:
+    """Return the Window of every series of source over [start, end] (grid points) for the hosts
+    ``keep`` accepts, asked in pieces of at most PIECE_POINTS steps. Raises PrometheusError, also
+    when more than ``max_hosts`` hosts are kept."""
+    step, label, n = source.step_s, source.options.host_label, len(source.series)
+    count = int(round((end - start) / step)) + 1
+    window = Window(start, end, step, {})
+    for lo in range(0, count, PIECE_POINTS):
+        hi = min(count, lo + PIECE_POINTS) - 1
+        for i, s in enumerate(source.series):
+            answer = prom.query_range(s.query, start + lo * step, start + hi * step, step, label)
+            for host, points in answer.items():
+                if not keep(host):
+                    continue
+                values = window.hosts.get(host)
+                if values is None:
+                    if len(window.hosts) >= source.options.max_hosts:
+                        raise PrometheusError(f"more than max_hosts ({source.options.max_hosts}) hosts of this "
+                                              f"shard answer {s.name!r}: raise max_hosts, or share them (shard)")
+                    values = window.hosts[host] = np.full((n, count), np.nan)
+                for t, v in points.items():
+                    k = (t - start) / step
+                    if k == int(k) and 0 <= k < count:
+                        values[i, int(k)] = v
+            del answer
+    return window
 
 
-def _rows(points: list[dict[float, float]], grid: list[float], source: Source) -> tuple[list[tuple], dict[str, int]]:
-    """Return (the complete rows (time, value, ...) on grid, {series: steps it had no value at});
-    steps before the host's first value of any series are not missing: it was not there yet."""
-    rows, missing = [], {}
-    first = min((min(p) for p in points if p), default=math.inf)
-    for t in grid:
-        if t < first:
-            continue
-        values = [p.get(t) for p in points]
-        if None in values:
-            for s, v in zip(source.series, values):
-                if v is None:
-                    missing[s.name] = missing.get(s.name, 0) + 1
-            continue
-        rows.append((t, *values))
+def _rows(values: np.ndarray, times: np.ndarray, source: Source, lo: int = 0) -> tuple[np.ndarray, dict[str, int]]:
+    """Return (the complete rows from column ``lo`` on, as (time, value, ...) rows; {series: steps it
+    had no value at}); steps before the host's first value of any series are not missing: it was not
+    there yet."""
+    part = values[:, lo:]
+    seen = ~np.isnan(part)
+    any_seen = seen.any(axis=0)
+    if not any_seen.any():
+        return np.empty((0, 1 + len(source.series))), {}
+    first = int(np.argmax(any_seen))
+    complete = seen.all(axis=0)
+    complete[:first] = False
+    gaps = (~seen[:, first:]).sum(axis=1)
+    missing = {s.name: int(g) for s, g in zip(source.series, gaps) if g}
+    rows = np.column_stack([times[lo:][complete], part[:, complete].T])
     return rows, missing
 
 
-def _csv(source: Source, rows: list[tuple]) -> bytes:
+def _csv(source: Source, rows: np.ndarray) -> bytes:
     lines = ["time," + ",".join(source.columns)]
-    lines += [",".join([str(int(r[0])) if float(r[0]).is_integer() else repr(r[0])] + [repr(v) for v in r[1:]])
-              for r in rows]
+    lines += [",".join([str(int(r[0]))] + [repr(float(v)) for v in r[1:]]) for r in rows]
     return ("\n".join(lines) + "\n").encode()
 
 
 def drop(spool_root: str, which: str, stem: str, sidecar: str, data: bytes) -> str:
     """Drop ``stem.csv`` with its sidecar ``stem.yaml`` into spool directory ``which`` the safe way:
-    the sidecar renamed into place first, then the CSV written as ``.part`` and renamed (group
-    readable). Return the CSV's path."""
+    each written under a hidden temporary name (mkstemp: nothing a member planted is written
+    through), fsync'ed and renamed, the sidecar first. Return the CSV's path. On an error the
+    sidecar is removed again."""
     directory = os.path.join(spool_root, which)
-    write_atomic(os.path.join(directory, stem + ".yaml"), sidecar.encode(), prefix=".pull.tmp-", mode=0o640)
+    side = os.path.join(directory, stem + ".yaml")
+    write_atomic(side, sidecar.encode(), prefix=".pull.tmp-", mode=0o640)
     path = os.path.join(directory, stem + ".csv")
-    part = path + ".part"
-    with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(part, 0o640)
-    os.rename(part, path)
+    try:
+        write_atomic(path, data, prefix=".pull.tmp-", mode=0o640)
+    except BaseException:
+        try:
+            os.unlink(side)
+        except OSError:
+            pass
+        raise
     return path
 
 
@@ -141,33 +182,57 @@ def model_name(source: Source, host: str) -> str:
     return safe_model_name(source.options.model_prefix + host)
 
 
-def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: float) -> PullReport:
+def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: float,
+         model_ready: Callable[[str], bool] = lambda name: True) -> PullReport:
     """Do one pull at time ``now`` (epoch seconds): update ``state`` in place and return what was
-    done. Raises PrometheusError (nothing written then, ``state`` unchanged) if a query fails."""
+    done. ``model_ready(name)``: whether the model has a current version (its rows wait until it
+    has). Raises PrometheusError (nothing written then, ``state`` unchanged) if a query fails."""
     step = source.step_s
     end = math.floor((now - source.seconds("delay")) / step) * step
     index, of = source.shard
     hosts = state["hosts"]
     report = PullReport(end=end)
-    mine = lambda h: shard_of(h, of) == index  # noqa: E731
-    trained = {h: s for h, s in hosts.items() if s.get("scored_until") is not None}
-    catch_up = source.seconds("catch_up")
-    starts = {h: max(s["scored_until"] + step, end - catch_up + step) for h, s in trained.items()}
-    scoring = _fetch(prom, source, min(starts.values()), end) if starts and min(starts.values()) <= end else {}
-    new = [h for h in scoring if mine(h) and h not in hosts]
-    due = [h for h, s in hosts.items() if s.get("scored_until") is None and now - (s.get("checked_at") or 0) >= RECHECK_WAITING_S]
-    first = state.get("checked_at") is None
-    training = {}
-    if new or due or first:
-        training = _fetch(prom, source, end - source.seconds("train_window") + step, end)
-        state["checked_at"] = now
 
-    names = {s["model"]: h for h, s in hosts.items() if s.get("model")}
-    candidates = [h for h in training if mine(h) and (h not in hosts or hosts[h].get("scored_until") is None
-                                                       and (first or h in due))]
+    def mine(h: str) -> bool:
+        return shard_of(h, of) == index
+
+    def back(seconds: float) -> float:  # the first grid point of a span of `seconds` ending at end
+        return end - (max(1, math.floor(seconds / step + 1e-9)) - 1) * step
+
+    trained = {h: e for h, e in hosts.items() if e.get("scored_until") is not None and mine(h)}
+    oldest = back(source.seconds("catch_up"))
+    starts = {h: max(e["scored_until"] + step, oldest) for h, e in trained.items()}
+    ready = {h for h, e in trained.items() if starts[h] <= end and model_ready(e["model"])}
+    for h in set(trained) - ready:
+        if starts[h] <= end:
+            report.pending[h] = trained[h]["model"]
+    # every pull: the last score_every of every host (new hosts show up here), and the trained
+    # hosts' rows since their last pull, but not a gone host's gap (asked for when it is back)
+    first = min([back(source.seconds("score_every"))] + [starts[h] for h in ready if not trained[h].get("gone")])
+    recent = _fetch(prom, source, first, end, mine)
+    back_again = [h for h in ready if trained[h].get("gone") and h in recent.hosts and starts[h] < first]
+    earlier = _fetch(prom, source, min(starts[h] for h in back_again), end, set(back_again).__contains__) if back_again else None
+
+    new = [h for h in recent.hosts if h not in hosts]
+    for h in recent.hosts:
+        if h in hosts:
+            hosts[h]["seen_at"] = end
+    due = [h for h, e in hosts.items() if e.get("scored_until") is None and mine(h)
+           and now - (e.get("checked_at") or 0) >= RECHECK_WAITING_S]
+    candidates = set(new) | set(due)
+    training = _fetch(prom, source, back(source.seconds("train_window")), end, candidates.__contains__) if candidates else None
+
+    names = {e["model"]: h for h, e in hosts.items() if e.get("model")}
     for host in sorted(candidates):
-        entry = hosts.setdefault(host, {"model": None, "scored_until": None, "last_seen": None, "checked_at": None})
+        entry = hosts.setdefault(host, {"model": None, "scored_until": None, "last_seen": None, "checked_at": None,
+                                        "seen_at": end})
         entry["checked_at"] = now
+        values = training.hosts.get(host)
+        if values is None:  # a waiting host with no rows in the window any more
+            continue
+        rows, missing = _rows(values, training.times(), source)
+        if len(rows):
+            entry["last_seen"] = float(rows[-1, 0])
         try:
             name = model_name(source, host)
         except StoreError as e:
@@ -176,13 +241,11 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if names.get(name, host) != host:
             report.refused[host] = f"its model name {name} is {names[name]}'s already"
             continue
-        rows, missing = _rows(training[host], _grid(end - source.seconds("train_window") + step, end, step), source)
-        entry["last_seen"] = rows[-1][0] if rows else entry["last_seen"]
         if missing:
             report.missing[host] = missing
-        history = (len(rows) - 1) * step if rows else 0.0
+        history = (rows[-1, 0] - rows[0, 0]) if len(rows) >= 2 else 0.0
         if len(rows) < 2 or history < source.seconds("min_history"):
-            report.waiting[host] = history
+            report.waiting[host] = float(history)
             continue
         try:
             path = drop(spool_root, INCOMING, f"{name}.train-{_stamp(end)}", f"name: {name}\ntime_column: time\n",
@@ -190,30 +253,39 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         except OSError as e:
             report.refused[host] = f"cannot write its training file: {e.strerror} ({e.filename})"
             continue
-        entry.update(model=name, scored_until=end, trained_at=end)
+        entry.update(model=name, scored_until=end, trained_at=end, gone=False)
         names[name] = host
         report.trained[host] = (name, len(rows), path)
 
-    for host, entry in sorted(trained.items()):
-        if not mine(host) or starts[host] > end:
-            continue  # another server's, or nothing new since the last pull
-        if host not in scoring:
-            report.gone[host] = entry.get("last_seen")
+    for host in sorted(ready):
+        entry = trained[host]
+        window = earlier if host in back_again else recent
+        if host not in window.hosts:
+            if not entry.get("gone"):  # said once, when it goes
+                report.gone[host] = entry.get("last_seen")
+            entry["gone"] = True
             continue
         start = starts[host]
         if start > entry["scored_until"] + step:
             report.skipped_s[host] = start - entry["scored_until"] - step
-        rows, missing = _rows(scoring[host], _grid(start, end, step), source)
+        lo = int(round((start - window.start) / step))
+        rows, missing = _rows(window.hosts[host], window.times(), source, lo)
         if missing:
             report.missing[host] = missing
-        if rows:
+        if len(rows):
             try:
-                path = drop(spool_root, SCORE, f"{entry['model']}.{_stamp(rows[0][0])}",
+                path = drop(spool_root, SCORE, f"{entry['model']}.{_stamp(rows[0, 0])}",
                             f"model: {entry['model']}\ntime_column: time\n", _csv(source, rows))
             except OSError as e:
                 report.refused[host] = f"cannot write its chunk: {e.strerror} ({e.filename})"
                 continue
             report.scored[host] = (entry["model"], len(rows), path)
-            entry["last_seen"] = rows[-1][0]
+            entry["last_seen"] = float(rows[-1, 0])
         entry["scored_until"] = end
+        entry["gone"] = False
+
+    horizon = now - source.seconds("train_window")
+    for host in [h for h, e in hosts.items() if e.get("scored_until") is None and (e.get("seen_at") or 0) < horizon]:
+        del hosts[host]
+        report.forgotten.append(host)
     return report

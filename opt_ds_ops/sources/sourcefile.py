@@ -24,7 +24,6 @@ naming the file and the key.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import urllib.parse
 from collections.abc import Mapping
@@ -123,8 +122,9 @@ def parse_source(text: bytes, where: str, name: str) -> Source:
     """Return the Source in ``text`` (the bytes of file ``where``, named ``name``). Raises
     ConfigError naming ``where`` and the key for: more than SOURCE_MAX_BYTES, invalid YAML or
     UTF-8, an unknown key, a bad value, no series, a series without name or query, two columns of
-    one name, more than MAX_SERIES series, windows that cannot hold a row (``min_history`` under
-    two steps or over ``train_window``, ``score_every`` under one step)."""
+    one name, more than MAX_SERIES series, a step that is not a whole number of seconds, windows
+    that cannot hold a row (``min_history`` under two steps or over ``train_window``,
+    ``score_every`` under one step)."""
     if len(text) > SOURCE_MAX_BYTES:
         raise ConfigError(f"{where}: {len(text)} bytes; a source file may hold at most {SOURCE_MAX_BYTES}")
     try:
@@ -160,6 +160,9 @@ def parse_source(text: bytes, where: str, name: str) -> Source:
         series.append(Series(col, query.strip()))
     src = Source(name=name, path=where, options=options, series=tuple(series))
     step = src.step_s
+    if step < 1 or step != int(step):
+        raise ConfigError(f"{where}: key 'step' must be a whole number of seconds (1s or more), got {options.step}",
+                          ("step",))
     if src.seconds("min_history") < 2 * step or src.seconds("min_history") > src.seconds("train_window"):
         raise ConfigError(f"{where}: key 'min_history' must be at least two steps and at most train_window, "
                           f"got {options.min_history}", ("min_history",))
@@ -178,7 +181,3 @@ def load_source(path: str) -> Source:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     stem = re.sub(r"\.ya?ml$", "", path.rsplit("/", 1)[-1])
     return parse_source(text, path, stem)
-
-
-def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(SourceOptions)] + ["series"]

@@ -186,6 +186,13 @@ def test_account_and_directories(box):
     assert stat[f"{SPOOL}/incoming"] == stat[f"{SPOOL}/score"] == ["3770", "ds-ops", "ds-ops"]  # score/ as incoming/
     assert stat["/var/lib/ds-ops/scores"] == ["2750", "ds-ops", "ds-ops"]
     box.run(["test", "-f", "/usr/share/doc/ds-ops/examples/ds-ops.rules.yml"])
+    # the puller's account: its own uid, a member of group ds-ops; its unit shipped disabled, valid
+    assert box.run(["getent", "passwd", "ds-pull"]).stdout.split(":")[6].strip() == "/usr/sbin/nologin"
+    assert "ds-ops" in box.run(["id", "-nG", "ds-pull"]).stdout.split()
+    box.run(["ds-ops", "check-config", "--source", "/usr/share/doc/ds-ops/examples/node-exporter.source.yaml"])
+    verify = box.run(["systemd-analyze", "verify", "ds-pull@node.service"], check=False)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert box.run(["systemctl", "is-enabled", "ds-pull@node.service"], check=False).stdout.strip() != "enabled"
     for d in ("processing", "done", "failed"):
         assert stat[f"{SPOOL}/{d}"] == ["2750", "ds-ops", "ds-ops"]
     assert stat[MODELS] == ["2750", "ds-ops", "ds-ops"]
@@ -713,11 +720,13 @@ def test_purge_leaves_no_unit_user_conffile_or_spool(box):
     r = box.run(["systemctl", "is-enabled", UNIT], check=False)
     assert r.returncode != 0 and "enabled" not in r.stdout.split()
     for path in ("/lib/systemd/system/ds-trainer.service", f"/lib/systemd/system/{NVIDIA_UNIT}",
+                 "/lib/systemd/system/ds-pull@.service",
                  "/etc/systemd/system/multi-user.target.wants/ds-trainer.service",
                  "/etc/ds-ops", SPOOL, "/var/lib/ds-ops", "/opt/ds-ops", "/usr/bin/ds-ops", "/usr/lib/sysusers.d/ds-ops.conf",
                  "/usr/lib/tmpfiles.d/ds-ops.conf", "/usr/lib/systemd/catalog/ds-ops.catalog"):
         box.run(["test", "!", "-e", path, "-a", "!", "-L", path])
     assert box.run(["getent", "passwd", "ds-ops"], check=False).returncode == 2
+    assert box.run(["getent", "passwd", "ds-pull"], check=False).returncode == 2
     assert box.run(["getent", "group", "ds-ops"], check=False).returncode == 2
     # the trained models are the user's data: kept, closed to all but root (see docs/INSTALL.md)
     assert box.run(["stat", "-c", "%a %U:%G", MODELS]).stdout.strip() == "700 root:root"

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from opt_ds_ops.observe.metrics import METRIC_NAMES
+from opt_ds_ops.sources.metrics import PULL_METRIC_NAMES
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "docs" / "examples" / "ds-ops.rules.yml"
@@ -36,13 +37,13 @@ def promtool() -> str:
 def test_promtool_accepts_the_shipped_rules(promtool):
     r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 15 rules found" in r.stdout
+    assert "SUCCESS: 18 rules found" in r.stdout
 
 
 def test_the_rules_use_only_series_the_daemon_writes():
     exprs = " ".join(rule["expr"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"])
     used = set(re.findall(r"\bds_ops_[a-z_]+", exprs))
-    assert used and used <= set(METRIC_NAMES), used - set(METRIC_NAMES)
+    assert used and used <= set(METRIC_NAMES) | set(PULL_METRIC_NAMES), used - set(METRIC_NAMES) - set(PULL_METRIC_NAMES)
 
 
 UNIT_TEST = """
@@ -386,5 +387,68 @@ def test_each_service_alert_fires_when_it_should_and_not_before(promtool, tmp_pa
 def test_each_alert_fires_when_it_should_and_not_before(promtool, tmp_path):
     test = tmp_path / "ds-ops.rules.test.yml"
     test.write_text(UNIT_TEST.format(rules=RULES))
+    r = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+PULL_TEST = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      # source node: pulls fail from minute 5 (up 0, the last success stays at minute 4); source db pulls on
+      - series: 'ds_ops_pull_up{{source="node", instance="h:9100", job="node"}}'
+        values: '1x4 0x60'
+      - series: 'ds_ops_pull_last_success_time_seconds{{source="node", instance="h:9100", job="node"}}'
+        values: '0+60x4 240x60'
+      - series: 'ds_ops_pull_up{{source="db", instance="h:9100", job="node"}}'
+        values: '1x64'
+      - series: 'ds_ops_pull_last_success_time_seconds{{source="db", instance="h:9100", job="node"}}'
+        values: '0+60x64'
+      - series: 'ds_ops_pull_hosts{{source="node", state="gone", instance="h:9100", job="node"}}'
+        values: '0x4 2x70'
+      - series: 'ds_ops_pull_hosts{{source="db", state="gone", instance="h:9100", job="node"}}'
+        values: '0x74'
+    alert_rule_test:
+      - {{eval_time: 19m, alertname: DsOpsPullFailing, exp_alerts: []}}
+      - eval_time: 21m
+        alertname: DsOpsPullFailing
+        exp_alerts:
+          - exp_labels: {{severity: warning, source: node, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "ds-ops on h:9100 cannot pull source node from Prometheus"
+              description: >-
+                Every pull of source node has failed for 15 minutes: its hosts are not scored.
+                `journalctl -u ds-pull@node` says why (not reachable, an HTTP error, an
+                answer over max_response_bytes).
+      - {{eval_time: 38m, alertname: DsOpsPullStale, exp_alerts: []}}
+      - eval_time: 41m
+        alertname: DsOpsPullStale
+        exp_alerts:
+          - exp_labels: {{severity: warning, source: node, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "ds-ops on h:9100: source node not pulled for 37m 0s"
+              description: >-
+                The last successful pull of source node was 37m 0s ago.
+                `systemctl status ds-pull@node` says whether the puller runs; rows older than
+                the source's catch_up are not scored when it comes back.
+      - {{eval_time: 64m, alertname: DsOpsPullHostsGone, exp_alerts: []}}
+      - eval_time: 66m
+        alertname: DsOpsPullHostsGone
+        exp_alerts:
+          - exp_labels: {{severity: info, source: node, state: gone, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "2 host(s) of source node gone from Prometheus"
+              description: >-
+                2 trained host(s) of source node have had no rows in
+                Prometheus for an hour. `journalctl -u ds-pull@node -g 'not in Prometheus'` names
+                them and their last row; remove a model no longer wanted with `ds-ops models rm NAME`.
+"""
+
+
+def test_each_pull_alert_fires_when_it_should_and_not_before(promtool, tmp_path):
+    test = tmp_path / "ds-ops-pull.rules.test.yml"
+    test.write_text(PULL_TEST.format(rules=RULES))
     r = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr

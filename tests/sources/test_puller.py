@@ -100,7 +100,8 @@ def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_p
     spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
     src, client = source(prom), Prometheus(prom.url)
     first = pull(src, client, spool, state, T0 + 1.2 * DAY)
-    assert set(first.trained) == set(HOSTS) | {GONE, GAPPY} and not first.scored  # LATE has no row yet
+    # LATE has no row yet, GONE's last was at 1.1 days: neither is in Prometheus now, and neither is trained
+    assert set(first.trained) == set(HOSTS) | {GAPPY} and not first.scored
     name, rows, path = first.trained["h3:9100"]
     assert (name, rows) == ("h3_9100", int(1.2 * 1440))  # the first step has no rate() yet: one sample
     assert first.missing["h3:9100"] == {"req_rate": 1}
@@ -115,7 +116,7 @@ def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_p
     assert ds.header == ["smd_a", "smd_b", "req_rate"] and ds.data.shape == (rows, 3) and ds.time is not None
     # the next interval: five new rows per trained host, into score/ with the model named
     second = pull(src, client, spool, state, T0 + 1.2 * DAY + 300)
-    assert not second.trained and set(second.scored) == set(HOSTS) | {GAPPY} and set(second.gone) == {GONE}
+    assert not second.trained and set(second.scored) == set(HOSTS) | {GAPPY} and not second.gone
     name, rows, path = second.scored["h3:9100"]
     assert rows == 5 and [float(r[0]) for r in read_csv(path)[1:]] == [T0 + 1.2 * DAY + 60 * i for i in range(1, 6)]
     assert (tmp_path / "spool" / "score" / (path.rsplit("/", 1)[1][:-4] + ".yaml")).read_text() == \
@@ -127,15 +128,18 @@ def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_p
 def test_a_host_appears_waits_for_its_history_and_one_goes(tmp_path, prom):
     spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
     src, client = source(prom), Prometheus(prom.url)
-    pull(src, client, spool, state, T0 + 1.2 * DAY)
+    assert GONE in pull(src, client, spool, state, T0 + 1.05 * DAY).trained
     seen = pull(src, client, spool, state, T0 + 1.6 * DAY)  # LATE has 3.6 h of rows: under min_history (6 h)
     assert seen.waiting == {LATE: pytest.approx(0.15 * DAY - 60)} and LATE not in seen.trained
-    # backfilled history has no staleness marker: Prometheus repeats a last sample for its 5-minute lookback
-    assert seen.gone == {GONE: T0 + 1.1 * DAY - 60 + 300} and GONE in state["hosts"]
-    assert pull(src, client, spool, state, T0 + 1.62 * DAY).waiting == {}  # looked at again hourly, not each pull
+    # GONE's last rows are scored; backfilled history has no staleness marker, so Prometheus repeats
+    # its last sample for its 5-minute lookback
+    assert not seen.gone and seen.scored[GONE][1] == int(0.05 * 1440) - 1 + 5
+    went = pull(src, client, spool, state, T0 + 1.62 * DAY)
+    assert went.gone == {GONE: T0 + 1.1 * DAY - 60 + 300} and GONE in state["hosts"]
+    assert went.waiting == {}  # looked at again hourly, not each pull
     later = pull(src, client, spool, state, T0 + 1.75 * DAY)
-    assert later.trained[LATE][1] == int(0.3 * 1440)
-    assert state["hosts"][GONE]["last_seen"] == T0 + 1.1 * DAY - 60 + 300
+    assert later.trained[LATE][1] == int(0.3 * 1440) and not later.gone  # a host that went is said once
+    assert state["hosts"][GONE]["last_seen"] == T0 + 1.1 * DAY - 60 + 300 and state["hosts"][GONE]["gone"]
 
 
 def test_steps_without_a_value_are_left_out_and_said_never_zero(tmp_path, prom):
@@ -173,7 +177,7 @@ def test_shards_share_the_hosts_each_once(tmp_path, prom):
         report = pull(source(prom, shard=f"{i}/2"), Prometheus(prom.url), spool, state, T0 + 1.2 * DAY)
         assert all(shard_of(h, 2) == i for h in state["hosts"])
         modelled.append(set(report.trained))
-    assert modelled[0] | modelled[1] == set(HOSTS) | {GONE, GAPPY} and not modelled[0] & modelled[1]
+    assert modelled[0] | modelled[1] == set(HOSTS) | {GAPPY} and not modelled[0] & modelled[1]
     assert modelled[0] and modelled[1]
     # the shard each host has by Prometheus's own hashmod (its targets API shows the relabelled labels)
     deadline, theirs = time.monotonic() + 60, {}
@@ -221,11 +225,11 @@ def test_ds_ops_pull_once_logs_each_host_and_writes_its_metrics(tmp_path, prom):
     p = subprocess.run([*cmd, "--now", str(T0 + 1.2 * DAY)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "node: new host h0:9100: 1728 rows to incoming/ to train model h0_9100" in p.stderr
-    assert "0 chunk(s) of 0 rows to score/, 10 training file(s) to incoming/" in p.stderr
+    assert "0 chunk(s) of 0 rows to score/, 9 training file(s) to incoming/" in p.stderr
     state = json.loads((tmp_path / "state" / "node.json").read_text())
     assert state["hosts"]["h0:9100"]["scored_until"] == T0 + 1.2 * DAY
     prom_text = (tmp_path / "prom" / "ds_ops_pull_node.prom").read_text()
-    assert 'ds_ops_pull_up{source="node"} 1.0' in prom_text and 'ds_ops_pull_hosts{source="node",state="trained"} 10.0' in prom_text
+    assert 'ds_ops_pull_up{source="node"} 1.0' in prom_text and 'ds_ops_pull_hosts{source="node",state="trained"} 9.0' in prom_text
     (tmp_path / "bad.yaml").write_text("series: []\n")
     p = subprocess.run([*cmd[:4], str(tmp_path / "bad.yaml"), *cmd[5:]], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 1 and "key 'series' must be a list" in p.stderr
@@ -245,3 +249,57 @@ def test_every_query_of_the_shipped_node_exporter_source_is_promql_prometheus_ac
         assert Prometheus(prom.url).query_range(s.query, T0, T0 + 600, 60, "instance") == {}, s.name
     with pytest.raises(PrometheusError, match="HTTP 400"):
         Prometheus(prom.url).query_range("sum by (instance (x)", T0, T0 + 600, 60, "instance")
+
+
+class Counting(Prometheus):
+    """The real client, recording each query's range."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.asked = []
+
+    def query_range(self, query, start, end, step, label):
+        self.asked.append((start, end))
+        return super().query_range(query, start, end, step, label)
+
+
+def test_a_first_pull_before_any_host_still_finds_them_in_the_next(tmp_path, prom):
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Prometheus(prom.url)
+    assert pull(src, client, spool, state, T0 - 3600).trained == {} and state["hosts"] == {}
+    assert set(pull(src, client, spool, state, T0 + 1.2 * DAY).trained) == set(HOSTS) | {GAPPY}
+
+
+def test_rows_wait_for_the_models_first_version_and_are_not_lost(tmp_path, prom):
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Prometheus(prom.url)
+    pull(src, client, spool, state, T0 + 1.2 * DAY)
+    waiting = pull(src, client, spool, state, T0 + 1.2 * DAY + 600, model_ready=lambda name: name != "h3_9100")
+    assert waiting.pending == {"h3:9100": "h3_9100"} and "h3:9100" not in waiting.scored and "h4:9100" in waiting.scored
+    ready = pull(src, client, spool, state, T0 + 1.2 * DAY + 900)
+    times = [float(r[0]) for r in read_csv(ready.scored["h3:9100"][2])[1:]]
+    assert times == [T0 + 1.2 * DAY + 60 * i for i in range(1, 16)]  # from the training file's end on
+
+
+def test_a_gone_host_does_not_widen_the_others_queries(tmp_path, prom):
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Counting(prom.url)
+    pull(src, client, spool, state, T0 + 1.05 * DAY)
+    pull(src, client, spool, state, T0 + 1.6 * DAY)
+    assert state["hosts"][GONE]["scored_until"] == T0 + 1.6 * DAY
+    pull(src, client, spool, state, T0 + 1.62 * DAY)  # GONE went: said, its scoring waits
+    client.asked.clear()
+    pull(src, client, spool, state, T0 + 1.62 * DAY + 300)
+    assert client.asked and all(end - start == 4 * 60 for start, end in client.asked)  # the last 5 steps only
+
+
+def test_a_state_that_cannot_be_saved_is_a_failed_pull_said_in_the_journal(tmp_path, prom, capsys):
+    from opt_ds_ops.commands.pull import Puller
+    from opt_ds_ops.observe.journal import EventLog
+    from opt_ds_ops.sources.metrics import PullMetrics
+
+    src = source(prom)
+    puller = Puller(src, spool_at(tmp_path), str(tmp_path / "absent" / "node.json"), PullMetrics(src, ""),
+                    EventLog(journal=False), str(tmp_path / "models"))
+    assert puller.once(T0 + 1.2 * DAY) is False and puller.failures == 1
+    assert "node: pull failed, nothing marked pulled: No such file or directory" in capsys.readouterr().err

@@ -41,6 +41,7 @@ def test_the_shipped_node_exporter_example_parses_with_its_names_and_clock():
     ("series:\n  - name: a\n", "series[1] must be a mapping with exactly the keys name and query"),
     ("series:\n  - name: a\n    query: ''\n", "series[1].query must be PromQL text"),
     ("series: [\n", "invalid YAML"),
+    (GOOD + "step: 1500ms\n", "key 'step' must be a whole number of seconds"),
 ])
 def test_a_bad_source_is_one_error_naming_the_file_and_the_key(text, error):
     with pytest.raises(ConfigError) as e:
