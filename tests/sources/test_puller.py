@@ -303,3 +303,48 @@ def test_a_state_that_cannot_be_saved_is_a_failed_pull_said_in_the_journal(tmp_p
                     EventLog(journal=False), str(tmp_path / "models"))
     assert puller.once(T0 + 1.2 * DAY) is False and puller.failures == 1
     assert "node: pull failed, nothing marked pulled: No such file or directory" in capsys.readouterr().err
+
+
+def test_a_real_daemon_trains_and_scores_what_the_puller_drops_naming_the_series(tmp_path, prom):
+    """The puller's drops through a real daemon: the model is trained from Prometheus's rows with the
+    series' names as its columns and Prometheus's times, the next hour scored as a chunk of its
+    series, and the scores equal ``ds-ops score`` of the same rows as a file."""
+    from daemon_kit import Daemon, done_names, read_json, write_config
+
+    one = SOURCE.replace("query: smd_a\n", 'query: smd_a{{instance="h3:9100"}}\n')  # one host: one model
+    src = parse_source(one.format(url=prom.url, shard="0/1", catch_up="1d").encode(), "node.yaml", "node")
+    conf = write_config(tmp_path, shipped_training=True, extra=["scoring:", f"  results_dir: {tmp_path / 'scores'}"])
+    spool, state = str(tmp_path / "spool"), load_state(str(tmp_path / "state.json"))
+    d = Daemon(conf)
+    try:
+        d.wait_until(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        trained = pull(src, Prometheus(prom.url), spool, state, T0 + 1.2 * DAY)
+        assert list(trained.trained) == ["h3:9100"]
+        d.wait_until(lambda: any(n.startswith("h3_9100.train-") for n in done_names(tmp_path)), "the model", timeout_s=300)
+        ready = lambda name: (tmp_path / "models" / name / "current").exists()  # noqa: E731
+        scored = pull(src, Prometheus(prom.url), spool, state, T0 + 1.2 * DAY + 3600, ready)
+        name, rows, path = scored.scored["h3:9100"]
+        chunk = tmp_path / "chunk.csv"
+        chunk.write_bytes(open(path, "rb").read())
+        d.wait_until(lambda: (tmp_path / "scores" / name).exists() and any(
+            (p / "summary.json").exists() for p in (tmp_path / "scores" / name).iterdir() if not p.name.startswith(".")),
+            "the chunk's result", timeout_s=300)
+        assert d.stop()[0] == 0
+    finally:
+        d.kill()
+    (result,) = [p for p in (tmp_path / "scores" / name).iterdir() if not p.name.startswith(".") and p.is_dir()]
+    summary = read_json(result / "summary.json")
+    assert summary["rows"] == rows == 60
+    daemon_rows = read_csv(result / "rows.csv")
+    assert daemon_rows[0][:3] == ["row", "time", "score"]
+    by_file = tmp_path / "by-file.csv"
+    p = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "score", str(tmp_path / "models" / name), str(chunk),
+                        "--output", str(by_file), "--config", str(conf)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stderr
+    header = read_csv(by_file)[0]
+    theirs = np.array([float(r[header.index("score")]) for r in read_csv(by_file)[1:]])
+    ours = np.array([float(r[2]) for r in daemon_rows[1:]])
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)  # rows.csv keeps 6 significant digits
+    metadata = read_json(tmp_path / "models" / name / "current" / "metadata.json")
+    assert metadata["dataset"]["header"] == ["smd_a", "smd_b", "req_rate"] and metadata["dataset"]["time"]["gaps"] == 0
+    assert metadata["dataset"]["time"]["first"] == "2026-09-21T00:01:00.000000Z"  # Prometheus's clock, kept
