@@ -534,6 +534,85 @@ def test_the_shipped_rules_stay_healthy_and_scoring_stalled_does_not_fire(box):
     assert [a for a in api(box, "alerts")["alerts"] if a["labels"]["alertname"] == stalled] == []
 
 
+PULL_HOST = "web-1:9100"                 # the backfilled host's instance label: model web-1_9100
+PULL_MODEL = "web-1_9100"
+PULL_COLUMNS = {"smd_cpu": 0, "smd_load": 1, "smd_mem": 9, "smd_disk": 12}   # series name -> SMD column
+PULL_SOURCE = "/etc/ds-ops/sources/web.yaml"
+PULL_STATE = "/var/lib/ds-ops/pull"
+
+
+def backfill(start: float, rows: int, hot: tuple[int, int]) -> str:
+    """OpenMetrics of SMD machine-1-2's first rows as four series of PULL_HOST, one a minute from
+    start, with smd_mem raised by 1.0 (its range is [0, 1]) on rows hot[0]..hot[1]-1."""
+    import gzip
+
+    data = np.loadtxt(io.StringIO(gzip.decompress((REPO / "data/smd/train" / f"{MODEL}.txt.gz").read_bytes()).decode()),
+                      delimiter=",")[:rows]
+    lines = []
+    for name, col in PULL_COLUMNS.items():
+        lines.append(f"# TYPE {name} gauge")
+        for i in range(rows):
+            v = data[i, col] + (1.0 if name == "smd_mem" and hot[0] <= i < hot[1] else 0.0)
+            lines.append(f'{name}{{instance="{PULL_HOST}",job="backfill"}} {v!r} {start + 60 * i:.0f}')
+    return "\n".join(lines) + "\n# EOF\n"
+
+
+def test_the_puller_trains_and_scores_a_host_from_prometheus_and_the_incident_names_its_series(box):
+    """docs/prometheus.md in the booted system: a host's history backfilled into Debian's Prometheus
+    (promtool tsdb create-blocks-from openmetrics), a source naming its series, ``ds-ops pull`` as
+    the user ds-pull with its clock set by hand: the first pull trains the model, the next hour's
+    pull is scored, the incident injected into its last 20 minutes fires the shipped DsOpsIncident
+    in Prometheus, and the journal names the series by name. The daemon's scores equal ``ds-ops
+    score`` of the same rows as a file."""
+    start = (time.time() // 86400 - 4) * 86400          # four days ago, midnight: 2 days of rows
+    train_end, score_end = start + 1.5 * 86400, start + 1.5 * 86400 + 3600
+    hot = (int((score_end - start) / 60) - 20, int((score_end - start) / 60) + 1)
+    box.run("cat > /tmp/web.om", input=backfill(start, 2 * 1440, hot))
+    box.run("promtool tsdb create-blocks-from openmetrics /tmp/web.om /var/lib/prometheus/metrics2 "
+            "&& chown -R prometheus:prometheus /var/lib/prometheus/metrics2", timeout=300)
+    box.run(["systemctl", "restart", "prometheus.service"], timeout=120)
+    wait("the backfilled series in Prometheus", 60,
+         lambda: api(box, "query_range", query="smd_mem", start=str(train_end - 600), end=str(train_end), step="60")["result"])
+    series = "\n".join(f"  - name: {n}\n    query: max by (instance) ({n}{{job=\"backfill\"}})" for n in PULL_COLUMNS)
+    box.run(f"mkdir -p /etc/ds-ops/sources && cat > {PULL_SOURCE}", input=(
+        "prometheus: http://localhost:9090\nstep: 1m\ntrain_window: 2d\nmin_history: 1d\nscore_every: 5m\n"
+        f"delay: 0s\nseries:\n{series}\n"))
+    box.run(["ds-ops", "check-config", "--source", PULL_SOURCE])
+    box.run(f"install -d -o ds-pull -g ds-pull -m 750 {PULL_STATE} && setfacl -m u:ds-pull:rwx {TEXTFILE_DIR}")
+    pull = ["ds-ops", "pull", PULL_SOURCE, "--once", "--state-dir", PULL_STATE]
+    first = box.run([*pull, "--now", str(train_end)], user="ds-pull")
+    assert f"new host {PULL_HOST}: 2161 rows to incoming/ to train model {PULL_MODEL}" in first.stderr, first.stderr
+    box.wait_for(f"test -f {MODELS}/{PULL_MODEL}/current/metadata.json", TRAIN_TIMEOUT_S, f"model {PULL_MODEL}")
+    md = json.loads(box.run(["cat", f"{MODELS}/{PULL_MODEL}/current/metadata.json"]).stdout)
+    assert md["dataset"]["header"] == list(PULL_COLUMNS) and md["uploader_uid"] == int(box.run(["id", "-u", "ds-pull"]).stdout)
+    # the same pull into a scratch spool first, to keep the chunk the daemon will take from score/
+    box.run(f"mkdir -p /tmp/scratch/incoming /tmp/scratch/score && cp -a {PULL_STATE} /tmp/scratch/state "
+            "&& chown -R ds-pull /tmp/scratch")
+    box.run([*pull[:4], "--state-dir", "/tmp/scratch/state", "--spool-dir", "/tmp/scratch", "--now", str(score_end)],
+            user="ds-pull")
+    second = box.run([*pull, "--now", str(score_end)], user="ds-pull")
+    assert "1 chunk(s) of 60 rows to score/" in second.stderr, second.stderr
+    wait("the chunk's incident in Prometheus", SCORED_TIMEOUT_S,
+         lambda: value(box, f'ds_ops_incident_open{{model="{PULL_MODEL}"}}') == 1)
+    firing = wait("DsOpsIncident firing for the pulled host", FOR_S + ALERT_TIMEOUT_S,
+                  lambda: [a for a in api(box, "alerts")["alerts"] if a["labels"].get("alertname") == "DsOpsIncident"
+                           and a["labels"].get("model") == PULL_MODEL and a["state"] == "firing"])
+    print(f"DsOpsIncident for {PULL_MODEL}: {firing[0]['annotations'].get('summary')}")
+    top = query(box, f'ds_ops_incident_top_metric_share{{model="{PULL_MODEL}",rank="1"}}')
+    assert [s["metric"]["metric"] for s in top] == ["smd_mem"], top
+    opened = wait("the incident-opened entry", 30, lambda: [e for e in warnings(box) if e.get("DS_MODEL") == PULL_MODEL
+                                                             and e.get("MESSAGE_ID") == MESSAGE_IDS["incident-opened"]])
+    assert "top metrics: smd_mem" in opened[0]["MESSAGE"], opened[0]["MESSAGE"]
+    assert value(box, 'ds_ops_pull_up{source="web"}') == 1
+    # the daemon's scores of the chunk, as ds-ops score scores the same rows as a file
+    (chunk,) = box.run("ls /tmp/scratch/score/*.csv").stdout.split()
+    box.run(["ds-ops", "score", PULL_MODEL, chunk, "--output", "/tmp/by-file.csv"])
+    by_file = list(csv.DictReader(io.StringIO(box.run(["cat", "/tmp/by-file.csv"]).stdout)))
+    rows = box.run(f"cat /var/lib/ds-ops/scores/{PULL_MODEL}/*/rows.csv").stdout
+    ours = [float(r["score"]) for r in csv.DictReader(io.StringIO(rows))]
+    np.testing.assert_allclose(ours, [float(r["score"]) for r in by_file], rtol=1e-5)  # rows.csv: 6 digits
+
+
 def test_purge_removes_the_acl_entry_on_the_textfile_directory_and_the_group(box):
     """The last test here: purge. The admin's ``setfacl -m u:ds-ops:rwx`` outlived the account
     (``user:<freed uid>:rwx``), a write grant for whichever account next gets the uid."""
