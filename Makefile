@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test fuzz bench soak fuzz-soak replay eval clean deb deb-deps lintian e2e
+.PHONY: venv demo test fuzz bench bench-fleet soak fuzz-soak replay eval clean deb deb-deps lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -40,6 +40,11 @@ fuzz: venv
 bench: venv
 	$(BIN)/python scripts/bench_train.py --skip-parse
 	$(BIN)/python scripts/bench_parse.py
+
+# A fleet on one server: N models scored every 5 minutes through a real daemon, then with the day's
+# retrainings queued beside (scripts/bench_fleet.py; docs/performance.md, "A fleet on one server").
+bench-fleet: venv
+	$(BIN)/python scripts/bench_fleet.py --models 100 1000 --train-queue 40 $(BENCH_FLEET_ARGS)
 
 # Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py);
 # then 50 scored chunks that each open an incident, a SIGKILL in each: every incident entry said once (scripts/alert_soak.py).
