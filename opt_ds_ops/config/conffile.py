@@ -159,7 +159,8 @@ class ScoringConfig:
     at least this many training SDs and stayed is a change of regime (:mod:`opt_ds_ops.scoring.regime`):
     said once, then the series is re-baselined (0 seconds: off). ``alarm_budget_per_day``,
     ``alarm_budget_days``: each series raises its threshold, at each day of the data, to the lowest
-    that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off).
+    that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
+    1 as shipped, round 7).
     """
 
     results_dir: str = _field("/var/lib/ds-ops/scores", os.path.isabs, "an absolute path")
@@ -175,7 +176,7 @@ class ScoringConfig:
     regime_after_s: float = _field(0.0, lambda v: _non_negative(v) and math.isfinite(v),
                                    "seconds >= 0 (0: a change of regime is never recognised)")
     regime_shift_sd: float = _field(3.0, lambda v: 0 < v < math.inf, "a number > 0 (training standard deviations)")
-    alarm_budget_per_day: float = _field(0.0, lambda v: 0 <= v < math.inf, "alarms a day >= 0 (0: off)")
+    alarm_budget_per_day: float = _field(1.0, lambda v: 0 <= v < math.inf, "alarms a day >= 0 (0: off)")
     alarm_budget_days: float = _field(14.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
 
 

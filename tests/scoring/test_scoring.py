@@ -39,8 +39,10 @@ def store(tmp_path_factory, smd_rows):
 
 @pytest.fixture
 def cfg(store, tmp_path):
+    """The model's threshold, not the alarm budget's (shipped on: tests/scoring/test_calibration.py), so
+    that flags are the stored threshold's on every day of the test period."""
     return with_overrides(Config(), {"models_dir": store["models"], "scoring.results_dir": str(tmp_path / "scores"),
-                                     "device": "cpu"})
+                                     "device": "cpu", "scoring.alarm_budget_per_day": 0})
 
 
 def make_job(tmp_path, job_id: str, rows: np.ndarray | None, name: str = "m1.csv", text: str | None = None,
