@@ -176,7 +176,7 @@ class ScoringConfig:
     regime_after_s: float = _field(0.0, lambda v: _non_negative(v) and math.isfinite(v),
                                    "seconds >= 0 (0: a change of regime is never recognised)")
     regime_shift_sd: float = _field(3.0, lambda v: 0 < v < math.inf, "a number > 0 (training standard deviations)")
-    alarm_budget_per_day: float = _field(1.0, lambda v: 0 <= v < math.inf, "alarms a day >= 0 (0: off)")
+    alarm_budget_per_day: float = _field(1.0, lambda v: 0 <= v <= 1e6, "alarms a day in [0, 1000000] (0: off)")
     alarm_budget_days: float = _field(14.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
 
 

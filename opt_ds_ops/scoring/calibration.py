@@ -57,20 +57,38 @@ class CalibrationPolicy:
 def fresh(base: float) -> dict:
     """The calibration state of a series that starts now, against the model's threshold ``base``."""
     return {"base": float(base), "threshold": float(base), "day": None, "prev": None, "rows": 0, "runs": {},
-            "days": []}
+            "days": [], "clock": None}
+
+
+def usable(base: float) -> bool:
+    """Whether a model's threshold can be calibrated from (a positive, finite number)."""
+    return isinstance(base, (int, float)) and math.isfinite(base) and base > 0
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _runs_ok(runs) -> bool:
+    return isinstance(runs, dict) and all(isinstance(b, str) and b.isdigit() and int(b) <= EDGES.size and _count(v)
+                                          for b, v in runs.items())
 
 
 def valid(cal, base: float) -> bool:
-    """Whether cal is a calibration state of this shape, made against the threshold ``base``."""
+    """Whether cal is a calibration state of this shape, made against the threshold ``base``: its
+    threshold finite and not under ``base``, its days and bins in range, its counts integers."""
     if not isinstance(cal, dict) or cal.get("base") != float(base):
         return False
     try:
         ok = (isinstance(cal["threshold"], (int, float)) and math.isfinite(cal["threshold"])
-              and (cal["day"] is None or isinstance(cal["day"], int))
-              and (cal["prev"] is None or isinstance(cal["prev"], (int, float)))
-              and isinstance(cal["rows"], int) and isinstance(cal["runs"], dict) and isinstance(cal["days"], list)
-              and all(isinstance(d, list) and len(d) == 3 and isinstance(d[0], int) and isinstance(d[1], int)
-                      and isinstance(d[2], dict) for d in cal["days"]))
+              and float(base) <= cal["threshold"] <= EDGES[-1] * float(base)
+              and (cal["day"] is None or _count(cal["day"]))
+              and (cal["prev"] is None or isinstance(cal["prev"], (int, float)) and not isinstance(cal["prev"], bool)
+                   and math.isfinite(cal["prev"]))
+              and _count(cal["rows"]) and cal["rows"] >= 0 and _runs_ok(cal["runs"]) and isinstance(cal["days"], list)
+              and cal.get("clock") in (None, "time", "rows")
+              and all(isinstance(d, list) and len(d) == 3 and _count(d[0]) and _count(d[1]) and d[1] >= 0
+                      and _runs_ok(d[2]) for d in cal["days"]))
     except (KeyError, TypeError):
         return False
     return ok and len(cal["days"]) <= 10000
@@ -121,11 +139,15 @@ def gap(cal: dict) -> None:
     cal["prev"] = None
 
 
-def budget_threshold(days: list, policy: CalibrationPolicy, base: float, period_s: float) -> tuple[float, dict]:
-    """Return (the threshold, what it rests on: ``days`` covered and ``alarms`` at it) from the
-    kept days ``[[day, rows, runs], ...]``; the model's threshold ``base`` with too little history."""
+def budget_threshold(days: list, policy: CalibrationPolicy, base: float, period_s: float,
+                     clock: str | None = None) -> tuple[float, dict]:
+    """Return (the threshold, what it rests on: ``days`` covered, ``alarms`` at it and, where even
+    the top edge, 1024 times the model's threshold, gives more than the budget, ``capped``) from the
+    kept days ``[[day, rows, runs], ...]``; the model's threshold ``base`` with too little history.
+    Days covered: by the rows' clock (``clock`` "time"), the days kept; by rows, their rows at
+    ``period_s`` seconds a row."""
     rows = sum(d[1] for d in days)
-    covered = rows * period_s / SECONDS_PER_DAY
+    covered = float(len([d for d in days if d[1]])) if clock == "time" else rows * period_s / SECONDS_PER_DAY
     if covered < policy.min_days or not rows:
         return base, {"days": round(covered, 3), "alarms": None}
     delta = np.zeros(EDGES.size + 1, dtype=np.int64)
@@ -137,20 +159,38 @@ def budget_threshold(days: list, policy: CalibrationPolicy, base: float, period_
     over = np.flatnonzero(runs > allowed)
     k = min(int(over[-1]) + 1, EDGES.size - 1) if over.size else 0
     k = max(k, int(np.searchsorted(EDGES, 1.0)))  # never under the model's own threshold
-    return float(EDGES[k] * base), {"days": round(covered, 3), "alarms": int(runs[k])}
+    basis = {"days": round(covered, 3), "alarms": int(runs[k])}
+    if runs[k] > allowed:  # even the top edge: the budget cannot be kept, and the event says so
+        basis["capped"] = True
+    return float(EDGES[k] * base), basis
 
 
-def roll(cal: dict, day: int, policy: CalibrationPolicy, period_s: float) -> dict | None:
-    """At the first row of ``day``: close the current day, keep the last ``policy.days`` days and
-    set the threshold from them. Return ``{"previous", "threshold", "days", "alarms"}`` if the
+def roll(cal: dict, day: int, policy: CalibrationPolicy, period_s: float, clock: str = "rows") -> dict | None:
+    """At the first row of ``day`` (of ``clock``: "time", UTC days of the rows' times, or "rows"):
+    close the current day (merged into a kept day of the same number: time went back), keep the
+    days within ``policy.days`` of the newest and set the threshold from those before ``day``.
+    Days of another clock are dropped (a series whose files gained or lost their time column
+    starts its history again). Return ``{"previous", "threshold", "days", "alarms"}`` if the
     threshold changed, else None."""
+    if cal.get("clock") not in (None, clock):
+        cal["days"], cal["day"], cal["rows"], cal["runs"] = [], None, 0, {}
+    cal["clock"] = clock
     if cal["day"] == day:
         return None
     if cal["day"] is not None and cal["rows"]:
-        cal["days"].append([cal["day"], cal["rows"], cal["runs"]])
-    cal["days"] = [d for d in cal["days"] if day - policy.days <= d[0] < day]
+        same = next((d for d in cal["days"] if d[0] == cal["day"]), None)
+        if same is None:
+            cal["days"].append([cal["day"], cal["rows"], cal["runs"]])
+        else:
+            same[1] += cal["rows"]
+            for b, v in cal["runs"].items():
+                same[2][b] = same[2].get(b, 0) + v
+            same[2] = {b: v for b, v in same[2].items() if v}
+    newest = max([day] + [d[0] for d in cal["days"]])
+    cal["days"] = sorted((d for d in cal["days"] if d[0] >= newest - policy.days), key=lambda d: d[0])
     cal["day"], cal["rows"], cal["runs"] = day, 0, {}
-    threshold, basis = budget_threshold(cal["days"], policy, cal["base"], period_s)
+    threshold, basis = budget_threshold([d for d in cal["days"] if d[0] < day][-int(policy.days):] if policy.days else [],
+                                        policy, cal["base"], period_s, clock)
     previous = cal["threshold"]
     cal["threshold"] = threshold
     if threshold == previous:

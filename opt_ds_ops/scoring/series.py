@@ -351,7 +351,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         st.incident = Tracker(opened=counters[4]).to_dict()  # incident ids go on counting in the series
         st.rebase, st.regime, st.regime_changes = kept[0], kept[1], changes
     st.version, st.threshold = model_version(stored), float(stored.threshold)
-    on = calibration is not None and calibration.on
+    on = calibration is not None and calibration.on and calib.usable(st.threshold)  # a threshold of 0: nothing to scale
     if not on:
         st.calibration = None
     elif not calib.valid(st.calibration, st.threshold):
@@ -399,7 +399,8 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     events = []
     if calibration is not None and n:
         day = calib.day_of(None if t is None else float(t[0]), st.next_row, sample_period_s(stored) or 60.0)
-        moved = calib.roll(st.calibration, day, calibration, sample_period_s(stored) or 60.0)
+        moved = calib.roll(st.calibration, day, calibration, sample_period_s(stored) or 60.0,
+                           "rows" if t is None else "time")
         st.threshold = float(st.calibration["threshold"])
         if moved is not None:
             events.append(dict(moved, event="threshold-calibrated", row=st.next_row,

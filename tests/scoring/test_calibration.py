@@ -142,3 +142,70 @@ def test_off_is_the_models_threshold_and_a_state_with_a_bad_calibration_starts_i
     assert r.state.calibration["days"] == [] and r.state.threshold == float(model.threshold)
     with pytest.raises(ValueError):
         SeriesState.from_dict(dict(state.to_dict(), calibration=[1, 2]))
+
+
+def _day(cal, day, scores, policy=BUDGET, clock="rows"):
+    calib.roll(cal, day, policy, 60.0, clock)
+    calib.add(cal, np.asarray(scores, dtype=np.float64))
+
+
+def _noisy_day(rng, alarms):
+    """A day of 1-minute scores under a threshold of 1.0 with ``alarms`` short runs at 1.5."""
+    s = rng.uniform(0.1, 0.5, DAY)
+    for i in range(alarms):
+        s[100 + 60 * i: 103 + 60 * i] = 1.5
+    return s
+
+
+def test_time_going_back_keeps_the_days_scored_and_merges_the_day_it_returns_to():
+    rng = np.random.default_rng(0)
+    cal = calib.fresh(1.0)
+    for d in range(20000, 20004):
+        _day(cal, d, _noisy_day(rng, 3), clock="time")
+    calib.roll(cal, 20004, BUDGET, 60.0, "time")
+    assert [d[0] for d in cal["days"]] == [20001, 20002, 20003]  # the last 3 days (BUDGET.days)
+    _day(cal, 20002, _noisy_day(rng, 2), clock="time")  # a file of an earlier day, sent again
+    calib.roll(cal, 20005, BUDGET, 60.0, "time")
+    assert [d[0] for d in cal["days"]] == [20002, 20003]  # within 3 days of the newest, 20005
+    merged = next(d for d in cal["days"] if d[0] == 20002)
+    assert merged[1] == 2 * DAY  # the day's rows twice: merged into its entry, none of the others dropped
+
+
+def test_by_the_rows_times_a_day_is_a_day_whatever_the_rows_cadence():
+    rng = np.random.default_rng(1)
+    cal = calib.fresh(1.0)
+    for d in range(20000, 20003):  # 10-second rows against a model of 1-minute rows: 6 x the rows a day
+        s = np.concatenate([_noisy_day(rng, 4 if k == 0 else 0) for k in range(6)])
+        _day(cal, d, s, clock="time")
+    calib.roll(cal, 20003, BUDGET, 60.0, "time")
+    threshold, basis = calib.budget_threshold(cal["days"], BUDGET, 1.0, 60.0, "time")
+    assert basis["days"] == 3.0 and threshold > 1.0  # 12 alarms in 3 days: over a budget of 1 a day
+    by_rows, rbasis = calib.budget_threshold(cal["days"], BUDGET, 1.0, 60.0, "rows")
+    assert rbasis["days"] == 18.0 and by_rows == 1.0  # counted by rows, 3 days would pass for 18
+
+
+def test_a_series_whose_clock_changes_starts_its_history_again():
+    rng = np.random.default_rng(2)
+    cal = calib.fresh(1.0)
+    for d in range(3):
+        _day(cal, d, _noisy_day(rng, 1))
+    _day(cal, 20010, _noisy_day(rng, 1), clock="time")
+    assert cal["days"] == [] and cal["clock"] == "time"
+
+
+def test_a_budget_even_the_top_edge_cannot_keep_is_said_capped():
+    cal = calib.fresh(1.0)
+    flapping = np.tile([0.5, 2000.0], DAY // 2)  # runs far over 1024 x the threshold, all day
+    _day(cal, 0, flapping)
+    moved = calib.roll(cal, 1, BUDGET, 60.0)
+    assert moved["threshold"] == EDGES[-1] and moved["capped"] and moved["alarms"] == DAY // 2
+
+
+@pytest.mark.parametrize("broken", [
+    {"runs": {"999": 3}}, {"runs": {"-1": 3}}, {"runs": {"5": True}}, {"threshold": 0.5}, {"threshold": 0.0},
+    {"prev": float("nan")}, {"rows": True}, {"days": [[1, 10, {"9999": 1}]]}, {"clock": "weeks"},
+])
+def test_a_state_out_of_range_is_not_valid_and_starts_again(broken):
+    cal = dict(calib.fresh(1.0), **broken)
+    assert not calib.valid(cal, 1.0)
+    assert calib.valid(calib.fresh(1.0), 1.0)
