@@ -95,12 +95,18 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                      started_time=ev.get("started_time"), metrics=moved))
     if kind == "threshold-calibrated":
         alarms = ev.get("alarms")
+        if ev.get("capped"):
+            why = (f"capped at 1024 times the model's {num(ev.get('model_threshold'))}: its last {num(ev.get('days'))} "
+                   f"days scored give {alarms} alarms even there, over {num(ev.get('budget_per_day'))} a day; the model "
+                   "alarms on almost everything")
+        else:
+            why = (f"the model's {num(ev.get('model_threshold'))}): the lowest at which its last "
+                   f"{num(ev.get('days'))} days scored give at most {num(ev.get('budget_per_day'))} alarms a day"
+                   + (f" ({alarms} alarms)" if isinstance(alarms, int) else ""))
         return (kind, f"{model}: threshold {num(ev.get('threshold'))} from {when} on (was {num(ev.get('previous'))}; "
-                      f"the model's {num(ev.get('model_threshold'))}): the lowest at which its last "
-                      f"{num(ev.get('days'))} days scored give at most {num(ev.get('budget_per_day'))} alarms a day"
-                      + (f" ({alarms} alarms)" if isinstance(alarms, int) else "")
+                      + why + ("" if not ev.get("capped") else ")")
                       + f" (version {ev.get('version') or version}); in {file}",
-                LOG_INFO,
+                LOG_WARNING if ev.get("capped") else LOG_INFO,
                 dict(common, version=ev.get("version") or version, threshold=ev.get("threshold"),
                      previous=ev.get("previous")))
     return None
