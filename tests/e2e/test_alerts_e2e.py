@@ -552,7 +552,7 @@ def backfill(start: float, rows: int, hot: tuple[int, int]) -> str:
     for name, col in PULL_COLUMNS.items():
         lines.append(f"# TYPE {name} gauge")
         for i in range(rows):
-            v = data[i, col] + (1.0 if name == "smd_mem" and hot[0] <= i < hot[1] else 0.0)
+            v = float(data[i, col]) + (1.0 if name == "smd_mem" and hot[0] <= i < hot[1] else 0.0)
             lines.append(f'{name}{{instance="{PULL_HOST}",job="backfill"}} {v!r} {start + 60 * i:.0f}')
     return "\n".join(lines) + "\n# EOF\n"
 
@@ -599,15 +599,20 @@ def test_the_puller_trains_and_scores_a_host_from_prometheus_and_the_incident_na
                   lambda: [a for a in api(box, "alerts")["alerts"] if a["labels"].get("alertname") == "DsOpsIncident"
                            and a["labels"].get("model") == PULL_MODEL and a["state"] == "firing"])
     print(f"DsOpsIncident for {PULL_MODEL}: {firing[0]['annotations'].get('summary')}")
-    top = query(box, f'ds_ops_incident_top_metric_share{{model="{PULL_MODEL}",rank="1"}}')
-    assert [s["metric"]["metric"] for s in top] == ["smd_mem"], top
+    # the top metrics by the series' names (a shift of one input moves the reconstruction of the
+    # others too: the one moved is among the top three, not always the first)
+    top = {s["metric"]["rank"]: s["metric"]["metric"]
+           for s in query(box, f'ds_ops_incident_top_metric_share{{model="{PULL_MODEL}"}}')}
+    assert "1" in top and set(top.values()) <= set(PULL_COLUMNS) and "smd_mem" in top.values(), top
     opened = wait("the incident-opened entry", 30, lambda: [e for e in warnings(box) if e.get("DS_MODEL") == PULL_MODEL
                                                              and e.get("MESSAGE_ID") == MESSAGE_IDS["incident-opened"]])
-    assert "top metrics: smd_mem" in opened[0]["MESSAGE"], opened[0]["MESSAGE"]
+    named = re.search(r"top metrics: (.*?); in ", opened[0]["MESSAGE"])
+    assert named and "smd_mem" in named[1] and not re.search(r"column \d", named[1]), opened[0]["MESSAGE"]
     assert value(box, 'ds_ops_pull_up{source="web"}') == 1
     # the daemon's scores of the chunk, as ds-ops score scores the same rows as a file
     (chunk,) = box.run("ls /tmp/scratch/score/*.csv").stdout.split()
-    box.run(["ds-ops", "score", PULL_MODEL, chunk, "--output", "/tmp/by-file.csv"])
+    scored = box.run(["ds-ops", "score", PULL_MODEL, chunk, "--output", "/tmp/by-file.csv"], check=False)
+    assert scored.returncode == 3, scored.stderr  # 3: rows flagged (ds-ops score's exit status)
     by_file = list(csv.DictReader(io.StringIO(box.run(["cat", "/tmp/by-file.csv"]).stdout)))
     rows = box.run(f"cat /var/lib/ds-ops/scores/{PULL_MODEL}/*/rows.csv").stdout
     ours = [float(r["score"]) for r in csv.DictReader(io.StringIO(rows))]
