@@ -54,7 +54,7 @@ from ..spool import (
     read_record
 )
 from ..spool.watcher import IncomingWatcher
-from ..store.model_dir import current_models
+from ..store.model_dir import CurrentModels
 from . import worker
 from .breadcrumb import Breadcrumb
 from .dispatch import Dispatch
@@ -109,7 +109,7 @@ class Daemon:
         import torch
 
         self.metrics = MetricsWriter(cfg.metrics.textfile_dir, cfg.models_dir, torch_version=torch.__version__,
-                                     cuda_version=torch.version.cuda or "", read_models=current_models,
+                                     cuda_version=torch.version.cuda or "", read_models=CurrentModels(),
                                      retrain_every_s=cfg.retrain.every_s)
         self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
         self.breadcrumb = Breadcrumb(spool.root)  # the job in hand, for a death's quarantine

@@ -237,6 +237,49 @@ def write_operator_action(name_dir: str, entry: dict) -> None:
     write_atomic(os.path.join(name_dir, OPERATOR_FILE), (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
 
 
+class CurrentModels:
+    """:func:`current_models` for a reader that asks again and again (the daemon's metrics, after
+    every job): a model's metadata.json is read again only when its ``current`` link, the file's
+    size or mtime changed, and its versions counted again only when its directory changed. Over
+    a thousand models the store costs a readlink and two stats each, not a JSON parse each."""
+
+    def __init__(self):
+        self._seen: dict[str, tuple] = {}  # name -> (key, metadata, dir mtime_ns, versions)
+
+    def __call__(self, models_dir: str) -> list[tuple[str, dict, int]]:
+        out, seen = [], {}
+        try:
+            names = sorted(e for e in os.listdir(models_dir) if not e.startswith("."))
+        except OSError:
+            self._seen = {}
+            return out
+        for name in names:
+            name_dir = os.path.join(models_dir, name)
+            path = os.path.join(name_dir, CURRENT, METADATA_FILE)
+            try:
+                st, dir_mtime = os.stat(path), os.stat(name_dir).st_mtime_ns
+                key = (os.readlink(os.path.join(name_dir, CURRENT)), st.st_ino, st.st_size, st.st_mtime_ns)
+            except OSError:
+                continue
+            cached = self._seen.get(name)
+            if cached is not None and cached[0] == key:
+                md = cached[1]
+            else:
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        md = json.load(f)
+                except (OSError, ValueError):
+                    continue
+                if not isinstance(md, dict):
+                    continue
+                cached = None
+            versions = cached[3] if cached is not None and cached[2] == dir_mtime else len(list_versions(name_dir))
+            seen[name] = (key, md, dir_mtime, versions)
+            out.append((name, md, versions))
+        self._seen = seen
+        return out
+
+
 def current_models(models_dir: str) -> list[tuple[str, dict, int]]:
     """Return (name, current version's metadata, number of versions) of each model; unreadable
     ones are skipped (a metric is never worth a failed write)."""

@@ -150,3 +150,35 @@ def test_sigkill_at_random_moments_of_real_cli_runs_never_exposes_a_partial_mode
 
 def test_smd_fixture_file_is_bundled():
     assert SMD_TRAIN.exists()
+
+
+def test_the_cached_reader_of_current_models_reads_a_metadata_again_only_when_it_changed(tmp_path, result, monkeypatch):
+    """The daemon's metrics read the store after every job: CurrentModels gives what current_models
+    gives, through new versions, a promotion, a rewritten metadata.json and a removal, and parses
+    a model's metadata.json again only when its current link or the file changed."""
+    import shutil
+
+    from opt_ds_ops.store import model_dir
+    from opt_ds_ops.store.model_dir import CurrentModels, current_models, publish
+
+    root = str(tmp_path)
+    first = {n: save_model(root, n, model_payload(result), {"k": n})[0] for n in ("a", "b", "c")}
+    parsed = []
+    real_load = model_dir.json.load
+    monkeypatch.setattr(model_dir.json, "load", lambda f: parsed.append(f.name) or real_load(f))
+    reader = CurrentModels()
+    assert reader(root) == current_models(root) and len(parsed) == 2 * 3
+    parsed.clear()
+    assert reader(root) == current_models(root) and len(parsed) == 3  # current_models' own reads only
+    parsed.clear()
+    save_model(root, "b", model_payload(result), {"k": "b2"})  # a new version of b, made current
+    md_path = os.path.join(first["c"], "metadata.json")
+    with open(md_path + ".tmp", "w") as f:
+        json.dump({"k": "c rewritten"}, f)
+    os.replace(md_path + ".tmp", md_path)
+    shutil.rmtree(tmp_path / "a")
+    got = reader(root)
+    assert got == current_models(root) and [(n, md["k"], v) for n, md, v in got] == [("b", "b2", 2), ("c", "c rewritten", 1)]
+    assert sorted(p.split(os.sep)[-3] for p in parsed[:2]) == ["b", "c"]  # only what changed, before current_models' own
+    publish(str(tmp_path / "b"), os.path.basename(first["b"]), "rollback")  # current back to b's first version
+    assert [(n, md["k"]) for n, md, _ in reader(root)] == [("b", "b"), ("c", "c rewritten")]
