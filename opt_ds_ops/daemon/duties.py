@@ -28,7 +28,7 @@ from ..scoring.job import STATE_FILE
 from ..spool import DONE, FAILED, SpoolError, check_writable_dir, prune_retention
 from ..store.versions import StoreError, prune
 from ..training.fit import GPU_HEADROOM_BYTES
-from .pacing import HEALTH_LOG_TIMEOUT_S, METRICS_REFRESH_S
+from .pacing import HEALTH_LOG_TIMEOUT_S, METRICS_MIN_GAP_S, METRICS_REFRESH_S
 
 
 def _changed_keys(old: Config, new: Config) -> list[str]:
@@ -70,13 +70,20 @@ class Duties:
         self.d.guarded(self.retention)
         self.write_metrics()
 
-    def write_metrics(self) -> None:
+    def write_metrics(self, soon: bool = False) -> None:
         """Write ds_ops.prom with the queue, the running jobs (those whose process has not ended:
         a job just finished is not counted before it is reaped) and the last results; a failure is
-        a warning logged once per reason, never a stop."""
+        a warning logged once per reason, never a stop. ``soon`` (a scored chunk): within
+        METRICS_MIN_GAP_S of the last write, the write is left to the main loop's next tick
+        (``metrics_dirty``), so that a fleet's chunks, several a second, are written together,
+        not one ds_ops.prom each."""
         m = self.d.metrics
         if not m.enabled:
             return
+        if soon and time.monotonic() - self.d.metrics_written_at < METRICS_MIN_GAP_S:
+            self.d.metrics_dirty = True
+            return
+        self.d.metrics_dirty = False
         m.queued = self.d.watcher.queued() + len(self.d.pending)
         m.paused = time.monotonic() < self.d.paused_until
         m.jobs = [{"epoch": self.d.records.get(j.job_id, {}).get("epoch") or 0, "epochs": self.d.cfg.train.epochs,

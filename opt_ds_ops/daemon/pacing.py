@@ -10,5 +10,6 @@ STOP_EXTEND_S = 30.0  # EXTEND_TIMEOUT_USEC asked for while a job writes its che
 START_EXTEND_S = 300.0  # EXTEND_TIMEOUT_USEC while the forkserver imports torch at start-up
 BACKOFF_S = (5.0, 300.0)  # first and longest pause of intake after a file system error (seconds)
 METRICS_REFRESH_S = 60.0  # ds_ops.prom is rewritten at least this often (seconds), besides every state change
+METRICS_MIN_GAP_S = 1.0  # scored chunks within this of the last write are written together (a fleet's, several a second)
 HEALTH_LOG_TIMEOUT_S = 30.0  # the start-up health report gives up waiting on NVML after this (seconds)
 GPU_CHECK_S = 2.0  # the daemon's NVML reading for job slots is reused for this long (seconds)

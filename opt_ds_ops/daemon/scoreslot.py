@@ -453,7 +453,7 @@ class ScoreSlot:
             discard_job(self.d.spool, record["job_id"])  # the results are its record, not the bytes
             self.d.outcome.forget(record["job_id"])
             self.d.guarded(lambda: self.retention(str(f["summary"].get("model"))))
-            self.d.duties.write_metrics()
+            self.d.duties.write_metrics(soon=True)  # with the other chunks of this second
             return
         if f.get("errno") in STORAGE_ERRNOS or f.get("transient"):
             self._requeue(record, f["reason"])

@@ -61,7 +61,7 @@ from .dispatch import Dispatch
 from .duties import Duties
 from .notify import Notifier
 from .outcome import Outcome
-from .pacing import BACKOFF_S, METRICS_REFRESH_S, START_EXTEND_S, STEP_BUDGET_S, TICK_S
+from .pacing import BACKOFF_S, METRICS_MIN_GAP_S, METRICS_REFRESH_S, START_EXTEND_S, STEP_BUDGET_S, TICK_S
 from .recovery import Recovery
 from .retrainer import Retrainer
 from .scoreslot import ScoreSlot
@@ -112,6 +112,7 @@ class Daemon:
                                      cuda_version=torch.version.cuda or "", read_models=CurrentModels(),
                                      retrain_every_s=cfg.retrain.every_s)
         self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
+        self.metrics_dirty = False  # a state change not yet written (METRICS_MIN_GAP_S)
         self.breadcrumb = Breadcrumb(spool.root)  # the job in hand, for a death's quarantine
         self.slots = Slots(self)  # job slots and the GPU each job gets (opt_ds_ops.daemon.slots)
         self.cfg = self.slots.usable(cfg)
@@ -184,6 +185,8 @@ class Daemon:
             for job in self.jobs.values():
                 job.kill("the daemon is stopping", crash=False)
             self.scorer.stop()
+            if self.metrics_dirty:
+                self.guarded(self.duties.write_metrics)  # the last chunks' figures, before the exit
             self.breadcrumb.close()
             self.stopping()
             self.watcher.stop()
@@ -275,7 +278,8 @@ class Daemon:
         if self.stop_requested:
             self.stopping()  # STOPPING=1 first, then EXTEND_TIMEOUT_USEC while a checkpoint is written
         self.watcher.tick()
-        if self.metrics.enabled and time.monotonic() - self.metrics_written_at > METRICS_REFRESH_S:
+        since = time.monotonic() - self.metrics_written_at
+        if self.metrics.enabled and (since > METRICS_REFRESH_S or self.metrics_dirty and since >= METRICS_MIN_GAP_S):
             self.duties.write_metrics()  # ages stay current and `ds-ops models` changes show, even when idle
         intake = not (self.stop_requested or time.monotonic() < self.paused_until)
         scoring = self.guarded(lambda: self.scorer.step(0.0 if self.jobs else TICK_S, intake))  # never behind training
