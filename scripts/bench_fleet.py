@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
-import json
 import os
 import resource
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,19 +42,9 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared", "data")
 BUNDLED = os.path.join(REPO, "data", "smd", "train", "machine-1-2.txt.gz")
-CAPTURE = """
-import json, os, sys, time
-import systemd.journal
-out = open(os.environ["JOURNAL_CAPTURE"], "a")
-def send(MESSAGE, **fields):
-    out.write(json.dumps(dict(fields, MESSAGE=MESSAGE, T=time.time())) + "\\n")
-    out.flush()
-systemd.journal.send = send
-from opt_ds_ops.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 TICK = os.sysconf("SC_CLK_TCK")
 sys.path.insert(0, REPO)
+from bench_score_spool import CAPTURE, entries, rename_in  # noqa: E402 - this folder: the scoring spool's bench
 from opt_ds_ops.observe.journal import MESSAGE_IDS  # noqa: E402
 
 OPENED = MESSAGE_IDS["incident-opened"]
@@ -107,23 +95,6 @@ def peak_rss_mib(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def entries(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
-
-
-def rename_in(directory: str, name: str, data: bytes) -> float:
-    part = os.path.join(directory, name + ".part")
-    with open(part, "wb") as f:
-        f.write(data)
-    t = time.time()
-    os.rename(part, os.path.join(directory, name))
-    return t
 
 
 def pct(values: list[float], q: float) -> float:

@@ -486,6 +486,17 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: invalid YAML: a value cannot be read ({type(e).__name__}: {_shown(str(e))})") from None
 
 
+def _parse_yaml_bytes(text: bytes, where: str, max_bytes: int, what: str) -> Any:
+    """Return the YAML document in the bytes of file ``where`` (a ``what``: "sidecar", "source
+    file"); ConfigError for more than ``max_bytes``, text that is not UTF-8, or invalid YAML."""
+    if len(text) > max_bytes:
+        raise ConfigError(f"{where}: {len(text)} bytes; a {what} may hold at most {max_bytes}")
+    try:
+        return _parse_yaml(text.decode("utf-8"), where)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not UTF-8 text") from None
+
+
 def _build_guarded(cls, raw: Any, where: str, text: str = ""):
     """:func:`_build`; a value nested too deeply is a ConfigError, a key's names its line in ``text``."""
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from .conffile import ConfigError, DatasetConfig, _build_guarded, _parse_yaml, _shown, _sorted_keys
+from .conffile import ConfigError, DatasetConfig, _build_guarded, _parse_yaml_bytes, _shown, _sorted_keys
 
 SIDECAR_SUFFIXES = (".yaml", ".yml")
 SIDECAR_MAX_BYTES = 64 * 1024
@@ -27,12 +27,7 @@ def parse_sidecar(text: bytes, where: str, base: DatasetConfig) -> tuple[Dataset
     (nesting deeper than the parser follows, 20,000 ``[``, too), not a mapping, an unknown key (of
     any type: ``1:`` beside ``foo:``), a wrong type or value.
     """
-    if len(text) > SIDECAR_MAX_BYTES:
-        raise ConfigError(f"{where}: {len(text)} bytes; a sidecar may hold at most {SIDECAR_MAX_BYTES}")
-    try:
-        raw = _parse_yaml(text.decode("utf-8"), where)
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}: not UTF-8 text") from None
+    raw = _parse_yaml_bytes(text, where, SIDECAR_MAX_BYTES, "sidecar")
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: a sidecar must be a mapping of dataset keys, got {type(raw).__name__}")

@@ -396,11 +396,11 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     st = SeriesState.from_dict(state.to_dict())
     want = stored.n_features
     n, w = data.shape[0], stored.input_window
+    period = sample_period_s(stored) or 60.0
     events = []
     if calibration is not None and n:
-        day = calib.day_of(None if t is None else float(t[0]), st.next_row, sample_period_s(stored) or 60.0)
-        moved = calib.roll(st.calibration, day, calibration, sample_period_s(stored) or 60.0,
-                           "rows" if t is None else "time")
+        day = calib.day_of(None if t is None else float(t[0]), st.next_row, period)
+        moved = calib.roll(st.calibration, day, calibration, period, "rows" if t is None else "time")
         st.threshold = float(st.calibration["threshold"])
         if moved is not None:
             events.append(dict(moved, event="threshold-calibrated", row=st.next_row,
@@ -415,7 +415,7 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     flags = scores > threshold
     row0 = st.next_row
     done = track(flags, scores, threshold, Tracker.from_dict(st.incident), policy,
-                 sample_period_s(stored) or 60.0, row0=row0, times=t, cells=cells, levels=levels, regime=regime)
+                 period, row0=row0, times=t, cells=cells, levels=levels, regime=regime)
     if done.stopped is not None and done.stopped < n - 1:
         part = ChunkResult(scores=scores, flags=flags, top=[], incident=done.incident, first_row=row0, events=events,
                            notes=[], state=st, active=False, cells=cells)

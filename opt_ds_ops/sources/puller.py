@@ -29,6 +29,7 @@ hidden temporary name (which the daemon never claims) and renamed into place, fs
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -98,6 +99,7 @@ class Window:
     step: float
     hosts: dict[str, np.ndarray]
 
+    @functools.cached_property
     def times(self) -> np.ndarray:
         return self.start + self.step * np.arange(int(round((self.end - self.start) / self.step)) + 1)
 
@@ -230,7 +232,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         values = training.hosts.get(host)
         if values is None:  # a waiting host with no rows in the window any more
             continue
-        rows, missing = _rows(values, training.times(), source)
+        rows, missing = _rows(values, training.times, source)
         if len(rows):
             entry["last_seen"] = float(rows[-1, 0])
         try:
@@ -269,7 +271,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if start > entry["scored_until"] + step:
             report.skipped_s[host] = start - entry["scored_until"] - step
         lo = int(round((start - window.start) / step))
-        rows, missing = _rows(window.hosts[host], window.times(), source, lo)
+        rows, missing = _rows(window.hosts[host], window.times, source, lo)
         if missing:
             report.missing[host] = missing
         if len(rows):

@@ -29,7 +29,7 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config.conffile import ConfigError, _build_guarded, _field, _parse_yaml, _shown
+from ..config.conffile import ConfigError, _build_guarded, _field, _parse_yaml_bytes, _shown
 
 SOURCE_MAX_BYTES = 256 * 1024
 MAX_SERIES = 512
@@ -125,12 +125,7 @@ def parse_source(text: bytes, where: str, name: str) -> Source:
     one name, more than MAX_SERIES series, a step that is not a whole number of seconds, windows
     that cannot hold a row (``min_history`` under two steps or over ``train_window``,
     ``score_every`` under one step)."""
-    if len(text) > SOURCE_MAX_BYTES:
-        raise ConfigError(f"{where}: {len(text)} bytes; a source file may hold at most {SOURCE_MAX_BYTES}")
-    try:
-        raw = _parse_yaml(text.decode("utf-8"), where)
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}: not UTF-8 text") from None
+    raw = _parse_yaml_bytes(text, where, SOURCE_MAX_BYTES, "source file")
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: a source file is a mapping with a 'series' list, got {_shown(raw)}")
     raw = dict(raw)

@@ -238,10 +238,11 @@ def write_operator_action(name_dir: str, entry: dict) -> None:
 
 
 class CurrentModels:
-    """:func:`current_models` for a reader that asks again and again (the daemon's metrics, after
-    every job): a model's metadata.json is read again only when its ``current`` link, the file's
-    size or mtime changed, and its versions counted again only when its directory changed. Over
-    a thousand models the store costs a readlink and two stats each, not a JSON parse each."""
+    """(name, current version's metadata, number of versions) of each model, for a reader that asks
+    again and again (the daemon's metrics, after every job): a model's metadata.json is read again
+    only when its ``current`` link, the file's identity, size or mtime changed, and its versions
+    counted again only when its directory changed. Over a thousand models the store costs a
+    readlink and two stats each, not a JSON parse each. Unreadable models are skipped."""
 
     def __init__(self):
         self._seen: dict[str, tuple] = {}  # name -> (key, metadata, dir mtime_ns, versions)
@@ -258,9 +259,13 @@ class CurrentModels:
             path = os.path.join(name_dir, CURRENT, METADATA_FILE)
             try:
                 st, dir_mtime = os.stat(path), os.stat(name_dir).st_mtime_ns
-                key = (os.readlink(os.path.join(name_dir, CURRENT)), st.st_ino, st.st_size, st.st_mtime_ns)
             except OSError:
                 continue
+            try:
+                link = os.readlink(os.path.join(name_dir, CURRENT))
+            except OSError:  # not a link: the file's identity alone says whether it changed
+                link = None
+            key = (link, st.st_ino, st.st_size, st.st_mtime_ns)
             cached = self._seen.get(name)
             if cached is not None and cached[0] == key:
                 md = cached[1]
@@ -282,12 +287,9 @@ class CurrentModels:
 
 def current_models(models_dir: str) -> list[tuple[str, dict, int]]:
     """Return (name, current version's metadata, number of versions) of each model; unreadable
-    ones are skipped (a metric is never worth a failed write)."""
-    out = []
-    try:
-        names = sorted(e for e in os.listdir(models_dir) if not e.startswith("."))
-    except OSError:
-        return out
+    ones are skipped (a metric is never worth a failed write). One read: :class:`CurrentModels`
+    with nothing cached."""
+    return CurrentModels()(models_dir)
     for name in names:
         name_dir = os.path.join(models_dir, name)
         try:

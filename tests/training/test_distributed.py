@@ -111,24 +111,26 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def test_a_failing_rank_is_named_and_no_rank_outlives_the_launch(tmp_path, monkeypatch):
+def _failed_launch(tmp_path, monkeypatch, module: str) -> str:
+    """Run two ranks of tests/MODULE.py, which fail; return the launcher's TrainingError, once no
+    rank outlives the launch."""
     monkeypatch.setenv("PYTHONPATH", str(REPO / "tests"))
     out = tmp_path / "run"
     out.mkdir()
     with pytest.raises(TrainingError) as e:
-        run_ranks(2, ["--dir", str(out)], str(out), None, module="ddp_rank_fails")
-    assert str(e.value) == "distributed training failed on rank 1 of 2: ValueError: the disk of rank 1 is on fire"
+        run_ranks(2, ["--dir", str(out)], str(out), None, module=module)
     assert _processes_mentioning(str(out)) == []
+    return str(e.value)
+
+
+def test_a_failing_rank_is_named_and_no_rank_outlives_the_launch(tmp_path, monkeypatch):
+    assert _failed_launch(tmp_path, monkeypatch, "ddp_rank_fails") == \
+        "distributed training failed on rank 1 of 2: ValueError: the disk of rank 1 is on fire"
 
 
 def test_a_rank_killed_without_an_error_of_its_own_is_named_from_torchruns_summary(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests"))
-    out = tmp_path / "run"
-    out.mkdir()
-    with pytest.raises(TrainingError) as e:
-        run_ranks(2, ["--dir", str(out)], str(out), None, module="ddp_rank_killed")
-    assert str(e.value) == "distributed training failed (torchrun exit code 1): rank 1 ended with exit code -9 (SIGKILL)"
-    assert _processes_mentioning(str(out)) == []
+    assert _failed_launch(tmp_path, monkeypatch, "ddp_rank_killed") == \
+        "distributed training failed (torchrun exit code 1): rank 1 ended with exit code -9 (SIGKILL)"
 
 
 @pytest.mark.parametrize("sig, code, last_words", [(signal.SIGINT, 130, "ds-ops: interrupted"),
