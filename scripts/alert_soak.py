@@ -9,6 +9,9 @@ renamed; as root, each given to another member of the group), real SIGKILLs.
 * Then ``--chunks`` chunks of 280 rows each are scored against it, one at a time: 150 normal rows
   of the same machine, 20 rows shifted by 8 standard deviations (an anomaly the model flags),
   110 normal rows, so each chunk opens one incident (opt_ds_ops/scoring/incidents.py).
+* The alarm budget and retraining are off in the soak's conffile (``scoring.alarm_budget_per_day:
+  0``, ``retrain.every: ""``, ``retrain.drift_rate: 0``): at five incidents a day the shipped budget
+  would raise the threshold after a few chunks, and a retraining would change the model mid-soak.
 * The incident rule is the shipped one, pinned in the soak's conffile: ``incident_open_window_s:
   0`` (one flagged row opens an incident) and ``incident_quiet_s: 1800``, that is 30 rows of the
   model's sample period (``train.sample_period_s: 60``, pinned too: the chunks have no time
@@ -95,6 +98,13 @@ def write_config(root: Path) -> Path:
         f"  results_dir: {root / 'scores'}",
         "  incident_open_window_s: 0",
         f"  incident_quiet_s: {QUIET_S}",
+        # the soak checks that entries are said once, not what the threshold should be: the
+        # shipped alarm budget would raise the threshold once the chunks' 5 incidents a day are
+        # seen (so later chunks open none), and a retraining would change the model mid-soak
+        "  alarm_budget_per_day: 0",
+        "retrain:",
+        '  every: ""',
+        "  drift_rate: 0",
     ]) + "\n")
     return conf
 
