@@ -17,6 +17,8 @@ it took to drain, the daemon's CPU seconds per chunk and everything's (the daemo
 its forkserver and every job process, the reaped ones included) over the window and the drain,
 the daemon's peak RSS, ds_ops.prom's size, series and rewrites,
 ``ds-ops status``'s wall time, and the training queue's models/hour under the scoring load.
+With ``--stacked K``, then K hosts trained with the shipped defaults one at a time and as one stack
+(scripts/bench_stacked.py: the trainer itself, in this process; the daemon trains one job at a time).
 Ratios against the same run with one model in the same script (``--baseline-seconds``). No
 assertion: figures only.
 
@@ -274,6 +276,8 @@ def main() -> int:
     ap.add_argument("--bases", type=int, default=4)
     ap.add_argument("--spike-every", type=int, default=20)
     ap.add_argument("--train-queue", type=int, default=0, help="training datasets dropped at the start of a second phase")
+    ap.add_argument("--stacked", type=int, default=0,
+                    help="then train this many hosts one at a time and as one stack (scripts/bench_stacked.py)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     base_list = bases(args.bases)
@@ -296,6 +300,9 @@ def main() -> int:
             r = run(n, args.seconds, queue[:args.train_queue], base_models, base_list, args)
             print(line(f"{n} models with {args.train_queue} trainings queued", r, base))
     shutil.rmtree(base_models, ignore_errors=True)
+    if args.stacked:  # the trainer's own models/hour, alone and stacked, in this run (no daemon: not yet batched there)
+        from bench_stacked import measure, report
+        print(report(measure(args.stacked, 8640, 19, "cpu", "auto")), flush=True)
     return 0
 
 

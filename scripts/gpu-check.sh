@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPU check for ds-ops, for a machine with an NVIDIA GPU: about 2-3 minutes expected; every step has
-# a timeout and together they stay under 8 minutes (60 s doctor, 2 x 30 s smoke test, 4 x 60 s
-# train, 150 s bench, 120 s for the job through the installed unit; worst case 7.5 minutes).
+# a timeout (60 s doctor, 2 x 30 s smoke test, 8 x 60 s train, 120 s streamed, 150 s stacked, 120 s
+# step tests, 150 s bench, 120 s for each job through a unit or a daemon); expected 4-5 minutes.
 #
 # Usage: scripts/gpu-check.sh [WHEEL_DIR]
 #   Runs from the source tree (PYTHONPATH), with the python3 on PATH or $PYTHON, which must have
@@ -16,6 +16,8 @@
 # 2. the CUDA smoke test alone with bf16 and with fp16+GradScaler (python -m opt_ds_ops.health.smoke);
 # 3. ds-ops train --device cuda with bf16 and with fp16+GradScaler on the bundled SMD machine and on
 # a 1,000,000 x 32 synthetic file (GPU readings per epoch from metadata.json);
+# 3a. ds-ops train with the shipped defaults (no --epochs), bf16 and fp16, with and without CUDA graphs;
+# 3b'. scripts/bench_stacked.py: a fleet's hosts trained one at a time and as one stack, models/hour;
 # 3b. tests/training/test_step.py: the training step replayed from a CUDA graph against eager steps, per AMP dtype;
 # 4. scripts/bench_train.py --device cuda (the seed script's loop as written against ds-ops's trainer,
 # eager and CUDA-graph steps, bf16 and fp16);
@@ -128,6 +130,25 @@ timeout 120 "${DSOPS[@]}" train "$OUT/synthetic.npy" --config "$OUT/stream.yaml"
     >"$OUT/train-synthetic-streamed-bf16.json" 2>"$OUT/train-synthetic-streamed-bf16.err" \
     || { echo "ds-ops train (streamed) failed (124: timed out after 120 s)" >>"$OUT/train-synthetic-streamed-bf16.err";
          cat "$OUT/train-synthetic-streamed-bf16.err" >&2; }
+
+# --- 3a. the shipped defaults (no --epochs: the plateau rule, batch 1024, lr 1e-2, at most 600 steps,
+# an evaluation every 25), bf16 and fp16, with and without CUDA graphs ------------------------------
+for amp in bf16 fp16; do
+    for graphs in true false; do
+        name="defaults-machine-1-2-$amp-$([[ $graphs == true ]] && echo graphs || echo eager)"
+        printf 'train:\n  cuda_graphs: %s\n' "$graphs" >"$OUT/$name.yaml"
+        say "ds-ops train data/smd/train/machine-1-2.txt.gz --device $DEVICE --amp $amp (shipped defaults, cuda_graphs $graphs)"
+        timeout 60 "${DSOPS[@]}" train data/smd/train/machine-1-2.txt.gz --config "$OUT/$name.yaml" --device "$DEVICE" \
+            --amp "$amp" --json --name "$name" --models-dir "$OUT/models" >"$OUT/train-$name.json" 2>"$OUT/train-$name.err" \
+            || { echo "ds-ops train exit status $? (124: timed out after 60 s)" >>"$OUT/train-$name.err"; cat "$OUT/train-$name.err" >&2; }
+    done
+done
+
+# --- 3b'. a fleet's trainings: hosts one at a time against one stack (scripts/bench_stacked.py) -------
+if [[ "$DEVICE" == cpu ]]; then STACK_ARGS=(--models 4 --rows 2000); else STACK_ARGS=(--models 64); fi
+say "scripts/bench_stacked.py --device $DEVICE ${STACK_ARGS[*]}"
+timeout 150 "$PY" scripts/bench_stacked.py --device "$DEVICE" --json "${STACK_ARGS[@]}" >"$OUT/stacked.json" 2>"$OUT/stacked.err" \
+    || { echo "bench_stacked.py exit status $? (124: timed out after 150 s)" >>"$OUT/stacked.err"; cat "$OUT/stacked.err" >&2; }
 
 # --- 3b. the training step captured in a CUDA graph against eager steps (tests/training/test_step.py) --------
 say "pytest tests/training/test_step.py (CUDA graph step = eager step; its CUDA cases skip without a GPU)"
@@ -293,6 +314,17 @@ if b:
                      r["amp_dtype"], f"{b['rows']:,}", f"{r['samples_per_s']:,}", f"{r['final_loss']:.5f}", "-", "-", note))
 else:
     rows.append(("bench", "FAILED", "?", "?", "-", "-", "-", "-", "-", "see bench.err"))
+st = load(f"{out}/stacked.json", last_line=True)
+if st:
+    ok = not st["failed"] and st["device"].startswith(device)
+    rows.append(("train fleet stacked", "ok" if ok else "FAILED", st["device"], st["amp"].replace("torch.", ""),
+                 f"{st['models']} x {st['rows']:,}", "-", "-", f"{st['stacked_s']:.1f}", "-",
+                 f"{st['stacked_per_h']:,.0f} models/hour stacked against {st['alone_per_h']:,.0f} one at a time "
+                 f"({st['ratio']:.2f}x); shipped defaults, steps {st['steps_min']}-{st['steps_max']}; from alone: threshold "
+                 f"{st['threshold_rel_diff']:.1e} relative, weight {st['weight_abs_diff']:.1e}"
+                 + (f"; FAILED in the stack: {st['failed']}" if st["failed"] else "")))
+else:
+    rows.append(("train fleet stacked", "FAILED", "?", "?", "-", "-", "-", "-", "-", "see stacked.err"))
 u = load(f"{out}/unit.json")
 if u:
     ok = str(u["device"]).startswith(device)

@@ -43,14 +43,16 @@ def test_gpu_check_dry_run_on_the_cpu_passes_every_step_and_prints_one_table(tmp
     assert p.returncode == 0, p.stdout + p.stderr
     table = p.stdout[p.stdout.index("== summary"):].splitlines()
     assert table[1].split()[:3] == ["check", "status", "device"]
-    rows = [line for line in table[2:] if line.strip() and not line.startswith("13 of")]
+    rows = [line for line in table[2:] if line.strip() and not line.startswith("18 of")]
     status = dict(re.match(r"(.+?)\s{2,}(\S+)", line).groups() for line in rows)  # check -> status
     assert [k for k, v in status.items() if v == "ok"] == [
-        "doctor", "smoke bf16", "smoke fp16", "train machine-1-2-bf16", "train machine-1-2-fp16",
+        "doctor", "smoke bf16", "smoke fp16", "train defaults-machine-1-2-bf16-eager",
+        "train defaults-machine-1-2-bf16-graphs", "train defaults-machine-1-2-fp16-eager",
+        "train defaults-machine-1-2-fp16-graphs", "train machine-1-2-bf16", "train machine-1-2-fp16",
         "train synthetic-bf16", "train synthetic-fp16", "train synthetic-streamed-bf16", "bench seed loop", "bench ds-ops eager",
-        "daemon job", "step tests"], table
+        "train fleet stacked", "daemon job", "step tests"], table
     assert status["unit job"] in ("skipped", "ok")  # skipped unless systemd is PID 1 with ds-trainer running
-    assert "13 of 13 checks passed or were skipped" in p.stdout and "Traceback" not in p.stderr
+    assert "18 of 18 checks passed or were skipped" in p.stdout and "Traceback" not in p.stderr
     smoke = json.loads((tmp_path / "smoke-fp16.json").read_text())
     assert smoke["ok"] and smoke["device"] == "cpu" and smoke["amp_dtype"] == "fp16"
 
@@ -58,4 +60,4 @@ def test_gpu_check_dry_run_on_the_cpu_passes_every_step_and_prints_one_table(tmp
 def test_gpu_check_exits_1_naming_the_steps_that_failed(tmp_path):
     p = _dry_run(tmp_path, GPU_CHECK_ROWS="1")  # a 1-row synthetic file cannot be trained on
     assert p.returncode == 1, p.stdout + p.stderr
-    assert "10 of 13 checks passed or were skipped; FAILED: train synthetic-bf16, train synthetic-fp16, train synthetic-streamed-bf16" in p.stdout
+    assert "15 of 18 checks passed or were skipped; FAILED: train synthetic-bf16, train synthetic-fp16, train synthetic-streamed-bf16" in p.stdout

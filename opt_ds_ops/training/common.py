@@ -189,18 +189,20 @@ def begin_run(cfg: TrainConfig, plan: DevicePlan) -> tuple[str, float]:
     return utc_now(), time.perf_counter()
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """Return AdamW(lr, weight_decay), fused where this torch supports it on the device, else foreach.
+def make_optimizer(model: nn.Module | list[torch.Tensor], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """Return AdamW(lr, weight_decay) over model's parameters (or a list of tensors), fused where
+    this torch supports it on the device, else foreach.
 
     On CUDA it is ``capturable`` (step counter and bias corrections on the GPU, no host sync), so
     :class:`opt_ds_ops.training.step.TrainStep` can record its update in a CUDA graph; eager and captured
     runs then use the same kernels."""
     capturable = device.type == "cuda"
+    params = list(model.parameters()) if isinstance(model, nn.Module) else list(model)
     try:
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True,
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True,
                                  capturable=capturable)
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True,
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True,
                                  capturable=capturable)
 
 def checkpoint_dict(model, optimizer, scaler, n, epoch, batch, history, partial: dict) -> dict:

@@ -17,6 +17,9 @@ process stores, within float tolerance:
   (broadcast after every epoch): the CPU model differs from a single-process one as much as
   BatchNorm over batch_size / N rows differs from BatchNorm over batch_size rows (README, "One
   dataset on several GPUs", gives the measured effect).
+* The plateau rule: as one process runs it, every ``eval_every_steps`` steps on the same evenly
+  strided validation rows (each rank scores its shard of them, the mean is all-reduced, so every
+  rank stops at the same step, mid-epoch too), and offered each epoch's validation loss.
 * Validation: each rank scores a contiguous shard of the validation split; the per-feature sums of
   squared errors are all-reduced (``error_scale``), the per-row scores all-gathered in rank order,
   then smoothed and thresholded exactly as train.py does, identically on every rank.
@@ -25,6 +28,7 @@ process stores, within float tolerance:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -42,7 +46,7 @@ from ..model.network import TelemetryAutoencoder, anomaly_scores, feature_errors
 from ..model.scaling import clip_inputs, float64_blocks, standardise
 from ..model.threshold import pick_threshold
 from .common import EpochStats, TrainingError, TrainResult, batch_bounds, begin_run, make_optimizer, split_sizes
-from .stopping import Stopper
+from .stopping import EVAL_ROWS, Stopper
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,19 @@ def _mean_error(model: nn.Module, x: torch.Tensor, n_rows: int, device: torch.de
     return float(all_reduce_sum(np.array([local]), device)[0]) / (n_rows * x.shape[1])
 
 
+def _eval_shard(val_rows: np.ndarray, mean, std, cfg: TrainConfig, group: ProcessGroupInfo,
+                device: torch.device) -> tuple[torch.Tensor, int]:
+    """Return (this rank's contiguous shard of the plateau rule's evaluation rows, standardised and
+    clipped; how many evaluation rows all ranks hold): the rows :func:`opt_ds_ops.training.stopping.eval_subset`
+    takes from the whole validation split (all of it up to EVAL_ROWS rows, else evenly strided)."""
+    n_val = len(val_rows)
+    stride = 1 if n_val <= EVAL_ROWS else math.ceil(n_val / EVAL_ROWS)
+    picked = np.arange(0, n_val, stride)
+    lo, hi = shard(len(picked), group.rank, group.world_size)
+    rows = val_rows[picked[lo:hi]] if stride > 1 else val_rows[lo:hi]
+    return clip_inputs(standardise(rows, mean, std), cfg.input_clip).to(device), len(picked)
+
+
 def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: ProcessGroupInfo, *,
               on_epoch: Callable[[EpochStats], None] | None = None) -> TrainResult:
     """Train a TelemetryAutoencoder on data (rows, D) float32 as rank ``group.rank`` of an
@@ -245,8 +262,16 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
     step_skipped = torch.zeros(len(bounds), dtype=torch.bool, device=device)
     history: list[EpochStats] = []
     skipped_total = 0
-    # The plateau rule on each epoch's validation loss (all-reduced: every rank decides alike)
-    stopper = Stopper(cfg, evaluated="epoch")
+    # The plateau rule as one process runs it (fit.py): evaluated every eval_every_steps steps on the
+    # same evenly strided rows of the validation split (each rank scores its shard of them; the mean
+    # is all-reduced, so every rank decides alike), and offered each epoch's validation loss
+    stopper = Stopper(cfg)
+    x_eval, n_eval = _eval_shard(val_rows, mean, std, cfg, group, device) if n_val else (None, 0)
+
+    def evaluate() -> bool:
+        stop = stopper.update(_mean_error(model, x_eval, n_eval, device) if n_val else None, model)
+        net.train()
+        return stop
 
     for epoch in range(cfg.epochs):
         net.train()
@@ -256,6 +281,7 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
         mine = torch.index_select(x_train, 0, perm)
         batch_loss.zero_()
         step_skipped.zero_()
+        done = len(bounds)  # batches of this epoch run (fewer when the stopping rule ends it)
         for b, (s, e) in enumerate(local_bounds):
             xb = mine[s:e]
             with autocast:
@@ -270,31 +296,39 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
             if scaler.is_enabled():
                 step_skipped[b] = scaler._scale < scale_before
             batch_loss[b] = loss.detach().double() * fractions[b]
+            stopper.step()
+            if stopper.due() and evaluate():  # due at max_steps too
+                done = b + 1
+                break
         dist.all_reduce(batch_loss)  # each batch's mean loss over all its rows
         seconds = time.perf_counter() - t0
-        finite = torch.isfinite(batch_loss)
-        n_nonfinite, n_skipped = int((~finite).sum()), int(step_skipped.sum())
+        finite = torch.isfinite(batch_loss[:done])
+        n_nonfinite, n_skipped = int((~finite).sum()), int(step_skipped[:done].sum())
         if n_nonfinite and not scaler.is_enabled():
             raise TrainingError(f"non-finite loss in epoch {epoch + 1} ({n_nonfinite} of {len(bounds)} batches)")
-        if scaler.is_enabled() and n_skipped == len(bounds):
+        if scaler.is_enabled() and n_skipped == done:
             raise TrainingError(
-                f"fp16 loss-scale collapse in epoch {epoch + 1}: all {len(bounds)} steps skipped by GradScaler")
+                f"fp16 loss-scale collapse in epoch {epoch + 1}: all {done} steps skipped by GradScaler")
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise TrainingError(f"non-finite weights after epoch {epoch + 1}")
         _broadcast_buffers(model)
         val_loss = _mean_error(model, x_ref, len(ref_rows), device) if n_val else None
-        rows_counted = float(batch_sizes[finite].sum())
-        train_loss = float(torch.where(finite, batch_loss * batch_sizes, 0.0).sum()) / max(rows_counted, 1.0)
-        stats = EpochStats(epoch + 1, train_loss, val_loss, n / seconds, seconds, n_skipped,
-                           steps=stopper.steps + len(bounds))
+        if n_val and n_eval == n_val:  # the rule's rows: the printed loss may be the best one
+            stopper.consider(val_loss, model)
+        rows_counted = float(batch_sizes[:done][finite].sum())
+        train_loss = float(torch.where(finite, batch_loss[:done] * batch_sizes[:done], 0.0).sum()) / max(rows_counted, 1.0)
+        rows_run = bounds[done - 1][1] if done < len(bounds) else n  # a stopped epoch ran its first rows
+        stats = EpochStats(epoch + 1, train_loss, val_loss, rows_run / seconds, seconds, n_skipped,
+                           steps=stopper.steps)
         skipped_total += n_skipped
         history.append(stats)
         if on_epoch is not None:
             on_epoch(stats)
-        stopper.steps += len(bounds)
-        if stopper.update(val_loss if n_val else None, model):
+        if stopper.reason is not None:
             break
 
+    if stopper.pending():  # the epochs cap between two evaluations: the last weights may be the best
+        evaluate()
     restored = stopper.finish(model, device)
     cell = feature_errors(model, x_ref)
     sums = torch.from_numpy(all_reduce_sum(cell.double().sum(dim=0).cpu().numpy(), device))

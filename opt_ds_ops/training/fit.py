@@ -245,6 +245,20 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     if stopper.pending():  # the epochs cap between two evaluations: the last weights may be the best
         _evaluate(stopper, model, x_eval)
     restored = stopper.finish(model, device)  # the best evaluated weights, the last ones included
+    return finish_result(model, cfg, plan, stopper, restored, x_train, x_val, val_rows, mean, std, offset,
+                         history=history, skipped_total=skipped_total, started=started, t_start=t_start,
+                         placement=placement, placement_note=placement_note, step_mode=step.mode)
+
+
+def finish_result(model, cfg: TrainConfig, plan: DevicePlan, stopper: Stopper, restored: bool, x_train, x_val,
+                  val_rows, mean, std, offset, *, history: list[EpochStats], skipped_total: int, started: str,
+                  t_start: float, placement: str, placement_note: str, step_mode: str) -> TrainResult:
+    """Return the :class:`TrainResult` of a finished run whose best weights are in ``model`` (on
+    ``plan.device``): the per-feature error scale and the threshold from the validation rows (the
+    training rows without a validation split), scored exactly as scoring does. Shared by the
+    in-memory loop and :mod:`opt_ds_ops.training.stacked`, so that a model trained in a stack is
+    published as one trained alone."""
+    w = cfg.input_window
     ref = x_val if x_val is not None else x_train
     cell = feature_errors(model, ref)
     error_scale = cell.mean(dim=0).clamp_min(cfg.error_floor)
@@ -262,15 +276,15 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
         score_window=cfg.score_window,
         history=history,
         plan=plan,
-        rows_train=n,
-        rows_val=len(val_idx),
+        rows_train=x_train.shape[0],
+        rows_val=len(val_rows),
         skipped_steps=skipped_total,
         started_at=started,
         ended_at=utc_now(),
         duration_s=time.perf_counter() - t_start,
         data_placement=placement,
         placement_note=placement_note,
-        step_mode=step.mode,
+        step_mode=step_mode,
         score_smoothing=cfg.score_smoothing,
         input_clip=cfg.input_clip,
         error_floor=cfg.error_floor,

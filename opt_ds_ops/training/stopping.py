@@ -14,11 +14,12 @@ evaluated loss (a state_dict copy), the last ones included, are put back at the 
 loop also offers each epoch's end, whose validation loss it prints (:meth:`Stopper.consider`). ``train.stopping: epochs``: exactly ``epochs`` epochs, the seed's loop
 (the 500k x 32 benchmark runs so).
 
-The in-memory loop (:mod:`opt_ds_ops.training.fit`) evaluates every ``eval_every_steps`` steps; the
-streaming loop (:mod:`opt_ds_ops.training.stream`) and the torchrun loop (:mod:`opt_ds_ops.training.distributed`)
-evaluate at the end of each epoch (their validation loss is a pass over the whole validation
-split, on disk or sharded over ranks) and check ``max_steps`` after each window / epoch;
-:meth:`Stopper.summary` says which (``evaluated``).
+The in-memory loop (:mod:`opt_ds_ops.training.fit`), the torchrun ranks
+(:mod:`opt_ds_ops.training.ddp_rank`: the same rows, sharded, the mean all-reduced) and the stack
+(:mod:`opt_ds_ops.training.stacked`: one rule per model) evaluate every ``eval_every_steps`` steps;
+the streaming loop (:mod:`opt_ds_ops.training.stream`) evaluates at the end of each epoch (its
+validation loss is a pass over the validation split on disk) and checks ``max_steps`` after each
+window; :meth:`Stopper.summary` says which (``evaluated``).
 """
 
 from __future__ import annotations

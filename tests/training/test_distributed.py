@@ -58,9 +58,10 @@ def test_train_nproc_2_stores_the_model_one_process_stores(tmp_path, odd_smd_csv
     assert abs(md2["final_train_loss"] - md1["final_train_loss"]) <= 0.01 * md1["final_train_loss"]
 
 
-def test_train_nproc_2_stops_on_a_plateau_of_its_epochs_like_every_rank(tmp_path, odd_smd_csv):
-    conf = tmp_path / "plateau.yaml"  # every epoch after the first fails a 90 % gain: stop after epoch 2
-    conf.write_text("train:\n  patience: 1\n  min_delta: 0.9\n  min_steps: 0\n  batch_size: 2048\n")  # 3 steps an epoch
+def test_train_nproc_2_runs_the_plateau_rule_of_one_process_like_every_rank(tmp_path, odd_smd_csv):
+    conf = tmp_path / "plateau.yaml"  # an evaluation every 3 steps, each after the first fails a 90 % gain
+    conf.write_text("train:\n  patience: 1\n  min_delta: 0.9\n  min_steps: 0\n  batch_size: 2048\n"
+                    "  eval_every_steps: 3\n")  # 3 steps an epoch: the second evaluation stops after epoch 2
     models = tmp_path / "m"
     p = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(models), "--epochs", "6",
                 "--device", "cpu", "--nproc", "2")
@@ -68,12 +69,30 @@ def test_train_nproc_2_stops_on_a_plateau_of_its_epochs_like_every_rank(tmp_path
     md = json.loads((models / "machine-odd" / "current" / "metadata.json").read_text())
     assert md["distributed"] == {"world_size": 2, "backend": "gloo"} and md["epochs"] == 2
     stop = md["stopping"]
-    assert (stop["reason"], stop["evaluated"], stop["steps"]) == ("plateau", "epoch", 2 * 3)
-    assert stop["best_val_loss"] == min(h["val_loss"] for h in md["history"])
+    assert (stop["reason"], stop["evaluated"], stop["steps"], stop["evaluations"]) == ("plateau", "every_steps", 6, 2)
+    assert stop["best_val_loss"] == pytest.approx(min(h["val_loss"] for h in md["history"]), rel=1e-6)
     # final_val_loss: the published model's (the best evaluated epoch's); last_epoch_val_loss: the last epoch's
     assert md["final_val_loss"] == pytest.approx(stop["best_val_loss"], rel=1e-5)
     assert md["last_epoch_val_loss"] == md["history"][-1]["val_loss"]
     assert "stopped: plateau after 6 steps" in p.stdout
+
+
+def test_train_nproc_2_stops_mid_epoch_at_the_step_one_process_stops(tmp_path, odd_smd_csv):
+    """The ranks evaluate the rule every eval_every_steps steps on the rows one process evaluates, so
+    they stop at its step, mid-epoch too (6 steps an epoch, an evaluation every 4)."""
+    conf = tmp_path / "plateau.yaml"
+    conf.write_text("train:\n  patience: 2\n  min_delta: 0.05\n  min_steps: 0\n  eval_every_steps: 4\n")
+    one, two = tmp_path / "one", tmp_path / "two"
+    p1 = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(one), "--device", "cpu")
+    p2 = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(two), "--device", "cpu",
+                 "--nproc", "2")
+    assert p1.returncode == 0, p1.stderr
+    assert p2.returncode == 0, p2.stderr
+    s1, s2 = (json.loads((m / "machine-odd" / "current" / "metadata.json").read_text())["stopping"] for m in (one, two))
+    assert s1["reason"] == "plateau" and s1["steps"] % 6, s1  # the rule stops it, mid-epoch
+    assert (s2["reason"], s2["steps"], s2["best_step"], s2["evaluated"]) == \
+        (s1["reason"], s1["steps"], s1["best_step"], "every_steps")
+    assert s2["best_val_loss"] == pytest.approx(s1["best_val_loss"], rel=1e-3)
 
 
 def test_train_nproc_with_too_few_rows_for_the_ranks_fails_and_saves_nothing(tmp_path):
