@@ -306,9 +306,9 @@ def train_ddp(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, group: Proce
         n_nonfinite, n_skipped = int((~finite).sum()), int(step_skipped[:done].sum())
         if n_nonfinite and not scaler.is_enabled():
             raise TrainingError(f"non-finite loss in epoch {epoch + 1} ({n_nonfinite} of {len(bounds)} batches)")
-        if scaler.is_enabled() and n_skipped == done:
+        if scaler.is_enabled() and n_skipped == len(bounds):  # as fit.py: a whole epoch's steps skipped
             raise TrainingError(
-                f"fp16 loss-scale collapse in epoch {epoch + 1}: all {done} steps skipped by GradScaler")
+                f"fp16 loss-scale collapse in epoch {epoch + 1}: all {len(bounds)} steps skipped by GradScaler")
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise TrainingError(f"non-finite weights after epoch {epoch + 1}")
         _broadcast_buffers(model)

@@ -15,9 +15,11 @@ state, its own plateau rule (:class:`opt_ds_ops.training.stopping.Stopper`, eval
 validation rows through a real TelemetryAutoencoder holding its weights), its best weights, its
 threshold (:func:`opt_ds_ops.training.fit.finish_result`, the same code) and its epoch history.
 A model whose rule stops it is finished and leaves the stack; the others go on. The result equals
-training each alone within float rounding, which on the CPU is none: the batched products, the
-per-channel BatchNorm and the per-element AdamW give the same bits as one model's (tested in
-tests/training/test_stacked.py; on a GPU the products may round differently).
+training each alone within float rounding, which in fp32 on the CPU (its default) is none: the
+batched products, the per-channel BatchNorm and the per-element AdamW give the same bits as one
+model's (tested in tests/training/test_stacked.py). Under autocast (bf16) BatchNorm's backward over
+K x channels rounds differently from one over one model's channels, and on a GPU the products may
+too: there the stack equals alone within float rounding, which training amplifies.
 
 What can be stacked (:func:`stack_key`): in-memory datasets of the same width and row count (so
 the same split and batches), with ``input_window`` 1. A run of the stack is one call: it has no
@@ -41,7 +43,7 @@ from ..health.device import DevicePlan
 from ..model.network import TelemetryAutoencoder, feature_errors
 from ..model.scaling import clip_inputs, fit_scaler, standardise
 from .common import EpochStats, TrainingError, TrainResult, batch_bounds, begin_run, make_optimizer, split_rows
-from .fit import finish_result
+from .fit import finish_result, out_of_memory_reason
 from .stopping import Stopper, eval_subset
 
 LINEARS = ("encoder.0", "encoder.3", "decoder.0", "decoder.3")
@@ -87,7 +89,6 @@ class _StackedLinear(torch.autograd.Function):
             dtype = torch.get_autocast_dtype(device_type)
             x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
         ctx.save_for_backward(x, weight)
-        ctx.dtypes = (bias.dtype,)
         with torch.autocast(device_type, enabled=False):
             return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
 
@@ -95,7 +96,7 @@ class _StackedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad = grad.to(x.dtype)
-        grad_x = torch.bmm(grad, weight)
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
         grad_w = torch.bmm(grad.transpose(1, 2), x)
         grad_b = grad.sum(dim=1)
         return grad_x, grad_w, grad_b
@@ -227,6 +228,19 @@ def train_stacked(datasets: list[np.ndarray], cfg: TrainConfig, plan: DevicePlan
         raise ValueError(f"datasets of shapes {sorted({np.shape(d) for d in datasets})} cannot be trained in one stack "
                          f"(one width and row count, in memory, input_window 1)")
     offsets = offsets or [None] * len(datasets)
+    if len(offsets) != len(datasets) or any(o is not None and np.shape(o) != (datasets[0].shape[1],) for o in offsets):
+        raise ValueError(f"offsets: one (D,) array or None per dataset, got {len(offsets)} for {len(datasets)}")
+    if plan.use_grad_scaler:
+        raise ValueError("fp16 with a GradScaler cannot be stacked (one scale would skip every model's step)")
+    try:
+        return _train_stacked(datasets, cfg, plan, offsets, on_epoch)
+    except torch.OutOfMemoryError as e:
+        raise TrainingError(out_of_memory_reason(plan.device, "gpu", sum(d.nbytes for d in datasets) * 3, e)) from None
+
+
+def _train_stacked(datasets, cfg: TrainConfig, plan: DevicePlan, offsets, on_epoch) -> list[TrainResult | TrainingError]:
+    """:func:`train_stacked`'s body, its arguments checked."""
+    keys = {stack_key(d, cfg) for d in datasets}
     started, t_start = begin_run(cfg, plan)
     device = plan.device
     rows, width = keys.pop()
@@ -241,29 +255,33 @@ def train_stacked(datasets: list[np.ndarray], cfg: TrainConfig, plan: DevicePlan
         prepared.append((mean, std, x_train, x_val, val_rows))
     init = TelemetryAutoencoder(width, cfg.hidden, cfg.latent)  # the seed's weights: each model alone starts so
     stack = StackedAutoencoder([init.state_dict()] * len(datasets), init.model_args()).to(device)
-    x_all = torch.stack([p[2] for p in prepared]).to(device)  # (K, n, D)
+    x_all = torch.stack([p[2] for p in prepared]).to(device)  # (K, n, D): the only copy of the training rows
+    prepared = [(mean, std, x_val, val_rows) for mean, std, _x, x_val, val_rows in prepared]
     optimizer = StackOptimizer(stack, cfg, device)
     autocast = torch.autocast(device.type, dtype=plan.amp_dtype) if plan.amp_dtype is not None else None
-    if plan.use_grad_scaler:
-        raise ValueError("fp16 with a GradScaler cannot be stacked (one scale would skip every model's step)")
     bounds = batch_bounds(n, cfg.batch_size)
     live = list(range(len(datasets)))  # the stack's models, by their index in datasets
     stoppers = [Stopper(cfg) for _ in datasets]
-    x_evals = [eval_subset(p[3]) for p in prepared]
+    x_evals = [eval_subset(p[2]) for p in prepared]
     histories: list[list[EpochStats]] = [[] for _ in datasets]
     results: list[TrainResult | TrainingError | None] = [None] * len(datasets)
 
     def finish(slot: int, k: int) -> None:
         """Model k (in datasets) at slot ``slot`` of the stack has stopped: publish it."""
-        mean, std, x_train, x_val, val_rows = prepared[k]
-        model = stack.module_of(slot)
-        if stoppers[k].pending():
-            _evaluate(stoppers[k], model, x_evals[k])
-        restored = stoppers[k].finish(model, device)
-        results[k] = finish_result(model, cfg, plan, stoppers[k], restored, x_train.to(device), x_val, val_rows,
-                                   mean, std, offsets[k], history=histories[k], skipped_total=0, started=started,
-                                   t_start=t_start, placement="gpu" if device.type == "cuda" else "host",
-                                   placement_note="", step_mode=f"stacked ({len(datasets)} models)")
+        mean, std, x_val, val_rows = prepared[k]
+        try:
+            model = stack.module_of(slot)
+            if stoppers[k].pending():
+                _evaluate(stoppers[k], model, x_evals[k])
+            restored = stoppers[k].finish(model, device)
+            results[k] = finish_result(model, cfg, plan, stoppers[k], restored, x_all[slot], x_val, val_rows,
+                                       mean, std, offsets[k], history=histories[k], skipped_total=0, started=started,
+                                       t_start=t_start, placement="gpu" if device.type == "cuda" else "host",
+                                       placement_note="", step_mode=f"stacked ({len(datasets)} models)")
+        except (TrainingError, ValueError, RuntimeError) as e:  # this model's failure, not the stack's
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            results[k] = e if isinstance(e, TrainingError) else TrainingError(f"{type(e).__name__}: {e}")
 
     def drop(done_slots: list[int], *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Take the models at ``done_slots`` out of the stack, its optimizer, x_all and ``tensors``
@@ -293,7 +311,8 @@ def train_stacked(datasets: list[np.ndarray], cfg: TrainConfig, plan: DevicePlan
             xb = buf[:, s:e]
             with autocast if autocast is not None else contextlib.nullcontext():
                 recon = stack(xb)
-            losses = torch.stack([F.mse_loss(recon[i].float(), xb[i]) for i in range(len(live))])
+            # unbind, not recon[i]: each index's backward would fill a whole (K, rows, D) gradient
+            losses = torch.stack([F.mse_loss(r.float(), x) for r, x in zip(recon.unbind(0), xb.unbind(0))])
             optimizer.zero_grad()
             losses.sum().backward()  # model k's weights get model k's own gradient
             optimizer.step()
@@ -349,7 +368,7 @@ def _epoch_end(stack: StackedAutoencoder, slot: int, k: int, epoch: int, done: i
     model = stack.module_of(slot)
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         return TrainingError(f"non-finite weights after epoch {epoch + 1}")
-    x_val = prepared[k][3]
+    x_val = prepared[k][2]
     val_loss = float(feature_errors(model, x_val).mean()) if x_val is not None else None
     x_eval = eval_subset(x_val)
     if x_eval is x_val:

@@ -84,6 +84,12 @@ def test_datasets_of_other_shapes_or_windowed_inputs_are_not_stacked(smd_rows):
         train_stacked([a, a[:, :30]], cfg, CPU)
     with pytest.raises(ValueError, match="one stack"):
         train_stacked([], cfg, CPU)
+    with pytest.raises(ValueError, match="offsets"):
+        train_stacked([a, a], cfg, CPU, offsets=[np.zeros(38)])
+    with pytest.raises(ValueError, match="offsets"):
+        train_stacked([a, a], cfg, CPU, offsets=[np.zeros(37), None])
+    with pytest.raises(ValueError, match="GradScaler"):
+        train_stacked([a, a], cfg, plan_device("cpu", "fp16"))
 
 
 def test_the_stack_publishes_the_offset_in_the_scaler_mean(smd_rows):
