@@ -348,3 +348,49 @@ def test_a_real_daemon_trains_and_scores_what_the_puller_drops_naming_the_series
     metadata = read_json(tmp_path / "models" / name / "current" / "metadata.json")
     assert metadata["dataset"]["header"] == ["smd_a", "smd_b", "req_rate"] and metadata["dataset"]["time"]["gaps"] == 0
     assert metadata["dataset"]["time"]["first"] == "2026-09-21T00:01:00.000000Z"  # Prometheus's clock, kept
+
+
+def test_two_servers_share_a_source_by_shard_and_every_host_is_modelled_by_one(tmp_path, prom):
+    """Two ds-ops servers, each a real daemon with its own spool and model store and a ``ds-ops
+    pull --once`` of the same source with its own shard (0/2 and 1/2): every host with enough
+    history gets a model on exactly one of them, the one Prometheus's own hashmod gives it."""
+    from daemon_kit import Daemon, done_names, failed_names, prom_samples, write_config
+
+    servers, daemons = [tmp_path / "a", tmp_path / "b"], []
+    try:
+        for i, root in enumerate(servers):
+            root.mkdir()
+            (root / "prom").mkdir()
+            conf = write_config(root, epochs=2, extra=["metrics:", f"  textfile_dir: {root / 'prom'}"])
+            (root / "node.yaml").write_text(SOURCE.format(url=prom.url, shard=f"{i}/2", catch_up="1d"))
+            daemons.append(Daemon(conf))
+        for d in daemons:
+            d.wait_until(lambda d=d: "ds-trainer ready" in d.log(), "the daemon to be ready", timeout_s=120)
+        expected = {}
+        for i, root in enumerate(servers):
+            p = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "pull", str(root / "node.yaml"), "--config",
+                                str(root / "trainer.yaml"), "--state-dir", str(root / "state"), "--once",
+                                "--now", str(T0 + 1.2 * DAY)], capture_output=True, text=True, cwd=REPO, timeout=120)
+            assert p.returncode == 0, p.stderr
+            # the hosts with enough history (6 h) that still answer (GONE went quiet at 1.1 days)
+            expected[i] = {h.replace(":", "_") for h in HOSTS + [GAPPY] if shard_of(h, 2) == i}
+        def modelled(root):
+            return {p.name for p in (root / "models").iterdir() if (p / "current").exists()} if (root / "models").exists() else set()
+
+        for (i, root), d in zip(enumerate(servers), daemons):
+            d.wait_until(lambda root=root, i=i: modelled(root) >= expected[i] or failed_names(root),
+                         f"server {i}'s {len(expected[i])} trainings", timeout_s=600)
+            assert not failed_names(root), failed_names(root)
+            assert len([n for n in done_names(root) if ".train-" in n and not n.endswith(".yaml")]) == len(expected[i])
+        for d in daemons:
+            assert d.stop()[0] == 0
+    finally:
+        for d in daemons:
+            d.kill()
+    models = [modelled(root) for root in servers]
+    assert models[0] == expected[0] and models[1] == expected[1], models
+    assert not models[0] & models[1] and models[0] | models[1] == {h.replace(":", "_") for h in HOSTS + [GAPPY]}
+    assert models[0] and models[1]  # both servers have work: the hash splits these 9 hosts
+    for i, root in enumerate(servers):  # each server's metrics name its own models only
+        samples = prom_samples(root / "prom" / "ds_ops.prom")
+        assert {dict(labels)["model"] for name, labels in samples if name == "ds_ops_model_threshold"} == expected[i]
