@@ -136,9 +136,13 @@ class Puller:
             self.log.event("source-host", f"{name}: new host {host}: {rows} rows to incoming/ to train model {model}",
                            source=name, host=host, model_name=model)
         for host, history in report.waiting.items():
+            never = report.never.get(host)
             self.log.event("source-host", f"{name}: host {host} has {history / 3600:.1f} h of complete rows; "
-                           f"its model is trained once it has min_history ({self.source.options.min_history})",
-                           source=name, host=host)
+                           f"its model is trained once it has min_history ({self.source.options.min_history})"
+                           + (f"; no value at all in its window of {', '.join(never)}: a row needs every series, so "
+                              "none can come until those answer for this host (its query, or a series this host "
+                              "does not have: leave it out of the source)" if never else ""),
+                           priority=LOG_WARNING if never else LOG_INFO, source=name, host=host)
         for host, last in report.gone.items():
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last)) if last else "never"
             self.log.event("source-host", f"{name}: host {host} is not in Prometheus's answer (last row {when}); "
@@ -153,7 +157,7 @@ class Puller:
             self.log.event("source-host", f"{name}: host {host} forgotten: never trained, and not seen for "
                            f"train_window ({self.source.options.train_window})", source=name, host=host)
         missing = sum(sum(m.values()) for m in report.missing.values())
-        worst = ", ".join(f"{host}: " + ", ".join(f"{s} {n}" for s, n in sorted(m.items())[:3])
+        worst = ", ".join(f"{host}: " + ", ".join(f"{s} {n}" for s, n in sorted(m.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
                           for host, m in sorted(report.missing.items())[:3])
         rows = sum(r[1] for r in report.scored.values())
         self.log.event("source-pulled", f"{name}: pulled up to {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(report.end))} "

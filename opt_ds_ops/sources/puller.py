@@ -8,8 +8,10 @@ Prometheus's ``hashmod``) is in one of three states, kept in the puller's state 
 * **waiting**: seen, not trained. When it has ``min_history`` of complete rows within the last
   ``train_window``, its rows go to ``incoming/`` as one training file, and it is *trained* from
   ``end``. Every pull asks for the last ``score_every`` of every series, so a new host is seen in
-  the first pull it is in Prometheus; one with too little history is looked at again hourly, and
-  forgotten when it has not been seen for a ``train_window``.
+  the first pull it is in Prometheus; one with too little history is looked at again every 24th of
+  ``min_history`` (hourly for a day; :func:`recheck_s`), and
+  forgotten when it has not been seen for a ``train_window``; the pull names the series it has no
+  value of at all (a query that gives nothing for it: no complete row can come until it does).
 * **trained**: once its model has a ``current`` version in the store (until then its rows wait,
   up to ``catch_up``), each pull writes its rows after ``scored_until`` up to ``end`` to
   ``score/`` (at most ``catch_up`` of them: a longer gap after an outage is left unscored, and said).
@@ -47,7 +49,13 @@ from .prometheus import Prometheus, PrometheusError
 from .sourcefile import Source
 
 STATE_FORMAT = 1
-RECHECK_WAITING_S = 3600.0  # a host with too little history is looked at again this often
+RECHECK_WAITING_S = 3600.0  # a host with too little history is looked at again this often, at most
+
+
+def recheck_s(source: Source) -> float:
+    """How often a waiting host's history is looked at again: a 24th of ``min_history`` (a day's:
+    hourly), at most RECHECK_WAITING_S, at least ``score_every`` (a clock of seconds: every pull)."""
+    return min(RECHECK_WAITING_S, max(source.seconds("score_every"), source.seconds("min_history") / 24))
 PIECE_POINTS = 1440  # points per series per query of a long range: an answer stays near 45 KB a host
 
 
@@ -68,6 +76,7 @@ class PullReport:
     pending: dict = field(default_factory=dict)      # host -> model without a current version yet
     gone: dict = field(default_factory=dict)         # host -> last seen (epoch seconds) or None
     missing: dict = field(default_factory=dict)      # host -> {series: steps without a value}
+    never: dict = field(default_factory=dict)        # waiting host -> series with no value at all in its window
     refused: dict = field(default_factory=dict)      # host -> why no model is made of it, or no file written
     skipped_s: dict = field(default_factory=dict)    # host -> seconds of an outage left unscored (catch_up)
     forgotten: list = field(default_factory=list)    # waiting hosts not seen for a train_window
@@ -220,7 +229,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if h in hosts:
             hosts[h]["seen_at"] = end
     due = [h for h, e in hosts.items() if e.get("scored_until") is None and mine(h)
-           and now - (e.get("checked_at") or 0) >= RECHECK_WAITING_S]
+           and now - (e.get("checked_at") or 0) >= recheck_s(source)]
     candidates = set(new) | set(due)
     training = _fetch(prom, source, back(source.seconds("train_window")), end, candidates.__contains__) if candidates else None
 
@@ -248,6 +257,9 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         history = (rows[-1, 0] - rows[0, 0]) if len(rows) >= 2 else 0.0
         if len(rows) < 2 or history < source.seconds("min_history"):
             report.waiting[host] = float(history)
+            never = [sr.name for sr, seen in zip(source.series, (~np.isnan(values)).any(axis=1)) if not seen]
+            if never and len(never) < len(source.series):  # no complete row can come before these answer
+                report.never[host] = never
             continue
         try:
             path = drop(spool_root, INCOMING, f"{name}.train-{_stamp(end)}", f"name: {name}\ntime_column: time\n",

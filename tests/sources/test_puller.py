@@ -134,9 +134,9 @@ def test_a_host_appears_waits_for_its_history_and_one_goes(tmp_path, prom):
     # GONE's last rows are scored; backfilled history has no staleness marker, so Prometheus repeats
     # its last sample for its 5-minute lookback
     assert not seen.gone and seen.scored[GONE][1] == int(0.05 * 1440) - 1 + 5
-    went = pull(src, client, spool, state, T0 + 1.62 * DAY)
+    went = pull(src, client, spool, state, T0 + 1.605 * DAY)
     assert went.gone == {GONE: T0 + 1.1 * DAY - 60 + 300} and GONE in state["hosts"]
-    assert went.waiting == {}  # looked at again hourly, not each pull
+    assert went.waiting == {}  # looked at again every 15 minutes (a 24th of min_history), not each pull
     later = pull(src, client, spool, state, T0 + 1.75 * DAY)
     assert later.trained[LATE][1] == int(0.3 * 1440) and not later.gone  # a host that went is said once
     assert state["hosts"][GONE]["last_seen"] == T0 + 1.1 * DAY - 60 + 300 and state["hosts"][GONE]["gone"]
@@ -377,11 +377,14 @@ def test_two_servers_share_a_source_by_shard_and_every_host_is_modelled_by_one(t
         def modelled(root):
             return {p.name for p in (root / "models").iterdir() if (p / "current").exists()} if (root / "models").exists() else set()
 
+        def finished(root):  # training files in done/ (a model's current appears a moment before its file moves)
+            return len([n for n in done_names(root) if ".train-" in n and not n.endswith(".yaml")])
+
         for (i, root), d in zip(enumerate(servers), daemons):
-            d.wait_until(lambda root=root, i=i: modelled(root) >= expected[i] or failed_names(root),
-                         f"server {i}'s {len(expected[i])} trainings", timeout_s=600)
+            d.wait_until(lambda root=root, i=i: (modelled(root) >= expected[i] and finished(root) >= len(expected[i]))
+                         or failed_names(root), f"server {i}'s {len(expected[i])} trainings", timeout_s=600)
             assert not failed_names(root), failed_names(root)
-            assert len([n for n in done_names(root) if ".train-" in n and not n.endswith(".yaml")]) == len(expected[i])
+            assert finished(root) == len(expected[i])
         for d in daemons:
             assert d.stop()[0] == 0
     finally:
@@ -394,3 +397,24 @@ def test_two_servers_share_a_source_by_shard_and_every_host_is_modelled_by_one(t
     for i, root in enumerate(servers):  # each server's metrics name its own models only
         samples = prom_samples(root / "prom" / "ds_ops.prom")
         assert {dict(labels)["model"] for name, labels in samples if name == "ds_ops_model_threshold"} == expected[i]
+
+
+def test_a_series_a_host_never_has_is_named_and_a_waiting_host_is_looked_at_again_on_its_clock(tmp_path, prom):
+    """A query that gives nothing for a host (here only h0 has ``only_h0``): no complete row can come,
+    so the host waits, and the pull names the series; the others train. A waiting host is looked
+    at again every 24th of min_history (6 h here: every 15 minutes), not only hourly."""
+    from opt_ds_ops.sources.puller import recheck_s
+
+    text = SOURCE.format(url=prom.url, shard="0/1", catch_up="1d") + '  - name: only_h0\n    query: smd_a{instance="h0:9100"}\n'
+    src = parse_source(text.encode(), "node.yaml", "node")
+    assert recheck_s(src) == 900.0 and recheck_s(source(prom)) == 900.0
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    report = pull(src, Prometheus(prom.url), spool, state, T0 + 1.2 * DAY)
+    assert list(report.trained) == ["h0:9100"]
+    assert report.never and all(v == ["only_h0"] for v in report.never.values()) and "h1:9100" in report.never
+    assert report.waiting["h1:9100"] == 0.0
+    # looked at again after 15 minutes (not an hour), still named
+    again = pull(src, Prometheus(prom.url), spool, state, T0 + 1.2 * DAY + 600)
+    assert not again.never
+    again = pull(src, Prometheus(prom.url), spool, state, T0 + 1.2 * DAY + 960)
+    assert again.never.get("h1:9100") == ["only_h0"]
