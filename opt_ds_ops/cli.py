@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 bad input or configuration (one message on stderr, no t
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -24,46 +25,52 @@ def _hold_stop_signals() -> None:
 if sys.argv[1:2] == ["daemon"]:  # `ds-ops daemon` or `python -m opt_ds_ops.cli daemon`
     _hold_stop_signals()  # before the imports below, which load torch
 
-from .commands import CliError  # noqa: E402 - after the signal hold, on purpose
-from .commands import check_config as check_config_cmd  # noqa: E402
-from .commands import daemon as daemon_cmd  # noqa: E402
-from .commands import doctor as doctor_cmd  # noqa: E402
-from .commands import evaluate as evaluate_cmd  # noqa: E402
-from .commands import models as models_cmd  # noqa: E402
-from .commands import pull as pull_cmd  # noqa: E402
-from .commands import report as report_cmd  # noqa: E402
-from .commands import requeue as requeue_cmd  # noqa: E402
-from .commands import score as score_cmd  # noqa: E402
-from .commands import status as status_cmd  # noqa: E402
-from .commands import train as train_cmd  # noqa: E402
-from .config.conffile import ConfigError  # noqa: E402
-from .dataset import DatasetError  # noqa: E402
-from .health.device import DeviceError  # noqa: E402
-from .model.detection import ScoreError  # noqa: E402
-from .store.versions import StoreError  # noqa: E402
-from .training.job import JobError  # noqa: E402
-
-COMMANDS = [train_cmd, score_cmd, evaluate_cmd, doctor_cmd, daemon_cmd, status_cmd, models_cmd,
-            requeue_cmd, check_config_cmd, report_cmd, pull_cmd]
-USER_ERRORS = (CliError, ConfigError, DatasetError, DeviceError, JobError, ScoreError, StoreError)
+# Each subcommand's module, imported only when it runs (or for the whole parser: --help, the man
+# page's test). Most load torch through the model and training code; ``pull`` does not, so the
+# puller (one process per source beside the daemon) starts in a fraction of a second without it.
+COMMAND_MODULES = ["train", "score", "evaluate", "doctor", "daemon", "status", "models", "requeue", "check_config",
+                   "report", "pull"]
+LIGHT_COMMANDS = {"pull"}  # need only their own module and the configuration's errors
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the ``ds-ops`` command."""
+def _module(name: str):
+    return importlib.import_module(f".commands.{name}", __package__)
+
+
+def user_errors(light: bool = False) -> tuple[type[BaseException], ...]:
+    """The errors that end a command with one line and exit status 1 (the light commands' only)."""
+    from .commands import CliError
+    from .config.conffile import ConfigError
+    from .store.model_dir import StoreError
+
+    if light:
+        return (CliError, ConfigError, StoreError)
+    from .dataset import DatasetError
+    from .health.device import DeviceError
+    from .model.detection import ScoreError
+    from .training.job import JobError
+    return (CliError, ConfigError, DatasetError, DeviceError, JobError, ScoreError, StoreError)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Return the argument parser of the ``ds-ops`` command (with ``only``: of that subcommand alone)."""
     p = argparse.ArgumentParser(prog="ds-ops", description="Telemetry anomaly-detection training appliance.")
     p.add_argument("--version", action="version", version=f"ds-ops {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        command.add_parser(sub)
+    for name in [only] if only else COMMAND_MODULES:
+        _module(name).add_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ds-ops``; returns the exit code (0 ok, 1 bad input or config, 2 usage)."""
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    light = words[0] if words and words[0] in LIGHT_COMMANDS else None
+    args = build_parser(light).parse_args(argv)
+    errors = user_errors(light is not None)
     try:
         return args.func(args)
-    except USER_ERRORS as e:
+    except errors as e:
         print(f"ds-ops: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
