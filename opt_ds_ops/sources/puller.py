@@ -9,7 +9,8 @@ Prometheus's ``hashmod``) is in one of three states, kept in the puller's state 
   ``train_window``, its rows go to ``incoming/`` as one training file, and it is *trained* from
   ``end``. Every pull asks for the last ``score_every`` of every series, so a new host is seen in
   the first pull it is in Prometheus; one with too little history is looked at again every 24th of
-  ``min_history`` (hourly for a day; :func:`recheck_s`), and
+  ``min_history`` (hourly for a day; :func:`recheck_s`; half a ``score_every`` early is on time, so a pull that
+  wakes a little early does not skip it), and
   forgotten when it has not been seen for a ``train_window``; the pull names the series it has no
   value of at all (a query that gives nothing for it: no complete row can come until it does).
 * **trained**: once its model has a ``current`` version in the store (until then its rows wait,
@@ -76,7 +77,7 @@ class PullReport:
     pending: dict = field(default_factory=dict)      # host -> model without a current version yet
     gone: dict = field(default_factory=dict)         # host -> last seen (epoch seconds) or None
     missing: dict = field(default_factory=dict)      # host -> {series: steps without a value}
-    never: dict = field(default_factory=dict)        # waiting host -> series with no value at all in its window
+    never: dict = field(default_factory=dict)        # waiting host -> (series with no value at all, new since its last look)
     refused: dict = field(default_factory=dict)      # host -> why no model is made of it, or no file written
     skipped_s: dict = field(default_factory=dict)    # host -> seconds of an outage left unscored (catch_up)
     forgotten: list = field(default_factory=list)    # waiting hosts not seen for a train_window
@@ -229,7 +230,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if h in hosts:
             hosts[h]["seen_at"] = end
     due = [h for h, e in hosts.items() if e.get("scored_until") is None and mine(h)
-           and now - (e.get("checked_at") or 0) >= recheck_s(source)]
+           and now - (e.get("checked_at") or 0) >= recheck_s(source) - source.seconds("score_every") / 2]
     candidates = set(new) | set(due)
     training = _fetch(prom, source, back(source.seconds("train_window")), end, candidates.__contains__) if candidates else None
 
@@ -259,7 +260,8 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
             report.waiting[host] = float(history)
             never = [sr.name for sr, seen in zip(source.series, (~np.isnan(values)).any(axis=1)) if not seen]
             if never and len(never) < len(source.series):  # no complete row can come before these answer
-                report.never[host] = never
+                report.never[host] = (never, entry.get("never") != never)  # (series, news since the last look)
+            entry["never"] = never
             continue
         try:
             path = drop(spool_root, INCOMING, f"{name}.train-{_stamp(end)}", f"name: {name}\ntime_column: time\n",

@@ -664,7 +664,9 @@ def test_the_live_path_the_shipped_node_exporter_source_trains_and_scores_this_h
     md = json.loads(box.run(["cat", f"{MODELS}/{LIVE_MODEL}/current/metadata.json"]).stdout)
     rows = md["rows_train"] + md["rows_val"]
     assert md["dataset"]["header"] == names and rows >= 60, (md["dataset"]["header"], rows)
-    wait("a scored chunk of the live host", 120, lambda: pulled("1 chunk\\(s\\) of"), 5)
+    before = len(re.findall(r"node: pulled up to \S+ in [\d.]+ s: 1 chunk\(s\) of", log()))
+    wait("a scored chunk of the live host", 120,
+         lambda: len(pulled(r"node: pulled up to \S+ in [\d.]+ s: 1 chunk\(s\) of")) > before, 5)
     found = wait("the live chunk's result", SCORED_TIMEOUT_S, lambda: box.run(
         f"ls /var/lib/ds-ops/scores/{LIVE_MODEL}/*/summary.json", check=False).stdout.split())
     first = json.loads(box.run(["cat", found[0]]).stdout)

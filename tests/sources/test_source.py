@@ -71,7 +71,7 @@ def test_check_config_validates_sources(tmp_path):
 def test_ds_ops_pull_starts_without_torch(tmp_path):
     """The puller is one process per source beside the daemon: its command imports neither torch nor
     the training code (1.5 s and 265 MB resident before; about 0.15 s and 40 MB now)."""
-    code = ("import sys; from opt_ds_ops.cli import main; rc = main(['pull', sys.argv[1], '--once']); "
+    code = ("import sys; from opt_ds_ops.cli import main; rc = main(['pull', sys.argv[1], '--once', '--config', '/dev/null']); "
             "print(rc, sorted(m for m in ('torch', 'opt_ds_ops.training', 'opt_ds_ops.model') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "absent.yaml")], capture_output=True, text=True,
                        cwd=REPO, timeout=120)
