@@ -28,7 +28,6 @@ process stores, within float tolerance:
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from ..model.network import TelemetryAutoencoder, anomaly_scores, feature_errors
 from ..model.scaling import clip_inputs, float64_blocks, standardise
 from ..model.threshold import pick_threshold
 from .common import EpochStats, TrainingError, TrainResult, batch_bounds, begin_run, make_optimizer, split_sizes
-from .stopping import EVAL_ROWS, Stopper
+from .stopping import Stopper, eval_stride
 
 
 @dataclass(frozen=True)
@@ -219,9 +218,8 @@ def _eval_shard(val_rows: np.ndarray, mean, std, cfg: TrainConfig, group: Proces
     """Return (this rank's contiguous shard of the plateau rule's evaluation rows, standardised and
     clipped; how many evaluation rows all ranks hold): the rows :func:`opt_ds_ops.training.stopping.eval_subset`
     takes from the whole validation split (all of it up to EVAL_ROWS rows, else evenly strided)."""
-    n_val = len(val_rows)
-    stride = 1 if n_val <= EVAL_ROWS else math.ceil(n_val / EVAL_ROWS)
-    picked = np.arange(0, n_val, stride)
+    stride = eval_stride(len(val_rows))
+    picked = np.arange(0, len(val_rows), stride)
     lo, hi = shard(len(picked), group.rank, group.world_size)
     rows = val_rows[picked[lo:hi]] if stride > 1 else val_rows[lo:hi]
     return clip_inputs(standardise(rows, mean, std), cfg.input_clip).to(device), len(picked)

@@ -12,7 +12,8 @@ MSEs, whose gradient for model k's weights is model k's own.
 Each model keeps what :func:`opt_ds_ops.training.fit.train` gives one model: its own data, split
 and scaler, the seed's initial weights (every model alone would start from them), its optimizer
 state, its own plateau rule (:class:`opt_ds_ops.training.stopping.Stopper`, evaluated on its own
-validation rows through a real TelemetryAutoencoder holding its weights), its best weights, its
+validation rows through a real TelemetryAutoencoder holding a copy of its weights, as the in-memory
+loop evaluates: the same ``_evaluate``), its best weights, its
 threshold (:func:`opt_ds_ops.training.fit.finish_result`, the same code) and its epoch history.
 A model whose rule stops it is finished and leaves the stack; the others go on. The result equals
 training each alone within float rounding, which in fp32 on the CPU (its default) is none: the
@@ -43,7 +44,7 @@ from ..health.device import DevicePlan
 from ..model.network import TelemetryAutoencoder, feature_errors
 from ..model.scaling import clip_inputs, fit_scaler, standardise
 from .common import EpochStats, TrainingError, TrainResult, batch_bounds, begin_run, make_optimizer, split_rows
-from .fit import finish_result, out_of_memory_reason
+from .fit import _NOTHING_CARRIED, _evaluate, _sums, finish_result, out_of_memory_reason
 from .stopping import Stopper, eval_subset
 
 LINEARS = ("encoder.0", "encoder.3", "decoder.0", "decoder.3")
@@ -203,16 +204,6 @@ class StackOptimizer:
         return StackOptimizer(self.stack, self.cfg, self.device, moved)
 
 
-class _ModelView:
-    """What a :class:`Stopper` keeps and restores of model k of a stack: its state_dict."""
-
-    def __init__(self, stack: StackedAutoencoder, k: int):
-        self.stack, self.k = stack, k
-
-    def state_dict(self) -> dict:
-        return self.stack.state_dict_of(self.k)
-
-
 def train_stacked(datasets: list[np.ndarray], cfg: TrainConfig, plan: DevicePlan, *,
                   offsets: list[np.ndarray | None] | None = None,
                   on_epoch: Callable[[int, EpochStats], None] | None = None) -> list[TrainResult | TrainingError]:
@@ -233,17 +224,17 @@ def train_stacked(datasets: list[np.ndarray], cfg: TrainConfig, plan: DevicePlan
     if plan.use_grad_scaler:
         raise ValueError("fp16 with a GradScaler cannot be stacked (one scale would skip every model's step)")
     try:
-        return _train_stacked(datasets, cfg, plan, offsets, on_epoch)
+        return _train_stacked(datasets, keys.pop(), cfg, plan, offsets, on_epoch)
     except torch.OutOfMemoryError as e:
         raise TrainingError(out_of_memory_reason(plan.device, "gpu", sum(d.nbytes for d in datasets) * 3, e)) from None
 
 
-def _train_stacked(datasets, cfg: TrainConfig, plan: DevicePlan, offsets, on_epoch) -> list[TrainResult | TrainingError]:
-    """:func:`train_stacked`'s body, its arguments checked."""
-    keys = {stack_key(d, cfg) for d in datasets}
+def _train_stacked(datasets, key: tuple[int, int], cfg: TrainConfig, plan: DevicePlan, offsets,
+                   on_epoch) -> list[TrainResult | TrainingError]:
+    """:func:`train_stacked`'s body, its arguments checked; ``key``: their (rows, width)."""
     started, t_start = begin_run(cfg, plan)
     device = plan.device
-    rows, width = keys.pop()
+    rows, width = key
     train_idx, val_idx = split_rows(rows, cfg.val_fraction)
     n = len(train_idx)
     prepared = []
@@ -283,6 +274,21 @@ def _train_stacked(datasets, cfg: TrainConfig, plan: DevicePlan, offsets, on_epo
                 raise
             results[k] = e if isinstance(e, TrainingError) else TrainingError(f"{type(e).__name__}: {e}")
 
+    def end_epoch(slots, epoch: int, done: int, batch_loss: torch.Tensor, t0: float) -> list[int]:
+        """End the epoch of the models at ``slots`` after ``done`` batches; return the slots of those
+        that end here (failed, stopped by their rule, or at the epochs cap), each published or failed."""
+        ended = []
+        for slot in slots:
+            k = live[slot]
+            results[k] = _epoch_end(stack, slot, k, epoch, done, bounds, n, batch_loss[slot], t0, prepared, stoppers,
+                                    histories, on_epoch)
+            if results[k] is not None:
+                ended.append(slot)
+            elif stoppers[k].reason is not None or epoch + 1 == cfg.epochs:
+                finish(slot, k)
+                ended.append(slot)
+        return ended
+
     def drop(done_slots: list[int], *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Take the models at ``done_slots`` out of the stack, its optimizer, x_all and ``tensors``
         (each indexed by slot first); return ``tensors`` narrowed."""
@@ -321,50 +327,29 @@ def _train_stacked(datasets, cfg: TrainConfig, plan: DevicePlan, offsets, on_epo
                 stoppers[k].step()
             if not stoppers[live[0]].due():  # every model has run as many steps: due alike
                 continue
-            stopped = [slot for slot, k in enumerate(live)
-                       if _evaluate(stoppers[k], stack.module_of(slot), x_evals[k], stack=stack, slot=slot)]
+            stopped = [slot for slot, k in enumerate(live) if _evaluate(stoppers[k], stack.module_of(slot), x_evals[k])]
             stack.train()
             if len(stopped) == len(live):
                 done = b + 1
                 break
             if stopped:  # those end their epoch and finish now; the others go on with this epoch
-                for slot in stopped:
-                    k = live[slot]
-                    results[k] = _epoch_end(stack, slot, k, epoch, b + 1, bounds, n, batch_loss[slot], t0, prepared,
-                                            stoppers, histories, on_epoch)
-                    if results[k] is None:
-                        finish(slot, k)
+                end_epoch(stopped, epoch, b + 1, batch_loss, t0)
                 buf, batch_loss = drop(stopped, buf, batch_loss)
-        ended = []
-        for slot, k in enumerate(live):
-            results[k] = _epoch_end(stack, slot, k, epoch, done, bounds, n, batch_loss[slot], t0, prepared, stoppers,
-                                    histories, on_epoch)
-            if results[k] is not None:
-                ended.append(slot)
-            elif stoppers[k].reason is not None or epoch + 1 == cfg.epochs:
-                finish(slot, k)
-                ended.append(slot)
+        ended = end_epoch(range(len(live)), epoch, done, batch_loss, t0)
         if ended:
             drop(ended)
     return results
-
-
-def _evaluate(stopper: Stopper, model: TelemetryAutoencoder, x_eval, *, stack=None, slot: int = 0) -> bool:
-    """One evaluation of the plateau rule on model's weights; the kept best weights are the stack's
-    model ``slot`` (the same values). True: stop."""
-    loss = float(feature_errors(model, x_eval).mean()) if x_eval is not None else None
-    return stopper.update(loss, _ModelView(stack, slot) if stack is not None else model)
 
 
 def _epoch_end(stack: StackedAutoencoder, slot: int, k: int, epoch: int, done: int, bounds, n: int,
                batch_loss: torch.Tensor, t0: float, prepared, stoppers, histories, on_epoch) -> TrainingError | None:
     """Model k's epoch record (its loss over the ``done`` batches run, its validation loss offered to
     its rule as the in-memory loop does); a TrainingError when its loss or weights are not finite."""
-    losses = batch_loss[:done]
-    sizes = torch.tensor([e - s for s, e in bounds[:done]], dtype=torch.float32, device=losses.device)
-    finite = torch.isfinite(losses)
-    if not bool(finite.all()):
-        return TrainingError(f"non-finite loss in epoch {epoch + 1} ({int((~finite).sum())} of {len(bounds)} batches)")
+    seconds = time.perf_counter() - t0
+    sizes = torch.tensor([e - s for s, e in bounds], dtype=torch.float32, device=batch_loss.device)
+    sums = _sums(batch_loss, torch.zeros(len(bounds), dtype=torch.bool), sizes, 0, done, _NOTHING_CARRIED, seconds)
+    if sums["nonfinite"]:
+        return TrainingError(f"non-finite loss in epoch {epoch + 1} ({sums['nonfinite']} of {len(bounds)} batches)")
     model = stack.module_of(slot)
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         return TrainingError(f"non-finite weights after epoch {epoch + 1}")
@@ -372,11 +357,10 @@ def _epoch_end(stack: StackedAutoencoder, slot: int, k: int, epoch: int, done: i
     val_loss = float(feature_errors(model, x_val).mean()) if x_val is not None else None
     x_eval = eval_subset(x_val)
     if x_eval is x_val:
-        stoppers[k].consider(val_loss, _ModelView(stack, slot))
+        stoppers[k].consider(val_loss, model)
     stack.train()
-    seconds = time.perf_counter() - t0
     rows_run = bounds[done - 1][1] if done < len(bounds) else n
-    stats = EpochStats(epoch + 1, float((losses * sizes).sum()) / max(float(sizes.sum()), 1.0), val_loss,
+    stats = EpochStats(epoch + 1, sums["loss_sum"] / max(sums["rows_counted"], 1), val_loss,
                        rows_run / max(seconds, 1e-9), seconds, 0, steps=stoppers[k].steps)
     histories[k].append(stats)
     if on_epoch is not None:

@@ -34,11 +34,16 @@ from ..config.conffile import TrainConfig
 EVAL_ROWS = 65536  # validation rows one evaluation of the plateau rule reads, at most
 
 
+def eval_stride(rows: int) -> int:
+    """Return the stride that takes at most EVAL_ROWS of ``rows`` validation rows, evenly (1: all)."""
+    return 1 if rows <= EVAL_ROWS else math.ceil(rows / EVAL_ROWS)
+
+
 def eval_subset(x_val: torch.Tensor | None) -> torch.Tensor | None:
     """Return at most EVAL_ROWS rows of x_val (N, D), evenly strided (a view), or None."""
-    if x_val is None or x_val.shape[0] <= EVAL_ROWS:
+    if x_val is None or eval_stride(x_val.shape[0]) == 1:
         return x_val
-    return x_val[:: math.ceil(x_val.shape[0] / EVAL_ROWS)]
+    return x_val[:: eval_stride(x_val.shape[0])]
 
 
 class Stopper:
