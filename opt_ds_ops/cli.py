@@ -23,7 +23,7 @@ def _hold_stop_signals() -> None:
 
 
 if sys.argv[1:2] == ["daemon"]:  # `ds-ops daemon` or `python -m opt_ds_ops.cli daemon`
-    _hold_stop_signals()  # before the imports below, which load torch
+    _hold_stop_signals()  # before main() imports the commands' modules, which load torch
 
 # Each subcommand's module, imported only when it runs (or for the whole parser: --help, the man
 # page's test). Most load torch through the model and training code; ``pull`` does not, so the

@@ -9,10 +9,10 @@ Prometheus's ``hashmod``) is in one of three states, kept in the puller's state 
   ``train_window``, its rows go to ``incoming/`` as one training file, and it is *trained* from
   ``end``. Every pull asks for the last ``score_every`` of every series, so a new host is seen in
   the first pull it is in Prometheus; one with too little history is looked at again every 24th of
-  ``min_history`` (hourly for a day; :func:`recheck_s`; half a ``score_every`` early is on time, so a pull that
-  wakes a little early does not skip it), and
-  forgotten when it has not been seen for a ``train_window``; the pull names the series it has no
-  value of at all (a query that gives nothing for it: no complete row can come until it does).
+  ``min_history`` (hourly for a day; :func:`recheck_s`; half a ``score_every`` early is on time, so
+  a pull that wakes a little early does not skip it), and forgotten when it has not been seen for a
+  ``train_window``; the pull names the series it has no value of at all (a query that gives nothing
+  for it: no complete row can come until it does).
 * **trained**: once its model has a ``current`` version in the store (until then its rows wait,
   up to ``catch_up``), each pull writes its rows after ``scored_until`` up to ``end`` to
   ``score/`` (at most ``catch_up`` of them: a longer gap after an outage is left unscored, and said).
@@ -51,13 +51,13 @@ from .sourcefile import Source
 
 STATE_FORMAT = 1
 RECHECK_WAITING_S = 3600.0  # a host with too little history is looked at again this often, at most
+PIECE_POINTS = 1440  # points per series per query of a long range: an answer stays near 45 KB a host
 
 
 def recheck_s(source: Source) -> float:
     """How often a waiting host's history is looked at again: a 24th of ``min_history`` (a day's:
     hourly), at most RECHECK_WAITING_S, at least ``score_every`` (a clock of seconds: every pull)."""
     return min(RECHECK_WAITING_S, max(source.seconds("score_every"), source.seconds("min_history") / 24))
-PIECE_POINTS = 1440  # points per series per query of a long range: an answer stays near 45 KB a host
 
 
 def shard_of(host: str, of: int) -> int:
