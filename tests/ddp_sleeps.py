@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from opt_ds_ops.training.distributed import run_rank
+from opt_ds_ops.training.distributed import exit_rank, run_rank
 
 
 def body(group) -> None:
@@ -16,4 +16,4 @@ def body(group) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_rank(sys.argv[sys.argv.index("--dir") + 1], "gloo", body))
+    exit_rank(run_rank(sys.argv[sys.argv.index("--dir") + 1], "gloo", body))

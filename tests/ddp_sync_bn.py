@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from opt_ds_ops.training.distributed import GlooSyncBatchNorm, run_rank, shard
+from opt_ds_ops.training.distributed import GlooSyncBatchNorm, exit_rank, run_rank, shard
 
 
 def body(group) -> None:
@@ -49,4 +49,4 @@ def body(group) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_rank(sys.argv[sys.argv.index("--dir") + 1], "gloo", body))
+    exit_rank(run_rank(sys.argv[sys.argv.index("--dir") + 1], "gloo", body))

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Callable, NoReturn
 
 import numpy as np
 import torch
@@ -269,6 +269,9 @@ def _failure(out_dir: str, log_path: str, rc: int) -> str:
 
 _ROOT_FIELD = re.compile(r"^(rank|exitcode)\s*:\s*(\S+)(.*)$")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b:?")
+# what a rank's process says as it aborts: C++'s std::terminate (gloo's and c10d's exceptions
+# thrown on their own threads) and CPython's fatal errors
+_ABORT_LINE = re.compile(r"^(terminate called\b|what\(\):|Fatal Python error:)")
 _ROOT_HEADING = "Root Cause (first observed failure):"
 
 
@@ -289,12 +292,18 @@ def _root_cause(lines: list[str]) -> tuple[int, str, str] | None:
 
 
 def _torchrun_cause(lines: list[str], root: tuple[int, str, str] | None) -> str:
-    """Return the root cause's rank and exit code, and the last exception line a rank printed before
-    torchrun's summary; else the log's last line."""
+    """Return the root cause's rank and exit code, and what a rank said as it aborted (the last
+    ``terminate called ...`` line and its ``what(): ...``), else the last exception line a rank printed
+    before torchrun's summary; else the log's last line."""
     summary = next((i for i, ln in enumerate(lines) if ln.startswith("=====")), len(lines))
     raised = [ln for ln in lines[:summary] if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln]
+    aborted = [ln for ln in lines[:summary] if _ABORT_LINE.match(ln)]
     parts = [f"rank {root[0]} ended with exit code {root[1]}" + (f" ({root[2]})" if root[2] else "")] if root else []
-    parts += raised[-1:]
+    if aborted:  # the last "terminate called after throwing ..." with the "what(): ..." after it
+        said = [i for i, ln in enumerate(aborted) if not ln.startswith("what():")] or [len(aborted) - 1]
+        parts += [ln for ln in aborted[said[-1]:said[-1] + 2]]
+    else:
+        parts += raised[-1:]
     return "; ".join(parts) or (lines[-1] if lines else "no message")
 
 
@@ -331,6 +340,19 @@ def _die_with_torchrun() -> None:
     launcher = os.environ.get("DS_OPS_TORCHRUN_PID", "")
     if launcher.isdigit() and os.getppid() != int(launcher):  # torchrun died before the prctl
         os._exit(1)
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process with code once its output is flushed, without the interpreter's
+    finalisation: its group is destroyed and its result written (atomically), so nothing is left
+    to finalise, and finalising with gloo's and OpenMP's threads still in the process is where a
+    rank can abort (SIGABRT) after its work is done (a thread that still holds a tensor takes the
+    GIL of an interpreter being torn down: pytorch/pytorch#179291). A rank's own exit code is all
+    torchrun reads."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def run_rank(out_dir: str, backend: str, body: Callable[[ProcessGroupInfo], None]) -> int:
@@ -398,4 +420,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

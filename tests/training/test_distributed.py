@@ -152,6 +152,14 @@ def test_a_rank_killed_without_an_error_of_its_own_is_named_from_torchruns_summa
         "distributed training failed (torchrun exit code 1): rank 1 ended with exit code -9 (SIGKILL)"
 
 
+def test_a_rank_that_aborts_is_named_with_what_it_said_as_it_aborted(tmp_path, monkeypatch):
+    monkeypatch.setenv("DS_OPS_TEST_RANK_DEATH", "abort")
+    assert _failed_launch(tmp_path, monkeypatch, "ddp_rank_killed") == (
+        "distributed training failed (torchrun exit code 1): rank 1 ended with exit code -6 (SIGABRT); "
+        "terminate called after throwing an instance of 'gloo::IoException'; "
+        "what():  [gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:4242")
+
+
 @pytest.mark.parametrize("sig, code, last_words", [(signal.SIGINT, 130, "ds-ops: interrupted"),
                                                     (signal.SIGTERM, 1, "stopped by SIGTERM")])
 def test_a_stopped_train_nproc_leaves_no_rank_and_no_temporary_files(tmp_path, smd_rows, sig, code, last_words):
