@@ -44,7 +44,7 @@ bench: venv
 # A fleet on one server: N models scored every 5 minutes through a real daemon, then with the day's
 # retrainings queued beside (scripts/bench_fleet.py; docs/performance.md, "A fleet on one server").
 bench-fleet: venv
-	$(BIN)/python scripts/bench_fleet.py --models 100 1000 --train-queue 40 --stacked 16 $(BENCH_FLEET_ARGS)
+	$(BIN)/python scripts/bench_fleet.py --models 100 1000 --train-queue 40 --retrain-daily --stacked 16 $(BENCH_FLEET_ARGS)
 
 # Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py);
 # then 50 scored chunks that each open an incident, a SIGKILL in each: every incident entry said once (scripts/alert_soak.py).

@@ -9,7 +9,9 @@ per ``--interval-s`` (5 rows of its base machine's test period, moved by a per-h
 noise so the hosts' scores differ; every ``--spike-every``-th chunk with one metric pushed far out:
 an incident) the safe way (sidecar, then ``.part`` renamed), at the fleet's rate N / interval,
 for ``--seconds``. Then the same again with ``--train-queue`` training datasets dropped into
-incoming/ at the start (the day's retrainings beside the scoring).
+incoming/ at the start (a burst of retrainings beside the scoring), and with ``--retrain-daily``
+the same again with one training dataset per host per day dropped at that pace through the window
+(N / 86,400 a second, the first at its start: the day's retrainings as they come).
 
 Prints per phase: chunks dropped and scored, sustained chunks/s, drop -> result and drop -> alert
 p50/p95/max, the backlog at the end of the window (chunks dropped but not scored) and how long
@@ -163,18 +165,28 @@ class Fleet:
             out.setdefault(path.split(os.sep)[-3], []).append(os.stat(path).st_mtime)
         return {h: sorted(v) for h, v in out.items()}
 
-    def phase(self, seconds: float, train_queue: list[str]) -> dict:
+    def phase(self, seconds: float, train_queue: list[str], train_rate: float = 0.0) -> dict:
+        """Score for seconds; train_queue's datasets are dropped into incoming/ at the start, or
+        one every 1 / train_rate seconds from the start when train_rate > 0."""
         score = os.path.join(self.spool, "score")
         rate = self.n / self.args.interval_s
         prom = os.path.join(self.root, "prom", "ds_ops.prom")
         trained_before = len(glob.glob(os.path.join(self.spool, "done", "*.result.json")))
-        for k, path in enumerate(train_queue):  # the day's retrainings: datasets of the base machines
-            rename_in(os.path.join(self.spool, "incoming"), f"retrain-{k:04d}.txt.gz", open(path, "rb").read())
+        queued = 0
+
+        def queue_trainings(elapsed: float) -> int:  # datasets of the base machines
+            due = len(train_queue) if train_rate <= 0 else min(len(train_queue), int(elapsed * train_rate) + 1)
+            for k in range(queued, due):
+                rename_in(os.path.join(self.spool, "incoming"), f"retrain-{k:04d}.txt.gz", open(train_queue[k], "rb").read())
+            return max(queued, due)
+
+        queued = queue_trainings(0.0)
         cpu0, tree0, t0 = cpu_s(self.daemon.pid), tree_cpu_s(self.daemon.pid), time.monotonic()
         drops: dict[str, list[tuple[float, bool]]] = {}
         sent, prom_mtimes, mtime = 0, 0, None
         seq = {h: len(v) for h, v in self.results().items()}
         while time.monotonic() - t0 < seconds:
+            queued = queue_trainings(time.monotonic() - t0)
             due = int((time.monotonic() - t0) * rate) + 1
             while sent < due:
                 host = f"host-{sent % self.n:04d}"
@@ -226,7 +238,7 @@ class Fleet:
                 "total_cpu_per_chunk": cpu_tree / max(sent, 1),
                 "daemon_rss_mib": peak_rss_mib(self.daemon.pid), "prom_bytes": size, "prom_series": series,
                 "prom_rewrites": prom_mtimes, "status_s": status_s, "trained_in_window": trained_in_window,
-                "models_per_hour": trained_in_window / window * 3600}
+                "models_per_hour": trained_in_window / window * 3600, "trainings_dropped": queued}
 
     def stop(self) -> None:
         self.daemon.send_signal(signal.SIGTERM)
@@ -249,16 +261,17 @@ def line(label: str, r: dict, base: dict | None = None) -> str:
             f"{r['daemon_rss_mib']:.0f} MiB, job processes' peak {r['jobs_rss_mib']:.0f} MiB\n"
             f"  ds_ops.prom {r['prom_bytes'] / 1024:.0f} KiB, {r['prom_series']} series, rewritten {r['prom_rewrites']} "
             f"times seen; ds-ops status {r['status_s']:.2f} s{ratio('status_s')}"
-            + (f"\n  training queue: {r['trained_in_window']} models trained in the window: {r['models_per_hour']:.0f}/hour"
-               if r["trained_in_window"] else ""))
+            + (f"\n  training: {r['trainings_dropped']} datasets dropped, {r['trained_in_window']} models trained in "
+               f"the window: {r['models_per_hour']:.0f}/hour" if r["trainings_dropped"] else ""))
 
 
-def run(n: int, seconds: float, train_queue: list, base_models: str, base_list: list, args) -> dict:
+def run(n: int, seconds: float, train_queue: list, base_models: str, base_list: list, args,
+        train_rate: float = 0.0) -> dict:
     root = tempfile.mkdtemp(prefix=f"ds-ops-bench-fleet-{n}-")
     fleet = Fleet(root, base_models, base_list, n, args)
     fleet.start()
     try:
-        r = fleet.phase(seconds, train_queue)
+        r = fleet.phase(seconds, train_queue, train_rate)
     finally:
         fleet.stop()
     r["jobs_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -276,6 +289,8 @@ def main() -> int:
     ap.add_argument("--bases", type=int, default=4)
     ap.add_argument("--spike-every", type=int, default=20)
     ap.add_argument("--train-queue", type=int, default=0, help="training datasets dropped at the start of a second phase")
+    ap.add_argument("--retrain-daily", action="store_true",
+                    help="then a phase with one training per host per day dropped at that pace (N / 86,400 a second)")
     ap.add_argument("--stacked", type=int, default=0,
                     help="then train this many hosts one at a time and as one stack (scripts/bench_stacked.py)")
     ap.add_argument("--keep", action="store_true")
@@ -299,6 +314,12 @@ def main() -> int:
             queue = [b[1] for b in base_list] * (args.train_queue // len(base_list) + 1)
             r = run(n, args.seconds, queue[:args.train_queue], base_models, base_list, args)
             print(line(f"{n} models with {args.train_queue} trainings queued", r, base))
+        if args.retrain_daily:
+            rate = n / 86400.0
+            count = int(args.seconds * rate) + 1
+            queue = [b[1] for b in base_list] * (count // len(base_list) + 1)
+            r = run(n, args.seconds, queue[:count], base_models, base_list, args, train_rate=rate)
+            print(line(f"{n} models with a training per host per day ({3600 * rate:.1f} an hour)", r, base))
     shutil.rmtree(base_models, ignore_errors=True)
     if args.stacked:  # the trainer's own models/hour, alone and stacked, in this run (no daemon: not yet batched there)
         from bench_stacked import measure, report
