@@ -125,17 +125,21 @@ def load_dataset(path: str, limits: DatasetLimits | None = None, options: Datase
     ds = Dataset(path=path, format=fmt, data=data, header=header, size_bytes=size, offset=offset, time=time,
                  left_out=left_out, notes=notes, feature_columns=feature_columns)
     if limits.refuse_constant:
-        _note_constant_columns(ds)
+        _note_constant_columns(ds, options)
     return ds
 
 
-def _note_constant_columns(ds: Dataset) -> None:
-    """Raise DatasetError if every feature column of ``ds`` is constant; note those that are, if some."""
+def _note_constant_columns(ds: Dataset, options: DatasetConfig) -> None:
+    """Raise DatasetError if every feature column of ``ds`` is constant; note those that are, if
+    some, by name: the header's, else ``dataset.metric_names`` (a retrained version's history has
+    no header: its names are the model's), else column numbers."""
     constant = constant_columns(ds.data)
     if len(constant) == ds.features:
         raise all_constant(ds.path, ds.features)
     if constant:
         labels = ds.metric_labels()
+        if ds.header is None and options.metric_names and len(options.metric_names) == ds.features:
+            labels = [str(n).strip() for n in options.metric_names]
         named = ", ".join(clip(labels[c], 40) for c in constant[:20]) + (", ..." if len(constant) > 20 else "")
         ds.notes.append(f"{len(constant)} of {ds.features} feature columns are constant ({named}): they carry no "
                         "signal here, and a change in them will stand out when scored")

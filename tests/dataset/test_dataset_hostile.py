@@ -157,6 +157,18 @@ def test_constant_columns_among_others_are_noted_in_the_metadata(tmp_path):
     assert any(n.startswith("2 of 4 feature columns are constant (fans, errors)") for n in md["dataset"]["notes"]), md
 
 
+def test_constant_columns_of_a_file_without_a_header_are_named_by_the_models_metric_names(tmp_path):
+    """A retrained version's history is an .npz without names; its model's names come as
+    dataset.metric_names, and the note says them, as the first version's did."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "history.npy"
+    np.save(path, np.column_stack([rng.normal(size=400), np.full(400, 7.0), rng.normal(size=400)]).astype(np.float32))
+    ds = load_dataset(str(path), TRAINING, DatasetConfig(metric_names=("cpu", "fans", "mem")))
+    assert any(n.startswith("1 of 3 feature columns are constant (fans)") for n in ds.notes), ds.notes
+    ds = load_dataset(str(path), TRAINING)
+    assert any(n.startswith("1 of 3 feature columns are constant (2)") for n in ds.notes), ds.notes
+
+
 # ------------------------------------------------------------------ row 5: CR-only line endings
 
 
