@@ -68,15 +68,19 @@ def _num(v, fmt: str = ".6g") -> str:
 
 
 def _gate_note(gate: dict | None, current: bool = True) -> str:
-    """``  gate: not promoted (pr-auc) flags 1.2% vs 3.4%``: the promotion gate's verdict, or nothing;
+    """``  gate: promoted flags 1.2% vs current-then 3.4%``: the promotion gate's verdict, or nothing;
     a version the gate passed that is not ``current`` (held by the operator, or current moved on)
-    is ``passed, not current``."""
+    is ``passed, not current``. A refusal says the gate's own reason (``not promoted
+    (flagged-vs-design): it flags 4.63% of the 1620 held-back rows the champion did not flag, ...``):
+    the test that failed may not be the flagged shares, which then read as if it were better."""
     if not gate:
         return ""
     if gate.get("promote"):
         verdict = "promoted" if current else "passed, not current"
     else:
         verdict = f"not promoted ({safe_text(str(gate.get('failed') or gate.get('mode')))})"
+        if isinstance(gate.get("reason"), str) and gate["reason"]:
+            return f"\n      gate: {verdict}: {safe_text(gate['reason'][:300])}"
     champ = gate.get("champion_flagged_share")
     vs = f" vs current-then {champ:.2%}" if isinstance(champ, float) else ""
     flags = f" flags {gate['flagged_share']:.2%}{vs}" if isinstance(gate.get("flagged_share"), float) else ""

@@ -166,9 +166,12 @@ def fits_float32(centred: np.ndarray, rows: np.ndarray, kept: np.ndarray | None 
 
 
 def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: np.ndarray | None, window: str,
-                design_rate: float) -> dict:
+                design_rate: float, own_rows: int | None = None) -> dict:
     """:func:`drift` of the model's history under results_model_dir with a chunk's flags (n,) and
-    times appended, as :func:`record_chunk` will append them (nothing if job_id appended last)."""
+    times appended, as :func:`record_chunk` will append them (nothing if job_id appended last).
+    ``own_rows``: the rows of the series since it last started again (a new version, a gap), the
+    chunk's included; the history's older rows were flagged by another version or before a break,
+    so they do not count (a version just promoted is not judged by its predecessor's flags)."""
     try:
         h = read_history(os.path.join(results_model_dir, HISTORY_FILE))
     except (ValueError, OSError):
@@ -176,19 +179,21 @@ def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: n
     n = np.asarray(flags).shape[0]
     t = np.asarray(times, dtype=np.float64) if times is not None else np.full(n, np.nan)
     if h is not None and h.last_job == job_id:
-        return drift(h, window, design_rate)
+        return drift(h, window, design_rate, own_rows)
     old_f = h.flags if h is not None else np.empty(0, bool)
     old_t = h.times if h is not None else np.empty(0)
     both = History(np.empty((old_f.shape[0] + n, 0), np.float32), np.empty(0), np.concatenate([old_f, flags]),
                    np.concatenate([old_t, t]))
-    return drift(both, window, design_rate)
+    return drift(both, window, design_rate, own_rows)
 
 
-def drift(h: History, window: str, design_rate: float) -> dict:
-    """Return the share of rows flagged over the history's last ``window`` (rows or a duration)
-    and its ratio to the design rate: ``{rows, flagged_share, design_rate, drift_ratio}``."""
+def drift(h: History, window: str, design_rate: float, own_rows: int | None = None) -> dict:
+    """Return the share of rows flagged over the history's last ``window`` (rows or a duration),
+    at most its last ``own_rows`` rows, and its ratio to the design rate:
+    ``{rows, flagged_share, design_rate, drift_ratio}``."""
     tail = bounded(h, window, 1 << 62)
-    n = int(tail.flags.shape[0])
-    share = float(tail.flags.mean()) if n else 0.0
+    flags = tail.flags if own_rows is None else tail.flags[tail.flags.shape[0] - min(tail.flags.shape[0], max(0, own_rows)):]
+    n = int(flags.shape[0])
+    share = float(flags.mean()) if n else 0.0
     return {"rows": n, "flagged_share": share, "design_rate": design_rate,
             "drift_ratio": share / design_rate if design_rate > 0 else None}

@@ -147,6 +147,18 @@ def test_a_version_the_gate_passed_but_not_current_is_not_listed_as_promoted():
     assert "gate: passed, not current" in _gate_note(gate, current=False)
 
 
+def test_a_refused_version_shows_the_gates_own_reason_not_flag_shares_that_read_as_better():
+    from opt_ds_ops.commands.models import _gate_note
+
+    reason = ("it flags 4.63% of the 1620 held-back rows the champion did not flag, design rate 1.00% "
+              "(tolerance 1.00%)")
+    gate = {"promote": False, "failed": "flagged-vs-design", "reason": reason, "flagged_share": 0.183,
+            "champion_flagged_share": 0.1964}
+    assert _gate_note(gate) == f"\n      gate: not promoted (flagged-vs-design): {reason}"
+    gate = {"promote": False, "failed": "pr-auc", "flagged_share": 0.01, "champion_flagged_share": 0.945}
+    assert _gate_note(gate) == "\n      gate: not promoted (pr-auc) flags 1.00% vs current-then 94.50%"  # no reason kept
+
+
 def test_unpin_of_a_version_that_is_not_pinned_says_which_is(trained):
     """Before: `models unpin m` printed "unpinned by root" while the pinned version stayed P."""
     root, conf = trained

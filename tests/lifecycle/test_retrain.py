@@ -305,10 +305,27 @@ def test_a_level_shift_fires_the_drift_trigger_and_the_retrained_model_is_promot
         tolerance = Config().store.promote_flag_tolerance
         print(f"design rate {design:.2%}, tolerance {tolerance:.2%}")
         assert after["version"] == second and share <= design + tolerance
+        # the new version's drift counts its own rows only, not the champion's 2,000 flagged ones before it
+        assert after["first_row"] == 0 and after["drift"]["rows"] == 500, after["drift"]
         rc, _ = d.stop()
         assert rc == 0, d.log()
     finally:
         d.kill()
+
+
+def test_drift_counts_only_the_rows_of_the_series_since_it_started_again(tmp_path):
+    """A version just promoted (or a series restarted after a gap) is not judged by the rows its
+    predecessor flagged: the window is cut to the series' own rows, so due() waits for a full one."""
+    from opt_ds_ops.lifecycle.history import chunk_drift, record_chunk
+
+    rows = np.zeros((1000, 2), np.float32)
+    record_chunk(str(tmp_path), "old", rows, None, np.ones(1000, bool), None, "100000", 1 << 30)  # all flagged
+    flags = np.zeros(200, bool)
+    everything = chunk_drift(str(tmp_path), "new", flags, None, "1000", 0.01)
+    assert everything["rows"] == 1000 and everything["flagged_share"] == pytest.approx(0.8)
+    own = chunk_drift(str(tmp_path), "new", flags, None, "1000", 0.01, own_rows=200)
+    assert own == {"rows": 200, "flagged_share": 0.0, "design_rate": 0.01, "drift_ratio": 0.0}
+    assert chunk_drift(str(tmp_path), "new", flags, None, "1000", 0.01, own_rows=5000)["rows"] == 1000
 
 
 def test_due_says_which_trigger_fired_and_needs_a_full_drift_window():
