@@ -11,7 +11,8 @@ an incident) the safe way (sidecar, then ``.part`` renamed), at the fleet's rate
 for ``--seconds``. Then the same again with ``--train-queue`` training datasets dropped into
 incoming/ at the start (a burst of retrainings beside the scoring), and with ``--retrain-daily``
 the same again with one training dataset per host per day dropped at that pace through the window
-(N / 86,400 a second, the first at its start: the day's retrainings as they come).
+(N / 86,400 a second, the k-th at (k + 0.5) / rate: the day's retrainings as they come; first
+trainings of new names, so a retraining's own work, its history copy and the gate, is not in it).
 
 Prints per phase: chunks dropped and scored, sustained chunks/s, drop -> result and drop -> alert
 p50/p95/max, the backlog at the end of the window (chunks dropped but not scored) and how long
@@ -175,7 +176,8 @@ class Fleet:
         queued = 0
 
         def queue_trainings(elapsed: float) -> int:  # datasets of the base machines
-            due = len(train_queue) if train_rate <= 0 else min(len(train_queue), int(elapsed * train_rate) + 1)
+            # paced: the k-th at (k + 0.5) / train_rate, so a window holds about seconds * rate of them
+            due = len(train_queue) if train_rate <= 0 else min(len(train_queue), int(elapsed * train_rate + 0.5))
             for k in range(queued, due):
                 rename_in(os.path.join(self.spool, "incoming"), f"retrain-{k:04d}.txt.gz", open(train_queue[k], "rb").read())
             return max(queued, due)
@@ -316,10 +318,15 @@ def main() -> int:
             print(line(f"{n} models with {args.train_queue} trainings queued", r, base))
         if args.retrain_daily:
             rate = n / 86400.0
-            count = int(args.seconds * rate) + 1
+            count = int(args.seconds * rate + 0.5)
+            if not count:
+                print(f"{n} models with a training per host per day: none due in {args.seconds:.0f} s "
+                      f"(one every {1 / rate:.0f} s); a longer --seconds")
+                continue
             queue = [b[1] for b in base_list] * (count // len(base_list) + 1)
             r = run(n, args.seconds, queue[:count], base_models, base_list, args, train_rate=rate)
-            print(line(f"{n} models with a training per host per day ({3600 * rate:.1f} an hour)", r, base))
+            print(line(f"{n} models with a training per host per day ({3600 * rate:.1f} an hour: "
+                       f"{count} in the window)", r, base))
     shutil.rmtree(base_models, ignore_errors=True)
     if args.stacked:  # the trainer's own models/hour, alone and stacked, in this run (no daemon: not yet batched there)
         from bench_stacked import measure, report

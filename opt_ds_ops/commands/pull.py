@@ -156,7 +156,7 @@ class Puller:
         for host in report.forgotten:
             self.log.event("source-host", f"{name}: host {host} forgotten: never trained, and not seen for "
                            f"train_window ({self.source.options.train_window})", source=name, host=host)
-        missing = sum(sum(m.values()) for m in report.missing.values())
+        missing = sum(report.left_out.values())  # steps; a step without 3 series' values is one step
         worst = ", ".join(f"{host}: " + ", ".join(f"{s} {n}" for s, n in sorted(m.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
                           for host, m in sorted(report.missing.items())[:3])
         rows = sum(r[1] for r in report.scored.values())
@@ -164,7 +164,8 @@ class Puller:
                        f"in {took_s:.1f} s: {len(report.scored)} chunk(s) of {rows} rows to score/, "
                        f"{len(report.trained)} training file(s) to incoming/"
                        + (f", {len(report.pending)} host(s) waiting for their model's first version" if report.pending else "")
-                       + (f"; {missing} step(s) left out for want of a value ({worst})" if missing else ""),
+                       + (f"; {missing} step(s) left out for want of a value (values missing by series: {worst})"
+                          if missing else ""),
                        priority=LOG_INFO if not missing else LOG_NOTICE, source=name, rows=rows)
 
     def forever(self) -> None:

@@ -130,7 +130,8 @@ def due(rcfg, summary: dict, trained_s: float | None, now_s: float,
     ratio = d.get("drift_ratio")
     if rcfg.drift_rate > 0 and isinstance(ratio, (int, float)) and ratio > rcfg.drift_rate:
         rows, _ = parse_window(rcfg.drift_window)
-        if not rows or d.get("rows", 0) >= rows:  # a full window, not the first few rows
+        # a full window of the current version's own rows (``full``), not its first few rows
+        if d.get("full", True) and (not rows or d.get("rows", 0) >= rows):
             return "drift", (f"{d['flagged_share']:.2%} of the last {d['rows']} rows flagged, {ratio:.1f} x the "
                              f"design rate {d['design_rate']:.2%} (retrain.drift_rate {rcfg.drift_rate:g})")
     chunk_s = _utc_seconds(summary.get("last_time"))
@@ -250,11 +251,20 @@ class Retrainer:
 def job_options(cfg, name: str):
     """In the job process: the dataset options of a retraining job of model ``name``: the
     conffile's, with the current version's metric names (the history has no header, and a version
-    without them names its metrics by column number in alerts and the journal)."""
+    without them names its metrics by column number in alerts and the journal: its header's, else
+    the file columns its features came from, as scoring names them) and no column selection (the
+    history's columns are the model's features already: ``dataset.columns`` or
+    ``exclude_columns`` would pick among them a second time)."""
     import dataclasses
 
-    names = (current_metadata(cfg.models_dir, name) or {}).get("metric_names")
-    return dataclasses.replace(cfg.dataset, metric_names=tuple(names)) if names else cfg.dataset
+    md = current_metadata(cfg.models_dir, name) or {}
+    ds = md.get("dataset") if isinstance(md.get("dataset"), dict) else {}
+    names = ()
+    for given in (md.get("metric_names"), ds.get("header"), ds.get("feature_columns")):
+        if isinstance(given, list) and given:
+            names = tuple(str(n) for n in given)
+            break
+    return dataclasses.replace(cfg.dataset, columns=(), exclude_columns=(), metric_names=names)
 
 
 def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, str]:

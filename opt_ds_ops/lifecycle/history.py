@@ -169,9 +169,9 @@ def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: n
                 design_rate: float, own_rows: int | None = None) -> dict:
     """:func:`drift` of the model's history under results_model_dir with a chunk's flags (n,) and
     times appended, as :func:`record_chunk` will append them (nothing if job_id appended last).
-    ``own_rows``: the rows of the series since it last started again (a new version, a gap), the
-    chunk's included; the history's older rows were flagged by another version or before a break,
-    so they do not count (a version just promoted is not judged by its predecessor's flags)."""
+    ``own_rows``: the rows the current version scored, the chunk's included; the history's older
+    rows were flagged by another version, so they do not count (a version just promoted is not
+    judged by its predecessor's flags)."""
     try:
         h = read_history(os.path.join(results_model_dir, HISTORY_FILE))
     except (ValueError, OSError):
@@ -189,11 +189,24 @@ def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: n
 
 def drift(h: History, window: str, design_rate: float, own_rows: int | None = None) -> dict:
     """Return the share of rows flagged over the history's last ``window`` (rows or a duration),
-    at most its last ``own_rows`` rows, and its ratio to the design rate:
-    ``{rows, flagged_share, design_rate, drift_ratio}``."""
+    at most its last ``own_rows`` rows, its ratio to the design rate, and whether those rows fill
+    the window (``full``: as many rows as a row window; for a duration, own rows that span it,
+    or all the history where the rows have no times):
+    ``{rows, flagged_share, design_rate, drift_ratio, full}``."""
     tail = bounded(h, window, 1 << 62)
-    flags = tail.flags if own_rows is None else tail.flags[tail.flags.shape[0] - min(tail.flags.shape[0], max(0, own_rows)):]
-    n = int(flags.shape[0])
+    total = int(h.flags.shape[0])
+    own = total if own_rows is None else min(total, max(0, int(own_rows)))
+    n = min(int(tail.flags.shape[0]), own)
+    flags = tail.flags[tail.flags.shape[0] - n:]
+    rows, seconds = parse_window(window)
+    if rows:
+        full = n >= rows
+    elif own >= 2 and np.isfinite(h.times[-1]) and np.isfinite(h.times[total - own]):
+        t = h.times[total - own:]  # n rows a step apart cover n steps: the last row's step counts
+        steps = np.diff(t[np.isfinite(t)])
+        full = bool(t[-1] - t[0] + (float(np.median(steps)) if steps.size else 0.0) >= seconds)
+    else:  # rows without times: a duration keeps them all (bounded), so the version's own must be all
+        full = own >= total and own > 0
     share = float(flags.mean()) if n else 0.0
     return {"rows": n, "flagged_share": share, "design_rate": design_rate,
-            "drift_ratio": share / design_rate if design_rate > 0 else None}
+            "drift_ratio": share / design_rate if design_rate > 0 else None, "full": bool(full)}

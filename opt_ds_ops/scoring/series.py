@@ -49,7 +49,9 @@ class SeriesState:
     values); ``incident``: the incident rule's memory (:meth:`opt_ds_ops.scoring.incidents.Tracker.to_dict`:
     the last flags and the open incident or None, with ``sums``: each metric's sum of unsmoothed terms);
     ``incidents``: incidents opened so far; ``critical_incidents``: those that were or became
-    critical (counted when they opened critical or were escalated); counters over the series; ``last_job``, ``last_result``,
+    critical (counted when they opened critical or were escalated); counters over the series;
+    ``version_rows``: the rows its current version scored (the drift trigger's own rows: kept
+    through a gap's or time going back's restart, 0 for a new version); ``last_job``, ``last_result``,
     ``scored_at``, ``top_metrics``: the scoring job that wrote this state, its result directory,
     when, and the open incident's top metrics by name (:func:`opt_ds_ops.scoring.job.score_job` sets them).
     """
@@ -65,6 +67,7 @@ class SeriesState:
     incident: dict | None = None
     rows_scored: int = 0
     rows_flagged: int = 0
+    version_rows: int = 0  # rows scored by the current version (a gap's restart keeps them; a new version: 0)
     incidents: int = 0
     critical_incidents: int = 0
     last_score: float | None = None
@@ -98,7 +101,7 @@ class SeriesState:
         except TypeError as e:
             raise ValueError(f"series state: {e}") from None
         numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.incidents,
-                   state.critical_incidents)
+                   state.critical_incidents, state.version_rows)
         if (not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
                 or not isinstance(state.context, list) or not isinstance(state.recent, list)
                 or not (state.last_time is None or isinstance(state.last_time, (int, float)))):
@@ -341,6 +344,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         counters = (st.rows_scored, st.rows_flagged, st.incidents, st.critical_incidents,
                     Tracker.from_dict(st.incident).opened)
         same = st.version == model_version(stored)  # a gap or time backwards: the re-baseline stays with its version
+        version_rows = st.version_rows if same else 0
         kept = (st.rebase, st.regime) if same else ([], None)
         changes, cal = st.regime_changes, (st.calibration if same else None)
         if cal is not None:
@@ -348,6 +352,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         st = fresh_state(st.model, stored)
         st.calibration = cal
         st.rows_scored, st.rows_flagged, st.incidents, st.critical_incidents = counters[:4]
+        st.version_rows = version_rows
         st.incident = Tracker(opened=counters[4]).to_dict()  # incident ids go on counting in the series
         st.rebase, st.regime, st.regime_changes = kept[0], kept[1], changes
     st.version, st.threshold = model_version(stored), float(stored.threshold)
@@ -448,6 +453,7 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
         st.last_score = float(scores[-1])
     st.context = context.tolist() if w > 1 else []
     st.rows_scored += n
+    st.version_rows += n
     st.rows_flagged += int(flags.sum())
     if calibration is not None:
         calib.add(st.calibration, scores)

@@ -1,12 +1,17 @@
 """The puller's Prometheus metrics, beside the daemon's: ``ds_ops_pull_NAME.prom`` in the
-node_exporter textfile directory (``metrics.textfile_dir``), written with prometheus_client after
-each pull; off when that directory does not exist or is empty in the conffile."""
+node_exporter textfile directory (``metrics.textfile_dir``), rendered by prometheus_client after
+each pull and written as the daemon writes ``ds_ops.prom`` (:mod:`opt_ds_ops.observe.metrics`):
+atomically and mode 0644, which the unit's ``UMask=0027`` would otherwise leave unreadable to
+node_exporter's user (``write_to_textfile`` keeps the umask's mode); off when that directory does
+not exist or is empty in the conffile."""
 
 from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, write_to_textfile
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from ..fsutil import write_atomic
 
 from .puller import PullReport
 from .sourcefile import Source
@@ -54,7 +59,7 @@ class PullMetrics:
         self.pulled_until.labels(n).set(report.end)
         self.rows.labels(n, "train").inc(sum(r[1] for r in report.trained.values()))
         self.rows.labels(n, "score").inc(sum(r[1] for r in report.scored.values()))
-        self.missing.labels(n).inc(sum(sum(m.values()) for m in report.missing.values()))
+        self.missing.labels(n).inc(sum(report.left_out.values()))
         counts = {"trained": 0, "waiting": 0, "gone": 0}
         for host, entry in state["hosts"].items():
             trained = entry.get("scored_until") is not None
@@ -68,6 +73,6 @@ class PullMetrics:
     def write(self) -> None:
         if self.path and os.path.isdir(os.path.dirname(self.path)):
             try:
-                write_to_textfile(self.path, self.registry)
+                write_atomic(self.path, generate_latest(self.registry), prefix=f".{os.path.basename(self.path)}.tmp-")
             except OSError:
                 pass  # metrics are best effort: the journal says what each pull did

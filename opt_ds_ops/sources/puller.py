@@ -51,6 +51,7 @@ from .sourcefile import Source
 
 STATE_FORMAT = 1
 RECHECK_WAITING_S = 3600.0  # a host with too little history is looked at again this often, at most
+LEFT_OUT = ""  # _rows' key of the steps left out beside the series' own counts (no series is named "")
 PIECE_POINTS = 1440  # points per series per query of a long range: an answer stays near 45 KB a host
 
 
@@ -77,6 +78,7 @@ class PullReport:
     pending: dict = field(default_factory=dict)      # host -> model without a current version yet
     gone: dict = field(default_factory=dict)         # host -> last seen (epoch seconds) or None
     missing: dict = field(default_factory=dict)      # host -> {series: steps without a value}
+    left_out: dict = field(default_factory=dict)     # host -> steps left out (a value of one series or more missing)
     never: dict = field(default_factory=dict)        # waiting host -> (series with no value at all, new since its last look)
     refused: dict = field(default_factory=dict)      # host -> why no model is made of it, or no file written
     skipped_s: dict = field(default_factory=dict)    # host -> seconds of an outage left unscored (catch_up)
@@ -144,7 +146,7 @@ def _fetch(prom: Prometheus, source: Source, start: float, end: float, keep: Cal
 
 def _rows(values: np.ndarray, times: np.ndarray, source: Source, lo: int = 0) -> tuple[np.ndarray, dict[str, int]]:
     """Return (the complete rows from column ``lo`` on, as (time, value, ...) rows; {series: steps it
-    had no value at}); steps before the host's first value of any series are not missing: it was not
+    had no value at, and under :data:`LEFT_OUT` the steps left out}); steps before the host's first value of any series are not missing: it was not
     there yet."""
     part = values[:, lo:]
     seen = ~np.isnan(part)
@@ -156,6 +158,8 @@ def _rows(values: np.ndarray, times: np.ndarray, source: Source, lo: int = 0) ->
     complete[:first] = False
     gaps = (~seen[:, first:]).sum(axis=1)
     missing = {s.name: int(g) for s, g in zip(source.series, gaps) if g}
+    if missing:
+        missing[LEFT_OUT] = int((~complete[first:]).sum())
     rows = np.column_stack([times[lo:][complete], part[:, complete].T])
     return rows, missing
 
@@ -254,6 +258,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
             report.refused[host] = f"its model name {name} is {names[name]}'s already"
             continue
         if missing:
+            report.left_out[host] = missing.pop(LEFT_OUT)
             report.missing[host] = missing
         history = (rows[-1, 0] - rows[0, 0]) if len(rows) >= 2 else 0.0
         if len(rows) < 2 or history < source.seconds("min_history"):
@@ -287,6 +292,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         lo = int(round((start - window.start) / step))
         rows, missing = _rows(window.hosts[host], window.times, source, lo)
         if missing:
+            report.left_out[host] = missing.pop(LEFT_OUT)
             report.missing[host] = missing
         if len(rows):
             try:

@@ -291,19 +291,30 @@ def _root_cause(lines: list[str]) -> tuple[int, str, str] | None:
     return int(fields["rank"][0]), fields["exitcode"][0], signame[1] if signame else ""
 
 
+def _abort_words(lines: list[str]) -> list[str]:
+    """Return what the first rank to abort said: its first ``terminate called after throwing ...``
+    (or ``Fatal Python error: ...``) line, with the ``what(): ...`` line right after it; the
+    generic lines (``terminate called recursively``, ``Fatal Python error: Aborted``, which the
+    fault handler adds) only where nothing else was said. Later aborts are mostly the others'
+    consequences (a peer's connection closed)."""
+    found = [i for i, ln in enumerate(lines) if _ABORT_LINE.match(ln)]
+    generic = ("terminate called recursively", "Fatal Python error: Aborted")
+    said = [i for i in found if not lines[i].startswith("what():") and not lines[i].startswith(generic)]
+    if said:
+        i = said[0]
+        return [lines[i]] + ([lines[i + 1]] if i + 1 < len(lines) and lines[i + 1].startswith("what():") else [])
+    what = [i for i in found if lines[i].startswith("what():")]
+    return [lines[(what or found)[0]]] if found else []
+
+
 def _torchrun_cause(lines: list[str], root: tuple[int, str, str] | None) -> str:
-    """Return the root cause's rank and exit code, and what a rank said as it aborted (the last
-    ``terminate called ...`` line and its ``what(): ...``), else the last exception line a rank printed
-    before torchrun's summary; else the log's last line."""
+    """Return the root cause's rank and exit code, and what the first rank to abort said
+    (:func:`_abort_words`), else the last exception line a rank printed before torchrun's summary;
+    else the log's last line."""
     summary = next((i for i, ln in enumerate(lines) if ln.startswith("=====")), len(lines))
     raised = [ln for ln in lines[:summary] if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln]
-    aborted = [ln for ln in lines[:summary] if _ABORT_LINE.match(ln)]
     parts = [f"rank {root[0]} ended with exit code {root[1]}" + (f" ({root[2]})" if root[2] else "")] if root else []
-    if aborted:  # the last "terminate called after throwing ..." with the "what(): ..." after it
-        said = [i for i, ln in enumerate(aborted) if not ln.startswith("what():")] or [len(aborted) - 1]
-        parts += [ln for ln in aborted[said[-1]:said[-1] + 2]]
-    else:
-        parts += raised[-1:]
+    parts += _abort_words(lines[:summary]) or raised[-1:]
     return "; ".join(parts) or (lines[-1] if lines else "no message")
 
 
@@ -347,8 +358,8 @@ def exit_rank(code: int) -> NoReturn:
     finalisation: its group is destroyed and its result written (atomically), so nothing is left
     to finalise, and finalising with gloo's and OpenMP's threads still in the process is where a
     rank can abort (SIGABRT) after its work is done (a thread that still holds a tensor takes the
-    GIL of an interpreter being torn down: pytorch/pytorch#179291). A rank's own exit code is all
-    torchrun reads."""
+    GIL of an interpreter being torn down, the case pytorch/pytorch#179291 discusses). A rank's
+    own exit code is all torchrun reads."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -356,8 +367,8 @@ def exit_rank(code: int) -> NoReturn:
 
 
 def run_rank(out_dir: str, backend: str, body: Callable[[ProcessGroupInfo], None]) -> int:
-    """Join the process group torchrun describes (``backend``), run ``body(group)``, leave; return
-    the exit code. An exception in body is written with :func:`write_error` and gives 1. The rank
+    """Join the process group torchrun describes (``backend``), run ``body(group)``, wait for
+    every rank to finish it (a barrier), leave; return the exit code. An exception in body is written with :func:`write_error` and gives 1. The rank
     dies with its torchrun (PR_SET_PDEATHSIG)."""
     _die_with_torchrun()
     group = ProcessGroupInfo.from_env(backend)
@@ -366,6 +377,9 @@ def run_rank(out_dir: str, backend: str, body: Callable[[ProcessGroupInfo], None
             torch.cuda.set_device(group.local_rank)
         dist.init_process_group(backend)
         body(group)
+        # every rank done (rank 0's result written) before any tears its connections down: a peer
+        # closing while this rank's gloo connections are live is the known abort (gloo::IoException)
+        dist.barrier()
         return 0
     except Exception as e:  # noqa: BLE001 - the boundary of one rank: reported to the launcher
         write_error(out_dir, group, e)

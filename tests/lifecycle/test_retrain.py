@@ -5,6 +5,7 @@ files, real training, real SMD rows."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import signal
@@ -313,19 +314,54 @@ def test_a_level_shift_fires_the_drift_trigger_and_the_retrained_model_is_promot
         d.kill()
 
 
-def test_drift_counts_only_the_rows_of_the_series_since_it_started_again(tmp_path):
-    """A version just promoted (or a series restarted after a gap) is not judged by the rows its
-    predecessor flagged: the window is cut to the series' own rows, so due() waits for a full one."""
+def test_drift_counts_only_the_current_versions_rows_and_says_when_they_fill_the_window(tmp_path):
+    """A version just promoted is not judged by the rows its predecessor flagged: the window is cut
+    to the version's own rows, and due() waits until they fill it (rows, or a duration's span)."""
+    from opt_ds_ops.config.conffile import RetrainConfig
+    from opt_ds_ops.daemon.retrainer import due
     from opt_ds_ops.lifecycle.history import chunk_drift, record_chunk
 
     rows = np.zeros((1000, 2), np.float32)
-    record_chunk(str(tmp_path), "old", rows, None, np.ones(1000, bool), None, "100000", 1 << 30)  # all flagged
+    times = 1.7e9 + 60.0 * np.arange(1000)
+    record_chunk(str(tmp_path), "old", rows, None, np.ones(1000, bool), times, "100000", 1 << 30)  # all flagged
     flags = np.zeros(200, bool)
-    everything = chunk_drift(str(tmp_path), "new", flags, None, "1000", 0.01)
-    assert everything["rows"] == 1000 and everything["flagged_share"] == pytest.approx(0.8)
-    own = chunk_drift(str(tmp_path), "new", flags, None, "1000", 0.01, own_rows=200)
-    assert own == {"rows": 200, "flagged_share": 0.0, "design_rate": 0.01, "drift_ratio": 0.0}
-    assert chunk_drift(str(tmp_path), "new", flags, None, "1000", 0.01, own_rows=5000)["rows"] == 1000
+    flags[-5:] = True
+    later = times[-1] + 60.0 * np.arange(1, 201)
+    everything = chunk_drift(str(tmp_path), "new", flags, later, "1000", 0.01)
+    assert everything["rows"] == 1000 and everything["flagged_share"] == pytest.approx(0.805) and everything["full"]
+    own = chunk_drift(str(tmp_path), "new", flags, later, "1000", 0.01, own_rows=200)
+    assert own == {"rows": 200, "flagged_share": 0.025, "design_rate": 0.01, "drift_ratio": 2.5, "full": False}
+    assert due(RetrainConfig(every="", drift_rate=2, drift_window="1000"), {"drift": own}, None, 0) is None
+    # a duration: 200 own rows at 60 s span 12,000 s
+    short = chunk_drift(str(tmp_path), "new", flags, later, "3h", 0.01, own_rows=200)
+    assert (short["rows"], short["full"]) == (181, True)  # the window holds both its ends
+    assert due(RetrainConfig(every="", drift_rate=2, drift_window="3h"), {"drift": short}, None, 0)[0] == "drift"
+    long = chunk_drift(str(tmp_path), "new", flags, later, "4h", 0.01, own_rows=200)
+    assert (long["rows"], long["full"]) == (200, False)
+    assert due(RetrainConfig(every="", drift_rate=2, drift_window="4h"), {"drift": long}, None, 0) is None
+    assert chunk_drift(str(tmp_path), "new", flags, later, "1000", 0.01, own_rows=5000)["rows"] == 1000
+
+
+@pytest.mark.parametrize("metadata, names", [
+    ({"metric_names": ["cpu", "mem"], "dataset": {"header": ["cpu", "mem"]}}, ("cpu", "mem")),
+    ({"metric_names": None, "dataset": {"header": None, "feature_columns": [2, 4]}}, ("2", "4")),
+    ({"metric_names": None, "dataset": {"header": None, "feature_columns": None}}, ()),
+])
+def test_a_retraining_reads_its_history_without_the_conffiles_column_selection(tmp_path, metadata, names):
+    """The history's columns are the model's features already: the conffile's columns and
+    exclude_columns would pick among them again (an exclude by name fails on an array), and the
+    version names its metrics as scoring named the current one's."""
+    from opt_ds_ops.config.conffile import Config, DatasetConfig
+    from opt_ds_ops.daemon.retrainer import job_options
+
+    version = tmp_path / "models" / "m" / "v1"
+    version.mkdir(parents=True)
+    (version / "metadata.json").write_text(json.dumps(metadata))
+    os.symlink("v1", tmp_path / "models" / "m" / "current")
+    cfg = dataclasses.replace(Config(), models_dir=str(tmp_path / "models"),
+                              dataset=DatasetConfig(columns=("cpu", "mem", "host"), exclude_columns=("host",)))
+    options = job_options(cfg, "m")
+    assert (options.columns, options.exclude_columns, options.metric_names) == ((), (), names)
 
 
 def test_due_says_which_trigger_fired_and_needs_a_full_drift_window():

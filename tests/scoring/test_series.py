@@ -188,6 +188,23 @@ def _active_state(stored, data, times=None):
     return cut, r.state
 
 
+def test_a_gap_keeps_the_versions_own_rows_and_a_new_version_starts_them_at_0(models, test_period):
+    """version_rows, the drift trigger's own rows: a gap restarts the series (rows from 0) but the
+    version's rows go on; a new current version starts them again."""
+    import copy
+
+    stored = models["defaults"]
+    t = 1.7e9 + 60.0 * np.arange(400)
+    r = score_chunk(stored, test_period[:100], None, t[:100], fresh_state("m", stored), names=NAMES, max_gap_periods=10)
+    assert r.state.version_rows == 100
+    r = score_chunk(stored, test_period[100:200], None, t[200:300], r.state, names=NAMES, max_gap_periods=10)
+    assert r.first_row == 0 and r.notes and r.state.version_rows == 200 and r.state.rows_scored == 200
+    other = copy.copy(stored)
+    other.metadata = dict(stored.metadata, version="v2")
+    r = score_chunk(other, test_period[200:250], None, t[300:350], r.state, names=NAMES, max_gap_periods=10)
+    assert r.first_row == 0 and r.state.version_rows == 50 and r.state.rows_scored == 250
+
+
 def test_a_new_current_version_resets_the_series_and_closes_the_open_incident(models, test_period):
     stored = models["defaults"]
     cut, state = _active_state(stored, test_period)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import time
@@ -104,7 +105,7 @@ def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_p
     assert set(first.trained) == set(HOSTS) | {GAPPY} and not first.scored
     name, rows, path = first.trained["h3:9100"]
     assert (name, rows) == ("h3_9100", int(1.2 * 1440))  # the first step has no rate() yet: one sample
-    assert first.missing["h3:9100"] == {"req_rate": 1}
+    assert first.missing["h3:9100"] == {"req_rate": 1} and first.left_out["h3:9100"] == 1
     assert (tmp_path / "spool" / "incoming" / "h3_9100.train-20260922T044800Z.yaml").read_text() == \
         "name: h3_9100\ntime_column: time\n"
     table = read_csv(path)
@@ -148,7 +149,7 @@ def test_steps_without_a_value_are_left_out_and_said_never_zero(tmp_path, prom):
     pull(src, client, spool, state, GAP[0] - 3600)
     report = pull(src, client, spool, state, GAP[0] + 3600)
     # Prometheus looks back 5 minutes for a sample: the first 5 steps of the gap still have the last value
-    assert report.missing[GAPPY] == {"smd_a": GAP[1] - 5}
+    assert report.missing[GAPPY] == {"smd_a": GAP[1] - 5} and report.left_out[GAPPY] == GAP[1] - 5
     times = [float(r[0]) for r in read_csv(report.scored[GAPPY][2])[1:]]
     assert len(times) == 120 - (GAP[1] - 5) and GAP[0] + 60 * 7 not in times
     assert all("0.0" != r[1] for r in read_csv(report.scored[GAPPY][2])[1:])
@@ -222,9 +223,12 @@ def test_ds_ops_pull_once_logs_each_host_and_writes_its_metrics(tmp_path, prom):
     (tmp_path / "node.yaml").write_text(SOURCE.format(url=prom.url, shard="0/1", catch_up="1d"))
     cmd = [sys.executable, "-m", "opt_ds_ops.cli", "pull", str(tmp_path / "node.yaml"), "--config",
            str(tmp_path / "trainer.yaml"), "--state-dir", str(tmp_path / "state"), "--once"]
-    p = subprocess.run([*cmd, "--now", str(T0 + 1.2 * DAY)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    p = subprocess.run([*cmd, "--now", str(T0 + 1.2 * DAY)], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       preexec_fn=lambda: os.umask(0o027))  # the unit's UMask=
     assert p.returncode == 0, p.stderr
     assert "node: new host h0:9100: 1728 rows to incoming/ to train model h0_9100" in p.stderr
+    # node_exporter's user reads it, whatever the unit's umask
+    assert (tmp_path / "prom" / "ds_ops_pull_node.prom").stat().st_mode & 0o777 == 0o644
     assert "0 chunk(s) of 0 rows to score/, 9 training file(s) to incoming/" in p.stderr
     state = json.loads((tmp_path / "state" / "node.json").read_text())
     assert state["hosts"]["h0:9100"]["scored_until"] == T0 + 1.2 * DAY
@@ -419,3 +423,18 @@ def test_a_series_a_host_never_has_is_named_and_a_waiting_host_is_looked_at_agai
     # half a score_every (5 minutes) early is on time: a pull that wakes a little early still looks
     again = pull(src, Prometheus(prom.url), spool, state, T0 + 1.2 * DAY + 900 - 140)
     assert again.never.get("h1:9100") == (["only_h0"], False)  # said again, but no news: not a warning
+
+
+def test_a_step_missing_several_series_is_one_step_left_out():
+    """The journal's and ds_ops_pull_missing_steps_total's count is of steps, the series' own
+    counts beside it (a newest step without three series' values was once said as 3 steps)."""
+    from types import SimpleNamespace
+
+    from opt_ds_ops.sources.puller import LEFT_OUT, _rows
+
+    values = np.arange(30, dtype=float).reshape(3, 10)
+    values[:, 9] = np.nan  # the newest step: no series has it yet
+    values[0, 4] = np.nan
+    src = SimpleNamespace(series=[SimpleNamespace(name=n) for n in ("a", "b", "c")])
+    rows, missing = _rows(values, 1000.0 + 60 * np.arange(10), src)
+    assert missing == {"a": 2, "b": 1, "c": 1, LEFT_OUT: 2} and len(rows) == 8

@@ -152,12 +152,29 @@ def test_a_rank_killed_without_an_error_of_its_own_is_named_from_torchruns_summa
         "distributed training failed (torchrun exit code 1): rank 1 ended with exit code -9 (SIGKILL)"
 
 
-def test_a_rank_that_aborts_is_named_with_what_it_said_as_it_aborted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("faulthandler", ["0", "1"])  # on, Python adds "Fatal Python error: Aborted" after them
+def test_a_rank_that_aborts_is_named_with_what_it_said_as_it_aborted(tmp_path, monkeypatch, faulthandler):
     monkeypatch.setenv("DS_OPS_TEST_RANK_DEATH", "abort")
+    monkeypatch.setenv("PYTHONFAULTHANDLER", faulthandler) if faulthandler == "1" else monkeypatch.delenv(
+        "PYTHONFAULTHANDLER", raising=False)
     assert _failed_launch(tmp_path, monkeypatch, "ddp_rank_killed") == (
         "distributed training failed (torchrun exit code 1): rank 1 ended with exit code -6 (SIGABRT); "
         "terminate called after throwing an instance of 'gloo::IoException'; "
         "what():  [gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:4242")
+
+
+def test_the_first_abort_is_reported_with_its_own_what_line():
+    from opt_ds_ops.training.distributed import _abort_words
+
+    first, second = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+                     "terminate called after throwing an instance of 'gloo::IoException'")
+    assert _abort_words([first, second, "what():  enforce fail", "what():  closed by peer"]) == [first]
+    assert _abort_words(["noise", first, "what():  enforce fail", "terminate called recursively",
+                         "Fatal Python error: Aborted"]) == [first, "what():  enforce fail"]
+    assert _abort_words(["Fatal Python error: Aborted"]) == ["Fatal Python error: Aborted"]
+    assert _abort_words(["Fatal Python error: Segmentation fault", "Fatal Python error: Aborted"]) == \
+        ["Fatal Python error: Segmentation fault"]
+    assert _abort_words(["Traceback (most recent call last):", "ValueError: x"]) == []
 
 
 @pytest.mark.parametrize("sig, code, last_words", [(signal.SIGINT, 130, "ds-ops: interrupted"),
