@@ -254,7 +254,8 @@ def job_options(cfg, name: str):
     without them names its metrics by column number in alerts and the journal: its header's, else
     the file columns its features came from, as scoring names them) and no column selection (the
     history's columns are the model's features already: ``dataset.columns`` or
-    ``exclude_columns`` would pick among them a second time)."""
+    ``exclude_columns`` would pick among them a second time; an array has no named time column;
+    its rows are the normal ones already, so no second ``exclude_flagged``)."""
     import dataclasses
 
     md = current_metadata(cfg.models_dir, name) or {}
@@ -264,7 +265,8 @@ def job_options(cfg, name: str):
         if isinstance(given, list) and given:
             names = tuple(str(n) for n in given)
             break
-    return dataclasses.replace(cfg.dataset, columns=(), exclude_columns=(), metric_names=names)
+    return dataclasses.replace(cfg.dataset, columns=(), exclude_columns=(), time_column="auto", exclude_flagged=False,
+                               metric_names=names)
 
 
 def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, str]:

@@ -166,12 +166,13 @@ def fits_float32(centred: np.ndarray, rows: np.ndarray, kept: np.ndarray | None 
 
 
 def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: np.ndarray | None, window: str,
-                design_rate: float, own_rows: int | None = None) -> dict:
+                design_rate: float, own_rows: int | None = None, period_s: float | None = None) -> dict:
     """:func:`drift` of the model's history under results_model_dir with a chunk's flags (n,) and
     times appended, as :func:`record_chunk` will append them (nothing if job_id appended last).
     ``own_rows``: the rows the current version scored, the chunk's included; the history's older
     rows were flagged by another version, so they do not count (a version just promoted is not
-    judged by its predecessor's flags)."""
+    judged by its predecessor's flags). ``period_s``: the model's seconds between rows, for a
+    duration window over rows without times."""
     try:
         h = read_history(os.path.join(results_model_dir, HISTORY_FILE))
     except (ValueError, OSError):
@@ -179,19 +180,20 @@ def chunk_drift(results_model_dir: str, job_id: str, flags: np.ndarray, times: n
     n = np.asarray(flags).shape[0]
     t = np.asarray(times, dtype=np.float64) if times is not None else np.full(n, np.nan)
     if h is not None and h.last_job == job_id:
-        return drift(h, window, design_rate, own_rows)
+        return drift(h, window, design_rate, own_rows, period_s)
     old_f = h.flags if h is not None else np.empty(0, bool)
     old_t = h.times if h is not None else np.empty(0)
     both = History(np.empty((old_f.shape[0] + n, 0), np.float32), np.empty(0), np.concatenate([old_f, flags]),
                    np.concatenate([old_t, t]))
-    return drift(both, window, design_rate, own_rows)
+    return drift(both, window, design_rate, own_rows, period_s)
 
 
-def drift(h: History, window: str, design_rate: float, own_rows: int | None = None) -> dict:
+def drift(h: History, window: str, design_rate: float, own_rows: int | None = None,
+          period_s: float | None = None) -> dict:
     """Return the share of rows flagged over the history's last ``window`` (rows or a duration),
     at most its last ``own_rows`` rows, its ratio to the design rate, and whether those rows fill
-    the window (``full``: as many rows as a row window; for a duration, own rows that span it,
-    or all the history where the rows have no times):
+    the window (``full``: as many rows as a row window; for a duration, as many rows as it holds
+    at their median step, or at ``period_s`` where they have no times; neither: not full):
     ``{rows, flagged_share, design_rate, drift_ratio, full}``."""
     tail = bounded(h, window, 1 << 62)
     total = int(h.flags.shape[0])
@@ -201,12 +203,12 @@ def drift(h: History, window: str, design_rate: float, own_rows: int | None = No
     rows, seconds = parse_window(window)
     if rows:
         full = n >= rows
-    elif own >= 2 and np.isfinite(h.times[-1]) and np.isfinite(h.times[total - own]):
-        t = h.times[total - own:]  # n rows a step apart cover n steps: the last row's step counts
+    else:  # rows counted, not a span: a gap inside the window is not its rows
+        t = tail.times[tail.times.shape[0] - n:]
         steps = np.diff(t[np.isfinite(t)])
-        full = bool(t[-1] - t[0] + (float(np.median(steps)) if steps.size else 0.0) >= seconds)
-    else:  # rows without times: a duration keeps them all (bounded), so the version's own must be all
-        full = own >= total and own > 0
+        steps = steps[steps > 0]
+        step = float(np.median(steps)) if steps.size else (period_s or 0.0)
+        full = step > 0 and n * step >= seconds
     share = float(flags.mean()) if n else 0.0
     return {"rows": n, "flagged_share": share, "design_rate": design_rate,
             "drift_ratio": share / design_rate if design_rate > 0 else None, "full": bool(full)}

@@ -379,7 +379,8 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     summary["regime"] = regime_summary(new, sample_period_s(stored), cfg.retrain.regime_learn_s,
                                        stored.std.double().numpy())
     summary["drift"] = chunk_drift(model_dir, job_id, result.flags, times, cfg.retrain.drift_window,  # for retraining
-                                   design_rate(stored.metadata), own_rows=new.version_rows)
+                                   design_rate(stored.metadata), own_rows=new.version_rows,
+                                   period_s=sample_period_s(stored))
     summary = json_safe(summary)
     os.makedirs(model_dir, DIR_MODE, exist_ok=True)
     _write_result(model_dir, job_id, summary, rows_csv(result, times))

@@ -100,6 +100,10 @@ class SeriesState:
             state = cls(**{k: v for k, v in obj.items() if k in known})
         except TypeError as e:
             raise ValueError(f"series state: {e}") from None
+        if "version_rows" not in obj:  # saved before it was kept: the series' rows are its version's
+            state.version_rows = state.next_row
+        if not isinstance(state.version_rows, int) or isinstance(state.version_rows, bool) or state.version_rows < 0:
+            raise ValueError("series state: version_rows is not a count")
         numbers = (state.next_row, state.ema_num, state.ema_den, state.rows_scored, state.rows_flagged, state.incidents,
                    state.critical_incidents, state.version_rows)
         if (not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)

@@ -260,7 +260,10 @@ def _failure(out_dir: str, log_path: str, rc: int) -> str:
     with open(log_path, encoding="utf-8", errors="replace") as f:
         lines = [ln.strip() for ln in f if ln.strip()]
     root = _root_cause(lines)
-    killed = root is not None and root[1].startswith("-") and root[0] not in errors
+    # a rank killed by a signal without an error file is the cause, unless it aborted (SIGABRT) after
+    # another rank's error: a peer leaving mid-collective aborts the others (gloo::IoException)
+    killed = (root is not None and root[1].startswith("-") and root[0] not in errors
+              and not (errors and root[2] == "SIGABRT"))
     if errors and not killed:
         first = min(errors.values(), key=lambda e: (e["time"], e["rank"]))
         return f"distributed training failed on rank {first['rank']} of {first['world_size']}: {first['message']}"

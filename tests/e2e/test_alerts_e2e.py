@@ -681,12 +681,16 @@ def test_purge_removes_the_acl_entry_on_the_textfile_directory_and_the_group(box
     """The last test here: purge. The admin's ``setfacl -m u:ds-ops:rwx`` outlived the account
     (``user:<freed uid>:rwx``), a write grant for whichever account next gets the uid."""
     uid = box.run(["id", "-u", "ds-ops"]).stdout.strip()
+    pull_uid = box.run(["id", "-u", "ds-pull"]).stdout.strip()
     box.run(["setfacl", "-d", "-m", "u:ds-ops:rwx", TEXTFILE_DIR])  # an admin's default entry too
+    box.run(["setfacl", "-m", "u:ds-pull:rwx", TEXTFILE_DIR])  # the puller's (docs/prometheus.md), again
     acl = box.run(["getfacl", "-pc", TEXTFILE_DIR]).stdout
-    assert "user:ds-ops:rwx" in acl and "default:user:ds-ops:rwx" in acl, acl
+    assert "user:ds-ops:rwx" in acl and "default:user:ds-ops:rwx" in acl and "user:ds-pull:rwx" in acl, acl
     box.run(["apt-get", "purge", "-y", "-q", "ds-ops"], timeout=600)
     acl = box.run(["getfacl", "-pcn", TEXTFILE_DIR]).stdout
-    print(f"\ngetfacl -n {TEXTFILE_DIR} after purge (ds-ops was uid {uid}):\n{acl}")
-    assert f"user:{uid}:" not in acl and "user:ds-ops:" not in acl
+    print(f"\ngetfacl -n {TEXTFILE_DIR} after purge (ds-ops was uid {uid}, ds-pull {pull_uid}):\n{acl}")
+    assert f"user:{uid}:" not in acl and "user:ds-ops:" not in acl and f"user:{pull_uid}:" not in acl
     assert box.run(["getent", "group", "ds-ops"], check=False).returncode == 2
     assert box.run(["test", "-e", f"{TEXTFILE_DIR}/ds_ops.prom"], check=False).returncode == 1
+    left = box.run(f"ls -A {TEXTFILE_DIR} | grep ds_ops || true").stdout.split()
+    assert left == [], left  # nor a puller's ds_ops_pull_NAME.prom, stale for good

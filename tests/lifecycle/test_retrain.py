@@ -340,6 +340,18 @@ def test_drift_counts_only_the_current_versions_rows_and_says_when_they_fill_the
     assert (long["rows"], long["full"]) == (200, False)
     assert due(RetrainConfig(every="", drift_rate=2, drift_window="4h"), {"drift": long}, None, 0) is None
     assert chunk_drift(str(tmp_path), "new", flags, later, "1000", 0.01, own_rows=5000)["rows"] == 1000
+    # the same version's rows across a week's gap: the window holds the 10 rows since, not a day of them
+    record_chunk(str(tmp_path), "new", np.zeros((200, 2), np.float32), None, flags, later, "100000", 1 << 30)
+    after_gap = chunk_drift(str(tmp_path), "next", np.ones(10, bool), later[-1] + 7 * 86400 + 60.0 * np.arange(10),
+                            "24h", 0.01, own_rows=210)
+    assert (after_gap["rows"], after_gap["full"]) == (10, False)
+    # rows without times: the model's period counts them; without one, never full
+    (tmp_path / "untimed").mkdir()
+    one = chunk_drift(str(tmp_path / "untimed"), "a", np.ones(10, bool), None, "24h", 0.01, own_rows=10)
+    assert (one["rows"], one["full"]) == (10, False)
+    day = chunk_drift(str(tmp_path / "untimed"), "a", np.ones(1440, bool), None, "24h", 0.01, own_rows=1440,
+                      period_s=60.0)
+    assert (day["rows"], day["full"]) == (1440, True)
 
 
 @pytest.mark.parametrize("metadata, names", [
@@ -359,9 +371,11 @@ def test_a_retraining_reads_its_history_without_the_conffiles_column_selection(t
     (version / "metadata.json").write_text(json.dumps(metadata))
     os.symlink("v1", tmp_path / "models" / "m" / "current")
     cfg = dataclasses.replace(Config(), models_dir=str(tmp_path / "models"),
-                              dataset=DatasetConfig(columns=("cpu", "mem", "host"), exclude_columns=("host",)))
+                              dataset=DatasetConfig(columns=("cpu", "mem", "host"), exclude_columns=("host",),
+                                                    time_column="timestamp", exclude_flagged=True))
     options = job_options(cfg, "m")
     assert (options.columns, options.exclude_columns, options.metric_names) == ((), (), names)
+    assert (options.time_column, options.exclude_flagged) == ("auto", False)
 
 
 def test_due_says_which_trigger_fired_and_needs_a_full_drift_window():
