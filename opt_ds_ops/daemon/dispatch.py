@@ -124,16 +124,24 @@ class Dispatch:
         """Sidecars of the dataset's name that other users dropped (squatted names, see
         :func:`opt_ds_ops.spool.take_sidecar`) were not applied: say so, and move each aside to
         failed/ as its own entry (its owner can look at it there; the uploader could not remove
-        it). Whatever happens to a foreign file is its own matter, never the uploader's job's."""
-        foreign = record.pop("sidecars_foreign")
-        save_record(self.d.spool, record)
-        for f in foreign:
+        it). Whatever happens to a foreign file is its own matter, never the uploader's job's.
+        Each stays in the record until it is moved (``said`` once it is said): a daemon killed in
+        between says nothing twice, and its recovery moves what is left."""
+        foreign = record.get("sidecars_foreign") or []
+        for f in list(foreign):
             side = f["name"]
             why = (f"{f.get('drop', INCOMING)}/{side} belongs to {user_name(f['uid'])}, {f['kind']}; {record['dataset']} was dropped "
                    f"by {user_name(record.get('uploader_uid'))}: a sidecar applies only to a dataset of the same uploader")
-            self.d.log.event("sidecar-refused", f"{safe_text(record['dataset'])}: {safe_text(why)}; it trains without "
-                           "it", priority=LOG_WARNING, **job_fields(record))
+            if not f.get("said"):
+                self.d.log.event("sidecar-refused", f"{safe_text(record['dataset'])}: {safe_text(why)}; it trains without "
+                               "it", priority=LOG_WARNING, **job_fields(record))
+                f["said"] = True
+                save_record(self.d.spool, record)
             self.d.for_job(None, self._move_foreign_sidecar, f, why, name=side)
+            foreign.remove(f)
+            save_record(self.d.spool, record)
+        record.pop("sidecars_foreign", None)
+        save_record(self.d.spool, record)
 
     def _move_foreign_sidecar(self, f: dict, why: str) -> None:
         """Move one foreign sidecar (``{"name", "uid", "ino"}`` as seen) to failed/, if that same
