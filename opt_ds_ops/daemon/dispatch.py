@@ -125,10 +125,10 @@ class Dispatch:
         :func:`opt_ds_ops.spool.take_sidecar`) were not applied: say so, and move each aside to
         failed/ as its own entry (its owner can look at it there; the uploader could not remove
         it). Whatever happens to a foreign file is its own matter, never the uploader's job's.
-        Each stays in the record until it is moved (``said`` once it is said): a daemon killed in
-        between says nothing twice, and its recovery moves what is left."""
-        foreign = record.get("sidecars_foreign") or []
-        for f in list(foreign):
+        They stay in the record until all are moved (each ``said`` once it is said): a daemon
+        killed in between says nothing twice, and its recovery moves them again (a move finds a
+        moved one gone, :meth:`_move_foreign_sidecar`)."""
+        for f in record.get("sidecars_foreign") or []:
             side = f["name"]
             why = (f"{f.get('drop', INCOMING)}/{side} belongs to {user_name(f['uid'])}, {f['kind']}; {record['dataset']} was dropped "
                    f"by {user_name(record.get('uploader_uid'))}: a sidecar applies only to a dataset of the same uploader")
@@ -138,8 +138,6 @@ class Dispatch:
                 f["said"] = True
                 save_record(self.d.spool, record)
             self.d.for_job(None, self._move_foreign_sidecar, f, why, name=side)
-            foreign.remove(f)
-            save_record(self.d.spool, record)
         record.pop("sidecars_foreign", None)
         save_record(self.d.spool, record)
 

@@ -258,15 +258,13 @@ def job_options(cfg, name: str):
     its rows are the normal ones already, so no second ``exclude_flagged``)."""
     import dataclasses
 
+    from ..scoring.series import stored_metric_names
+
     md = current_metadata(cfg.models_dir, name) or {}
-    ds = md.get("dataset") if isinstance(md.get("dataset"), dict) else {}
-    names = ()
-    for given in (md.get("metric_names"), ds.get("header"), ds.get("feature_columns")):
-        if isinstance(given, list) and given:
-            names = tuple(str(n) for n in given)
-            break
+    d = (md.get("dataset") or {}).get("columns") if isinstance(md.get("dataset"), dict) else None
+    names = stored_metric_names(md, d) if isinstance(d, int) else None
     return dataclasses.replace(cfg.dataset, columns=(), exclude_columns=(), time_column="auto", exclude_flagged=False,
-                               metric_names=names)
+                               metric_names=tuple(names or ()))
 
 
 def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, str]:

@@ -174,14 +174,21 @@ def model_metric_names(stored: StoredModel, fallback: list[str] | None = None) -
     header, or ``dataset.metric_names``), else its ``dataset.header``, else ``fallback`` (the
     scored file's header, say) when it has D names, else the 1-based file columns of the
     model's features as text."""
-    md, d = stored.metadata, stored.n_features
-    for names in (md.get("metric_names"), (md.get("dataset") or {}).get("header"), fallback):
+    d = stored.n_features
+    return stored_metric_names(stored.metadata, d, fallback) or [str(j + 1) for j in range(d)]
+
+
+def stored_metric_names(md: dict, d: int, fallback: list[str] | None = None) -> list[str] | None:
+    """:func:`model_metric_names` from a version's metadata.json ``md`` and its ``d`` features,
+    None where they would be column numbers 1..d."""
+    ds = md.get("dataset") if isinstance(md.get("dataset"), dict) else {}
+    for names in (md.get("metric_names"), ds.get("header"), fallback):
         if isinstance(names, list) and len(names) == d:
             return [str(n) for n in names]
-    cols = (md.get("dataset") or {}).get("feature_columns")
+    cols = ds.get("feature_columns")
     if isinstance(cols, list) and len(cols) == d:
         return [str(c) for c in cols]
-    return [str(j + 1) for j in range(d)]
+    return None
 
 
 def _time(t: float | None) -> str | None:

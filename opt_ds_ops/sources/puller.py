@@ -51,7 +51,6 @@ from .sourcefile import Source
 
 STATE_FORMAT = 1
 RECHECK_WAITING_S = 3600.0  # a host with too little history is looked at again this often, at most
-LEFT_OUT = ""  # _rows' key of the steps left out beside the series' own counts (no series is named "")
 PIECE_POINTS = 1440  # points per series per query of a long range: an answer stays near 45 KB a host
 
 
@@ -144,24 +143,22 @@ def _fetch(prom: Prometheus, source: Source, start: float, end: float, keep: Cal
     return window
 
 
-def _rows(values: np.ndarray, times: np.ndarray, source: Source, lo: int = 0) -> tuple[np.ndarray, dict[str, int]]:
+def _rows(values: np.ndarray, times: np.ndarray, source: Source, lo: int = 0) -> tuple[np.ndarray, dict[str, int], int]:
     """Return (the complete rows from column ``lo`` on, as (time, value, ...) rows; {series: steps it
-    had no value at, and under :data:`LEFT_OUT` the steps left out}); steps before the host's first value of any series are not missing: it was not
+    had no value at}; the steps left out: a step without two series' values is one); steps before the host's first value of any series are not missing: it was not
     there yet."""
     part = values[:, lo:]
     seen = ~np.isnan(part)
     any_seen = seen.any(axis=0)
     if not any_seen.any():
-        return np.empty((0, 1 + len(source.series))), {}
+        return np.empty((0, 1 + len(source.series))), {}, 0
     first = int(np.argmax(any_seen))
     complete = seen.all(axis=0)
     complete[:first] = False
     gaps = (~seen[:, first:]).sum(axis=1)
     missing = {s.name: int(g) for s, g in zip(source.series, gaps) if g}
-    if missing:
-        missing[LEFT_OUT] = int((~complete[first:]).sum())
     rows = np.column_stack([times[lo:][complete], part[:, complete].T])
-    return rows, missing
+    return rows, missing, int((~complete[first:]).sum())
 
 
 def _csv(source: Source, rows: np.ndarray) -> bytes:
@@ -246,7 +243,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         values = training.hosts.get(host)
         if values is None:  # a waiting host with no rows in the window any more
             continue
-        rows, missing = _rows(values, training.times, source)
+        rows, missing, left_out = _rows(values, training.times, source)
         if len(rows):
             entry["last_seen"] = float(rows[-1, 0])
         try:
@@ -258,7 +255,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
             report.refused[host] = f"its model name {name} is {names[name]}'s already"
             continue
         if missing:
-            report.left_out[host] = missing.pop(LEFT_OUT)
+            report.left_out[host] = left_out
             report.missing[host] = missing
         history = (rows[-1, 0] - rows[0, 0]) if len(rows) >= 2 else 0.0
         if len(rows) < 2 or history < source.seconds("min_history"):
@@ -290,9 +287,9 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if start > entry["scored_until"] + step:
             report.skipped_s[host] = start - entry["scored_until"] - step
         lo = int(round((start - window.start) / step))
-        rows, missing = _rows(window.hosts[host], window.times, source, lo)
+        rows, missing, left_out = _rows(window.hosts[host], window.times, source, lo)
         if missing:
-            report.left_out[host] = missing.pop(LEFT_OUT)
+            report.left_out[host] = left_out
             report.missing[host] = missing
         if len(rows):
             try:

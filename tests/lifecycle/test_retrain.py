@@ -355,9 +355,9 @@ def test_drift_counts_only_the_current_versions_rows_and_says_when_they_fill_the
 
 
 @pytest.mark.parametrize("metadata, names", [
-    ({"metric_names": ["cpu", "mem"], "dataset": {"header": ["cpu", "mem"]}}, ("cpu", "mem")),
-    ({"metric_names": None, "dataset": {"header": None, "feature_columns": [2, 4]}}, ("2", "4")),
-    ({"metric_names": None, "dataset": {"header": None, "feature_columns": None}}, ()),
+    ({"metric_names": ["cpu", "mem"], "dataset": {"columns": 2, "header": ["cpu", "mem"]}}, ("cpu", "mem")),
+    ({"metric_names": None, "dataset": {"columns": 2, "header": None, "feature_columns": [2, 4]}}, ("2", "4")),
+    ({"metric_names": None, "dataset": {"columns": 2, "header": None, "feature_columns": None}}, ()),
 ])
 def test_a_retraining_reads_its_history_without_the_conffiles_column_selection(tmp_path, metadata, names):
     """The history's columns are the model's features already: the conffile's columns and

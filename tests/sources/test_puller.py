@@ -430,11 +430,11 @@ def test_a_step_missing_several_series_is_one_step_left_out():
     counts beside it (a newest step without three series' values was once said as 3 steps)."""
     from types import SimpleNamespace
 
-    from opt_ds_ops.sources.puller import LEFT_OUT, _rows
+    from opt_ds_ops.sources.puller import _rows
 
     values = np.arange(30, dtype=float).reshape(3, 10)
     values[:, 9] = np.nan  # the newest step: no series has it yet
     values[0, 4] = np.nan
     src = SimpleNamespace(series=[SimpleNamespace(name=n) for n in ("a", "b", "c")])
-    rows, missing = _rows(values, 1000.0 + 60 * np.arange(10), src)
-    assert missing == {"a": 2, "b": 1, "c": 1, LEFT_OUT: 2} and len(rows) == 8
+    rows, missing, left_out = _rows(values, 1000.0 + 60 * np.arange(10), src)
+    assert missing == {"a": 2, "b": 1, "c": 1} and left_out == 2 and len(rows) == 8
