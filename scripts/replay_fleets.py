@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Rounds 6 and 7 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6, 7 and 8 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round: round 6, ``before`` (the defaults before it: no retraining, no change
 of regime; reported, not a candidate) and its candidates; round 7, the alarm budget's candidates;
-in the order used for ties. Prints each machine's figures (false pages a day, labelled segments
+round 8, a new version's budget from the scored history; in the order used for ties. Prints each machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
 
@@ -34,7 +34,13 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
          "budget-1": ["scoring.alarm_budget_per_day=1", "scoring.alarm_budget_days=14"],
          "budget-0.5": ["scoring.alarm_budget_per_day=0.5", "scoring.alarm_budget_days=14"]},
         ("model-threshold", "budget-1", "budget-0.5")),
+    8: ({"budget-1": ["scoring.alarm_budget_history=false"],
+         "history-seed": ["scoring.alarm_budget_history=true"],
+         "history-seed-regime": ["scoring.alarm_budget_history=true", "scoring.regime_after_s=21600",
+                                 "scoring.regime_shift_sd=3"]},
+        ("budget-1", "history-seed", "history-seed-regime")),
 }
+TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01
 
@@ -77,7 +83,7 @@ def objective(m: dict) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    global CONFIGS, CANDIDATES
+    global CONFIGS, CANDIDATES, TIE
     ap.add_argument("--round", type=int, default=6, choices=sorted(ROUNDS))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out")
@@ -85,6 +91,7 @@ def main() -> int:
     ap.add_argument("--machines", nargs="*")
     args = ap.parse_args()
     CONFIGS, CANDIDATES = ROUNDS[args.round]
+    TIE = TIES.get(args.round, TIE)
     args.out = args.out or os.path.join(REPO, "build", f"round{args.round}")
     args.only = args.only or list(CONFIGS)
     os.makedirs(args.out, exist_ok=True)

@@ -103,6 +103,8 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
             why = (f"the model's {num(ev.get('model_threshold'))}): the lowest at which its last "
                    f"{num(ev.get('days'))} days scored give at most {num(ev.get('budget_per_day'))} alarms a day"
                    + (f" ({alarms} alarms)" if isinstance(alarms, int) else ""))
+        if isinstance(ev.get("seeded_rows"), int):  # a new version's start, from the rows scored before it
+            why += f", counting the {ev['seeded_rows']} rows scored before this version as it scores them"
         return (kind, f"{model}: threshold {num(ev.get('threshold'))} from {when} on (was {num(ev.get('previous'))}; "
                       + why + ("" if not ev.get("capped") else ")")
                       + f" (version {ev.get('version') or version}); in {file}",

@@ -21,7 +21,9 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
   chunk or in many gives the same flags; the state is a few hundred numbers a day, ``days`` days
   at most, carried in the series state.
 
-A new version starts again from its own threshold (its scores are not the old one's). The
+A new version starts again from its own threshold (its scores are not the old one's); with
+``from_history`` it starts from the series' scored history scored again by it (:func:`seed`): the
+rows of the last ``days`` days the versions before it scored, which it has not seen as scores. The
 functions here are pure on the plain dict kept in :class:`opt_ds_ops.scoring.series.SeriesState`.
 """
 
@@ -44,10 +46,12 @@ class CalibrationPolicy:
     budget_per_day: float = 0.0
     days: float = 14.0
     min_days: float = 1.0
+    from_history: bool = False  # a new version's days start from the scored history, scored again by it
 
     @classmethod
     def from_config(cls, scoring) -> CalibrationPolicy:
-        return cls(budget_per_day=scoring.alarm_budget_per_day, days=scoring.alarm_budget_days)
+        return cls(budget_per_day=scoring.alarm_budget_per_day, days=scoring.alarm_budget_days,
+                   from_history=scoring.alarm_budget_history)
 
     @property
     def on(self) -> bool:
@@ -196,3 +200,44 @@ def roll(cal: dict, day: int, policy: CalibrationPolicy, period_s: float, clock:
     if threshold == previous:
         return None
     return dict(basis, previous=previous, threshold=threshold)
+
+
+def seed_rows(times: np.ndarray | None, n: int, policy: CalibrationPolicy, period_s: float) -> int:
+    """How many of a history's newest n rows (epoch seconds ``times`` (n,), NaN where unknown, or
+    None) a seed scores: those of the last ``policy.days`` days, by their times where all are known,
+    else by rows at ``period_s`` seconds a row."""
+    if n <= 0:
+        return 0
+    if times is not None and np.isfinite(times).all():
+        last = float(times[-1])
+        return int(n - np.searchsorted(np.asarray(times, dtype=np.float64), last - policy.days * SECONDS_PER_DAY,
+                                       side="right"))
+    return min(n, int(math.ceil(policy.days * SECONDS_PER_DAY / (period_s or 60.0))))
+
+
+def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, period_s: float,
+         policy: CalibrationPolicy) -> dict | None:
+    """Count a new version's scores of the rows scored before it (the series' history, the newest
+    last; ``times`` (n,) epoch seconds, or None: rows at ``period_s`` seconds a row, the last one
+    just before the series' row 0) into the fresh state ``cal``, day by day as if it had scored
+    them, and set its threshold from the days before the last one (as :func:`roll` would at the
+    next day). Return ``{"previous", "threshold", "days", "alarms", "seeded_rows"}`` when that moved
+    the threshold, else None. Rows whose time is not finite: the rows' clock for all."""
+    s = np.asarray(scores, dtype=np.float64)
+    n = int(s.size)
+    if not n or not np.isfinite(s).all():
+        return None
+    if times is not None and np.isfinite(times).all():
+        clock, days = "time", np.floor(np.asarray(times, dtype=np.float64) / SECONDS_PER_DAY).astype(np.int64)
+    else:
+        clock, days = "rows", np.floor(np.arange(-n, 0) * (period_s or 60.0) / SECONDS_PER_DAY).astype(np.int64)
+    previous = cal["threshold"]
+    cuts = np.r_[0, np.flatnonzero(np.diff(days) != 0) + 1, n]
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        roll(cal, int(days[a]), policy, period_s, clock)
+        add(cal, s[a:b])
+    if cal["threshold"] == previous:
+        return None
+    _, basis = budget_threshold([d for d in cal["days"] if d[0] < cal["day"]][-int(policy.days):], policy,
+                                cal["base"], period_s, clock)
+    return dict(basis, previous=previous, threshold=cal["threshold"], seeded_rows=n)

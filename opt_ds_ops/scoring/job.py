@@ -39,12 +39,14 @@ from ..config.sidecar import SIDECAR_MAX_BYTES, parse_sidecar
 from ..dataset import DatasetError, DatasetLimits, dataset_stem, load_dataset
 from ..dataset.core import iso_utc
 from ..fsutil import fsync_dir, read_small, write_atomic
-from ..lifecycle.history import chunk_drift, record_chunk
+from ..lifecycle.history import HISTORY_FILE, chunk_drift, read_history, record_chunk
 from ..lifecycle.promotion import design_rate
+from ..model.detection import ScoreError, score_rows
 from ..store.model_dir import model_lineage
 from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
-from .incidents import IncidentPolicy
+from . import calibration as calib
 from .calibration import CalibrationPolicy
+from .incidents import IncidentPolicy
 from .regime import RegimePolicy
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
                      sample_period_s, score_chunk)
@@ -280,6 +282,25 @@ def _write_result(model_dir: str, job_id: str, summary: dict, rows: bytes) -> No
     fsync_dir(model_dir)
 
 
+def history_seed(model_dir: str, stored, policy: CalibrationPolicy) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Return (scores, times or None) of the series' history (``model_dir``'s ``history.npz``: the
+    rows the versions before scored), its last ``policy.days`` days scored by ``stored``, for a new
+    version's alarm budget (:func:`opt_ds_ops.scoring.calibration.seed`); None where there is none,
+    or it cannot be read or scored by this version (other columns): the budget then starts afresh."""
+    try:
+        h = read_history(os.path.join(model_dir, HISTORY_FILE))
+        if h is None or not h.values.shape[0]:
+            return None
+        k = calib.seed_rows(h.times, h.values.shape[0], policy, sample_period_s(stored) or 60.0)
+        if not k:
+            return None
+        times = h.times[-k:].astype(np.float64)
+        scores = score_rows(stored, h.values[-k:], offset=h.offset)
+    except (OSError, ValueError, ScoreError):
+        return None
+    return scores, (times if np.isfinite(times).all() else None)
+
+
 def score_job(job_dir: str, cfg: Config) -> dict:
     """Given a claimed scoring job's directory (``job.json``: ``job_id``, ``dataset`` (the file's
     name), ``data_file``, ``sidecar``, ``uploader_uid``), score it and return its summary (JSON
@@ -344,12 +365,16 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     names = [_clip(n) for n in model_metric_names(stored, ds.metric_labels())]
     resets = [state_note] if state_note else []  # why the carried state was not continued (journaled)
     notes = list(ds.notes)  # the file's own (rows sorted, repeated times): in the summary and the scored line
+    calibration = CalibrationPolicy.from_config(cfg.scoring)
+    seed = (history_seed(model_dir, stored, calibration)
+            if calibration.on and calibration.from_history and (state is None or state.version != model_version(stored))
+            else None)
     state = state or fresh_state(name, stored)
     times = ds.time.seconds if ds.time is not None else None
     result = score_chunk(stored, np.asarray(ds.data), ds.offset, times, state, names=names,
                          max_gap_periods=cfg.scoring.max_gap_periods,
                          policy=IncidentPolicy.from_config(cfg.scoring), regime=RegimePolicy.from_config(cfg.scoring),
-                         calibration=CalibrationPolicy.from_config(cfg.scoring))
+                         calibration=calibration, calibration_seed=seed)
     bad = np.flatnonzero(~np.isfinite(result.scores))
     if bad.size:  # an inf would stay in the carried smoothing for good: refused before anything is written
         raise ScoringError(f"{_clip(source)}: data row {int(bad[0]) + 1} scores {float(result.scores[bad[0]])} (not "

@@ -304,7 +304,8 @@ def fresh_state(name: str, stored: StoredModel) -> SeriesState:
 def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None, times: np.ndarray | None,
                 state: SeriesState, *, names: list[str], max_gap_periods: float, top: int = TOP_METRICS,
                 policy: IncidentPolicy | None = None, regime: RegimePolicy | None = None,
-                calibration: CalibrationPolicy | None = None) -> ChunkResult:
+                calibration: CalibrationPolicy | None = None,
+                calibration_seed: tuple[np.ndarray, np.ndarray | None] | None = None) -> ChunkResult:
     """Given the next chunk of a model's series, data (n, D) float32 (the file's values are data +
     offset, see :class:`opt_ds_ops.dataset.Dataset`) with epoch seconds ``times`` (n,) or None,
     score it as the continuation of ``state`` and return a :class:`ChunkResult`.
@@ -331,7 +332,10 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     With ``calibration`` (:class:`opt_ds_ops.scoring.calibration.CalibrationPolicy`; None or a
     budget of 0: the model's threshold) the threshold is set again at the first row of each day,
     ``{"event": "threshold-calibrated", "row", "time", "version", "threshold", "previous",
-    "model_threshold", "days", "alarms", "budget_per_day"}`` when it changes. Rows are series rows, times ISO 8601 UTC (None without times);
+    "model_threshold", "days", "alarms", "budget_per_day"}`` when it changes. ``calibration_seed``
+    (scores, times or None): the rows scored before this version, scored again by it (the newest
+    last, :func:`opt_ds_ops.scoring.calibration.seed`), counted into its calibration where it starts
+    afresh here (a new version, or none carried); the event then has ``seeded_rows``. Rows are series rows, times ISO 8601 UTC (None without times);
     ``top_metrics`` ``[{"metric", "share"}]`` rank the incident's flagged rows' unsmoothed terms as
     :func:`opt_ds_ops.model.detection.flagged_segments` ranks a segment's. ``names``: the D metric
     names. ``state`` is not changed. Raises ScoreError if D differs from the model's or ``times``
@@ -372,6 +376,14 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         st.calibration = None
     elif not calib.valid(st.calibration, st.threshold):
         st.calibration = calib.fresh(st.threshold)
+        seeded = (calib.seed(st.calibration, calibration_seed[0], calibration_seed[1], sample_period_s(stored) or 60.0,
+                             calibration) if calibration_seed is not None else None)
+        if seeded is not None:
+            st.threshold = float(st.calibration["threshold"])
+            events.append(dict(seeded, event="threshold-calibrated", row=st.next_row,
+                               time=_time(None if times is None or not len(times) else float(times[0])),
+                               version=st.version, model_threshold=float(stored.threshold),
+                               budget_per_day=calibration.budget_per_day))
     else:
         st.threshold = float(st.calibration["threshold"])
     if st.rebase and len(st.rebase) != want:

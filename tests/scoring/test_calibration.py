@@ -13,7 +13,7 @@ import torch
 
 from opt_ds_ops.config.conffile import TrainConfig
 from opt_ds_ops.health.device import plan_device
-from opt_ds_ops.model.detection import in_memory_model
+from opt_ds_ops.model.detection import in_memory_model, score_rows
 from opt_ds_ops.model.threshold import alarms_at
 from opt_ds_ops.scoring import calibration as calib
 from opt_ds_ops.scoring.calibration import EDGES, CalibrationPolicy
@@ -121,6 +121,44 @@ def test_a_new_version_starts_from_its_own_threshold(model, period):
                     policy=IncidentPolicy(), calibration=BUDGET)
     assert r.state.threshold == float(other.threshold) and r.state.calibration["days"] == []
     assert r.state.calibration["base"] == float(other.threshold)
+
+
+def test_a_new_version_seeded_from_the_history_starts_as_if_it_had_scored_those_days(model, period):
+    _, _, _, state = scored(model, period[: 3 * DAY], 1)  # three days scored by the first version
+    other = _retrained(model)
+    seeded_policy = CalibrationPolicy(budget_per_day=1.0, days=3.0, min_days=1.0, from_history=True)
+    history = score_rows(other, period[: 3 * DAY])  # what the job gives: those days, scored by the new version
+    r = score_chunk(other, period[3 * DAY: 3 * DAY + 100], None, None, state, names=NAMES, max_gap_periods=10,
+                    policy=IncidentPolicy(), calibration=seeded_policy, calibration_seed=(history, None))
+    # the same days and threshold as the new version would have had, had it scored those days itself
+    _, _, _, alone = scored(other, period[: 3 * DAY + 100], 1)
+    assert r.state.threshold == alone.threshold > float(other.threshold)
+    assert [d[1:] for d in r.state.calibration["days"]] == [d[1:] for d in alone.calibration["days"]]
+    assert [d[0] for d in r.state.calibration["days"]] == [-3, -2, -1]  # before the new version's row 0
+    ev = [e for e in r.events if e["event"] == "threshold-calibrated"]
+    assert ev and ev[0]["seeded_rows"] == 3 * DAY and ev[0]["previous"] == float(other.threshold)
+    assert np.array_equal(r.flags, r.scores > np.float32(r.state.threshold))
+    # without the seed: from the new version's own threshold, as before
+    plain = score_chunk(other, period[3 * DAY: 3 * DAY + 100], None, None, state, names=NAMES, max_gap_periods=10,
+                        policy=IncidentPolicy(), calibration=seeded_policy)
+    assert plain.state.threshold == float(other.threshold) and plain.state.calibration["days"] == []
+
+
+def test_a_seed_by_the_rows_times_keeps_their_days_and_the_last_days_only():
+    rng = np.random.default_rng(3)
+    t0 = 20000 * 86400.0
+    scores = np.concatenate([_noisy_day(rng, 5) for _ in range(5)])
+    times = t0 + 60.0 * np.arange(scores.size)
+    assert calib.seed_rows(times, scores.size, BUDGET, 60.0) == 3 * DAY  # the last 3 days (BUDGET.days)
+    assert calib.seed_rows(None, scores.size, BUDGET, 60.0) == 3 * DAY
+    times_gappy = times.copy()
+    times_gappy[0] = np.nan  # a time unknown: by rows
+    assert calib.seed_rows(times_gappy, scores.size, BUDGET, 60.0) == 3 * DAY
+    cal = calib.fresh(1.0)
+    moved = calib.seed(cal, scores[-3 * DAY:], times[-3 * DAY:], 60.0, BUDGET)
+    assert cal["clock"] == "time" and [d[0] for d in cal["days"]] == [20002, 20003] and cal["day"] == 20004
+    assert moved["threshold"] > 1.0 and moved["seeded_rows"] == 3 * DAY and moved["days"] == 2.0
+    assert calib.seed(calib.fresh(1.0), np.r_[scores[:10], np.inf], None, 60.0, BUDGET) is None  # not finite: none
 
 
 def _retrained(model):

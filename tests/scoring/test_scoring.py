@@ -17,6 +17,8 @@ from opt_ds_ops.config.conffile import Config, with_overrides
 from opt_ds_ops.dataset import DatasetError
 from opt_ds_ops.training.job import JobError, run_job
 from opt_ds_ops.model.detection import score_rows
+from opt_ds_ops.scoring import calibration as calib
+from opt_ds_ops.scoring.calibration import CalibrationPolicy
 from opt_ds_ops.scoring.job import ScoringError, score_job
 from opt_ds_ops.store.versions import load_model
 
@@ -331,3 +333,31 @@ def test_the_files_notes_are_not_resets(store, cfg, tmp_path):
     (tmp_path / "scores" / "m1" / "state.json").write_text("{broken")
     s = score_job(make_job(tmp_path, job_id(2), store["test"][50:100]), cfg)
     assert len(s["resets"]) == 1 and s["notes"] == []
+
+
+@pytest.mark.parametrize("from_history", [False, True])
+def test_a_new_versions_alarm_budget_starts_from_the_scored_history_when_asked(tmp_path, smd_rows, from_history):
+    """scoring.alarm_budget_history: the first chunk a new version scores starts its budget from the
+    series' history (the rows the version before scored), scored again by the new version."""
+    np.savetxt(tmp_path / "m1.csv", smd_rows[:3000], delimiter=",", fmt="%.6f")
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
+                                    "scoring.results_dir": str(tmp_path / "scores"),
+                                    "scoring.alarm_budget_history": from_history})
+    run_job(str(tmp_path / "m1.csv"), cfg)
+    test = np.loadtxt(SMD_TEST, delimiter=",", dtype=np.float32)[15000:19000]  # machine-1-1's test period
+    for i in range(3):
+        score_job(make_job(tmp_path, job_id(i), test[1000 * i:1000 * (i + 1)]), cfg)
+    second = run_job(str(tmp_path / "m1.csv"), with_overrides(cfg, {"train.epochs": 2}))  # the new current version
+    summary = score_job(make_job(tmp_path, job_id(3), test[3000:]), cfg)
+    assert summary["version"] == os.path.basename(second.model_dir) and summary["first_row"] == 0
+    seeded = [e for e in summary["events"] if e["event"] == "threshold-calibrated" and "seeded_rows" in e]
+    if not from_history:
+        assert not seeded and summary["threshold"] == summary["model_threshold"]
+        return
+    new = load_model(second.model_dir)
+    cal = calib.fresh(float(new.threshold))
+    calib.seed(cal, score_rows(new, test[:3000]), None, 60.0, CalibrationPolicy(budget_per_day=1.0, days=14.0))
+    assert len(seeded) == 1 and seeded[0]["seeded_rows"] == 3000  # the three chunks before, no more
+    assert seeded[0]["threshold"] == pytest.approx(cal["threshold"])
+    assert seeded[0]["threshold"] > summary["model_threshold"]
+    assert summary["threshold"] >= seeded[0]["threshold"]

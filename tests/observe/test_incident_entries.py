@@ -1,0 +1,30 @@
+"""What the journal says of a summary's events (opt_ds_ops.observe.incident_entries): the threshold's moves."""
+
+from __future__ import annotations
+
+from opt_ds_ops.observe.incident_entries import incident_entry
+from opt_ds_ops.observe.journal import LOG_INFO, LOG_WARNING
+
+EVENT = {"event": "threshold-calibrated", "row": 0, "time": "2026-12-01T00:00:00Z", "version": "v2",
+         "threshold": 2.5, "previous": 1.2, "model_threshold": 1.2, "days": 3.0, "alarms": 2, "budget_per_day": 1.0}
+
+
+def test_a_calibrated_threshold_says_the_days_and_alarms_it_rests_on():
+    kind, message, priority, fields = incident_entry(EVENT, model="host1", version="v2", file="host1.csv")
+    assert kind == "threshold-calibrated" and priority == LOG_INFO
+    assert "threshold 2.5 from" in message and "(was 1.2;" in message and "last 3 days scored" in message
+    assert "(2 alarms)" in message and "rows scored before" not in message
+    assert fields["threshold"] == 2.5 and fields["previous"] == 1.2
+
+
+def test_a_new_versions_start_from_the_history_says_so():
+    _, message, priority, _ = incident_entry(dict(EVENT, seeded_rows=4320), model="host1", version="v2",
+                                             file="host1.csv")
+    assert priority == LOG_INFO
+    assert "counting the 4320 rows scored before this version as it scores them" in message
+
+
+def test_a_capped_threshold_is_a_warning():
+    _, message, priority, _ = incident_entry(dict(EVENT, capped=True, threshold=1228.8), model="host1", version="v2",
+                                             file="host1.csv")
+    assert priority == LOG_WARNING and "capped at 1024 times" in message
