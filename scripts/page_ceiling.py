@@ -12,7 +12,9 @@ fleet: the most segments paged by the best threshold for that series chosen know
 (an oracle no live policy can beat with these scores and this rule), within 1 false page a day,
 and within that and 2 % of normal rows in alarm, for the autoencoder and the baseline.
 
-Usage: scripts/page_ceiling.py [--smd DIR] [--asd DIR] [--seed N] [--json PATH]
+``--quiet-s``: another quiet spell for the rule (0: every run of flagged rows is an incident).
+
+Usage: scripts/page_ceiling.py [--smd DIR] [--asd DIR] [--seed N] [--quiet-s S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -61,11 +63,15 @@ def main() -> int:
     ap.add_argument("--smd", default=os.path.join(SHARED, "smd"))
     ap.add_argument("--asd", default=os.path.join(SHARED, "asd"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet-s", type=float, help="the incident rule's quiet spell (default: the shipped one)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     plan = plan_device("cpu", "off")
     policy = IncidentPolicy.from_config(Config().scoring)  # the shipped incident rule
+    if args.quiet_s is not None:
+        policy = dataclasses.replace(policy, quiet_s=args.quiet_s)
+    print(f"incident rule: {policy}")
     roots = {"smd": args.smd, "asd": args.asd}
     out = {}
     for fleet, period in FLEETS.items():

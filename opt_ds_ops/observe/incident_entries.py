@@ -110,5 +110,5 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                       + f" (version {ev.get('version') or version}); in {file}",
                 LOG_WARNING if ev.get("capped") else LOG_INFO,
                 dict(common, version=ev.get("version") or version, threshold=ev.get("threshold"),
-                     previous=ev.get("previous")))
+                     previous=ev.get("previous"), seeded_rows=ev.get("seeded_rows")))
     return None

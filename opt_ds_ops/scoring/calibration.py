@@ -23,7 +23,9 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
 
 A new version starts again from its own threshold (its scores are not the old one's); with
 ``from_history`` it starts from the series' scored history scored again by it (:func:`seed`): the
-rows of the last ``days`` days the versions before it scored, which it has not seen as scores. The
+rows of the last ``days`` days the versions before it scored (most of them its own training rows,
+whose scores are lower than unseen rows' would be: the threshold they give errs towards the model's
+own, never under it). The
 functions here are pure on the plain dict kept in :class:`opt_ds_ops.scoring.series.SeriesState`.
 """
 
@@ -202,42 +204,49 @@ def roll(cal: dict, day: int, policy: CalibrationPolicy, period_s: float, clock:
     return dict(basis, previous=previous, threshold=threshold)
 
 
+
 def seed_rows(times: np.ndarray | None, n: int, policy: CalibrationPolicy, period_s: float) -> int:
-    """How many of a history's newest n rows (epoch seconds ``times`` (n,), NaN where unknown, or
-    None) a seed scores: those of the last ``policy.days`` days, by their times where all are known,
-    else by rows at ``period_s`` seconds a row."""
+    """How many of a history's newest n rows a seed scores: those of its last ``policy.days`` days,
+    by their times (``times`` (n,) epoch seconds, all finite: the rows from the first one within
+    that many days of the newest time, in their order, rows of older days sent again after it
+    included), else (``times`` None) by rows at ``period_s`` seconds a row."""
     if n <= 0:
         return 0
-    if times is not None and np.isfinite(times).all():
-        last = float(times[-1])
-        return int(n - np.searchsorted(np.asarray(times, dtype=np.float64), last - policy.days * SECONDS_PER_DAY,
-                                       side="right"))
+    if times is not None:
+        t = np.asarray(times, dtype=np.float64)
+        recent = np.flatnonzero(t > float(t.max()) - policy.days * SECONDS_PER_DAY)
+        return int(n - recent[0]) if recent.size else n
     return min(n, int(math.ceil(policy.days * SECONDS_PER_DAY / (period_s or 60.0))))
 
 
-def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, period_s: float,
-         policy: CalibrationPolicy) -> dict | None:
+def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, period_s: float, policy: CalibrationPolicy,
+         first_day: int, clock: str) -> dict | None:
     """Count a new version's scores of the rows scored before it (the series' history, the newest
-    last; ``times`` (n,) epoch seconds, or None: rows at ``period_s`` seconds a row, the last one
-    just before the series' row 0) into the fresh state ``cal``, day by day as if it had scored
-    them, and set its threshold from the days before the last one (as :func:`roll` would at the
-    next day). Return ``{"previous", "threshold", "days", "alarms", "seeded_rows"}`` when that moved
-    the threshold, else None. Rows whose time is not finite: the rows' clock for all."""
+    last) into its fresh state ``cal``, day by day as if it had scored them, then :func:`roll` to
+    ``first_day``, the day of its first row, on ``clock`` (that row's: "time", ``times`` (n,) epoch
+    seconds of the history's rows; "rows", the history's rows at ``period_s`` seconds a row, the
+    last one just before the series' row 0). ``cal``'s threshold is then the one in force at that
+    row; the next row starts a run of its own (the series starts again). Return
+    ``{"previous", "threshold", "days", "alarms", "seeded_rows"}`` when that threshold is not the
+    model's, else None; None, and ``cal`` untouched, when the history's clock is not the row's (no
+    times where the row has them) or a score is not finite."""
     s = np.asarray(scores, dtype=np.float64)
     n = int(s.size)
-    if not n or not np.isfinite(s).all():
+    if not n or not np.isfinite(s).all() or (clock == "time" and (times is None or not np.isfinite(times).all())):
         return None
-    if times is not None and np.isfinite(times).all():
-        clock, days = "time", np.floor(np.asarray(times, dtype=np.float64) / SECONDS_PER_DAY).astype(np.int64)
+    if clock == "time":
+        days = np.floor(np.asarray(times, dtype=np.float64) / SECONDS_PER_DAY).astype(np.int64)
     else:
-        clock, days = "rows", np.floor(np.arange(-n, 0) * (period_s or 60.0) / SECONDS_PER_DAY).astype(np.int64)
+        days = np.floor(np.arange(-n, 0) * (period_s or 60.0) / SECONDS_PER_DAY).astype(np.int64)
     previous = cal["threshold"]
     cuts = np.r_[0, np.flatnonzero(np.diff(days) != 0) + 1, n]
     for a, b in zip(cuts[:-1], cuts[1:]):
         roll(cal, int(days[a]), policy, period_s, clock)
         add(cal, s[a:b])
+    roll(cal, int(first_day), policy, period_s, clock)
+    gap(cal)
     if cal["threshold"] == previous:
         return None
-    _, basis = budget_threshold([d for d in cal["days"] if d[0] < cal["day"]][-int(policy.days):], policy,
-                                cal["base"], period_s, clock)
+    kept = [d for d in cal["days"] if d[0] < cal["day"]][-int(policy.days):] if policy.days else []
+    _, basis = budget_threshold(kept, policy, cal["base"], period_s, clock)
     return dict(basis, previous=previous, threshold=cal["threshold"], seeded_rows=n)

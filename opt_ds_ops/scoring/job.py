@@ -30,6 +30,7 @@ import secrets
 import shutil
 import stat
 import time
+import zipfile
 from datetime import datetime, timezone
 
 import numpy as np
@@ -282,23 +283,31 @@ def _write_result(model_dir: str, job_id: str, summary: dict, rows: bytes) -> No
     fsync_dir(model_dir)
 
 
-def history_seed(model_dir: str, stored, policy: CalibrationPolicy) -> tuple[np.ndarray, np.ndarray | None] | None:
+def history_seed(model_dir: str, stored, policy: CalibrationPolicy, job_id: str, chunk_rows: int,
+                 timed: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
     """Return (scores, times or None) of the series' history (``model_dir``'s ``history.npz``: the
     rows the versions before scored), its last ``policy.days`` days scored by ``stored``, for a new
-    version's alarm budget (:func:`opt_ds_ops.scoring.calibration.seed`); None where there is none,
-    or it cannot be read or scored by this version (other columns): the budget then starts afresh."""
+    version's alarm budget (:func:`opt_ds_ops.scoring.calibration.seed`): by the rows' times where
+    the chunk has them (``timed``), else by rows. The ``chunk_rows`` rows job ``job_id`` appended
+    before a kill are not the history's (the job is scored again). None, and the budget starts from
+    the model's threshold, where there is no history, it cannot be read or scored by this version
+    (other columns), its times are not all known while the chunk's are, or the version learned a
+    change of regime (the history before it is at the old levels: :mod:`opt_ds_ops.scoring.regime`)."""
+    if ((stored.metadata or {}).get("retrain") or {}).get("regime"):
+        return None
     try:
         h = read_history(os.path.join(model_dir, HISTORY_FILE))
-        if h is None or not h.values.shape[0]:
+        if h is None:
             return None
-        k = calib.seed_rows(h.times, h.values.shape[0], policy, sample_period_s(stored) or 60.0)
-        if not k:
+        n = h.values.shape[0] - (chunk_rows if h.last_job == job_id else 0)
+        times = h.times[:max(n, 0)].astype(np.float64)
+        if n <= 0 or (timed and not np.isfinite(times).all()):
             return None
-        times = h.times[-k:].astype(np.float64)
-        scores = score_rows(stored, h.values[-k:], offset=h.offset)
-    except (OSError, ValueError, ScoreError):
+        k = calib.seed_rows(times if timed else None, n, policy, sample_period_s(stored) or 60.0)
+        scores = score_rows(stored, h.values[n - k:n], offset=h.offset)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, ScoreError):
         return None
-    return scores, (times if np.isfinite(times).all() else None)
+    return scores, (times[n - k:] if timed else None)
 
 
 def score_job(job_dir: str, cfg: Config) -> dict:
@@ -366,11 +375,11 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     resets = [state_note] if state_note else []  # why the carried state was not continued (journaled)
     notes = list(ds.notes)  # the file's own (rows sorted, repeated times): in the summary and the scored line
     calibration = CalibrationPolicy.from_config(cfg.scoring)
-    seed = (history_seed(model_dir, stored, calibration)
-            if calibration.on and calibration.from_history and (state is None or state.version != model_version(stored))
-            else None)
-    state = state or fresh_state(name, stored)
     times = ds.time.seconds if ds.time is not None else None
+    seed = (history_seed(model_dir, stored, calibration, job_id, int(np.asarray(ds.data).shape[0]), times is not None)
+            if calibration.on and calibration.from_history and state is not None
+            and state.version != model_version(stored) else None)  # a new version of a series scored before
+    state = state or fresh_state(name, stored)
     result = score_chunk(stored, np.asarray(ds.data), ds.offset, times, state, names=names,
                          max_gap_periods=cfg.scoring.max_gap_periods,
                          policy=IncidentPolicy.from_config(cfg.scoring), regime=RegimePolicy.from_config(cfg.scoring),

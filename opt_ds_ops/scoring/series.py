@@ -335,7 +335,8 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     "model_threshold", "days", "alarms", "budget_per_day"}`` when it changes. ``calibration_seed``
     (scores, times or None): the rows scored before this version, scored again by it (the newest
     last, :func:`opt_ds_ops.scoring.calibration.seed`), counted into its calibration where it starts
-    afresh here (a new version, or none carried); the event then has ``seeded_rows``. Rows are series rows, times ISO 8601 UTC (None without times);
+    afresh here (a new version, or none carried), so that the threshold at the first row is the one
+    those days give; the event that says it has ``seeded_rows``. Rows are series rows, times ISO 8601 UTC (None without times);
     ``top_metrics`` ``[{"metric", "share"}]`` rank the incident's flagged rows' unsmoothed terms as
     :func:`opt_ds_ops.model.detection.flagged_segments` ranks a segment's. ``names``: the D metric
     names. ``state`` is not changed. Raises ScoreError if D differs from the model's or ``times``
@@ -376,8 +377,12 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         st.calibration = None
     elif not calib.valid(st.calibration, st.threshold):
         st.calibration = calib.fresh(st.threshold)
-        seeded = (calib.seed(st.calibration, calibration_seed[0], calibration_seed[1], sample_period_s(stored) or 60.0,
-                             calibration) if calibration_seed is not None else None)
+        seeded = None
+        if calibration_seed is not None and data.shape[0]:
+            t0 = None if times is None else float(np.asarray(times, dtype=np.float64)[0])
+            period = sample_period_s(stored) or 60.0
+            seeded = calib.seed(st.calibration, calibration_seed[0], calibration_seed[1], period, calibration,
+                                calib.day_of(t0, st.next_row, period), "rows" if times is None else "time")
         if seeded is not None:
             st.threshold = float(st.calibration["threshold"])
             events.append(dict(seeded, event="threshold-calibrated", row=st.next_row,

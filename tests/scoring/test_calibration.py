@@ -123,42 +123,86 @@ def test_a_new_version_starts_from_its_own_threshold(model, period):
     assert r.state.calibration["base"] == float(other.threshold)
 
 
-def test_a_new_version_seeded_from_the_history_starts_as_if_it_had_scored_those_days(model, period):
-    _, _, _, state = scored(model, period[: 3 * DAY], 1)  # three days scored by the first version
+def expected_threshold(history: np.ndarray, base: float, covered_days: float, budget: float = 1.0) -> float:
+    """The budget's threshold from the scores alone (alarms_at over the days kept, as one stream)."""
+    runs = alarms_at(np.asarray(history, dtype=np.float64), EDGES * base)
+    over = np.flatnonzero(runs > math.floor(budget * covered_days + 1e-9))
+    return float(EDGES[max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))] * base)
+
+
+SEEDED = CalibrationPolicy(budget_per_day=1.0, days=3.0, min_days=1.0, from_history=True)
+
+
+def seeded_chunk(other, state, rows, seed, times=None):
+    return score_chunk(other, rows, None, times, state, names=NAMES, max_gap_periods=10,
+                       policy=IncidentPolicy(), calibration=SEEDED, calibration_seed=seed)
+
+
+@pytest.mark.parametrize("history_rows", [3 * DAY, 2 * DAY + 700])
+def test_a_new_version_seeded_from_the_history_starts_from_the_threshold_those_days_give(model, period, history_rows):
+    _, _, _, state = scored(model, period[:history_rows], 1)  # days scored by the first version
     other = _retrained(model)
-    seeded_policy = CalibrationPolicy(budget_per_day=1.0, days=3.0, min_days=1.0, from_history=True)
-    history = score_rows(other, period[: 3 * DAY])  # what the job gives: those days, scored by the new version
-    r = score_chunk(other, period[3 * DAY: 3 * DAY + 100], None, None, state, names=NAMES, max_gap_periods=10,
-                    policy=IncidentPolicy(), calibration=seeded_policy, calibration_seed=(history, None))
-    # the same days and threshold as the new version would have had, had it scored those days itself
-    _, _, _, alone = scored(other, period[: 3 * DAY + 100], 1)
-    assert r.state.threshold == alone.threshold > float(other.threshold)
-    assert [d[1:] for d in r.state.calibration["days"]] == [d[1:] for d in alone.calibration["days"]]
-    assert [d[0] for d in r.state.calibration["days"]] == [-3, -2, -1]  # before the new version's row 0
+    base = float(other.threshold)
+    history = score_rows(other, period[:history_rows])  # what the job gives: those rows, scored by the new version
+    r = seeded_chunk(other, state, period[history_rows: history_rows + 100], (history, None))
+    # by rows: the history's rows are the rows before the new version's row 0, its days counted back from there
+    want = expected_threshold(history, base, history_rows / DAY)
+    assert want > base and r.state.threshold == want
     ev = [e for e in r.events if e["event"] == "threshold-calibrated"]
-    assert ev and ev[0]["seeded_rows"] == 3 * DAY and ev[0]["previous"] == float(other.threshold)
-    assert np.array_equal(r.flags, r.scores > np.float32(r.state.threshold))
+    assert len(ev) == 1 and ev[0]["threshold"] == want and ev[0]["previous"] == base and ev[0]["row"] == 0
+    assert ev[0]["seeded_rows"] == history_rows and ev[0]["days"] == pytest.approx(history_rows / DAY, abs=1e-3)
+    assert np.array_equal(r.flags, r.scores > np.float32(want))
+    assert calib.valid(r.state.calibration, base)
+    # the next chunk goes on from there: no second start, the seeded days kept
+    again = seeded_chunk(other, r.state, period[history_rows + 100: history_rows + 200], (history, None))
+    assert not [e for e in again.events if e["event"] == "threshold-calibrated"]
+    assert again.state.threshold == want
     # without the seed: from the new version's own threshold, as before
-    plain = score_chunk(other, period[3 * DAY: 3 * DAY + 100], None, None, state, names=NAMES, max_gap_periods=10,
-                        policy=IncidentPolicy(), calibration=seeded_policy)
-    assert plain.state.threshold == float(other.threshold) and plain.state.calibration["days"] == []
+    plain = score_chunk(other, period[history_rows: history_rows + 100], None, None, state, names=NAMES,
+                        max_gap_periods=10, policy=IncidentPolicy(), calibration=SEEDED)
+    assert plain.state.threshold == base and plain.state.calibration["days"] == []
 
 
-def test_a_seed_by_the_rows_times_keeps_their_days_and_the_last_days_only():
-    rng = np.random.default_rng(3)
-    t0 = 20000 * 86400.0
-    scores = np.concatenate([_noisy_day(rng, 5) for _ in range(5)])
-    times = t0 + 60.0 * np.arange(scores.size)
-    assert calib.seed_rows(times, scores.size, BUDGET, 60.0) == 3 * DAY  # the last 3 days (BUDGET.days)
-    assert calib.seed_rows(None, scores.size, BUDGET, 60.0) == 3 * DAY
-    times_gappy = times.copy()
-    times_gappy[0] = np.nan  # a time unknown: by rows
-    assert calib.seed_rows(times_gappy, scores.size, BUDGET, 60.0) == 3 * DAY
+@pytest.mark.parametrize("start", ["the history's last day", "the next day"])
+def test_a_seed_by_the_rows_times_counts_their_utc_days_up_to_the_first_rows(model, period, start):
+    _, _, _, state = scored(model, period[:DAY], 1)
+    other = _retrained(model)
+    base = float(other.threshold)
+    t0 = 20000 * 86400.0 + 600 * 60.0  # 10 hours into a UTC day: 2.5 days of history span 3 days
+    times = t0 + 60.0 * np.arange(period.shape[0])
+    k = 2 * DAY + DAY // 2
+    history = score_rows(other, period[:k])
+    live = k if start == "the history's last day" else (20003 * 86400 - int(t0)) // 60  # the next UTC day's first row
+    r = seeded_chunk(other, state, period[live: live + 60], (history, times[:k]), times=times[live: live + 60])
+    days_before = np.floor(times[:k] / 86400) < np.floor(times[live] / 86400)
+    want = expected_threshold(history[days_before], base, len(np.unique(np.floor(times[:k][days_before] / 86400))))
+    ev = [e for e in r.events if e["event"] == "threshold-calibrated"]
+    assert r.state.threshold == want
+    assert ([e["threshold"] for e in ev] == [want]) if want > base else not ev
+    assert r.state.calibration["clock"] == "time"
+
+
+def test_a_seed_of_another_clock_or_not_finite_is_not_counted():
     cal = calib.fresh(1.0)
-    moved = calib.seed(cal, scores[-3 * DAY:], times[-3 * DAY:], 60.0, BUDGET)
-    assert cal["clock"] == "time" and [d[0] for d in cal["days"]] == [20002, 20003] and cal["day"] == 20004
-    assert moved["threshold"] > 1.0 and moved["seeded_rows"] == 3 * DAY and moved["days"] == 2.0
-    assert calib.seed(calib.fresh(1.0), np.r_[scores[:10], np.inf], None, 60.0, BUDGET) is None  # not finite: none
+    scores = np.random.default_rng(4).uniform(0.5, 3.0, 3 * DAY)
+    assert calib.seed(cal, scores, None, 60.0, BUDGET, 20003, "time") is None  # the rows have times, the history not
+    assert cal == calib.fresh(1.0)
+    times = 20000 * 86400.0 + 60.0 * np.arange(3 * DAY)
+    assert calib.seed(cal, np.r_[scores[:-1], np.inf], times, 60.0, BUDGET, 20003, "time") is None
+    assert cal == calib.fresh(1.0)
+    moved = calib.seed(cal, scores, times, 60.0, BUDGET, 20003, "time")
+    assert moved["seeded_rows"] == 3 * DAY and [d[0] for d in cal["days"]] == [20000, 20001, 20002]
+    assert cal["prev"] is None  # the series starts again: its next row starts a run of its own
+
+
+def test_the_rows_a_seed_scores_are_the_last_days_by_time_or_by_rows():
+    times = 20000 * 86400.0 + 60.0 * np.arange(5 * DAY)
+    assert calib.seed_rows(times, times.size, BUDGET, 60.0) == 3 * DAY  # the last 3 days (BUDGET.days)
+    assert calib.seed_rows(None, times.size, BUDGET, 60.0) == 3 * DAY
+    assert calib.seed_rows(None, times.size, BUDGET, 300.0) == 3 * DAY // 5
+    back = np.r_[times, times[:10]]  # rows of the first day sent again, last: the newest time still counts
+    assert calib.seed_rows(back, back.size, BUDGET, 60.0) == 3 * DAY + 10  # from the first row of the last 3 days
+    assert calib.seed_rows(times[:100], 100, BUDGET, 60.0) == 100
 
 
 def _retrained(model):

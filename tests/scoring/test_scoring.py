@@ -17,9 +17,9 @@ from opt_ds_ops.config.conffile import Config, with_overrides
 from opt_ds_ops.dataset import DatasetError
 from opt_ds_ops.training.job import JobError, run_job
 from opt_ds_ops.model.detection import score_rows
-from opt_ds_ops.scoring import calibration as calib
-from opt_ds_ops.scoring.calibration import CalibrationPolicy
-from opt_ds_ops.scoring.job import ScoringError, score_job
+from opt_ds_ops.model.threshold import alarms_at
+from opt_ds_ops.scoring.calibration import EDGES, CalibrationPolicy
+from opt_ds_ops.scoring.job import ScoringError, history_seed, score_job
 from opt_ds_ops.store.versions import load_model
 
 NAMES = [f"metric_{j}" for j in range(38)]
@@ -338,7 +338,9 @@ def test_the_files_notes_are_not_resets(store, cfg, tmp_path):
 @pytest.mark.parametrize("from_history", [False, True])
 def test_a_new_versions_alarm_budget_starts_from_the_scored_history_when_asked(tmp_path, smd_rows, from_history):
     """scoring.alarm_budget_history: the first chunk a new version scores starts its budget from the
-    series' history (the rows the version before scored), scored again by the new version."""
+    series' history (the rows the version before scored), scored again by the new version; a kill
+    after the history was appended and before the state was written scores the job again with
+    the same start (its own rows are not history)."""
     np.savetxt(tmp_path / "m1.csv", smd_rows[:3000], delimiter=",", fmt="%.6f")
     cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
                                     "scoring.results_dir": str(tmp_path / "scores"),
@@ -348,16 +350,51 @@ def test_a_new_versions_alarm_budget_starts_from_the_scored_history_when_asked(t
     for i in range(3):
         score_job(make_job(tmp_path, job_id(i), test[1000 * i:1000 * (i + 1)]), cfg)
     second = run_job(str(tmp_path / "m1.csv"), with_overrides(cfg, {"train.epochs": 2}))  # the new current version
-    summary = score_job(make_job(tmp_path, job_id(3), test[3000:]), cfg)
+    state_path = tmp_path / "scores" / "m1" / "state.json"
+    before = state_path.read_bytes()
+    job = make_job(tmp_path, job_id(3), test[3000:])
+    summary = score_job(job, cfg)
     assert summary["version"] == os.path.basename(second.model_dir) and summary["first_row"] == 0
-    seeded = [e for e in summary["events"] if e["event"] == "threshold-calibrated" and "seeded_rows" in e]
+    seeded = [e for e in summary["events"] if e["event"] == "threshold-calibrated"]
     if not from_history:
         assert not seeded and summary["threshold"] == summary["model_threshold"]
         return
     new = load_model(second.model_dir)
-    cal = calib.fresh(float(new.threshold))
-    calib.seed(cal, score_rows(new, test[:3000]), None, 60.0, CalibrationPolicy(budget_per_day=1.0, days=14.0))
-    assert len(seeded) == 1 and seeded[0]["seeded_rows"] == 3000  # the three chunks before, no more
-    assert seeded[0]["threshold"] == pytest.approx(cal["threshold"])
-    assert seeded[0]["threshold"] > summary["model_threshold"]
-    assert summary["threshold"] >= seeded[0]["threshold"]
+    base = float(new.threshold)
+    history = score_rows(new, test[:3000]).astype(np.float64)  # the three chunks before, no more
+    runs = alarms_at(history, EDGES * base)  # by rows: 3,000 rows at 60 s are 2.08 days, 2 alarms allowed
+    over = np.flatnonzero(runs > 2)
+    want = float(EDGES[max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))] * base)
+    assert want > base
+    assert len(seeded) == 1 and seeded[0]["seeded_rows"] == 3000 and seeded[0]["previous"] == base
+    assert seeded[0]["threshold"] == pytest.approx(want) and summary["threshold"] == pytest.approx(want)
+    # killed after history.npz took the job's rows, before state.json was replaced: scored again, the same start
+    state_path.write_bytes(before)
+    again = score_job(job, cfg)
+    assert [e for e in again["events"] if e["event"] == "threshold-calibrated"] == seeded
+    assert again["threshold"] == summary["threshold"]
+
+
+def test_a_versions_own_series_and_a_learned_change_of_regime_start_no_seed(tmp_path, smd_rows):
+    """Only a new version of a series scored before starts from the history: not a series whose state
+    is gone (the same version), nor a version that learned a change of regime (the history before it
+    is at the old levels)."""
+    np.savetxt(tmp_path / "m1.csv", smd_rows[:3000], delimiter=",", fmt="%.6f")
+    cfg = with_overrides(Config(), {"models_dir": str(tmp_path / "models"), "train.epochs": 1, "device": "cpu",
+                                    "scoring.results_dir": str(tmp_path / "scores"),
+                                    "scoring.alarm_budget_history": True})
+    first = run_job(str(tmp_path / "m1.csv"), cfg)
+    test = np.loadtxt(SMD_TEST, delimiter=",", dtype=np.float32)[15000:18000]
+    for i in range(2):
+        score_job(make_job(tmp_path, job_id(i), test[1000 * i:1000 * (i + 1)]), cfg)
+    (tmp_path / "scores" / "m1" / "state.json").write_text("{not json")
+    summary = score_job(make_job(tmp_path, job_id(2), test[2000:]), cfg)
+    assert not [e for e in summary["events"] if e["event"] == "threshold-calibrated" and "seeded_rows" in e]
+    stored = load_model(first.model_dir)
+    policy = CalibrationPolicy(budget_per_day=1.0, days=14.0, from_history=True)
+    got = history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False)
+    assert got is not None and got[0].shape == (3000,) and got[1] is None
+    stored.metadata = dict(stored.metadata, retrain={"trigger": "regime", "regime": {"rows": 500, "shift": [[3, 1.0]]}})
+    assert history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False) is None
+    (tmp_path / "scores" / "m1" / "history.npz").write_bytes(b"PK\x03\x04 truncated")
+    assert history_seed(str(tmp_path / "scores" / "m1"), load_model(first.model_dir), policy, "x", 0, False) is None
