@@ -106,7 +106,9 @@ def main() -> int:
         print(f"{'mean':<13}{'':>9}" + "".join(
             f"{100 * means[k]['paged']:5.1f}% ({means[k]['segments_paged']} of {means[k]['segments']})".rjust(30)
             for k in ("scores/day", "scores/alarm", "pca/day", "pca/alarm")))
-        out[fleet] = {"series": rows, "means": means}
+        auc = (float(np.mean([s["roc_auc"] for s in series])), float(np.mean([s["pr_auc"] for s in series])))
+        print(f"point-wise ROC-AUC / PR-AUC of the autoencoder (as ds-ops evaluate): {auc[0]:.4f} / {auc[1]:.4f}")
+        out[fleet] = {"series": rows, "means": means, "roc_auc": auc[0], "pr_auc": auc[1]}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"seed": args.seed, "policy": dataclasses.asdict(policy), "fleets": out}, f, indent=1)

@@ -23,6 +23,7 @@ import time
 
 from ..config.conffile import Config, ConfigError, load_config
 from ..health.policy import gate_job, summary_line
+from ..observe.incident_entries import removed_message
 from ..observe.journal import LOG_INFO, LOG_WARNING, safe_text
 from ..scoring.job import STATE_FILE
 from ..spool import DONE, FAILED, SpoolError, check_writable_dir, prune_retention
@@ -70,6 +71,22 @@ class Duties:
         self.d.guarded(self.retention)
         self.write_metrics()
 
+    def forget_removed_series(self) -> None:
+        """Drop the figures of the models whose scoring series went (``ds-ops models rm``, or by hand),
+        so that no stale figure stays in ds_ops.prom, and say closed the incident one had open (the
+        journal's ``incident-closed``, reason ``removed``), as every other incident is. A stat per
+        scored model at most every METRICS_REFRESH_S (not on every write): at most a minute late."""
+        if self.series_checked_at is not None and time.monotonic() - self.series_checked_at < METRICS_REFRESH_S:
+            return
+        self.series_checked_at = time.monotonic()
+        m, results = self.d.metrics, self.d.cfg.scoring.results_dir
+        for name in [n for n in m.scores if not os.path.isfile(os.path.join(results, n, STATE_FILE))]:
+            view = m.scores.pop(name)
+            if view.get("active"):
+                self.d.log.event("incident-closed", removed_message(view), priority=LOG_WARNING, model=name,
+                                 incident=view.get("incident"), version=view.get("version"),
+                                 severity=view.get("severity") or "warning", reason="removed")
+
     def write_metrics(self, soon: bool = False) -> None:
         """Write ds_ops.prom with the queue, the running jobs (those whose process has not ended:
         a job just finished is not counted before it is reaped) and the last results; a failure is
@@ -78,6 +95,7 @@ class Duties:
         (``metrics_dirty``), so that a fleet's chunks, several a second, are written together,
         not one ds_ops.prom each."""
         m = self.d.metrics
+        self.forget_removed_series()
         if not m.enabled:
             return
         if soon and time.monotonic() - self.d.metrics_written_at < METRICS_MIN_GAP_S:
@@ -89,12 +107,6 @@ class Duties:
         m.jobs = [{"epoch": self.d.records.get(j.job_id, {}).get("epoch") or 0, "epochs": self.d.cfg.train.epochs,
                    "slot": j.slot, "gpu": str(j.gpu["index"]) if j.gpu else "", "uuid": j.gpu["uuid"] if j.gpu else ""}
                   for j in self.d.jobs.values() if j.exitcode() is None]
-        if self.series_checked_at is None or time.monotonic() - self.series_checked_at >= METRICS_REFRESH_S:
-            # a stat per scored model, not on every write (each epoch and scored file writes): at most a minute late
-            self.series_checked_at = time.monotonic()
-            results = self.d.cfg.scoring.results_dir
-            for name in [n for n in m.scores if not os.path.isfile(os.path.join(results, n, STATE_FILE))]:
-                del m.scores[name]  # its series was removed (`ds-ops models rm`, or by hand): no stale figures
         self.d.metrics_written_at = time.monotonic()
         problem = m.write()
         if problem:

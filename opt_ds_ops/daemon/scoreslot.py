@@ -138,7 +138,7 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
     (Unix seconds), ``rows_total``, ``flagged_total``, ``incidents_total``, ``critical_total`` (the
     series' counters, state.json's ``rows_scored``, ``rows_flagged``, ``incidents``,
     ``critical_incidents``: they survive a restart),
-    ``active`` (an incident is open), ``severity`` (its severity, or None), ``threshold``,
+    ``active`` (an incident is open), ``incident`` (its id in the series, or None), ``severity`` (its severity, or None), ``threshold``,
     ``last_score``, ``top_metrics`` ([{metric, share}], the open incident's),
     ``last_time`` (the last scored row's data time, Unix seconds, or None), ``regime_total``
     (changes of regime said in the series), ``regime`` (the one not yet learned, or None). state.json's own ``scored_at`` and ``top_metrics`` come first, the summary's where it has none."""
@@ -164,6 +164,7 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
         "incidents_total": _count(_first(st.get("incidents"), st.get("segments"), s.get("incidents"))),
         "critical_total": _count(_first(st.get("critical_incidents"), s.get("critical_incidents"))),
         "active": active,
+        "incident": (opened or {}).get("id") if isinstance((opened or {}).get("id"), int) else None,  # the open one's
         "severity": severity if active and severity in ("warning", "critical") else None,
         "threshold": _first(st.get("threshold"), s.get("threshold")),
         "last_score": _first(st.get("last_score"), s.get("last_score")),

@@ -112,3 +112,13 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                 dict(common, version=ev.get("version") or version, threshold=ev.get("threshold"),
                      previous=ev.get("previous"), seeded_rows=ev.get("seeded_rows")))
     return None
+
+
+def removed_message(view: dict) -> str:
+    """The message of the ``incident-closed`` entry (reason ``removed``) of a model whose scoring
+    series went (``ds-ops models rm NAME``, or by hand) while an incident was open: ``view`` is what
+    the daemon last showed of it (:func:`opt_ds_ops.daemon.scoreslot.model_view`)."""
+    name = f"incident {view['incident']}" if view.get("incident") is not None else "incident"
+    return (f"{view.get('model')}: {view.get('severity') or 'warning'} {name} closed: the model's scoring series was "
+            f"removed (ds-ops models rm) while it was open; top metrics: {top_text(view.get('top_metrics'))} "
+            f"(version {view.get('version')})")

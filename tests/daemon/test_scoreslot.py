@@ -387,3 +387,28 @@ def test_the_metrics_drop_a_model_whose_series_was_removed(tmp_path):
     Duties(d).write_metrics()
     text = (prom / "ds_ops.prom").read_text()
     assert 'model="kept"' in text and 'model="gone"' not in text
+    # the incident "gone" had open is said closed, once, as every other incident is; "kept"'s stays open
+    (closed,) = d.log.entries
+    assert closed["event"] == "incident-closed" and closed["reason"] == "removed" and closed["model"] == "gone"
+    assert closed["incident"] == 2 and closed["severity"] == "critical" and closed["priority"] == 4
+    assert closed["message"].startswith("gone: critical incident 2 closed: the model's scoring series was removed")
+    d.metrics_written_at = 0.0
+    Duties(d).write_metrics()
+    assert len(d.log.entries) == 1
+
+
+def test_metrics_off_still_say_the_removed_series_incident_closed(tmp_path):
+    from types import SimpleNamespace
+
+    from opt_ds_ops.config.conffile import Config, with_overrides
+    from opt_ds_ops.daemon.duties import Duties
+
+    results = tmp_path / "scores"
+    write_model(results, "gone", dict(STATE, incident=dict(STATE["incident"], open=dict(OPEN, severity="warning"))))
+    m = MetricsWriter(str(tmp_path / "no-such-dir"), str(tmp_path))
+    m.scores = model_views(str(results))
+    d = SimpleNamespace(cfg=with_overrides(Config(), {"scoring.results_dir": str(results), "models_dir": str(tmp_path)}),
+                        metrics=m, log=Journal(), metrics_written_at=0.0)
+    (results / "gone" / "state.json").unlink()
+    Duties(d).write_metrics()
+    assert [(e["event"], e["severity"], e["priority"]) for e in d.log.entries] == [("incident-closed", "warning", 4)]
