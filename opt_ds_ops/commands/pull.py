@@ -132,6 +132,10 @@ class Puller:
 
     def say(self, report: PullReport, state: dict, took_s: float) -> None:
         name = self.source.name
+        for host, model in report.removed.items():
+            self.log.event("source-host", f"{name}: host {host}: its model {model} was removed from the store; the host "
+                           "is trained again from its last train_window (to stop it for good, leave it out of the "
+                           "source's query)", priority=LOG_NOTICE, source=name, host=host, model_name=model)
         for host, (model, rows, path) in report.trained.items():
             self.log.event("source-host", f"{name}: new host {host}: {rows} rows to incoming/ to train model {model}",
                            source=name, host=host, model_name=model)

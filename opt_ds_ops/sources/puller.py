@@ -2,7 +2,7 @@
 
 Each pull ends at the newest whole step ``delay`` behind now (``end``; steps are whole seconds,
 so every time on the grid is an exact integer). A host of this server's shard (:func:`shard_of`,
-Prometheus's ``hashmod``) is in one of three states, kept in the puller's state file
+Prometheus's ``hashmod``) is in one of these states, kept in the puller's state file
 (``STATE_DIR/SOURCE.json``, written atomically after each pull):
 
 * **waiting**: seen, not trained. When it has ``min_history`` of complete rows within the last
@@ -16,6 +16,9 @@ Prometheus's ``hashmod``) is in one of three states, kept in the puller's state 
 * **trained**: once its model has a ``current`` version in the store (until then its rows wait,
   up to ``catch_up``), each pull writes its rows after ``scored_until`` up to ``end`` to
   ``score/`` (at most ``catch_up`` of them: a longer gap after an outage is left unscored, and said).
+* **removed**: trained, its model had a current version and has none now (``ds-ops models rm``):
+  the host is waiting again, and trained again in the same pull from its last ``train_window``
+  (to stop a host for good, leave it out of the source's query).
 * **gone**: trained, but absent from Prometheus's answer: nothing is written, ``scored_until``
   stays, and the state says when it was last seen. Its model stays in the store. When it comes
   back, its gap is asked for on its own (up to ``catch_up``): a gone host never widens the others'
@@ -82,6 +85,7 @@ class PullReport:
     refused: dict = field(default_factory=dict)      # host -> why no model is made of it, or no file written
     skipped_s: dict = field(default_factory=dict)    # host -> seconds of an outage left unscored (catch_up)
     forgotten: list = field(default_factory=list)    # waiting hosts not seen for a train_window
+    removed: dict = field(default_factory=dict)      # host -> its model, removed from the store since: trained again
 
 
 def load_state(path: str) -> dict:
@@ -217,8 +221,15 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     starts = {h: max(e["scored_until"] + step, oldest) for h, e in trained.items()}
     ready = {h for h, e in trained.items() if starts[h] <= end and model_ready(e["model"])}
     for h in set(trained) - ready:
-        if starts[h] <= end:
+        if trained[h].get("had_model") and not model_ready(trained[h]["model"]):  # `ds-ops models rm` since
+            report.removed[h] = trained[h]["model"]
+            hosts[h].update(model=None, scored_until=None, trained_at=None, checked_at=None, gone=False,
+                            had_model=False)  # waiting again: trained from its last train_window below
+        elif starts[h] <= end:
             report.pending[h] = trained[h]["model"]
+    trained = {h: e for h, e in trained.items() if h not in report.removed}
+    for h in ready:
+        trained[h]["had_model"] = True
     # every pull: the last score_every of every host (new hosts show up here), and the trained
     # hosts' rows since their last pull, but not a gone host's gap (asked for when it is back)
     first = min([back(source.seconds("score_every"))] + [starts[h] for h in ready if not trained[h].get("gone")])

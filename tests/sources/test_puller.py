@@ -285,6 +285,29 @@ def test_rows_wait_for_the_models_first_version_and_are_not_lost(tmp_path, prom)
     assert times == [T0 + 1.2 * DAY + 60 * i for i in range(1, 16)]  # from the training file's end on
 
 
+def test_a_host_whose_model_was_removed_is_trained_again_and_one_never_trained_waits(tmp_path, prom):
+    """`ds-ops models rm` of a host's model: the puller trains the host again from its last
+    train_window (it waited for the removed model for good before); a model that never had a
+    version (its training still queued) is waited for, not trained twice."""
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Prometheus(prom.url)
+    first = pull(src, client, spool, state, T0 + 1.2 * DAY)
+    assert "h3:9100" in first.trained and "h5:9100" in first.trained
+    queued = lambda name: name != "h5_9100"  # noqa: E731 - h5's first version is not there yet
+    pull(src, client, spool, state, T0 + 1.2 * DAY + 300, model_ready=queued)
+    gone = lambda name: name not in ("h3_9100", "h5_9100")  # noqa: E731 - h3's model removed since
+    again = pull(src, client, spool, state, T0 + 1.2 * DAY + 600, model_ready=gone)
+    assert again.removed == {"h3:9100": "h3_9100"} and again.pending == {"h5:9100": "h5_9100"}
+    model, rows, path = again.trained["h3:9100"]
+    assert model == "h3_9100" and "h5:9100" not in again.trained and "h3:9100" not in again.scored
+    times = [float(r[0]) for r in read_csv(path)[1:]]
+    assert times[-1] == T0 + 1.2 * DAY + 600 and times[0] < T0 + 600  # its last train_window (2 d: from the start)
+    assert state["hosts"]["h3:9100"]["scored_until"] == T0 + 1.2 * DAY + 600
+    later = pull(src, client, spool, state, T0 + 1.2 * DAY + 900)
+    assert [float(r[0]) for r in read_csv(later.scored["h3:9100"][2])[1:]][0] == T0 + 1.2 * DAY + 660
+    assert not later.removed and not later.trained
+
+
 def test_a_gone_host_does_not_widen_the_others_queries(tmp_path, prom):
     spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
     src, client = source(prom), Counting(prom.url)
