@@ -3,7 +3,8 @@
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round: round 6, ``before`` (the defaults before it: no retraining, no change
 of regime; reported, not a candidate) and its candidates; round 7, the alarm budget's candidates;
-round 8, a new version's budget from the scored history; in the order used for ties. Prints each machine's figures (false pages a day, labelled segments
+round 8, a new version's budget from the scored history; in the order used for ties. Prints each
+machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
 
