@@ -96,6 +96,19 @@ class Puller:
         """Whether model ``name`` has a current version (the store is readable by group ds-ops)."""
         return os.path.exists(os.path.join(self.models_dir, name, "current"))
 
+    def model_removed(self, name: str) -> bool:
+        """Whether model ``name`` is certainly gone from the store (``ds-ops models rm``): its
+        directory does not exist in a store that can be listed. Any other error (unreadable,
+        unmounted, EIO) is no removal."""
+        try:
+            os.listdir(self.models_dir)
+            os.lstat(os.path.join(self.models_dir, name))
+        except FileNotFoundError as e:
+            return e.filename == os.path.join(self.models_dir, name)
+        except OSError:
+            return False
+        return False
+
     def failed(self, message: str, unavailable: bool) -> bool:
         """Count a failed pull; say it when it is the first of a streak or says something new."""
         self.failures += 1
@@ -116,7 +129,7 @@ class Puller:
             raise CliError(f"cannot read the puller's state: {e}") from None
         t0 = time.monotonic()
         try:
-            report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready)
+            report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready, self.model_removed)
             save_state(self.state_path, state)
         except PrometheusError as e:
             return self.failed(str(e), e.unavailable)
@@ -133,12 +146,16 @@ class Puller:
     def say(self, report: PullReport, state: dict, took_s: float) -> None:
         name = self.source.name
         for host, model in report.removed.items():
-            self.log.event("source-host", f"{name}: host {host}: its model {model} was removed from the store; the host "
-                           "is trained again from its last train_window (to stop it for good, leave it out of the "
-                           "source's query)", priority=LOG_NOTICE, source=name, host=host, model_name=model)
-        for host, (model, rows, path) in report.trained.items():
-            self.log.event("source-host", f"{name}: new host {host}: {rows} rows to incoming/ to train model {model}",
+            again = (f"trained again: {report.trained[host][1]} rows of its last train_window to incoming/"
+                     if host in report.trained else
+                     f"it is trained again once it has min_history ({self.source.options.min_history})")
+            self.log.event("source-host", f"{name}: host {host}: its model {model} was removed from the store; {again} "
+                           "(to stop modelling a host, leave it out of the source's query)", priority=LOG_NOTICE,
                            source=name, host=host, model_name=model)
+        for host, (model, rows, path) in report.trained.items():
+            if host not in report.removed:
+                self.log.event("source-host", f"{name}: new host {host}: {rows} rows to incoming/ to train model {model}",
+                               source=name, host=host, model_name=model)
         for host, history in report.waiting.items():
             never, news = report.never.get(host, (None, False))
             self.log.event("source-host", f"{name}: host {host} has {history / 3600:.1f} h of complete rows; "

@@ -25,7 +25,6 @@ from ..config.conffile import Config, ConfigError, load_config
 from ..health.policy import gate_job, summary_line
 from ..observe.incident_entries import removed_message
 from ..observe.journal import LOG_INFO, LOG_WARNING, safe_text
-from ..scoring.job import STATE_FILE
 from ..spool import DONE, FAILED, SpoolError, check_writable_dir, prune_retention
 from ..store.versions import StoreError, prune
 from ..training.fit import GPU_HEADROOM_BYTES
@@ -80,12 +79,16 @@ class Duties:
             return
         self.series_checked_at = time.monotonic()
         m, results = self.d.metrics, self.d.cfg.scoring.results_dir
-        for name in [n for n in m.scores if not os.path.isfile(os.path.join(results, n, STATE_FILE))]:
-            view = m.scores.pop(name)
-            if view.get("active"):
-                self.d.log.event("incident-closed", removed_message(view), priority=LOG_WARNING, model=name,
-                                 incident=view.get("incident"), version=view.get("version"),
-                                 severity=view.get("severity") or "warning", reason="removed")
+        for name in [n for n in m.scores if _series_gone(os.path.join(results, n))]:
+            self.series_replaced(m.scores.pop(name))
+
+    def series_replaced(self, view: dict) -> None:
+        """A model's series went, or started afresh (removed and made again before the check above):
+        the incident it had open (``view``, what the daemon last showed of it) is said closed."""
+        if view.get("active"):
+            self.d.log.event("incident-closed", removed_message(view), priority=LOG_WARNING, model=view.get("model"),
+                             incident=view.get("incident"), version=view.get("version"),
+                             severity=view.get("severity") or "warning", reason="removed")
 
     def write_metrics(self, soon: bool = False) -> None:
         """Write ds_ops.prom with the queue, the running jobs (those whose process has not ended:
@@ -239,3 +242,14 @@ class Duties:
         self.d.metrics.retrain_every_s = new.retrain.every_s
         self.d.notifier.ready(self.idle_status())
         self.write_metrics()
+
+
+def _series_gone(model_dir: str) -> bool:
+    """Whether a model's series directory is certainly gone (ENOENT), not unreadable for a while."""
+    try:
+        os.lstat(model_dir)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -176,6 +176,13 @@ def model_view(name: str, state: dict | None, summary: dict | None = None) -> di
     }
 
 
+def _restarted(old: dict, new: dict) -> bool:
+    """Whether model view ``new`` is of a series made afresh since ``old``: its row count, which a
+    series keeps through every reset, went down."""
+    a, b = old.get("rows_total"), new.get("rows_total")
+    return isinstance(a, int) and isinstance(b, int) and b < a
+
+
 def _regime_view(reg) -> dict | None:
     """The series' change of regime not yet learned (state.json ``regime``) as status shows it:
     ``time``, ``started_time``, ``metrics`` [{metric, before, after, shift_sd}] (5 at most), or None."""
@@ -547,7 +554,11 @@ class ScoreSlot:
                 mark("scored")
         finally:
             os.close(fd)
-        self.d.metrics.score_done(model_view(model, read_model(self.d.cfg.scoring.results_dir, model)[0], s))
+        view = model_view(model, read_model(self.d.cfg.scoring.results_dir, model)[0], s)
+        old = self.d.metrics.scores.get(model)
+        if old is not None and _restarted(old, view):  # removed and made again since the daemon last looked
+            self.d.duties.series_replaced(old)
+        self.d.metrics.score_done(view)
 
     def retention(self, model: str | None = None) -> None:
         """Remove result directories past scoring.results_max_age_days / results_max_bytes: every

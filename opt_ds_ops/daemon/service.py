@@ -281,6 +281,8 @@ class Daemon:
         since = time.monotonic() - self.metrics_written_at
         if self.metrics.enabled and (since > METRICS_REFRESH_S or self.metrics_dirty and since >= METRICS_MIN_GAP_S):
             self.duties.write_metrics()  # ages stay current and `ds-ops models` changes show, even when idle
+        elif not self.metrics.enabled:
+            self.duties.forget_removed_series()  # a removed series' open incident is said closed, metrics or not
         intake = not (self.stop_requested or time.monotonic() < self.paused_until)
         scoring = self.guarded(lambda: self.scorer.step(0.0 if self.jobs else TICK_S, intake))  # never behind training
         if self.jobs and self.dispatch.watch_jobs():  # waits up to a tick for a message from any of them

@@ -119,6 +119,7 @@ def removed_message(view: dict) -> str:
     series went (``ds-ops models rm NAME``, or by hand) while an incident was open: ``view`` is what
     the daemon last showed of it (:func:`opt_ds_ops.daemon.scoreslot.model_view`)."""
     name = f"incident {view['incident']}" if view.get("incident") is not None else "incident"
+    version = f" (version {view['version']})" if view.get("version") else ""
     return (f"{view.get('model')}: {view.get('severity') or 'warning'} {name} closed: the model's scoring series was "
-            f"removed (ds-ops models rm) while it was open; top metrics: {top_text(view.get('top_metrics'))} "
-            f"(version {view.get('version')})")
+            f"removed (ds-ops models rm, or by hand) while it was open; top metrics: "
+            f"{top_text(view.get('top_metrics'))}{version}")

@@ -16,9 +16,12 @@ Prometheus's ``hashmod``) is in one of these states, kept in the puller's state 
 * **trained**: once its model has a ``current`` version in the store (until then its rows wait,
   up to ``catch_up``), each pull writes its rows after ``scored_until`` up to ``end`` to
   ``score/`` (at most ``catch_up`` of them: a longer gap after an outage is left unscored, and said).
-* **removed**: trained, its model had a current version and has none now (``ds-ops models rm``):
-  the host is waiting again, and trained again in the same pull from its last ``train_window``
-  (to stop a host for good, leave it out of the source's query).
+* **removed**: trained, its model had a current version and is not in the store any more
+  (``ds-ops models rm``), and the host is in Prometheus's answer: it is waiting again (its model's
+  name kept for it), and trained again in the same pull from its last ``train_window`` once it has
+  ``min_history``. A gone host's removed model is not made again from its old rows; a store that
+  cannot be read is no removal (the rows wait, as for a first version). To stop modelling a host
+  that still answers, leave it out of the source's query.
 * **gone**: trained, but absent from Prometheus's answer: nothing is written, ``scored_until``
   stays, and the state says when it was last seen. Its model stays in the store. When it comes
   back, its gap is asked for on its own (up to ``catch_up``): a gone host never widens the others'
@@ -200,10 +203,12 @@ def model_name(source: Source, host: str) -> str:
 
 
 def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: float,
-         model_ready: Callable[[str], bool] = lambda name: True) -> PullReport:
+         model_ready: Callable[[str], bool] = lambda name: True,
+         model_removed: Callable[[str], bool] = lambda name: False) -> PullReport:
     """Do one pull at time ``now`` (epoch seconds): update ``state`` in place and return what was
     done. ``model_ready(name)``: whether the model has a current version (its rows wait until it
-    has). Raises PrometheusError (nothing written then, ``state`` unchanged) if a query fails."""
+    has); ``model_removed(name)``: whether it is certainly not in the store any more (not an
+    unreadable store). Raises PrometheusError (nothing written then, ``state`` unchanged) if a query fails."""
     step = source.step_s
     end = math.floor((now - source.seconds("delay")) / step) * step
     index, of = source.shard
@@ -220,20 +225,20 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     oldest = back(source.seconds("catch_up"))
     starts = {h: max(e["scored_until"] + step, oldest) for h, e in trained.items()}
     ready = {h for h, e in trained.items() if starts[h] <= end and model_ready(e["model"])}
-    for h in set(trained) - ready:
-        if trained[h].get("had_model") and not model_ready(trained[h]["model"]):  # `ds-ops models rm` since
-            report.removed[h] = trained[h]["model"]
-            hosts[h].update(model=None, scored_until=None, trained_at=None, checked_at=None, gone=False,
-                            had_model=False)  # waiting again: trained from its last train_window below
-        elif starts[h] <= end:
-            report.pending[h] = trained[h]["model"]
-    trained = {h: e for h, e in trained.items() if h not in report.removed}
-    for h in ready:
-        trained[h]["had_model"] = True
     # every pull: the last score_every of every host (new hosts show up here), and the trained
     # hosts' rows since their last pull, but not a gone host's gap (asked for when it is back)
     first = min([back(source.seconds("score_every"))] + [starts[h] for h in ready if not trained[h].get("gone")])
     recent = _fetch(prom, source, first, end, mine)
+    for h in set(trained) - ready:
+        e = trained[h]
+        if e.get("had_model") and h in recent.hosts and model_removed(e["model"]):  # `ds-ops models rm` since
+            report.removed[h] = e["model"]  # waiting again, its name kept: trained from its last train_window below
+            e.update(scored_until=None, trained_at=None, checked_at=None, gone=False, had_model=False)
+        elif starts[h] <= end:
+            report.pending[h] = e["model"]
+    trained = {h: e for h, e in trained.items() if h not in report.removed}
+    for h in ready:
+        trained[h]["had_model"] = True
     back_again = [h for h in ready if trained[h].get("gone") and h in recent.hosts and starts[h] < first]
     earlier = _fetch(prom, source, min(starts[h] for h in back_again), end, set(back_again).__contains__) if back_again else None
 

@@ -140,7 +140,7 @@ class Journal:
         self.entries.append(dict(fields, event=event, message=message, priority=priority))
 
 
-def report(tmp_path, summary: dict, *, fail_after: int | None = None) -> list[dict]:
+def report(tmp_path, summary: dict, *, fail_after: int | None = None, views: dict | None = None) -> list[dict]:
     """Run a scored file's summary through the daemon's ScoreSlot._report, for job j1 whose
     directory is tmp_path/spool/processing/j1 (kept between calls, as a restart finds it); return
     the journal's entries. ``fail_after``: the journal dies (as the daemon would, SIGKILLed) when
@@ -148,6 +148,7 @@ def report(tmp_path, summary: dict, *, fail_after: int | None = None) -> list[di
     from types import SimpleNamespace
 
     from opt_ds_ops.config.conffile import Config, with_overrides
+    from opt_ds_ops.daemon.duties import Duties
     from opt_ds_ops.daemon.scoreslot import ScoreSlot
     from opt_ds_ops.spool import Spool
 
@@ -157,6 +158,8 @@ def report(tmp_path, summary: dict, *, fail_after: int | None = None) -> list[di
     log = Journal() if fail_after is None else DyingJournal(fail_after)
     slot.d = SimpleNamespace(cfg=cfg, log=log, metrics=MetricsWriter(str(tmp_path), str(tmp_path)),
                              spool=Spool(str(tmp_path / "spool")))
+    slot.d.metrics.scores = dict(views or {})
+    slot.d.duties = Duties(slot.d)
     try:
         slot._report({"job_id": "j1", "dataset": "m.csv"}, summary)
     except Killed:
@@ -397,7 +400,25 @@ def test_the_metrics_drop_a_model_whose_series_was_removed(tmp_path):
     assert len(d.log.entries) == 1
 
 
+def test_a_series_removed_and_made_again_before_the_check_still_says_the_old_incident_closed(tmp_path):
+    """``rm -r RESULTS/NAME`` (or ``models rm`` and a new model of the name) and the next chunk
+    before the daemon's minute check: the fresh series' first file says the old incident closed."""
+    results = tmp_path / "scores"
+    old = model_view("m", dict(STATE, rows_scored=3000))
+    assert old["active"] and old["incident"] == 2
+    write_model(results, "m", dict(STATE, rows_scored=50, rows_flagged=0, incidents=0,
+                                   incident={"recent": [], "open": None, "opened": 0}), dict(SUMMARY, active=False))
+    entries = report(tmp_path, dict(SUMMARY, active=False, rows_scored=50, events=[]), views={"m": old})
+    closed = [e for e in entries if e["event"] == "incident-closed"]
+    assert len(closed) == 1 and closed[0]["reason"] == "removed" and closed[0]["incident"] == 2
+    # a series that goes on (its rows grow) says nothing of the kind
+    write_model(tmp_path / "b" / "scores", "m", dict(STATE, rows_scored=3050))
+    again = report(tmp_path / "b", dict(SUMMARY, rows_scored=3050, events=[]), views={"m": old})
+    assert not [e for e in again if e["event"] == "incident-closed"]
+
+
 def test_metrics_off_still_say_the_removed_series_incident_closed(tmp_path):
+    import shutil
     from types import SimpleNamespace
 
     from opt_ds_ops.config.conffile import Config, with_overrides
@@ -409,6 +430,6 @@ def test_metrics_off_still_say_the_removed_series_incident_closed(tmp_path):
     m.scores = model_views(str(results))
     d = SimpleNamespace(cfg=with_overrides(Config(), {"scoring.results_dir": str(results), "models_dir": str(tmp_path)}),
                         metrics=m, log=Journal(), metrics_written_at=0.0)
-    (results / "gone" / "state.json").unlink()
+    shutil.rmtree(results / "gone")
     Duties(d).write_metrics()
     assert [(e["event"], e["severity"], e["priority"]) for e in d.log.entries] == [("incident-closed", "warning", 4)]

@@ -288,16 +288,25 @@ def test_rows_wait_for_the_models_first_version_and_are_not_lost(tmp_path, prom)
 def test_a_host_whose_model_was_removed_is_trained_again_and_one_never_trained_waits(tmp_path, prom):
     """`ds-ops models rm` of a host's model: the puller trains the host again from its last
     train_window (it waited for the removed model for good before); a model that never had a
-    version (its training still queued) is waited for, not trained twice."""
+    version (its training still queued), or a store that cannot be read, is waited for, not
+    trained twice; a gone host's removed model is not made again from its old rows."""
     spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
     src, client = source(prom), Prometheus(prom.url)
-    first = pull(src, client, spool, state, T0 + 1.2 * DAY)
-    assert "h3:9100" in first.trained and "h5:9100" in first.trained
+    first = pull(src, client, spool, state, T0 + 1.05 * DAY)
+    assert {"h3:9100", "h5:9100", GONE} <= set(first.trained)
     queued = lambda name: name != "h5_9100"  # noqa: E731 - h5's first version is not there yet
-    pull(src, client, spool, state, T0 + 1.2 * DAY + 300, model_ready=queued)
-    gone = lambda name: name not in ("h3_9100", "h5_9100")  # noqa: E731 - h3's model removed since
-    again = pull(src, client, spool, state, T0 + 1.2 * DAY + 600, model_ready=gone)
-    assert again.removed == {"h3:9100": "h3_9100"} and again.pending == {"h5:9100": "h5_9100"}
+    pull(src, client, spool, state, T0 + 1.05 * DAY + 300, model_ready=queued)
+    pull(src, client, spool, state, T0 + 1.2 * DAY)
+    pull(src, client, spool, state, T0 + 1.2 * DAY + 120)  # GONE went (its rows end at 1.1 days)
+    assert state["hosts"][GONE]["gone"]
+    unreadable = lambda name: False  # noqa: E731 - every `current` looks missing, nothing certainly removed
+    stale = pull(src, client, spool, state, T0 + 1.2 * DAY + 300, model_ready=unreadable)
+    assert not stale.removed and not stale.trained and "h3:9100" in stale.pending
+    gone = lambda name: name not in ("h3_9100", "h5_9100", "gone_9100")  # noqa: E731 - h3's and GONE's removed since
+    removed = lambda name: name in ("h3_9100", "gone_9100")  # noqa: E731
+    again = pull(src, client, spool, state, T0 + 1.2 * DAY + 600, model_ready=gone, model_removed=removed)
+    assert again.removed == {"h3:9100": "h3_9100"} and again.pending["h5:9100"] == "h5_9100"
+    assert GONE not in again.trained and state["hosts"][GONE]["scored_until"] is not None  # not from its old rows
     model, rows, path = again.trained["h3:9100"]
     assert model == "h3_9100" and "h5:9100" not in again.trained and "h3:9100" not in again.scored
     times = [float(r[0]) for r in read_csv(path)[1:]]
@@ -306,6 +315,18 @@ def test_a_host_whose_model_was_removed_is_trained_again_and_one_never_trained_w
     later = pull(src, client, spool, state, T0 + 1.2 * DAY + 900)
     assert [float(r[0]) for r in read_csv(later.scored["h3:9100"][2])[1:]][0] == T0 + 1.2 * DAY + 660
     assert not later.removed and not later.trained
+
+
+def test_the_pullers_store_check_counts_only_a_missing_model_as_removed(tmp_path):
+    from opt_ds_ops.commands.pull import Puller
+
+    models = tmp_path / "models"
+    (models / "kept" / "v1").mkdir(parents=True)
+    p = Puller.__new__(Puller)
+    p.models_dir = str(models)
+    assert p.model_removed("gone") and not p.model_removed("kept")
+    p.models_dir = str(tmp_path / "not-mounted")  # the store itself missing: no removal
+    assert not p.model_removed("gone")
 
 
 def test_a_gone_host_does_not_widen_the_others_queries(tmp_path, prom):
