@@ -161,8 +161,9 @@ class Puller:
             self.log.event("source-host", f"{name}: host {host} has {history / 3600:.1f} h of complete rows; "
                            f"its model is trained once it has min_history ({self.source.options.min_history})"
                            + (f"; no value at all in its window of {', '.join(never)}: a row needs every series, so "
-                              "none can come until those answer for this host (its query, or a series this host "
-                              "does not have: leave it out of the source)" if never else ""),
+                              "none can come until those answer for this host (a rate of a target Prometheus began "
+                              "scraping just now answers after its second scrape; else its query, or a series this "
+                              "host does not have: leave it out of the source)" if never else ""),
                            priority=LOG_WARNING if news else LOG_INFO, source=name, host=host)  # a warning once per change
         for host, last in report.gone.items():
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last)) if last else "never"

@@ -270,17 +270,17 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if names.get(name, host) != host:
             report.refused[host] = f"its model name {name} is {names[name]}'s already"
             continue
-        if missing:
-            report.left_out[host] = left_out
-            report.missing[host] = missing
         history = (rows[-1, 0] - rows[0, 0]) if len(rows) >= 2 else 0.0
-        if len(rows) < 2 or history < source.seconds("min_history"):
+        if len(rows) < 2 or history < source.seconds("min_history"):  # its steps left out are counted when it trains
             report.waiting[host] = float(history)
             never = [sr.name for sr, seen in zip(source.series, (~np.isnan(values)).any(axis=1)) if not seen]
             if never and len(never) < len(source.series):  # no complete row can come before these answer
                 report.never[host] = (never, entry.get("never") != never)  # (series, news since the last look)
             entry["never"] = never
             continue
+        if missing:
+            report.left_out[host] = left_out
+            report.missing[host] = missing
         try:
             path = drop(spool_root, INCOMING, f"{name}.train-{_stamp(end)}", f"name: {name}\ntime_column: time\n",
                         _csv(source, rows))

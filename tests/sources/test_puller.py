@@ -132,6 +132,7 @@ def test_a_host_appears_waits_for_its_history_and_one_goes(tmp_path, prom):
     assert GONE in pull(src, client, spool, state, T0 + 1.05 * DAY).trained
     seen = pull(src, client, spool, state, T0 + 1.6 * DAY)  # LATE has 3.6 h of rows: under min_history (6 h)
     assert seen.waiting == {LATE: pytest.approx(0.15 * DAY - 60)} and LATE not in seen.trained
+    assert LATE not in seen.left_out  # a waiting host's steps left out are counted once, when it trains
     # GONE's last rows are scored; backfilled history has no staleness marker, so Prometheus repeats
     # its last sample for its 5-minute lookback
     assert not seen.gone and seen.scored[GONE][1] == int(0.05 * 1440) - 1 + 5
@@ -140,6 +141,7 @@ def test_a_host_appears_waits_for_its_history_and_one_goes(tmp_path, prom):
     assert went.waiting == {}  # looked at again every 15 minutes (a 24th of min_history), not each pull
     later = pull(src, client, spool, state, T0 + 1.75 * DAY)
     assert later.trained[LATE][1] == int(0.3 * 1440) and not later.gone  # a host that went is said once
+    assert later.left_out[LATE] == 1 and later.missing[LATE] == {"req_rate": 1}  # its first step: no rate yet
     assert state["hosts"][GONE]["last_seen"] == T0 + 1.1 * DAY - 60 + 300 and state["hosts"][GONE]["gone"]
 
 
