@@ -195,14 +195,17 @@ def roll(cal: dict, day: int, policy: CalibrationPolicy, period_s: float, clock:
     newest = max([day] + [d[0] for d in cal["days"]])
     cal["days"] = sorted((d for d in cal["days"] if d[0] >= newest - policy.days), key=lambda d: d[0])
     cal["day"], cal["rows"], cal["runs"] = day, 0, {}
-    threshold, basis = budget_threshold([d for d in cal["days"] if d[0] < day][-int(policy.days):] if policy.days else [],
-                                        policy, cal["base"], period_s, clock)
+    threshold, basis = budget_threshold(_days_before(cal, day, policy), policy, cal["base"], period_s, clock)
     previous = cal["threshold"]
     cal["threshold"] = threshold
     if threshold == previous:
         return None
     return dict(basis, previous=previous, threshold=threshold)
 
+
+def _days_before(cal: dict, day: int, policy: CalibrationPolicy) -> list:
+    """The kept days a threshold set at the first row of ``day`` rests on: the last ``policy.days`` before it."""
+    return [d for d in cal["days"] if d[0] < day][-int(policy.days):] if policy.days else []
 
 
 def seed_rows(times: np.ndarray | None, n: int, policy: CalibrationPolicy, period_s: float) -> int:
@@ -234,19 +237,15 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, period_s: floa
     n = int(s.size)
     if not n or not np.isfinite(s).all() or (clock == "time" and (times is None or not np.isfinite(times).all())):
         return None
-    if clock == "time":
-        days = np.floor(np.asarray(times, dtype=np.float64) / SECONDS_PER_DAY).astype(np.int64)
-    else:
-        days = np.floor(np.arange(-n, 0) * (period_s or 60.0) / SECONDS_PER_DAY).astype(np.int64)
+    t = np.asarray(times, dtype=np.float64) if clock == "time" else None
     previous = cal["threshold"]
-    cuts = np.r_[0, np.flatnonzero(np.diff(days) != 0) + 1, n]
+    cuts = [0] + day_cuts(t, -n, n, period_s) + [n]  # the history's rows are the series rows -n .. -1
     for a, b in zip(cuts[:-1], cuts[1:]):
-        roll(cal, int(days[a]), policy, period_s, clock)
+        roll(cal, day_of(None if t is None else float(t[a]), a - n, period_s), policy, period_s, clock)
         add(cal, s[a:b])
     roll(cal, int(first_day), policy, period_s, clock)
     gap(cal)
     if cal["threshold"] == previous:
         return None
-    kept = [d for d in cal["days"] if d[0] < cal["day"]][-int(policy.days):] if policy.days else []
-    _, basis = budget_threshold(kept, policy, cal["base"], period_s, clock)
+    _, basis = budget_threshold(_days_before(cal, cal["day"], policy), policy, cal["base"], period_s, clock)
     return dict(basis, previous=previous, threshold=cal["threshold"], seeded_rows=n)

@@ -376,7 +376,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     notes = list(ds.notes)  # the file's own (rows sorted, repeated times): in the summary and the scored line
     calibration = CalibrationPolicy.from_config(cfg.scoring)
     times = ds.time.seconds if ds.time is not None else None
-    seed = (history_seed(model_dir, stored, calibration, job_id, int(np.asarray(ds.data).shape[0]), times is not None)
+    seed = (history_seed(model_dir, stored, calibration, job_id, ds.rows, times is not None)
             if calibration.on and calibration.from_history and state is not None
             and state.version != model_version(stored) else None)  # a new version of a series scored before
     state = state or fresh_state(name, stored)

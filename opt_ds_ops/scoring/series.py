@@ -373,29 +373,26 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
         st.rebase, st.regime, st.regime_changes = kept[0], kept[1], changes
     st.version, st.threshold = model_version(stored), float(stored.threshold)
     on = calibration is not None and calibration.on and calib.usable(st.threshold)  # a threshold of 0: nothing to scale
+    t = np.asarray(times, dtype=np.float64) if times is not None else None
+    period = sample_period_s(stored) or 60.0
     if not on:
         st.calibration = None
     elif not calib.valid(st.calibration, st.threshold):
         st.calibration = calib.fresh(st.threshold)
-        seeded = None
         if calibration_seed is not None and data.shape[0]:
-            t0 = None if times is None else float(np.asarray(times, dtype=np.float64)[0])
-            period = sample_period_s(stored) or 60.0
+            t0 = None if t is None else float(t[0])
             seeded = calib.seed(st.calibration, calibration_seed[0], calibration_seed[1], period, calibration,
-                                calib.day_of(t0, st.next_row, period), "rows" if times is None else "time")
-        if seeded is not None:
-            st.threshold = float(st.calibration["threshold"])
-            events.append(dict(seeded, event="threshold-calibrated", row=st.next_row,
-                               time=_time(None if times is None or not len(times) else float(times[0])),
-                               version=st.version, model_threshold=float(stored.threshold),
-                               budget_per_day=calibration.budget_per_day))
+                                calib.day_of(t0, st.next_row, period), "rows" if t is None else "time")
+            if seeded is not None:
+                st.threshold = float(st.calibration["threshold"])
+                events.append(dict(seeded, event="threshold-calibrated", row=st.next_row, time=_time(t0),
+                                   version=st.version, model_threshold=float(stored.threshold),
+                                   budget_per_day=calibration.budget_per_day))
     else:
         st.threshold = float(st.calibration["threshold"])
     if st.rebase and len(st.rebase) != want:
         notes.append(f"the carried re-baseline has {len(st.rebase)} metrics, the model {want}: dropped")
         st.rebase, st.regime = [], None
-    t = np.asarray(times, dtype=np.float64) if times is not None else None
-    period = sample_period_s(stored) or 60.0
     cuts = calib.day_cuts(t, st.next_row, data.shape[0], period) if on else []  # the threshold moves only at a new day
     pieces, start, n = [], 0, data.shape[0]
     while True:  # a change of regime re-baselines the rows after it: they are scored from there again
