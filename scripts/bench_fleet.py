@@ -21,7 +21,8 @@ its forkserver and every job process, the reaped ones included) over the window 
 the daemon's peak RSS, ds_ops.prom's size, series and rewrites,
 ``ds-ops status``'s wall time, and the training queue's models/hour under the scoring load.
 With ``--stacked K``, then K hosts trained with the shipped defaults one at a time and as one stack
-(scripts/bench_stacked.py: the trainer itself, in this process; the daemon trains one job at a time).
+(scripts/bench_stacked.py: the trainer itself, in this process), then the same K files dropped at
+once into a fresh daemon, one job process per file against stacks (``daemon.stack_max``).
 Ratios against the same run with one model in the same script (``--baseline-seconds``). No
 assertion: figures only.
 
@@ -328,9 +329,10 @@ def main() -> int:
             print(line(f"{n} models with a training per host per day ({3600 * rate:.1f} an hour: "
                        f"{count} in the window)", r, base))
     shutil.rmtree(base_models, ignore_errors=True)
-    if args.stacked:  # the trainer's own models/hour, alone and stacked, in this run (no daemon: not yet batched there)
-        from bench_stacked import measure, report
+    if args.stacked:  # models/hour alone and stacked, in this run: the trainer itself, then through a daemon
+        from bench_stacked import measure, measure_daemon, report, report_daemon
         print(report(measure(args.stacked, 8640, 19, "cpu", "auto")), flush=True)
+        print(report_daemon(measure_daemon(args.stacked, 8640, 19)), flush=True)
     return 0
 
 

@@ -11,7 +11,14 @@ rule, batch 1024, lr 1e-2, at most 600 steps) first alone, one after the other
 models/hour of each, their ratio, and the largest relative difference of a threshold and of a
 weight between the two (0 on the CPU: the stack computes what one model does).
 
-Usage: python scripts/bench_stacked.py [--models 16] [--rows 8640] [--device cpu|cuda] [--amp auto] [--json]
+With ``--daemon``, the same hosts through a real daemon instead (``ds-ops daemon``, device cpu,
+the shipped training defaults): all K files dropped into incoming/ at once (each written beside
+and renamed in), first with ``daemon.stack_max: 0`` (one job process per file, what the daemon did
+before), then with stacks (``stack_max`` K, ``stack_min`` 2); each run's wall time from the drop
+to the last result in done/, its models/hour, the ratio, and the largest relative difference
+between the two runs' thresholds.
+
+Usage: python scripts/bench_stacked.py [--models 16] [--rows 8640] [--device cpu|cuda] [--amp auto] [--daemon] [--json]
 """
 
 from __future__ import annotations
@@ -85,6 +92,75 @@ def measure(count: int, rows: int, width: int, device: str, amp: str) -> dict:
             "threshold_rel_diff": thr, "weight_abs_diff": weight, "steps_min": min(steps), "steps_max": max(steps)}
 
 
+def daemon_run(data: list[np.ndarray], stack_max: int, root: str) -> tuple[float, dict[str, float]]:
+    """Drop ``data`` as host-NNN.csv into a fresh daemon's incoming/ at once; return (seconds from
+    the drop to the last result in done/, each host's threshold)."""
+    import signal
+    import subprocess
+    import tempfile
+
+    conf = os.path.join(root, "trainer.yaml")
+    with open(conf, "w") as f:
+        f.write(f"models_dir: {root}/models\ndevice: cpu\nspool:\n  dir: {root}/spool\n  settle_s: 0.2\n  quiet_s: 0\n"
+                f"daemon:\n  stack_max: {stack_max}\n  stack_min: 2\n  stack_max_bytes: 1073741824\n"
+                f"metrics:\n  textfile_dir: ''\n")
+    staging = tempfile.mkdtemp(dir=root)
+    names = []
+    for i, d in enumerate(data):
+        names.append(f"host-{i:03d}.csv")
+        np.savetxt(os.path.join(staging, names[-1]), d, delimiter=",", fmt="%.6g")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    log = open(os.path.join(root, "daemon.log"), "w")
+    daemon = subprocess.Popen([sys.executable, "-m", "opt_ds_ops.cli", "daemon", "--config", conf], env=env,
+                              stdout=log, stderr=subprocess.STDOUT)
+    done = os.path.join(root, "spool", "done")
+    try:
+        deadline = time.monotonic() + 300
+        while "ds-trainer ready" not in open(os.path.join(root, "daemon.log")).read():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the daemon did not start:\n{open(os.path.join(root, 'daemon.log')).read()[-3000:]}")
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        for name in names:
+            os.rename(os.path.join(staging, name), os.path.join(root, "spool", "incoming", name))
+        while sum(n.endswith(".result.json") for n in os.listdir(done)) < len(names):
+            failed = [n for n in os.listdir(os.path.join(root, "spool", "failed")) if n.endswith(".error.json")]
+            if failed or daemon.poll() is not None:
+                raise SystemExit(f"failed: {failed}\n{open(os.path.join(root, 'daemon.log')).read()[-3000:]}")
+            time.sleep(0.1)
+        seconds = time.monotonic() - t0
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(120)
+        log.close()
+    thresholds = {}
+    for name in names:
+        with open(os.path.join(done, f"{name}.result.json")) as f:
+            thresholds[name] = json.load(f)["threshold"]
+    return seconds, thresholds
+
+
+def measure_daemon(count: int, rows: int, width: int) -> dict:
+    """The K hosts through a real daemon, one job process per file and then in stacks."""
+    import tempfile
+
+    data = host_datasets(count, rows, width)
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        t_alone, thr_alone = daemon_run(data, 0, a)
+        t_stacked, thr_stacked = daemon_run(data, count, b)
+    thr = max(abs(thr_stacked[n] - thr_alone[n]) / abs(thr_alone[n]) for n in thr_alone)
+    return {"models": count, "rows": rows, "width": width, "alone_s": t_alone, "stacked_s": t_stacked,
+            "alone_per_h": count / t_alone * 3600, "stacked_per_h": count / t_stacked * 3600,
+            "ratio": t_alone / t_stacked, "threshold_rel_diff": thr}
+
+
+def report_daemon(r: dict) -> str:
+    return (f"daemon, {r['models']} files of {r['rows']:,} x {r['width']} dropped at once, shipped defaults, cpu: "
+            f"one job process each {r['alone_per_h']:,.0f} models/hour ({r['alone_s']:.1f} s from the drop to the last "
+            f"result), stacks {r['stacked_per_h']:,.0f} models/hour ({r['stacked_s']:.1f} s): {r['ratio']:.2f}x; "
+            f"largest threshold difference {r['threshold_rel_diff']:.1e} relative")
+
+
 def report(r: dict) -> str:
     return (f"stacked training: {r['models']} models of {r['rows']:,} x {r['width']} rows, shipped defaults "
             f"(steps {r['steps_min']}-{r['steps_max']}), {r['device']} amp {r['amp']}: one at a time "
@@ -102,8 +178,13 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--amp", default="auto")
     ap.add_argument("--json", action="store_true", help="one JSON object per count instead of a line")
+    ap.add_argument("--daemon", action="store_true", help="through a real daemon: one job process per file, then stacks")
     args = ap.parse_args()
     for count in args.models:
+        if args.daemon:
+            r = measure_daemon(count, args.rows, args.width)
+            print(json.dumps(r) if args.json else report_daemon(r), flush=True)
+            continue
         r = measure(count, args.rows, args.width, args.device, args.amp)
         print(json.dumps(r) if args.json else report(r), flush=True)
     return 0

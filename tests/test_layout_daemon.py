@@ -37,7 +37,7 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("name", [n for n in DAEMON_ROLES if n != "service"] + ["scoreslot", "retrainer"])
+@pytest.mark.parametrize("name", [n for n in DAEMON_ROLES if n != "service"] + ["scoreslot", "retrainer", "jobstack"])
 def test_no_part_of_the_daemon_imports_service_py_back(name):
     assert "service" not in imported_modules(DAEMON / f"{name}.py"), (
         f"opt_ds_ops/daemon/{name}.py imports opt_ds_ops.daemon.service: the data flows one way, service.py imports its roles")

@@ -211,11 +211,22 @@ class DaemonConfig:
     an integer N >= 2: N ranks, on the first N healthy GPUs, or on the CPU (gloo) without GPUs.
     Fewer than 2 healthy GPUs, a dataset that streams (over the job's matrix budget) or
     ``train.input_window`` > 1: one process, and metadata.json's notes say why.
+
+    ``stack_max``: when at least ``stack_min`` dataset files wait in incoming/, up to ``stack_max``
+    of them (each at most ``stack_max_bytes``, a plain training drop that never crashed a job) are
+    claimed together and trained in ONE job process as one stacked model
+    (:mod:`opt_ds_ops.training.stacked`, :mod:`opt_ds_ops.daemon.jobstack`): those of the most common
+    shape (rows x columns, in memory) train together, each with its own result, model, version and
+    journal lines; the others, and all of them when fewer than two share a shape, go back to the
+    queue and train one job at a time. 0 or 1: never. A stack keeps no checkpoint.
     """
 
     max_jobs: str = _field("auto", _max_jobs_ok, "auto or an integer >= 1")
     distributed_min_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: never)")
     distributed_nproc: str = _field("auto", _nproc_ok, "auto or an integer >= 2")
+    stack_max: int = _field(16, _non_negative, "an integer >= 0 (0 or 1: never)")
+    stack_min: int = _field(4, lambda v: v >= 2, "an integer >= 2")
+    stack_max_bytes: int = _field(8 * 1024**2, _positive, "bytes > 0")
 
     def max_jobs_limit(self) -> int | None:
         """Return max_jobs as an integer, or None for ``auto``."""

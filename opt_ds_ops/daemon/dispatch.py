@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import stat
 import time
+import traceback
 
 from ..config.sidecar import SIDECAR_MAX_BYTES
 from ..dataset import dataset_stem
 from ..fsutil import user_name, utc_now
 from ..health import gpustats
-from ..observe.journal import LOG_WARNING, safe_text
+from ..observe.journal import LOG_ERR, LOG_WARNING, safe_text
 from ..spool import (
     INCOMING, SpoolError, boot_id, claim, discard_job, is_storage_error, lock_job, process_start_ticks,
     read_record, save_record
@@ -61,8 +63,9 @@ class Dispatch:
 
     def __init__(self, daemon):
         self.d = daemon  # its queue, job records, running jobs, slots, watcher, journal
+        self.claimed: list[str] = []  # job ids claimed by take(start=False), for take_stack
 
-    def take(self, name: str, gpu: dict | None = None) -> bool:
+    def take(self, name: str, gpu: dict | None = None, start: bool = True) -> bool:
         """Claim incoming/NAME and start its job (on ``gpu``, see :meth:`opt_ds_ops.daemon.slots.Slots.free_slot`),
         refuse it to failed/, or report it and leave it; return True if something was done. The copy
         pings the watchdog as it goes (a file near spool.max_dataset_bytes takes minutes); an
@@ -77,7 +80,7 @@ class Dispatch:
             try:
                 c = claim(self.d.spool, name, self.d.cfg.spool.max_dataset_bytes, on_job=on_job,
                           progress=lambda: self.d.notifier.keepalive(STEP_BUDGET_S))
-                return self._claimed(name, c, gpu)
+                return self._claimed(name, c, gpu, start)
             finally:
                 self.d.breadcrumb.mark(None)
         except Exception as e:  # noqa: BLE001 - one file's exception is that file's failure
@@ -86,7 +89,7 @@ class Dispatch:
             self.d.job_exception(box.get("job_id"), name, e)
             return True
 
-    def _claimed(self, name: str, c, gpu: dict | None) -> bool:
+    def _claimed(self, name: str, c, gpu: dict | None, start: bool = True) -> bool:
         """What :meth:`take` does with a claim's outcome."""
         if c.outcome == "gone":
             self.d.watcher.forget(name)
@@ -117,8 +120,87 @@ class Dispatch:
                        f"({record['size_bytes']} bytes, sha256 {record['sha256'][:12]})", **job_fields(record))
         if record.get("sidecars_foreign"):
             self.refuse_foreign_sidecars(record)
-        self.start(c.job_id, gpu)
+        if start:
+            self.start(c.job_id, gpu)
+        else:
+            self.claimed.append(c.job_id)
         return True
+
+    # ---- several datasets in one stacked job (daemon.stack_max) --------------------------------
+    def stack_candidates(self, names: list[str]) -> list[str]:
+        """Return the files of ``names`` (ready in incoming/) to claim as one stack: those of at most
+        ``daemon.stack_max_bytes`` (lstat; a large file is never claimed early), none when fewer than
+        ``daemon.stack_min``."""
+        cfg = self.d.cfg.daemon
+        if cfg.stack_max < 2 or len(names) < cfg.stack_min:
+            return []
+        small = []
+        for name in names:
+            try:
+                st = os.lstat(self.d.spool.path(INCOMING, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_size <= cfg.stack_max_bytes:
+                small.append(name)
+        return small if len(small) >= cfg.stack_min else []
+
+    def stackable(self, record: dict) -> bool:
+        """True when a claimed job may join a stack: a plain training drop of at most
+        ``daemon.stack_max_bytes``, not distributed, that never crashed and was never restarted."""
+        return (record.get("kind") in (None, "train") and not record.get("crashes") and not record.get("restarts")
+                and record.get("size_bytes", 0) <= self.d.cfg.daemon.stack_max_bytes
+                and not self.d.slots.distributed(record))
+
+    def take_stack(self, names: list[str], gpu: dict | None = None) -> bool:
+        """Claim up to ``daemon.stack_max`` of ``names`` and start the stackable ones as one stack
+        (:mod:`opt_ds_ops.daemon.jobstack`); the others, or all when fewer than two can stack, go to the
+        queue and start one at a time. Return True if something was done."""
+        self.claimed = []
+        did = False
+        try:
+            for name in names:
+                if len(self.claimed) >= self.d.cfg.daemon.stack_max or self.d.stop_requested:
+                    break
+                did = self.take(name, gpu, start=False) or did
+        finally:  # each claimed job is queued first: a storage error or a failed start loses none
+            claimed = [j for j in self.claimed if self.d.records.get(j, {}).get("state") == "claimed"]
+            self.d.pending.extend(claimed)
+        together = [j for j in claimed if self.stackable(self.d.records[j])]
+        if len(together) < 2 or self.d.stop_requested:
+            return did
+        try:
+            self.start_stack(together, gpu)
+        except Exception as e:  # noqa: BLE001 - not one job's fault: they stay queued and start one at a time
+            if is_storage_error(e) or isinstance(e, SpoolError):
+                raise
+            self.d.log.event("internal-error", f"a stack of {len(together)} jobs did not start: {type(e).__name__}: {e}; "
+                             f"they train one at a time\n{traceback.format_exc()}", priority=LOG_ERR)
+        return True
+
+    def start_stack(self, job_ids: list[str], gpu: dict | None = None) -> None:
+        """Start one process for the claimed jobs ``job_ids`` (:class:`opt_ds_ops.daemon.jobstack.StackProcess`),
+        each a job of its own in ``Daemon.jobs`` and in ``ds-ops status``."""
+        from .jobstack import StackProcess
+
+        slot = min(set(range(len(self.d.jobs) + 1)) - {j.slot for j in self.d.jobs.values()})
+        stack = StackProcess(self.d.spool.root, job_ids, self.d.records, job_config(self.d.cfg, self.d.slots.memory_budget()),
+                             self.d.mp_context, self.d.gate, gpu=gpu, slot=slot)
+        self.d.jobs.update(stack.members)  # watched from here on, whatever happens below
+        self.d.pending = [j for j in self.d.pending if j not in job_ids]
+        for job_id in job_ids:
+            record = self.d.records[job_id]
+            if gpu is not None:
+                record.update(gpu_index=gpu["index"], gpu_uuid=gpu["uuid"])
+            record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()),
+                          job_pid=stack.proc.pid, boot_id=boot_id(), started_at=utc_now(),
+                          epochs=self.d.cfg.train.epochs, stage="health", stacked=len(job_ids))
+            save_record(self.d.spool, record)
+        first = self.d.records[job_ids[0]]
+        self.d.log.event("job-stacked", f"{len(job_ids)} datasets train in one job process as one stacked model "
+                       f"(daemon.stack_max): {', '.join(safe_text(self.d.records[j]['dataset']) for j in job_ids[:8])}"
+                       f"{', ...' if len(job_ids) > 8 else ''}", stacked=len(job_ids), **job_fields(first))
+        self.d.notifier.status(self.d.duties.busy_status())
+        self.d.duties.write_metrics()
 
     def refuse_foreign_sidecars(self, record: dict) -> None:
         """Sidecars of the dataset's name that other users dropped (squatted names, see
@@ -176,7 +258,7 @@ class Dispatch:
             self.d.retry_at[job_id] = time.monotonic() + 1.0
             return
         os.close(lock)
-        for stale in ("epoch", "loss", "val_loss", "samples_per_s", "updated_at", "nproc"):
+        for stale in ("epoch", "loss", "val_loss", "samples_per_s", "updated_at", "nproc", "stacked"):
             record.pop(stale, None)
         nproc, gpus = 1, None
         if self.d.slots.distributed(record):
@@ -216,7 +298,8 @@ class Dispatch:
         """Wait up to a tick for a message from any running job, then look after each of them;
         return True if one of them ended."""
         try:
-            multiprocessing.connection.wait([j.conn for j in self.d.jobs.values()] + self.d.scorer.conns(), TICK_S)
+            conns = {id(c): c for c in [j.conn for j in self.d.jobs.values()] + self.d.scorer.conns()}  # a stack's once
+            multiprocessing.connection.wait(list(conns.values()), TICK_S)
         except OSError:
             pass
         before = len(self.d.jobs)
@@ -258,12 +341,38 @@ class Dispatch:
         with self.d.breadcrumb.holding(job.job_id):  # a job's end (moving files, the store) is in hand, not its progress
             for kind, fields in job.receive(0):
                 self._on_message(record, kind, fields)
-            if job.final is not None:
+            if job.final is not None and job.final[0] == "alone":
+                self._alone(record, job.final[1])
+            elif job.final is not None:
                 self.d.outcome.on_final(record, *job.final)
             elif job.crashed:
                 self.d.outcome.on_crash(record, job)
+            elif getattr(job, "collateral", False):
+                self._collateral(record, job.killed_for)
             job.close()
             self.d.jobs.pop(job.job_id, None)
+
+    def _alone(self, record: dict, f: dict) -> None:
+        """A stack handed the job back (:mod:`opt_ds_ops.daemon.jobstack`): it trains one job at a time,
+        at the head of the queue."""
+        record.update(state="claimed", stage=None)
+        record.pop("stacked", None)
+        save_record(self.d.spool, record)
+        self.d.log.event("job-stacked", f"{safe_text(record['dataset'])}: not trained in the stack: {safe_text(f.get('reason', ''))}; "
+                       "it trains alone", **job_fields(record))
+        self.d.pending.insert(0, record["job_id"])
+
+    def _collateral(self, record: dict, why: str) -> None:
+        """The job's stack was killed for another job of it (a hung health check, a stop in the dataset
+        stage, the daemon failing one job): not this job's fault. Interrupted when the daemon stops,
+        else back at the head of the queue, to train alone."""
+        if self.d.stop_requested:
+            record.update(state="interrupted")
+            save_record(self.d.spool, record)
+            self.d.log.event("job-interrupted", f"{safe_text(record['dataset'])}: stopped with its stack ({safe_text(why)}); it "
+                           "runs again on the next start", **job_fields(record))
+            return
+        self._alone(record, {"reason": f"its stack's process was stopped for another of its jobs ({why})"})
 
     def _stall_budget(self, record: dict, job) -> float:
         """Seconds the job may stay silent: job.stall_timeout_s, more while parsing a large file

@@ -113,7 +113,8 @@ class Outcome:
                 record.pop(stale, None)
             record.update(state="interrupted", epoch=0)
             save_record(self.d.spool, record)
-            self.d.log.event("job-interrupted", f"{name}: stopped; a distributed run keeps no checkpoint, so it "
+            run = "a stacked run" if record.pop("stacked", None) else "a distributed run"
+            self.d.log.event("job-interrupted", f"{name}: stopped; {run} keeps no checkpoint, so it "
                            "trains again from epoch 1 on the next start", **fields)
         elif kind == "interrupted":
             record.update(state="interrupted", epoch=f["epoch"] - 1, checkpoint_at=utc_now())

@@ -310,6 +310,9 @@ class Daemon:
             self.pending.remove(due[0])
             self.for_job(due[0], self.dispatch.start, due[0], gpu)
             return True
+        stack = self.dispatch.stack_candidates(names)
+        if stack:  # many small files wait: one process trains several as one stack
+            return self.dispatch.take_stack(stack, gpu)
         for name in names:
             if self.dispatch.take(name, gpu):
                 return True

@@ -38,6 +38,7 @@ import signal
 import time
 import traceback
 
+FINAL = ("saved", "failed", "deferred", "interrupted", "scored", "duplicate", "alone")  # a job's last message
 BEAT_S = 2.0  # the job process reports at least this often while training (seconds)
 _CONTEXT = None
 
@@ -130,7 +131,7 @@ class JobProcess:
                 self.last_heard = time.monotonic()
                 if kind == "stage":
                     self.stage, self.stage_since = fields["stage"], self.last_heard
-                if kind in ("saved", "failed", "deferred", "interrupted", "scored", "duplicate"):
+                if kind in FINAL:
                     self.final = (kind, fields)
                 out.append((kind, fields))
                 if not self._conn.poll(0):
@@ -222,6 +223,69 @@ def name_job(spool, job_id: str, record: dict, cfg):
         raise JobError("spool", f"no model name can be made from this file name: {e}", e) from None
 
 
+def enter_job_process(cfg, gpu: dict | None = None, gpus: list[dict] | None = None) -> int:
+    """What a job process does first, before it imports anything that may touch CUDA: limit it to
+    ``gpu`` (or ``gpus``), die with the daemon, leave ^C to the daemon, cap its memory; return its
+    memory limit in bytes (``job.memory_max``)."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu["uuid"]
+    elif gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in gpus)
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C goes to the daemon, which decides
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    memory_max = cfg.job.memory_max_bytes()
+    _limit_memory(memory_max)
+    return memory_max
+
+
+def begin_job(spool, job_id: str, record: dict, cfg, send) -> tuple | None:
+    """A job's first steps in its process, in its dataset stage: name it (its sidecar, sent as
+    ``named``), finish it at once when its version is already in the store (a restart after it
+    was saved: ``saved``, recovered) or when its bytes were trained before (``duplicate``), after
+    the name's own checks. Return (model name, explicit, dataset options), or None when a final
+    message was sent. ``send(kind, **fields)`` reports. Raises JobError."""
+    from ..spool.duplicate import same_bytes_version
+    from ..store.versions import find_job_version, publish_job
+    from ..training.job import check_model_name
+
+    model_name, explicit, options = name_job(spool, job_id, record, cfg)
+    send("named", model_name=model_name, explicit=explicit)
+    done = find_job_version(cfg.models_dir, model_name, job_id)
+    if done is not None:  # saved before a restart: publish again (a kill may have come before it), done
+        # in claim order, under the store's lock: never over a later job's version or an operator's change
+        done["not_current"] = publish_job(os.path.dirname(done["model_dir"]), done["version"], job_id)
+        send("saved", metadata=done, recovered=True)
+        return None
+    # the name's own checks first (another file's model, another uploader's): a duplicate only of
+    # a model this file may train (run_job checks again; this is cheap, it reads metadata.json)
+    check_model_name(cfg.models_dir, model_name, record["dataset"], explicit, record.get("uploader_uid"))
+    if (same := same_bytes_version(cfg, model_name, record, options)) is not None:  # not trained twice
+        send("duplicate", **same)
+        return None
+    return model_name, explicit, options
+
+
+def failure(e: BaseException, stage: str, path: str, name: str, cfg, memory_max: int) -> dict:
+    """The fields of the ``failed`` message for exception ``e`` raised in ``stage`` of a job whose
+    dataset ``name`` the job process reads at ``path`` (the path is never shown: the name is):
+    a JobError's own stage and words, an out-of-memory error's limit, else the exception and its
+    traceback."""
+    from ..dataset import dataset_stem
+    from ..training.job import JobError
+
+    if isinstance(e, JobError):
+        reason = str(e).replace(path, name).replace(f" {dataset_stem(path)}.yaml ", f" {dataset_stem(name)}.yaml ")
+        return dict(stage=e.stage, reason=reason, type=e.cause_type, errno=e.errno)
+    if _out_of_memory(e):
+        reason = (f"out of memory in stage {stage} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                  f"the job may use job.memory_max = {cfg.job.memory_max} ({memory_max} bytes)")
+    else:
+        reason = f"unexpected {type(e).__name__}: {str(e).replace(path, name)}"
+    return dict(stage=stage, reason=reason, type=type(e).__name__, errno=getattr(e, "errno", None),
+                traceback=traceback.format_exc())
+
+
 def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, gate=None,
              gpu: dict | None = None, nproc: int = 1, gpus: list[dict] | None = None) -> None:
     """The job process: gate, load, train, store; report to the daemon over conn (see the module docstring).
@@ -234,24 +298,13 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
     (``CUDA_VISIBLE_DEVICES`` = their UUIDs, rank r on the r-th) or, None, on the CPU; a stop
     ends the ranks and keeps no checkpoint (the next start trains from epoch 1).
     """
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu["uuid"]
-    elif gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in gpus)
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C goes to the daemon, which decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    memory_max = cfg.job.memory_max_bytes()
-    _limit_memory(memory_max)
+    memory_max = enter_job_process(cfg, gpu, gpus)
 
     from ..config.conffile import config_to_dict
-    from ..dataset import dataset_stem
-    from ..spool.duplicate import same_bytes_version
     from ..health.policy import gate_job
-    from ..training.job import JobError, check_model_name, run_job
+    from ..training.job import JobError, run_job
     from ..fsutil import utc_now
     from ..spool import Spool, load_checkpoint, lock_job, save_checkpoint
-    from ..store.versions import find_job_version, publish_job
     from ..training.stopping import throttled
     from ..training.fit import GPU_HEADROOM_BYTES, TrainingInterrupted
 
@@ -277,20 +330,10 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
         return
     try:
         state["stage"] = "dataset"  # naming the job reads the user's sidecar: the dataset's stage
-        model_name, explicit, options = name_job(spool, job_id, record, cfg)
-        send("named", model_name=model_name, explicit=explicit)
-        done = find_job_version(cfg.models_dir, model_name, job_id)
-        if done is not None:  # saved before a restart: publish again (a kill may have come before it), done
-            # in claim order, under the store's lock: never over a later job's version or an operator's change
-            done["not_current"] = publish_job(os.path.dirname(done["model_dir"]), done["version"], job_id)
-            send("saved", metadata=done, recovered=True)
+        begun = begin_job(spool, job_id, record, cfg, send)
+        if begun is None:
             return
-        # the name's own checks first (another file's model, another uploader's): a duplicate only of
-        # a model this file may train (run_job checks again; this is cheap, it reads metadata.json)
-        check_model_name(cfg.models_dir, model_name, record["dataset"], explicit, record.get("uploader_uid"))
-        if (same := same_bytes_version(cfg, model_name, record, options)) is not None:  # not trained twice
-            send("duplicate", **same)
-            return
+        model_name, explicit, options = begun
         on_stage("health")
         import torch
 
@@ -362,18 +405,8 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
             send("interrupted", epoch=len(ckpt.get("history", [])) + 1, batch=ckpt.get("batch"))
             return
         send("saved", metadata=job.metadata)
-    except JobError as e:
-        reason = str(e).replace(path, name).replace(f" {dataset_stem(path)}.yaml ", f" {dataset_stem(name)}.yaml ")
-        send("failed", stage=e.stage, reason=reason, type=e.cause_type, errno=e.errno)
     except BaseException as e:  # noqa: BLE001 - everything is reported; the daemon decides
-        stage = state["stage"]
-        if _out_of_memory(e):
-            reason = (f"out of memory in stage {stage} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                      f"the job may use job.memory_max = {cfg.job.memory_max} ({memory_max} bytes)")
-        else:
-            reason = f"unexpected {type(e).__name__}: {str(e).replace(path, name)}"
-        send("failed", stage=stage, reason=reason, type=type(e).__name__, errno=getattr(e, "errno", None),
-             traceback=traceback.format_exc())
+        send("failed", **failure(e, state["stage"], path, name, cfg, memory_max))
     finally:
         os.close(lock_fd)
         conn.close()

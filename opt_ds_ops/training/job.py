@@ -377,42 +377,18 @@ def run_job(
     """
     stage = on_stage or (lambda _s: None)
     stage("dataset")
-    options = options or cfg.dataset
-    model_name = name or dataset_stem(source_name or path)
-    try:
-        check_model_name(cfg.models_dir, safe_model_name(model_name), source_name or os.path.basename(path),
-                         explicit_name, uploader_uid)
-    except StoreError as e:
-        raise JobError("dataset", f"{source_name or path}: {e}", e) from e
-    _check_store_writable(cfg.models_dir)  # before spending the training, not after
     with _scratch(cfg.models_dir, scratch_dir) as scratch_dir:
-        try:
-            limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes, stream_large_npy=True,
-                                               spill_dir=scratch_dir, base_bytes=data_segment_bytes(),
-                                               refuse_constant=True)
-            ds = load_dataset(path, limits, options)
-            past = [r for r in options.incidents if r[1] > ds.rows]  # checked before training, not at the gate
-            if past:
-                raise DatasetError(f"{source_name or path}: the sidecar's incidents {list(past[0])} are past the dataset's "
-                                   f"{ds.rows} data rows (rows are 1-based, in the order the dataset holds them)")
-            excluded, held_rows = (exclude_flagged(ds, cfg.models_dir, model_name, cfg.retrain.exclude_margin,
-                                                   cfg.retrain.exclude_max_rows, hold_back=job_id is not None)
-                                   if options.exclude_flagged else (None, None))  # the gate runs for daemon jobs only
-            names = named_metrics(ds, options)
-            sha = sha256 or file_sha256(path)
-        except (DatasetError, SpillError, ValueError) as e:
-            raise JobError("dataset", str(e), e) from e
-        try:
-            plan = plan or plan_device(cfg.device, cfg.amp, tf32=cfg.tf32)
-        except DeviceError as e:
-            raise JobError("health", str(e), e) from e
+        prep = prepare_job(path, cfg, name=name, plan=plan, source_name=source_name, sha256=sha256, options=options,
+                           explicit_name=explicit_name, scratch_dir=scratch_dir, uploader_uid=uploader_uid,
+                           job_id=job_id)
+        ds = prep.ds
         if nproc > 1 and distributed_optional and (not isinstance(ds.data, np.ndarray) or cfg.train.input_window > 1):
             why = ("it streams from disk (over the job's matrix budget)" if not isinstance(ds.data, np.ndarray)
                    else f"train.input_window is {cfg.train.input_window}")
             ds.notes.append(f"trained in one process, not {nproc} (daemon.distributed_min_bytes): {why}")
             nproc = 1
         stage("training")
-        fit = checkpoint_fit(ds, options, sha)
+        fit = checkpoint_fit(ds, prep.options, prep.sha)
         dropped = on_resume_dropped or (lambda _why: None)
         if resume is not None and (why := _misfit(resume, fit, nproc)):
             dropped(why)
@@ -422,16 +398,16 @@ def run_job(
             if nproc > 1:
                 from .distributed import train_distributed  # torch.distributed only where it is used
 
-                result = train_distributed(ds.data, cfg.train, plan, nproc, offset=ds.offset, on_epoch=on_epoch,
+                result = train_distributed(ds.data, cfg.train, prep.plan, nproc, offset=ds.offset, on_epoch=on_epoch,
                                            should_stop=should_stop, work_dir=scratch_dir)
             else:
                 read_gpu = sampler.read if sampler is not None else None
                 try:
-                    result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop,
+                    result = train(ds.data, cfg.train, prep.plan, on_epoch=on_epoch, should_stop=should_stop,
                                    resume=resume, offset=ds.offset, read_gpu=read_gpu)
                 except CheckpointMismatch as e:  # once, from scratch: a checkpoint never fails a dataset
                     dropped(f"the checkpoint does not fit: {e}")
-                    result = train(ds.data, cfg.train, plan, on_epoch=on_epoch, should_stop=should_stop,
+                    result = train(ds.data, cfg.train, prep.plan, on_epoch=on_epoch, should_stop=should_stop,
                                    offset=ds.offset, read_gpu=read_gpu)
         except TrainingInterrupted as ti:
             if ti.checkpoint is not None:
@@ -442,47 +418,115 @@ def run_job(
         finally:
             if sampler is not None:
                 sampler.close()
-        metadata = build_metadata(ds, sha, result, cfg, health, options)
-        metadata["job_id"] = job_id
-        extra = dict(extra_metadata or {})
-        reads_as = extra.pop("reads_as", None)
-        metadata.update(extra, excluded=extra.get("excluded", excluded))
-        if reads_as:  # a retraining reads and scores the model's data as the version it retrains does
-            metadata["dataset"].update(reads_as)
-        metadata["metric_names"] = names  # alerts, results and score name the metrics
-        # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
-        metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        metadata["name_explicit"] = explicit_name
-        # the model name's owner (check_model_name): the first uploader's uid, kept by every later version
-        first = (current_metadata(cfg.models_dir, model_name) or {}).get("uploader_uid")
-        exempt = uploader_uid in (None, 0, os.geteuid())  # root, the service (requeue), by hand: owns nothing
-        metadata["uploader_uid"] = first if isinstance(first, int) else (None if exempt else uploader_uid)
-        metadata["uploaded_by_uid"] = uploader_uid  # who dropped this version's file (None: ds-ops train)
-        metadata["distributed"] = result.extra if nproc > 1 else None
-        if source_name:
-            metadata["dataset"]["file"] = source_name
-        # The validation scores' histogram for report.png (warning-only, like the report)
-        try:
-            metadata["validation_scores"] = validation_summary(result, ds.data, ds.offset, cfg.train.val_fraction)
-        except Exception as e:  # noqa: BLE001 - a picture's data never fails a trained job
-            metadata["validation_scores"] = None
-            metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
-        if job_id is not None:  # a daemon job's version becomes current only past the gate
-            metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, path, held_rows, held_back_path,
-                                                     options.incidents)
-        stage("store")
-        # report.png is drawn into the version's hidden temporary directory, so it is
-        # published with the version by the same rename (a kill leaves no partial picture behind); a
-        # failure is a warning, never the job's
-        report_warnings: list[str | None] = []
-        try:
-            model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata,
-                                             before_publish=lambda tmp: report_warnings.append(try_write_report(tmp)))
-        except StoreError as e:
-            err = JobError("store", str(e), e)
-            err.errno = e.errno
-            raise err from e
-        report_warning = report_warnings[0] if report_warnings else None
-        metadata = dict(metadata, report_warning=report_warning)  # the caller's copy only, not metadata.json
-        return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata,
-                         report_warning=report_warning)
+        return store_job(prep, result, cfg, health=health, job_id=job_id, source_name=source_name,
+                         explicit_name=explicit_name, uploader_uid=uploader_uid, extra_metadata=extra_metadata,
+                         held_back_path=held_back_path, distributed=nproc > 1, on_stage=stage)
+
+
+@dataclass
+class PreparedJob:
+    """A job's dataset read and checked, before training (:func:`prepare_job`): what
+    :func:`store_job` needs besides the training result."""
+
+    path: str  # the file read (the daemon's copy)
+    model_name: str
+    options: DatasetConfig
+    ds: Dataset
+    sha: str
+    names: list[str] | None  # the features' names (:func:`named_metrics`)
+    excluded: dict | None  # a sidecar's exclude_flagged: what was cut
+    held_rows: object  # the rows the promotion gate judges on instead of the validation split, or None
+    plan: DevicePlan
+
+
+def prepare_job(path: str, cfg: Config, *, name: str | None = None, plan: DevicePlan | None = None,
+                source_name: str | None = None, sha256: str | None = None, options: DatasetConfig | None = None,
+                explicit_name: bool = False, scratch_dir: str, uploader_uid: int | None = None,
+                job_id: str | None = None) -> PreparedJob:
+    """:func:`run_job`'s dataset stage: the model name's checks, the store's, the dataset read (a
+    matrix over the budget converted into ``scratch_dir``), its sidecar's incidents and
+    ``exclude_flagged``, and the device plan. Raises JobError (stage dataset, store or health)."""
+    options = options or cfg.dataset
+    model_name = name or dataset_stem(source_name or path)
+    try:
+        check_model_name(cfg.models_dir, safe_model_name(model_name), source_name or os.path.basename(path),
+                         explicit_name, uploader_uid)
+    except StoreError as e:
+        raise JobError("dataset", f"{source_name or path}: {e}", e) from e
+    _check_store_writable(cfg.models_dir)  # before spending the training, not after
+    try:
+        limits = DatasetLimits.from_config(cfg.job, cfg.spool.max_dataset_bytes, stream_large_npy=True,
+                                           spill_dir=scratch_dir, base_bytes=data_segment_bytes(),
+                                           refuse_constant=True)
+        ds = load_dataset(path, limits, options)
+        past = [r for r in options.incidents if r[1] > ds.rows]  # checked before training, not at the gate
+        if past:
+            raise DatasetError(f"{source_name or path}: the sidecar's incidents {list(past[0])} are past the dataset's "
+                               f"{ds.rows} data rows (rows are 1-based, in the order the dataset holds them)")
+        excluded, held_rows = (exclude_flagged(ds, cfg.models_dir, model_name, cfg.retrain.exclude_margin,
+                                               cfg.retrain.exclude_max_rows, hold_back=job_id is not None)
+                               if options.exclude_flagged else (None, None))  # the gate runs for daemon jobs only
+        names = named_metrics(ds, options)
+        sha = sha256 or file_sha256(path)
+    except (DatasetError, SpillError, ValueError) as e:
+        raise JobError("dataset", str(e), e) from e
+    try:
+        plan = plan or plan_device(cfg.device, cfg.amp, tf32=cfg.tf32)
+    except DeviceError as e:
+        raise JobError("health", str(e), e) from e
+    return PreparedJob(path=path, model_name=model_name, options=options, ds=ds, sha=sha, names=names,
+                       excluded=excluded, held_rows=held_rows, plan=plan)
+
+
+def store_job(prep: PreparedJob, result: TrainResult, cfg: Config, *, health: dict | None = None,
+              job_id: str | None = None, source_name: str | None = None, explicit_name: bool = False,
+              uploader_uid: int | None = None, extra_metadata: dict | None = None, held_back_path: str | None = None,
+              distributed: bool = False, on_stage: Callable[[str], None] | None = None) -> JobResult:
+    """:func:`run_job`'s end: metadata.json (with the promotion gate's verdict for a daemon job),
+    then the model saved under ``cfg.models_dir`` (stage store); return the JobResult.
+    ``distributed``: ``result`` came from several processes (metadata.json's ``distributed``)."""
+    ds, model_name = prep.ds, prep.model_name
+    metadata = build_metadata(ds, prep.sha, result, cfg, health, prep.options)
+    metadata["job_id"] = job_id
+    extra = dict(extra_metadata or {})
+    reads_as = extra.pop("reads_as", None)
+    metadata.update(extra, excluded=extra.get("excluded", prep.excluded))
+    if reads_as:  # a retraining reads and scores the model's data as the version it retrains does
+        metadata["dataset"].update(reads_as)
+    metadata["metric_names"] = prep.names  # alerts, results and score name the metrics
+    # the job process's peak resident memory so far (bytes; getrusage's ru_maxrss is in KiB on Linux)
+    metadata["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    metadata["name_explicit"] = explicit_name
+    # the model name's owner (check_model_name): the first uploader's uid, kept by every later version
+    first = (current_metadata(cfg.models_dir, model_name) or {}).get("uploader_uid")
+    exempt = uploader_uid in (None, 0, os.geteuid())  # root, the service (requeue), by hand: owns nothing
+    metadata["uploader_uid"] = first if isinstance(first, int) else (None if exempt else uploader_uid)
+    metadata["uploaded_by_uid"] = uploader_uid  # who dropped this version's file (None: ds-ops train)
+    metadata["distributed"] = result.extra if distributed else None
+    if source_name:
+        metadata["dataset"]["file"] = source_name
+    # The validation scores' histogram for report.png (warning-only, like the report)
+    try:
+        metadata["validation_scores"] = validation_summary(result, ds.data, ds.offset, cfg.train.val_fraction)
+    except Exception as e:  # noqa: BLE001 - a picture's data never fails a trained job
+        metadata["validation_scores"] = None
+        metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
+    if job_id is not None:  # a daemon job's version becomes current only past the gate
+        metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, prep.path, prep.held_rows,
+                                                 held_back_path, prep.options.incidents)
+    (on_stage or (lambda _s: None))("store")
+    # report.png is drawn into the version's hidden temporary directory, so it is
+    # published with the version by the same rename (a kill leaves no partial picture behind); a
+    # failure is a warning, never the job's
+    report_warnings: list[str | None] = []
+    try:
+        model_dir, metadata = save_model(cfg.models_dir, model_name, model_payload(result), metadata,
+                                         before_publish=lambda tmp: report_warnings.append(try_write_report(tmp)))
+    except StoreError as e:
+        err = JobError("store", str(e), e)
+        err.errno = e.errno
+        raise err from e
+    report_warning = report_warnings[0] if report_warnings else None
+    metadata = dict(metadata, report_warning=report_warning)  # the caller's copy only, not metadata.json
+    return JobResult(model_dir=model_dir, result=result, dataset=ds, metadata=metadata,
+                     report_warning=report_warning)

@@ -43,7 +43,7 @@ from ..config.conffile import TrainConfig
 from ..health.device import DevicePlan
 from ..model.network import TelemetryAutoencoder, feature_errors
 from ..model.scaling import clip_inputs, fit_scaler, standardise
-from .common import EpochStats, TrainingError, TrainResult, batch_bounds, begin_run, make_optimizer, split_rows
+from .common import EpochStats, TrainingError, TrainingInterrupted, TrainResult, batch_bounds, begin_run, make_optimizer, split_rows
 from .fit import _NOTHING_CARRIED, _evaluate, _sums, finish_result, out_of_memory_reason
 from .stopping import Stopper, eval_subset
 
@@ -206,13 +206,16 @@ class StackOptimizer:
 
 def train_stacked(datasets: list[np.ndarray], cfg: TrainConfig, plan: DevicePlan, *,
                   offsets: list[np.ndarray | None] | None = None,
-                  on_epoch: Callable[[int, EpochStats], None] | None = None) -> list[TrainResult | TrainingError]:
+                  on_epoch: Callable[[int, EpochStats], None] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> list[TrainResult | TrainingError]:
     """Train one TelemetryAutoencoder per dataset, all in one stack; return each one's
     :class:`TrainResult` (or the TrainingError that failed it), in the order given.
 
     ``datasets``: K >= 1 arrays (rows, D) of one :func:`stack_key`; ``offsets``: each one's
     ``Dataset.offset`` (or None), as :func:`opt_ds_ops.training.fit.train`'s. ``on_epoch(k, stats)``
-    after each epoch of model k. Raises ValueError if the datasets cannot share a stack.
+    after each epoch of model k; ``should_stop()`` after each step: when it turns true the whole run
+    raises TrainingInterrupted without a checkpoint (every model trains again from its start).
+    Raises ValueError if the datasets cannot share a stack.
     """
     keys = {stack_key(d, cfg) for d in datasets}
     if not datasets or len(keys) != 1 or None in keys:
@@ -224,13 +227,13 @@ def train_stacked(datasets: list[np.ndarray], cfg: TrainConfig, plan: DevicePlan
     if plan.use_grad_scaler:
         raise ValueError("fp16 with a GradScaler cannot be stacked (one scale would skip every model's step)")
     try:
-        return _train_stacked(datasets, keys.pop(), cfg, plan, offsets, on_epoch)
+        return _train_stacked(datasets, keys.pop(), cfg, plan, offsets, on_epoch, should_stop)
     except torch.OutOfMemoryError as e:
         raise TrainingError(out_of_memory_reason(plan.device, "gpu", sum(d.nbytes for d in datasets) * 3, e)) from None
 
 
 def _train_stacked(datasets, key: tuple[int, int], cfg: TrainConfig, plan: DevicePlan, offsets,
-                   on_epoch) -> list[TrainResult | TrainingError]:
+                   on_epoch, should_stop) -> list[TrainResult | TrainingError]:
     """:func:`train_stacked`'s body, its arguments checked; ``key``: their (rows, width)."""
     started, t_start = begin_run(cfg, plan)
     device = plan.device
@@ -323,6 +326,8 @@ def _train_stacked(datasets, key: tuple[int, int], cfg: TrainConfig, plan: Devic
             losses.sum().backward()  # model k's weights get model k's own gradient
             optimizer.step()
             batch_loss[:, b] = losses.detach()
+            if should_stop is not None and should_stop():
+                raise TrainingInterrupted(None)
             for k in live:
                 stoppers[k].step()
             if not stoppers[live[0]].due():  # every model has run as many steps: due alike
