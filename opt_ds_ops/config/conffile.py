@@ -218,7 +218,8 @@ class DaemonConfig:
     (:mod:`opt_ds_ops.training.stacked`, :mod:`opt_ds_ops.daemon.jobstack`): those of the most common
     shape (rows x columns, in memory) train together, each with its own result, model, version and
     journal lines; the others, and all of them when fewer than two share a shape, go back to the
-    queue and train one job at a time. 0 or 1: never. A stack keeps no checkpoint.
+    queue and train one job at a time. 0 or 1: never. A stack keeps no checkpoint and takes one job
+    slot; it is claimed only when the oldest waiting file is small enough to join it.
     """
 
     max_jobs: str = _field("auto", _max_jobs_ok, "auto or an integer >= 1")

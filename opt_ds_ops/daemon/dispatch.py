@@ -64,6 +64,7 @@ class Dispatch:
     def __init__(self, daemon):
         self.d = daemon  # its queue, job records, running jobs, slots, watcher, journal
         self.claimed: list[str] = []  # job ids claimed by take(start=False), for take_stack
+        self.no_stacks = ""  # why this daemon claims no more stacks (its device cannot stack), or ""
 
     def take(self, name: str, gpu: dict | None = None, start: bool = True) -> bool:
         """Claim incoming/NAME and start its job (on ``gpu``, see :meth:`opt_ds_ops.daemon.slots.Slots.free_slot`),
@@ -130,9 +131,10 @@ class Dispatch:
     def stack_candidates(self, names: list[str]) -> list[str]:
         """Return the files of ``names`` (ready in incoming/) to claim as one stack: those of at most
         ``daemon.stack_max_bytes`` (lstat; a large file is never claimed early), none when fewer than
-        ``daemon.stack_min``."""
+        ``daemon.stack_min``, when the oldest is not one of them, or after a stack answered that this
+        host's device cannot stack (fp16 with a GradScaler: ``no_stacks``)."""
         cfg = self.d.cfg.daemon
-        if cfg.stack_max < 2 or len(names) < cfg.stack_min:
+        if cfg.stack_max < 2 or len(names) < cfg.stack_min or self.no_stacks:
             return []
         small = []
         for name in names:
@@ -142,6 +144,8 @@ class Dispatch:
                 continue
             if stat.S_ISREG(st.st_mode) and st.st_size <= cfg.stack_max_bytes:
                 small.append(name)
+        if not small or small[0] != names[0]:  # the oldest ready file first: a large one is never passed over
+            return []
         return small if len(small) >= cfg.stack_min else []
 
     def stackable(self, record: dict) -> bool:
@@ -173,8 +177,8 @@ class Dispatch:
         except Exception as e:  # noqa: BLE001 - not one job's fault: they stay queued and start one at a time
             if is_storage_error(e) or isinstance(e, SpoolError):
                 raise
-            self.d.log.event("internal-error", f"a stack of {len(together)} jobs did not start: {type(e).__name__}: {e}; "
-                             f"they train one at a time\n{traceback.format_exc()}", priority=LOG_ERR)
+            self.d.log.event("internal-error", f"starting a stack of {len(together)} jobs: {type(e).__name__}: {e}; "
+                             f"those not started train one at a time\n{traceback.format_exc()}", priority=LOG_ERR)
         return True
 
     def start_stack(self, job_ids: list[str], gpu: dict | None = None) -> None:
@@ -357,6 +361,8 @@ class Dispatch:
         at the head of the queue."""
         record.update(state="claimed", stage=None)
         record.pop("stacked", None)
+        if str(f.get("reason", "")).startswith("fp16 with a GradScaler"):  # so for every stack on this device
+            self.no_stacks = f["reason"]
         save_record(self.d.spool, record)
         self.d.log.event("job-stacked", f"{safe_text(record['dataset'])}: not trained in the stack: {safe_text(f.get('reason', ''))}; "
                        "it trains alone", **job_fields(record))

@@ -236,7 +236,7 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
         for job_id in job_ids:
             record = records[job_id]
             open_jobs[job_id] = {"path": spool.job_path(job_id, record["data_file"])}
-            stages[job_id] = "dataset"  # naming the job reads the user's sidecar: the dataset's stage
+            send(job_id, "stage", stage="dataset")  # naming the job reads the user's sidecar: the dataset's stage
             lock = lock_job(spool, job_id)
             if lock is None:
                 send(job_id, "failed", stage="recovery", reason="another process of this job still runs",
@@ -244,7 +244,7 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
                 continue
             locks[job_id] = lock
 
-        seen: dict[object, str] = {}  # model names and sha256s of the jobs begun: a second of either trains alone
+        seen: dict[str, str] = {}  # model name -> the job begun with it: a second one trains alone
 
         def begin(job_id: str) -> None:
             reading(job_id)
@@ -252,13 +252,10 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
             if begun is None:
                 return
             open_jobs[job_id].update(zip(("model_name", "explicit", "options"), begun))
-            keys = [("name", begun[0])] + ([("sha256", records[job_id]["sha256"])] if records[job_id].get("sha256") else [])
-            for key in keys:
-                if key in seen:  # alone, after the other: the owner's check and the duplicate rule see it
-                    send(job_id, "alone", reason=f"{records[seen[key]]['dataset']} of the same stack has the same "
-                         f"{'model name' if key[0] == 'name' else 'bytes'}")
-                    return
-            seen.update({key: job_id for key in keys})
+            if begun[0] in seen:  # alone, so that the name's owner check and the duplicate rule see the other's
+                send(job_id, "alone", reason=f"{records[seen[begun[0]]]['dataset']} of the same stack has the same model name")
+                return
+            seen[begun[0]] = job_id
 
         each(begin, job_ids)
         reading(None)
@@ -337,10 +334,9 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
             return stop_event.is_set()
 
         reporters = [throttled(lambda s, j=j: send(j, "epoch", **s.as_dict()), cfg.train) for j in together]
-        preps = [open_jobs[j]["prep"] for j in together]
         try:
-            results = train_stacked([np.asarray(p.ds.data) for p in preps], cfg.train, plan,
-                                    offsets=[p.ds.offset for p in preps],
+            results = train_stacked([np.asarray(open_jobs[j]["prep"].ds.data) for j in together], cfg.train, plan,
+                                    offsets=[open_jobs[j]["prep"].ds.offset for j in together],
                                     on_epoch=lambda k, s: reporters[k](s), should_stop=should_stop)
         except TrainingInterrupted:
             for job_id in together:
@@ -353,13 +349,20 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
 
         def store(job_id: str) -> None:
             job, record = open_jobs[job_id], records[job_id]
-            result = results[together.index(job_id)]
+            k = together.index(job_id)
+            result, results[k] = results[k], None  # each model and dataset let go once stored
             if isinstance(result, TrainingError):
                 raise JobError("training", f"{record['dataset']}: {result}", result)
-            saved = store_job(job["prep"], result, cfg, health=decision.report, job_id=job_id,
-                              source_name=record["dataset"], explicit_name=job["explicit"],
-                              uploader_uid=record.get("uploader_uid"),
-                              on_stage=lambda stage: send(job_id, "stage", stage=stage))
+            try:
+                saved = store_job(job["prep"], result, cfg, health=decision.report, job_id=job_id,
+                                  source_name=record["dataset"], explicit_name=job["explicit"],
+                                  uploader_uid=record.get("uploader_uid"),
+                                  on_stage=lambda stage: send(job_id, "stage", stage=stage))
+            except BaseException as e:  # noqa: BLE001 - out of memory beside the others: alone it may fit
+                if not (isinstance(e, MemoryError) or worker._out_of_memory(e)):
+                    raise
+                send(job_id, "alone", reason="out of memory beside the other datasets of its stack")
+                return
             send(job_id, "saved", metadata=saved.metadata)
 
         each(store, together)

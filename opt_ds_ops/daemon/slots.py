@@ -52,12 +52,14 @@ class Slots:
     def free_slot(self) -> tuple[bool, dict | None]:
         """Return (a job may start now, the GPU it gets: ``{"index", "uuid", "name"}`` or None).
 
+        A stack's jobs (:mod:`opt_ds_ops.daemon.jobstack`) share one process and count as one job.
         See the module docstring: one job per healthy GPU under ``max_jobs: auto``, N jobs spread
         over them under an integer N; no GPU (the job's own gate decides) on a pinned device, a
         host without a usable GPU reading (``auto``: 1 job, N: N jobs) or when every GPU fails (1 job).
         """
         limit = self.d.cfg.daemon.max_jobs_limit()
-        n = len(self.d.jobs)
+        running = list({id(getattr(j, "stack", j)): j for j in self.d.jobs.values()}.values())  # a stack's jobs: one
+        n = len(running)
         if any(j.nproc > 1 for j in self.d.jobs.values()):
             return False, None  # a distributed job has every GPU (or the CPUs) to itself
         if self.pinned():
@@ -68,9 +70,9 @@ class Slots:
         if healthy is None:  # no GPU here, or no answer from NVML
             return n < (limit or 1), None
         if not healthy:  # every GPU fails: one job at a time, its gate applies health.on_fail
-            return not any(j.gpu is None for j in self.d.jobs.values()), None
+            return not any(j.gpu is None for j in running), None
         counts = {g["uuid"]: 0 for g in healthy}
-        for j in self.d.jobs.values():
+        for j in running:
             if j.gpu is not None and j.gpu["uuid"] in counts:
                 counts[j.gpu["uuid"]] += 1
         candidates = [g for g in healthy if limit is not None or counts[g["uuid"]] == 0]

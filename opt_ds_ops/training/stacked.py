@@ -273,8 +273,8 @@ def _train_stacked(datasets, key: tuple[int, int], cfg: TrainConfig, plan: Devic
                                        t_start=t_start, placement="gpu" if device.type == "cuda" else "host",
                                        placement_note="", step_mode=f"stacked ({len(datasets)} models)")
         except (TrainingError, ValueError, RuntimeError) as e:  # this model's failure, not the stack's
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
+            if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+                raise  # the stack's memory, not this model's fault
             results[k] = e if isinstance(e, TrainingError) else TrainingError(f"{type(e).__name__}: {e}")
 
     def end_epoch(slots, epoch: int, done: int, batch_loss: torch.Tensor, t0: float) -> list[int]:

@@ -22,7 +22,7 @@ DEADLINE_S = 300  # a generous end for one test's jobs on a shared 2-core machin
 
 
 def start(tmp_path, monkeypatch, *, stack: str = "4", epochs: int = 3, batch_size: int = 128,
-          max_bytes: int = 8 * 1024**2):
+          max_bytes: int = 8 * 1024**2, max_jobs: str = "auto"):
     """Return (daemon, journal events sent, conffile path) on tmp_path: device cpu, stacks of 2 to ``stack``."""
     from opt_ds_ops.config.conffile import load_config
     from opt_ds_ops.daemon import service as daemon_mod
@@ -32,7 +32,8 @@ def start(tmp_path, monkeypatch, *, stack: str = "4", epochs: int = 3, batch_siz
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     conf = write_config(tmp_path, settle_s=0, epochs=epochs, batch_size=batch_size, quiet_s=0,
-                        extra=["daemon:", f"  stack_max: {stack}", "  stack_min: 2", f"  stack_max_bytes: {max_bytes}"])
+                        extra=["daemon:", f"  stack_max: {stack}", "  stack_min: 2", f"  stack_max_bytes: {max_bytes}",
+                               f"  max_jobs: {max_jobs}"])
     cfg = load_config(str(conf))
     sent: list[dict] = []
     log = EventLog(journal=False, stream=io.StringIO())
@@ -224,3 +225,19 @@ def test_a_stop_interrupts_every_job_of_the_stack_and_keeps_no_checkpoint(tmp_pa
         assert r["state"] == "interrupted", r
     assert not any(p.name.startswith("checkpoint") for p in (spool_dir(tmp_path, "processing")).rglob("*"))
     assert done_names(tmp_path) == set() and failed_names(tmp_path) == set()
+
+
+def test_a_stack_takes_one_job_slot(tmp_path, monkeypatch):
+    """max_jobs 2: a stack of three jobs is one process, so a file dropped later starts beside it."""
+    from opt_ds_ops.daemon.jobstack import StackMember
+    from opt_ds_ops.daemon.worker import JobProcess
+
+    d, sent, _conf = start(tmp_path, monkeypatch, epochs=100_000, batch_size=16, max_jobs="2")
+    for i, name in enumerate(NAMES):
+        drop(tmp_path, name, 400, i)
+    run(d, lambda: all((job_record(tmp_path, n) or {}).get("stage") == "training" for n in NAMES), sent,
+        tmp_path=tmp_path)
+    drop(tmp_path, "later.csv", 300, 7)
+    run(d, lambda: any(isinstance(j, JobProcess) for j in d.jobs.values()), sent, tmp_path=tmp_path)
+    assert sum(isinstance(j, StackMember) for j in d.jobs.values()) == 3, list(d.jobs)
+    stop_in_process(d)
