@@ -200,8 +200,9 @@ class Dispatch:
                           epochs=self.d.cfg.train.epochs, stage="health", stacked=len(job_ids))
             save_record(self.d.spool, record)
         first = self.d.records[job_ids[0]]
-        self.d.log.event("job-stacked", f"{len(job_ids)} datasets train in one job process as one stacked model "
-                       f"(daemon.stack_max): {', '.join(safe_text(self.d.records[j]['dataset']) for j in job_ids[:8])}"
+        self.d.log.event("job-stacked", f"{len(job_ids)} datasets claimed together into one job process; those of one "
+                       "shape train as one stacked model, the others alone (daemon.stack_max): "
+                       f"{', '.join(safe_text(self.d.records[j]['dataset']) for j in job_ids[:8])}"
                        f"{', ...' if len(job_ids) > 8 else ''}", stacked=len(job_ids), **job_fields(first))
         self.d.notifier.status(self.d.duties.busy_status())
         self.d.duties.write_metrics()

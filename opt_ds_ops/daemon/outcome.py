@@ -73,6 +73,7 @@ def result_doc(record: dict, metadata: dict) -> dict:
         "gpu_index": record.get("gpu_index"),
         "gpu_uuid": record.get("gpu_uuid"),
         "distributed": metadata.get("distributed"),  # {"world_size", "backend"} of a torchrun job, else None
+        "step_mode": metadata.get("step_mode"),  # how it trained: "stacked (K models)" in a stack of K
         # None when this version became current; else why current stayed where it was (the operator's
         # hold after a rollback or pin, store.promote's gate): the journal's "not made current: ..."
         "not_current": metadata.get("not_current"),

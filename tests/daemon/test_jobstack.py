@@ -92,9 +92,10 @@ def test_waiting_files_of_one_shape_train_as_one_stack_each_as_it_would_alone(tm
         md = metadata(tmp_path, name)
         assert md["step_mode"] == "stacked (3 models)", md["step_mode"]
         assert md["dataset"]["file"] == name and md["job_id"]
+        assert read_json(spool_dir(tmp_path, "done") / f"{name}.result.json")["step_mode"] == "stacked (3 models)"
     assert metadata(tmp_path, "odd.csv")["step_mode"] != "stacked (3 models)"
     messages = [e["MESSAGE"] for e in sent]
-    assert any("4 datasets train in one job process as one stacked model" in m for m in messages), messages
+    assert any(m.startswith("4 datasets claimed together into one job process") for m in messages), messages
     assert any(m.startswith("odd.csv: not trained in the stack: no other dataset of its shape (300 rows x 4 columns)")
                for m in messages), messages
     saved = [e for e in sent if e["MESSAGE"].startswith(tuple(f"{n}: model saved to" for n in names))]
@@ -138,7 +139,7 @@ def test_a_bad_file_in_a_stack_fails_alone_and_the_others_are_saved(tmp_path, mo
     assert metadata(tmp_path, "a.csv")["step_mode"] == "stacked (2 models)"
     err = read_json(spool_dir(tmp_path, "failed") / "bad.csv.error.json")
     assert err["stage"] == "dataset", err
-    started = [e["MESSAGE"] for e in sent if "datasets train in one job process" in e["MESSAGE"]]
+    started = [e["MESSAGE"] for e in sent if "datasets claimed together into one job process" in e["MESSAGE"]]
     assert len(started) == 1 and started[0].startswith("3 datasets") and "bad.csv" in started[0], started
 
 
