@@ -188,30 +188,38 @@ def test_a_stack_that_dies_while_training_counts_one_crash_each_and_they_train_a
 
 
 def test_a_death_while_one_dataset_is_read_counts_against_that_job_alone(tmp_path, monkeypatch):
-    """The stack's process dies while it reads big.csv (a stand-in for a file that crashes the
-    parser): big.csv counts the crash; the others were not being read and are handed back, crash-free."""
+    """The stack's process dies while it reads big.csv.gz (a stand-in for a file that crashes the
+    parser): big counts the crash; the others were not being read and are handed back, crash-free."""
+    import gzip
+
     from opt_ds_ops.daemon.jobstack import StackMember
 
-    d, sent, _conf = start(tmp_path, monkeypatch, max_bytes=64 * 1024**2)
+    d, sent, _conf = start(tmp_path, monkeypatch, max_jobs="2", max_bytes=64 * 1024**2)
+    block = "".join(f"{r[0]:.4f},{r[1]:.4f},{r[2]:.4f},{r[3]:.4f}\n" for r in np.random.default_rng(9).normal(size=(1000, 4)))
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    with gzip.open(stage / "big.csv.gz", "wt", compresslevel=1) as f:
+        for _ in range(3000):  # 3 million rows: a second or more to read, a small file to drop
+            f.write(block)
     for i, name in enumerate(["a.csv", "b.csv"]):
         drop(tmp_path, name, 400, i)
-    drop(tmp_path, "big.csv", 300_000, 9)  # about 20 MB of text: seconds to read
+    os.rename(stage / "big.csv.gz", spool_dir(tmp_path, "incoming") / "big.csv.gz")  # all three wait together
     d.watcher.scan()
     deadline = time.monotonic() + DEADLINE_S
     big = None
     while big is None:
         assert time.monotonic() < deadline, [e["MESSAGE"] for e in sent]
         d._tick()
-        stacks = {m.stack for m in d.jobs.values() if isinstance(m, StackMember)}
-        for stack in stacks:
-            reading = stack.reading and d.records[stack.reading]["dataset"]
-            if reading == "big.csv":
+        for stack in {m.stack for m in d.jobs.values() if isinstance(m, StackMember)}:
+            if stack.reading and d.records[stack.reading]["dataset"] == "big.csv.gz":
                 big = stack
     os.kill(big.proc.pid, signal.SIGKILL)
-    run(d, lambda: done_names(tmp_path) == {"a.csv", "b.csv", "big.csv"}, sent, tmp_path=tmp_path)
-    d.watcher.stop()
-    crashes = {n: read_json(spool_dir(tmp_path, "done") / f"{n}.result.json")["crashes"] for n in ("a.csv", "b.csv", "big.csv")}
-    assert crashes == {"a.csv": 0, "b.csv": 0, "big.csv": 1}, crashes
+    run(d, lambda: {"a.csv", "b.csv"} <= done_names(tmp_path) and (job_record(tmp_path, "big.csv.gz") or {}).get("crashes"),
+        sent, tmp_path=tmp_path)
+    crashes = {n: read_json(spool_dir(tmp_path, "done") / f"{n}.result.json")["crashes"] for n in ("a.csv", "b.csv")}
+    assert crashes == {"a.csv": 0, "b.csv": 0}, crashes
+    assert job_record(tmp_path, "big.csv.gz")["crashes"] == 1
+    stop_in_process(d)
 
 
 def test_a_stop_interrupts_every_job_of_the_stack_and_keeps_no_checkpoint(tmp_path, monkeypatch):
