@@ -186,19 +186,12 @@ class Dispatch:
         each a job of its own in ``Daemon.jobs`` and in ``ds-ops status``."""
         from .jobstack import StackProcess
 
-        slot = min(set(range(len(self.d.jobs) + 1)) - {j.slot for j in self.d.jobs.values()})
         stack = StackProcess(self.d.spool.root, job_ids, self.d.records, job_config(self.d.cfg, self.d.slots.memory_budget()),
-                             self.d.mp_context, self.d.gate, gpu=gpu, slot=slot)
+                             self.d.mp_context, self.d.gate, gpu=gpu, slot=self._free_slot_number())
         self.d.jobs.update(stack.members)  # watched from here on, whatever happens below
         self.d.pending = [j for j in self.d.pending if j not in job_ids]
         for job_id in job_ids:
-            record = self.d.records[job_id]
-            if gpu is not None:
-                record.update(gpu_index=gpu["index"], gpu_uuid=gpu["uuid"])
-            record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()),
-                          job_pid=stack.proc.pid, boot_id=boot_id(), started_at=utc_now(),
-                          epochs=self.d.cfg.train.epochs, stage="health", stacked=len(job_ids))
-            save_record(self.d.spool, record)
+            self._running(self.d.records[job_id], stack.proc.pid, gpu, stacked=len(job_ids))
         first = self.d.records[job_ids[0]]
         self.d.log.event("job-stacked", f"{len(job_ids)} datasets claimed together into one job process; those of one "
                        "shape train as one stacked model, the others alone (daemon.stack_max): "
@@ -279,24 +272,31 @@ class Dispatch:
                                f">= daemon.distributed_min_bytes: trains alone with {nproc} processes under "
                                f"torchrun, on {on} (in one process if its data streams, being over "
                                "job.max_matrix_bytes, or train.input_window > 1)", **job_fields(record))
-        slot = min(set(range(len(self.d.jobs) + 1)) - {j.slot for j in self.d.jobs.values()})
         job = worker.JobProcess(self.d.spool.root, job_id, record, job_config(self.d.cfg, self.d.slots.memory_budget(nproc)),
                                 self.d.mp_context, self.d.gate,
-                                gpu=gpu, slot=slot, nproc=nproc, gpus=gpus)
+                                gpu=gpu, slot=self._free_slot_number(), nproc=nproc, gpus=gpus)
         self.d.jobs[job_id] = job
-        if gpu is not None:
-            record.update(gpu_index=gpu["index"], gpu_uuid=gpu["uuid"])
+        extra = {}
         if nproc > 1:
-            record["nproc"] = nproc
+            extra["nproc"] = nproc
             if gpus:
-                record.update(gpu_index=",".join(str(g["index"]) for g in gpus),
-                              gpu_uuid=",".join(g["uuid"] for g in gpus))
-        record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()),  # ds-ops status
-                      job_pid=job.proc.pid, boot_id=boot_id(),
-                      started_at=utc_now(), epochs=self.d.cfg.train.epochs, stage="health")
-        save_record(self.d.spool, record)
+                extra.update(gpu_index=",".join(str(g["index"]) for g in gpus), gpu_uuid=",".join(g["uuid"] for g in gpus))
+        self._running(record, job.proc.pid, gpu, **extra)
         self.d.notifier.status(self.d.duties.busy_status())
         self.d.duties.write_metrics()
+
+    def _free_slot_number(self) -> int:
+        """The lowest slot number (the metrics' ``slot`` label) no running job holds."""
+        return min(set(range(len(self.d.jobs) + 1)) - {j.slot for j in self.d.jobs.values()})
+
+    def _running(self, record: dict, job_pid: int, gpu: dict | None, **extra) -> None:
+        """Record that the job runs in process ``job_pid`` (on ``gpu``), for ``ds-ops status`` and a
+        restarted daemon; ``extra``: more fields of the record (a distributed job's ranks and GPUs)."""
+        if gpu is not None:
+            record.update(gpu_index=gpu["index"], gpu_uuid=gpu["uuid"])
+        record.update(state="running", pid=os.getpid(), pid_start=process_start_ticks(os.getpid()), job_pid=job_pid,
+                      boot_id=boot_id(), started_at=utc_now(), epochs=self.d.cfg.train.epochs, stage="health", **extra)
+        save_record(self.d.spool, record)
 
 
     def watch_jobs(self) -> bool:
@@ -362,7 +362,7 @@ class Dispatch:
         at the head of the queue."""
         record.update(state="claimed", stage=None)
         record.pop("stacked", None)
-        if str(f.get("reason", "")).startswith("fp16 with a GradScaler"):  # so for every stack on this device
+        if f.get("device_cannot_stack"):  # so for every stack on this device
             self.no_stacks = f["reason"]
         save_record(self.d.spool, record)
         self.d.log.event("job-stacked", f"{safe_text(record['dataset'])}: not trained in the stack: {safe_text(f.get('reason', ''))}; "

@@ -191,6 +191,7 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
 
     from ..health.policy import gate_job
     from ..spool import Spool, load_checkpoint, lock_job
+    from ..training.common import is_out_of_memory
     from ..training.fit import GPU_HEADROOM_BYTES, TrainingError, TrainingInterrupted
     from ..training.job import JobError, prepare_job, store_job
     from ..training.stacked import stack_key, train_stacked
@@ -263,27 +264,17 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
             return
         for job_id in open_jobs:
             send(job_id, "stage", stage="health")
-        import torch
-
-        if gpu is not None and torch.cuda.is_initialized():  # CUDA_VISIBLE_DEVICES would be ignored
+        if (unbound := worker.gpu_unbound(gpu)) is not None:
             for job_id in list(open_jobs):
-                send(job_id, "failed", stage="health", reason=f"CUDA was initialised before the job could be limited "
-                     f"to GPU {gpu['index']} ({gpu['uuid']}); not training on a GPU it was not given",
-                     type="JobGpuUnbound", transient=True)
+                send(job_id, "failed", **unbound)
             return
         decision = (gate or gate_job)(cfg, GPU_HEADROOM_BYTES)
         plan = decision.plan
         for job_id in list(open_jobs):
-            send(job_id, "health", action=decision.action, reason=decision.reason, report=decision.report,
-                 device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None,
-                 describe=plan.describe() if plan else "", plan_reason=plan.reason if plan else "")
-            if decision.action == "defer":
-                send(job_id, "deferred", reason=decision.reason or "health gate deferred the job")
-            elif decision.action != "run" or plan is None:
-                send(job_id, "failed", stage="health", reason=decision.reason or f"health gate answered "
-                     f"{decision.action!r}", type="HealthRefused", report=decision.report)
-            elif plan.use_grad_scaler:
-                send(job_id, "alone", reason="fp16 with a GradScaler cannot be stacked")
+            if not worker.gate_verdict(decision, lambda kind, **f: send(job_id, kind, **f)):
+                continue
+            if plan.use_grad_scaler:  # so for every stack on this device: the daemon claims no more
+                send(job_id, "alone", reason="fp16 with a GradScaler cannot be stacked", device_cannot_stack=True)
             elif load_checkpoint(spool, job_id)[0] is not None:
                 send(job_id, "alone", reason="it has a checkpoint to resume")
             else:  # the gate has answered: each waits to be read (the daemon's health timeout is over)
@@ -303,7 +294,7 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
             try:
                 prepare(job_id)
             except BaseException as e:  # noqa: BLE001 - out of memory beside the others: alone it may fit
-                if not (isinstance(e, MemoryError) or worker._out_of_memory(e)):
+                if not is_out_of_memory(e):
                     raise
                 send(job_id, "alone", reason="out of memory beside the other datasets of its stack")
 
@@ -359,7 +350,7 @@ def stack_main(conn, stop_event, spool_root: str, job_ids: list[str], records: d
                                   uploader_uid=record.get("uploader_uid"),
                                   on_stage=lambda stage: send(job_id, "stage", stage=stage))
             except BaseException as e:  # noqa: BLE001 - out of memory beside the others: alone it may fit
-                if not (isinstance(e, MemoryError) or worker._out_of_memory(e)):
+                if not is_out_of_memory(e):
                     raise
                 send(job_id, "alone", reason="out of memory beside the other datasets of its stack")
                 return

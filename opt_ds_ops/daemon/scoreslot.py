@@ -52,7 +52,8 @@ def score_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg
     ``gpu``, ``nproc`` and ``gpus`` are unused: scoring runs on the CPU): score processing/JOB's
     copy, then send one final message, ``scored`` with the summary or ``failed`` with the stage
     and reason (``transient`` for a job lock still held, ``errno`` for a storage error)."""
-    from .worker import _die_with_parent, _limit_memory, _out_of_memory
+    from ..training.common import is_out_of_memory
+    from .worker import _die_with_parent, _limit_memory
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -90,7 +91,7 @@ def score_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg
             return
         send("scored", summary=summary)
     except BaseException as e:  # noqa: BLE001 - everything is reported; the daemon decides
-        reason = (f"out of memory while scoring ({type(e).__name__})" if _out_of_memory(e)
+        reason = (f"out of memory while scoring ({type(e).__name__})" if is_out_of_memory(e)
                   else f"unexpected {type(e).__name__}: {e}")
         send("failed", stage=STAGE, reason=reason, type=type(e).__name__, errno=getattr(e, "errno", None),
              traceback=traceback.format_exc())

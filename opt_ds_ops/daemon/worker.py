@@ -187,11 +187,6 @@ def _limit_memory(limit_bytes: int) -> None:
         pass
 
 
-def _out_of_memory(e: BaseException) -> bool:
-    text = str(e)
-    return isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
-
-
 def name_job(spool, job_id: str, record: dict, cfg):
     """Return (model name, explicit, dataset options) of a daemon job: its sidecar (the job
     directory's copy, ``sidecar.yaml``) parsed over the conffile's ``dataset:``, its ``name:`` or
@@ -266,18 +261,47 @@ def begin_job(spool, job_id: str, record: dict, cfg, send) -> tuple | None:
     return model_name, explicit, options
 
 
+def gpu_unbound(gpu: dict | None) -> dict | None:
+    """The ``failed`` message's fields when CUDA was initialised before the job process could be
+    limited to ``gpu`` (``CUDA_VISIBLE_DEVICES`` would be ignored), else None."""
+    import torch
+
+    if gpu is None or not torch.cuda.is_initialized():
+        return None
+    return dict(stage="health", reason=f"CUDA was initialised before the job could be limited to GPU {gpu['index']} "
+                f"({gpu['uuid']}); not training on a GPU it was not given", type="JobGpuUnbound", transient=True)
+
+
+def gate_verdict(decision, send) -> bool:
+    """Send the health gate's ``decision`` (``health``) and, when it does not let the job run, the
+    job's final message (``deferred`` or ``failed``); return True when the job may run."""
+    plan = decision.plan
+    send("health", action=decision.action, reason=decision.reason, report=decision.report,
+         device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None,
+         describe=plan.describe() if plan else "", plan_reason=plan.reason if plan else "")
+    if decision.action == "defer":
+        send("deferred", reason=decision.reason or "health gate deferred the job")
+        return False
+    if decision.action != "run" or plan is None:
+        send("failed", stage="health", reason=decision.reason or f"health gate answered {decision.action!r}",
+             type="HealthRefused", report=decision.report)
+        return False
+    return True
+
+
 def failure(e: BaseException, stage: str, path: str, name: str, cfg, memory_max: int) -> dict:
     """The fields of the ``failed`` message for exception ``e`` raised in ``stage`` of a job whose
     dataset ``name`` the job process reads at ``path`` (the path is never shown: the name is):
     a JobError's own stage and words, an out-of-memory error's limit, else the exception and its
     traceback."""
     from ..dataset import dataset_stem
+    from ..training.common import is_out_of_memory
     from ..training.job import JobError
 
     if isinstance(e, JobError):
         reason = str(e).replace(path, name).replace(f" {dataset_stem(path)}.yaml ", f" {dataset_stem(name)}.yaml ")
         return dict(stage=e.stage, reason=reason, type=e.cause_type, errno=e.errno)
-    if _out_of_memory(e):
+    if is_out_of_memory(e):
         reason = (f"out of memory in stage {stage} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                   f"the job may use job.memory_max = {cfg.job.memory_max} ({memory_max} bytes)")
     else:
@@ -335,24 +359,12 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
             return
         model_name, explicit, options = begun
         on_stage("health")
-        import torch
-
-        if gpu is not None and torch.cuda.is_initialized():  # CUDA_VISIBLE_DEVICES would be ignored
-            send("failed", stage="health", reason=f"CUDA was initialised before the job could be limited to GPU "
-                 f"{gpu['index']} ({gpu['uuid']}); not training on a GPU it was not given", type="JobGpuUnbound",
-                 transient=True)
+        if (unbound := gpu_unbound(gpu)) is not None:
+            send("failed", **unbound)
             return
         decision = (gate or gate_job)(cfg, GPU_HEADROOM_BYTES)
         plan = decision.plan
-        send("health", action=decision.action, reason=decision.reason, report=decision.report,
-             device=str(plan.device) if plan else None, amp_dtype=plan.amp_name if plan else None,
-             describe=plan.describe() if plan else "", plan_reason=plan.reason if plan else "")
-        if decision.action == "defer":
-            send("deferred", reason=decision.reason or "health gate deferred the job")
-            return
-        if decision.action != "run" or plan is None:
-            send("failed", stage="health", reason=decision.reason or f"health gate answered {decision.action!r}",
-                 type="HealthRefused", report=decision.report)
+        if not gate_verdict(decision, send):
             return
         resume = None
         obj, why = load_checkpoint(spool, job_id)

@@ -50,6 +50,13 @@ def load_resume(resume: dict, n: int, model, optimizer, scaler, *, streamed: boo
                                  f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """True for an out-of-memory error: Python's MemoryError, or torch's on the CPU ("can't allocate
+    memory", a RuntimeError) or a GPU ("out of memory")."""
+    text = str(e)
+    return isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
+
+
 class TrainingInterrupted(Exception):
     """Raised when ``should_stop()`` turned true; ``checkpoint`` resumes the job exactly (see
     :func:`train`), or is None (a distributed run, :func:`opt_ds_ops.training.distributed.train_distributed`,

@@ -43,7 +43,10 @@ from ..config.conffile import TrainConfig
 from ..health.device import DevicePlan
 from ..model.network import TelemetryAutoencoder, feature_errors
 from ..model.scaling import clip_inputs, fit_scaler, standardise
-from .common import EpochStats, TrainingError, TrainingInterrupted, TrainResult, batch_bounds, begin_run, make_optimizer, split_rows
+from .common import (
+    EpochStats, TrainingError, TrainingInterrupted, TrainResult, batch_bounds, begin_run, is_out_of_memory, make_optimizer,
+    split_rows
+)
 from .fit import _NOTHING_CARRIED, _evaluate, _sums, finish_result, out_of_memory_reason
 from .stopping import Stopper, eval_subset
 
@@ -273,7 +276,7 @@ def _train_stacked(datasets, key: tuple[int, int], cfg: TrainConfig, plan: Devic
                                        t_start=t_start, placement="gpu" if device.type == "cuda" else "host",
                                        placement_note="", step_mode=f"stacked ({len(datasets)} models)")
         except (TrainingError, ValueError, RuntimeError) as e:  # this model's failure, not the stack's
-            if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+            if isinstance(e, torch.OutOfMemoryError) or is_out_of_memory(e):
                 raise  # the stack's memory, not this model's fault
             results[k] = e if isinstance(e, TrainingError) else TrainingError(f"{type(e).__name__}: {e}")
 
