@@ -253,6 +253,45 @@ def copy_smd(dest: Path) -> Path:
     return dest
 
 
+def in_process_daemon(conf: Path, gate=None):
+    """Return (a Daemon of conffile ``conf`` run in this process, with its job processes spawned;
+    the journal events it sends, as dicts with MESSAGE): tick it with ``d._tick()``. ``gate``
+    replaces the job processes' health gate (tests/fakes/scripted_gate.py)."""
+    import io
+    import multiprocessing
+
+    from opt_ds_ops.config.conffile import load_config
+    from opt_ds_ops.daemon import service as daemon_mod
+    from opt_ds_ops.daemon.notify import Notifier
+    from opt_ds_ops.observe.journal import EventLog
+    from opt_ds_ops.spool import open_spool
+
+    cfg = load_config(str(conf))
+    sent: list[dict] = []
+    log = EventLog(journal=False, stream=io.StringIO())
+    log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
+    d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(conf),
+                          mp_context=multiprocessing.get_context("spawn"), gate=gate)
+    return d, sent
+
+
+def tick_until(d, until, sent: list[dict], look=lambda: None, *, no_failures_in: Path | None = None,
+               deadline_s: float = 300) -> list:
+    """Tick an in-process daemon (:func:`in_process_daemon`) until ``until()``, asserting it ends
+    within deadline_s seconds (the journal's lines shown if not) and, given ``no_failures_in`` (a
+    test's root), that nothing lands in its failed/; return ``look()`` after each tick."""
+    d.watcher.scan()
+    seen = []
+    deadline = time.monotonic() + deadline_s
+    while not until():
+        assert time.monotonic() < deadline, [e["MESSAGE"] for e in sent]
+        d._tick()
+        if no_failures_in is not None:
+            assert not failed_names(no_failures_in), [e["MESSAGE"] for e in sent]
+        seen.append(look())
+    return seen
+
+
 def stop_in_process(d, deadline_s: float = 300) -> None:
     """Ask an in-process Daemon to stop (as its SIGTERM handler does), tick it until its jobs have
     ended (asserting they do within deadline_s seconds), then stop its watcher."""

@@ -16,7 +16,9 @@ import time
 
 import numpy as np
 
-from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, stop_in_process, write_config
+from daemon_kit import (
+    done_names, in_process_daemon, job_record, read_json, spool_dir, stop_in_process, tick_until, write_config
+)
 
 DEADLINE_S = 300  # a generous end for one test's jobs on a shared 2-core machine (not a measurement)
 
@@ -24,23 +26,11 @@ DEADLINE_S = 300  # a generous end for one test's jobs on a shared 2-core machin
 def start(tmp_path, monkeypatch, *, epochs: int = 2, batch_size: int = 256, nproc: str = "2"):
     """Return (daemon, journal events sent) on tmp_path: device cpu, max_jobs 2, datasets of at
     least 40,000 bytes on ``nproc`` processes."""
-    from opt_ds_ops.daemon import service as daemon_mod
-    from opt_ds_ops.config.conffile import load_config
-    from opt_ds_ops.observe.journal import EventLog
-    from opt_ds_ops.daemon.notify import Notifier
-    from opt_ds_ops.spool import open_spool
-
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     conf = write_config(tmp_path, settle_s=0, epochs=epochs, batch_size=batch_size, quiet_s=0,
                         extra=["daemon:", "  max_jobs: 2", "  distributed_min_bytes: 40000",
                                f"  distributed_nproc: {nproc}"])
-    cfg = load_config(str(conf))
-    sent: list[dict] = []
-    log = EventLog(journal=False, stream=io.StringIO())
-    log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
-    d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(conf),
-                          mp_context=multiprocessing.get_context("spawn"))
-    return d, sent
+    return in_process_daemon(conf)
 
 
 def drop(tmp_path, name: str, rows: int, seed: int = 0) -> int:
@@ -52,15 +42,8 @@ def drop(tmp_path, name: str, rows: int, seed: int = 0) -> int:
 
 def run(d, tmp_path, until, sent) -> list[list[tuple[str, int]]]:
     """Tick the daemon until ``until()``; return, after each tick, the (dataset, processes) of every job it held."""
-    d.watcher.scan()
-    seen = []
-    deadline = time.monotonic() + DEADLINE_S
-    while not until():
-        assert time.monotonic() < deadline, [e["MESSAGE"] for e in sent]
-        d._tick()
-        assert not failed_names(tmp_path), [e["MESSAGE"] for e in sent]
-        seen.append(sorted((d.records[j.job_id]["dataset"], j.nproc) for j in d.jobs.values()))
-    return seen
+    return tick_until(d, until, sent, lambda: sorted((d.records[j.job_id]["dataset"], j.nproc) for j in d.jobs.values()),
+                      no_failures_in=tmp_path, deadline_s=DEADLINE_S)
 
 
 def metadata(tmp_path, name: str) -> dict:

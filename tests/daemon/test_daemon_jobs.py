@@ -21,7 +21,9 @@ import time
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, stop_in_process, write_config
+from daemon_kit import (
+    done_names, failed_names, in_process_daemon, job_record, read_json, spool_dir, stop_in_process, write_config
+)
 from fakes import scripted_gate
 from fakes.fake_pynvml import FakeNvml, install
 from fakes.scripted_gate import GPU_UUIDS
@@ -34,12 +36,6 @@ def start(tmp_path, monkeypatch, nvml: FakeNvml, *, max_jobs: str | None = None,
           batch_size: int = 2048, extra: list[str] | None = None, barrier: int = 0, env: dict | None = None):
     """Return (daemon, journal events sent) for a daemon on tmp_path with ``device: auto`` and
     ``amp: off``, NVML answered by ``nvml`` in this process and its jobs' gate ``slot_gate``."""
-    from opt_ds_ops.daemon import service as daemon_mod
-    from opt_ds_ops.config.conffile import load_config
-    from opt_ds_ops.observe.journal import EventLog
-    from opt_ds_ops.daemon.notify import Notifier
-    from opt_ds_ops.spool import open_spool
-
     install(monkeypatch, nvml)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for key, value in (env or {}).items():
@@ -52,13 +48,7 @@ def start(tmp_path, monkeypatch, nvml: FakeNvml, *, max_jobs: str | None = None,
     lines += ["daemon:", f"  max_jobs: {max_jobs}"] if max_jobs else []
     conf = write_config(tmp_path, settle_s=0, epochs=epochs, batch_size=batch_size, quiet_s=0, extra=lines + (extra or []))
     conf.write_text(conf.read_text().replace("device: cpu", "device: auto\namp: 'off'"))
-    cfg = load_config(str(conf))
-    sent: list[dict] = []
-    log = EventLog(journal=False, stream=io.StringIO())
-    log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
-    d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(conf),
-                          mp_context=multiprocessing.get_context("spawn"), gate=scripted_gate.slot_gate)
-    return d, sent
+    return in_process_daemon(conf, gate=scripted_gate.slot_gate)
 
 
 def drop(tmp_path, *names: str, rows: int = 400) -> None:

@@ -7,16 +7,16 @@ own result, model and version, the same threshold as training its file alone, it
 
 from __future__ import annotations
 
-import io
 import json
-import multiprocessing
 import os
 import signal
 import time
 
 import numpy as np
 
-from daemon_kit import done_names, failed_names, job_record, read_json, spool_dir, stop_in_process, write_config
+from daemon_kit import (
+    done_names, failed_names, in_process_daemon, job_record, read_json, spool_dir, stop_in_process, tick_until, write_config
+)
 
 DEADLINE_S = 300  # a generous end for one test's jobs on a shared 2-core machine (not a measurement)
 
@@ -24,22 +24,11 @@ DEADLINE_S = 300  # a generous end for one test's jobs on a shared 2-core machin
 def start(tmp_path, monkeypatch, *, stack: str = "4", epochs: int = 3, batch_size: int = 128,
           max_bytes: int = 8 * 1024**2, max_jobs: str = "auto"):
     """Return (daemon, journal events sent, conffile path) on tmp_path: device cpu, stacks of 2 to ``stack``."""
-    from opt_ds_ops.config.conffile import load_config
-    from opt_ds_ops.daemon import service as daemon_mod
-    from opt_ds_ops.daemon.notify import Notifier
-    from opt_ds_ops.observe.journal import EventLog
-    from opt_ds_ops.spool import open_spool
-
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     conf = write_config(tmp_path, settle_s=0, epochs=epochs, batch_size=batch_size, quiet_s=0,
                         extra=["daemon:", f"  stack_max: {stack}", "  stack_min: 2", f"  stack_max_bytes: {max_bytes}",
                                f"  max_jobs: {max_jobs}"])
-    cfg = load_config(str(conf))
-    sent: list[dict] = []
-    log = EventLog(journal=False, stream=io.StringIO())
-    log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
-    d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(conf),
-                          mp_context=multiprocessing.get_context("spawn"))
+    d, sent = in_process_daemon(conf)
     return d, sent, conf
 
 
@@ -51,17 +40,9 @@ def drop(tmp_path, name: str, rows: int, seed: int) -> None:
 
 
 def run(d, until, sent, *, fail_ok: bool = False, tmp_path=None) -> list[list[str]]:
-    """Tick the daemon until ``until()``; return the job ids it held after each tick."""
-    d.watcher.scan()
-    seen = []
-    deadline = time.monotonic() + DEADLINE_S
-    while not until():
-        assert time.monotonic() < deadline, [e["MESSAGE"] for e in sent]
-        d._tick()
-        if not fail_ok:
-            assert not failed_names(tmp_path), [e["MESSAGE"] for e in sent]
-        seen.append(sorted(d.jobs))
-    return seen
+    """Tick the daemon until ``until()`` (nothing failed unless ``fail_ok``); return the job ids it held after each tick."""
+    return tick_until(d, until, sent, lambda: sorted(d.jobs), no_failures_in=None if fail_ok else tmp_path,
+                      deadline_s=DEADLINE_S)
 
 
 def metadata(tmp_path, name: str) -> dict:
