@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test fuzz bench bench-fleet soak fuzz-soak replay eval clean deb deb-deps lintian e2e
+.PHONY: venv demo test test-slow gpu-check-dry fuzz bench bench-fleet soak fuzz-soak replay eval clean deb deb-deps lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -24,8 +24,26 @@ demo: venv
 	    --labels $(SMD)/test_label/$(DEMO).txt.gz --output $(CURDIR)/build/$(DEMO).scores.csv \
 	    || test $$? -eq 3  # 3: rows flagged (the test period holds anomalies)
 
+# The unit and integration tests, in TEST_WORKERS processes (pytest-xdist; most tests wait on real
+# daemons and job processes, so more workers than cores pays; docs/development.md). The long runs
+# have their own targets: the tests of a minute or more (make test-slow), e2e (make e2e), the soaks
+# (make soak, make fuzz-soak), the GPU check's dry run (make gpu-check-dry); CI runs each once.
+# TEST_ARGS: more pytest arguments, e.g. TEST_ARGS='--durations=25'.
+TEST_WORKERS ?= 4
+TEST_ARGS ?=
 test: venv
-	$(BIN)/python -m pytest -q -m 'not e2e'
+	$(BIN)/python -m pytest -q -m 'not e2e and not slow and not soak and not gpu_check' \
+	    -n $(TEST_WORKERS) --dist worksteal $(TEST_ARGS)
+
+# The tests of a minute or more alone (marker slow): every shared SMD machine trained and scored,
+# a 2 GiB dataset streamed under a 1 GiB limit (about 2 minutes on 2 cores).
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow -n 2 $(TEST_ARGS)
+
+# scripts/gpu-check.sh's dry run on the CPU (GPU_CHECK_DEVICE=cpu), twice: every step passing, then
+# a failing one named (tests/test_gpu_check.py, about 2-4 minutes on 2 cores).
+gpu-check-dry: venv
+	$(BIN)/python -m pytest -q -m gpu_check tests/test_gpu_check.py
 
 # Coverage-guided fuzzing (atheris) of every reader: the datasets per format, sidecars, the conffile;
 # FUZZ_SECONDS per target (9 targets), findings kept in tests/fuzz/regressions (docs/development-fuzz.md).
@@ -48,18 +66,21 @@ bench-fleet: venv
 
 # Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py);
 # then 50 scored chunks that each open an incident, a SIGKILL in each: every incident entry said once (scripts/alert_soak.py).
-# SOAK_ARGS and ALERT_SOAK_ARGS size them (CI runs a smaller soak: .ci/run).
+# SOAK_ARGS and ALERT_SOAK_ARGS size them (CI runs a smaller soak: .ci/run). Both run as the tests
+# tests/test_soak.py::test_soak and ::test_alert_soak (marker soak), their output shown.
 SOAK_ARGS ?=
 ALERT_SOAK_ARGS ?=
 soak: venv
-	$(BIN)/python scripts/soak.py $(SOAK_ARGS)
-	$(BIN)/python scripts/alert_soak.py $(ALERT_SOAK_ARGS)
+	DS_OPS_SOAK_ARGS="$(SOAK_ARGS)" DS_OPS_ALERT_SOAK_ARGS="$(ALERT_SOAK_ARGS)" \
+	    $(BIN)/python -m pytest -s -q -p no:cacheprovider tests/test_soak.py::test_soak tests/test_soak.py::test_alert_soak
 
 # Daemon fuzz soak: 500 hostile items (corrupt files of every format, random sidecars, FIFOs,
 # links, foreign 0600 files, stalled writers, ...) and 30 good datasets while the daemon is SIGKILLed
-# 50 times (scripts/fuzz_soak.py, docs/development-soak.md). FUZZ_SOAK_ARGS: e.g. --seed 7.
+# 50 times (scripts/fuzz_soak.py, docs/development-soak.md). FUZZ_SOAK_ARGS: e.g. --seed 7. It runs as
+# the test tests/test_soak.py::test_fuzz_soak (marker soak), its output shown.
 fuzz-soak: venv
-	$(BIN)/python scripts/fuzz_soak.py $(FUZZ_SOAK_ARGS)
+	DS_OPS_FUZZ_SOAK_ARGS="$(FUZZ_SOAK_ARGS)" \
+	    $(BIN)/python -m pytest -s -q -p no:cacheprovider tests/test_soak.py::test_fuzz_soak
 
 # Detection quality: train and score every labelled machine, with both baselines (ds-ops evaluate).
 EVAL_SMD ?= $(if $(wildcard ../shared/data/smd/train),../shared/data/smd,$(SMD))

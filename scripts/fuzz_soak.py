@@ -740,7 +740,8 @@ def drain(dirs: dict[str, Path], good: set[str], daemon: Daemon, restart, stall_
 
 # ---- the run -----------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The fuzz soak's options (tests/test_soak.py reads the sizes a run was given from it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hostile", type=int, default=500, help="hostile items to drop")
     ap.add_argument("--kills", type=int, default=50)
@@ -754,6 +755,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--failed-retrains", type=int, default=None,
                     help="failed-retrain items among --hostile (default: one in 125, at least 1)")
     add_common_arguments(ap, seed=18, timeout_s=900.0, stall_s=120.0)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.hostile < 1 or args.good < 1 or args.kills < 0 or min(args.writers, args.hostile_writers, args.max_jobs) < 1:
         ap.error("--hostile, --good, --writers, --hostile-writers and --max-jobs must be >= 1, --kills >= 0")

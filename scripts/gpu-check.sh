@@ -28,8 +28,8 @@
 # Exit status: 0 every step passed (a skipped unit step is not a failure); 1 a step failed;
 # 3 no usable CUDA GPU or missing packages.
 # GPU_CHECK_DEVICE=cpu is the dry run on a machine without a GPU: the same steps on the CPU with a
-# 20,000-row synthetic file, 2 epochs and a 20,000-row benchmark (under a minute on 2 cores);
-# `make test` runs it (tests/test_gpu_check.py).
+# 20,000-row synthetic file, 2 epochs and a 20,000-row benchmark (1-2 minutes on 2 cores), every
+# time limit times GPU_CHECK_TIMEOUT_SCALE (5); `make gpu-check-dry` runs it (tests/test_gpu_check.py).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -71,6 +71,12 @@ fi
 DSOPS=("$PY" -m opt_ds_ops.cli)
 
 if [[ "$DEVICE" == cpu ]]; then ROWS=20000 EPOCHS=2 BENCH_ROWS=20000; else ROWS=1000000 EPOCHS=5 BENCH_ROWS=500000; fi
+# Every step's time limit is written for a GPU; the dry run multiplies them by GPU_CHECK_TIMEOUT_SCALE
+# (default 5 on the CPU: the shipped defaults' fp16 training alone took 63 s of its 60 s on a loaded
+# 2-core machine, fp16 autocast being emulated there), so a slow machine is not taken for a failed step.
+if [[ "$DEVICE" == cpu ]]; then TSCALE="${GPU_CHECK_TIMEOUT_SCALE:-5}"; else TSCALE="${GPU_CHECK_TIMEOUT_SCALE:-1}"; fi
+[[ "$TSCALE" =~ ^[1-9][0-9]*$ ]] || die "GPU_CHECK_TIMEOUT_SCALE must be a whole number >= 1, not '$TSCALE'"
+t() { echo $(($1 * TSCALE)); }  # a step's limit in seconds, scaled
 ROWS="${GPU_CHECK_ROWS:-$ROWS}"
 mkdir -p "$OUT/steps"
 # step NAME STATUS NOTE: a table row for a step with no figures (status ok, FAILED or skipped)
@@ -78,8 +84,8 @@ step() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >"$OUT/steps/$1.tsv"; }
 
 # --- 1. doctor (the gate, with the CUDA smoke test on the chosen GPU) -------------------------------
 say "ds-ops doctor"
-timeout 30 "${DSOPS[@]}" doctor | tee "$OUT/doctor.txt"
-timeout 30 "${DSOPS[@]}" doctor --json >"$OUT/doctor.json"
+timeout "$(t 30)" "${DSOPS[@]}" doctor | tee "$OUT/doctor.txt"
+timeout "$(t 30)" "${DSOPS[@]}" doctor --json >"$OUT/doctor.json"
 echo "$?" >"$OUT/doctor.rc"
 
 [[ "$DEVICE" == cpu ]] || "$PY" - <<'EOF' || die "torch sees no CUDA GPU; see the doctor output above (driver, torch build) - stopping"
@@ -92,7 +98,7 @@ EOF
 # --- 2. the CUDA smoke test alone, bf16 and fp16 + GradScaler -------------------------------------
 for amp in bf16 fp16; do
     say "python -m opt_ds_ops.health.smoke --device $DEVICE --amp $amp"
-    timeout 30 "$PY" -m opt_ds_ops.health.smoke --device "$DEVICE" --amp "$amp" --timeout-s 20 | tee "$OUT/smoke-$amp.json"
+    timeout "$(t 30)" "$PY" -m opt_ds_ops.health.smoke --device "$DEVICE" --amp "$amp" --timeout-s "$(t 20)" | tee "$OUT/smoke-$amp.json"
 done
 
 # --- 3. training on $DEVICE with bf16 and fp16 + GradScaler ---------------------------------------
@@ -112,11 +118,11 @@ for amp in bf16 fp16; do
         base="$(basename "$data")"
         name="${base%%.*}-$amp"
         say "ds-ops train $data --device $DEVICE --amp $amp --epochs $EPOCHS"
-        timeout 60 "${DSOPS[@]}" train "$data" --device "$DEVICE" --amp "$amp" --epochs "$EPOCHS" --json \
+        timeout "$(t 60)" "${DSOPS[@]}" train "$data" --device "$DEVICE" --amp "$amp" --epochs "$EPOCHS" --json \
             --name "$name" --models-dir "$OUT/models" >"$OUT/train-$name.json" 2>"$OUT/train-$name.err"
         rc=$?
         if ((rc)); then
-            echo "ds-ops train exit status $rc (124: timed out after 60 s)" >>"$OUT/train-$name.err"
+            echo "ds-ops train exit status $rc (124: timed out after $(t 60) s)" >>"$OUT/train-$name.err"
             cat "$OUT/train-$name.err" >&2
         fi
     done
@@ -125,10 +131,10 @@ done
 # a dataset over the job's memory budget: the same file streamed from disk (opt_ds_ops.training.stream)
 say "ds-ops train $OUT/synthetic.npy streamed (job.max_matrix_bytes below its size) --amp bf16"
 printf 'job:\n  max_matrix_bytes: %d\n' $((ROWS * 32 * 4 / 3)) >"$OUT/stream.yaml"
-timeout 120 "${DSOPS[@]}" train "$OUT/synthetic.npy" --config "$OUT/stream.yaml" --device "$DEVICE" --amp bf16 \
+timeout "$(t 120)" "${DSOPS[@]}" train "$OUT/synthetic.npy" --config "$OUT/stream.yaml" --device "$DEVICE" --amp bf16 \
     --epochs "$EPOCHS" --json --name synthetic-streamed-bf16 --models-dir "$OUT/models" \
     >"$OUT/train-synthetic-streamed-bf16.json" 2>"$OUT/train-synthetic-streamed-bf16.err" \
-    || { echo "ds-ops train (streamed) failed (124: timed out after 120 s)" >>"$OUT/train-synthetic-streamed-bf16.err";
+    || { echo "ds-ops train (streamed) failed (124: timed out after $(t 120) s)" >>"$OUT/train-synthetic-streamed-bf16.err";
          cat "$OUT/train-synthetic-streamed-bf16.err" >&2; }
 
 # --- 3a. the shipped defaults (no --epochs: the plateau rule, batch 1024, lr 1e-2, at most 600 steps,
@@ -138,25 +144,25 @@ for amp in bf16 fp16; do
         name="defaults-machine-1-2-$amp-$([[ $graphs == true ]] && echo graphs || echo eager)"
         printf 'train:\n  cuda_graphs: %s\n' "$graphs" >"$OUT/$name.yaml"
         say "ds-ops train data/smd/train/machine-1-2.txt.gz --device $DEVICE --amp $amp (shipped defaults, cuda_graphs $graphs)"
-        timeout 60 "${DSOPS[@]}" train data/smd/train/machine-1-2.txt.gz --config "$OUT/$name.yaml" --device "$DEVICE" \
+        timeout "$(t 60)" "${DSOPS[@]}" train data/smd/train/machine-1-2.txt.gz --config "$OUT/$name.yaml" --device "$DEVICE" \
             --amp "$amp" --json --name "$name" --models-dir "$OUT/models" >"$OUT/train-$name.json" 2>"$OUT/train-$name.err" \
-            || { echo "ds-ops train exit status $? (124: timed out after 60 s)" >>"$OUT/train-$name.err"; cat "$OUT/train-$name.err" >&2; }
+            || { echo "ds-ops train exit status $? (124: timed out after $(t 60) s)" >>"$OUT/train-$name.err"; cat "$OUT/train-$name.err" >&2; }
     done
 done
 
 # --- 3b'. a fleet's trainings: hosts one at a time against one stack (scripts/bench_stacked.py) -------
 if [[ "$DEVICE" == cpu ]]; then STACK_ARGS=(--models 4 --rows 2000); else STACK_ARGS=(--models 32 --amp bf16); fi
 say "scripts/bench_stacked.py --device $DEVICE ${STACK_ARGS[*]}"
-timeout 240 "$PY" scripts/bench_stacked.py --device "$DEVICE" --json "${STACK_ARGS[@]}" >"$OUT/stacked.json" 2>"$OUT/stacked.err" \
-    || { echo "bench_stacked.py exit status $? (124: timed out after 240 s)" >>"$OUT/stacked.err"; cat "$OUT/stacked.err" >&2; }
+timeout "$(t 240)" "$PY" scripts/bench_stacked.py --device "$DEVICE" --json "${STACK_ARGS[@]}" >"$OUT/stacked.json" 2>"$OUT/stacked.err" \
+    || { echo "bench_stacked.py exit status $? (124: timed out after $(t 240) s)" >>"$OUT/stacked.err"; cat "$OUT/stacked.err" >&2; }
 
 # --- 3b. the training step captured in a CUDA graph against eager steps (tests/training/test_step.py) --------
 say "pytest tests/training/test_step.py (CUDA graph step = eager step; its CUDA cases skip without a GPU)"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/training/test_step.py 2>&1 | tee "$OUT/step-tests.txt"
+timeout "$(t 120)" "$PY" -m pytest -q -p no:cacheprovider -rs tests/training/test_step.py 2>&1 | tee "$OUT/step-tests.txt"
 rc=${PIPESTATUS[0]}
 summary_line="$(grep -E '(passed|failed|error)' "$OUT/step-tests.txt" | tail -n1)"
 if ((rc)); then
-    step "step tests" FAILED "pytest exit status $rc (124: timed out after 120 s): $summary_line"
+    step "step tests" FAILED "pytest exit status $rc (124: timed out after $(t 120) s): $summary_line"
 else
     step "step tests" ok "$summary_line"
 fi
@@ -165,10 +171,10 @@ fi
 say "scripts/bench_train.py --device $DEVICE --rows $BENCH_ROWS"
 bench_args=(--device "$DEVICE" --skip-parse --rows "$BENCH_ROWS")
 [[ "$DEVICE" == cpu ]] && bench_args+=(--epochs 1)
-timeout 150 "$PY" scripts/bench_train.py "${bench_args[@]}" >"$OUT/bench.txt" 2>"$OUT/bench.err"
+timeout "$(t 150)" "$PY" scripts/bench_train.py "${bench_args[@]}" >"$OUT/bench.txt" 2>"$OUT/bench.err"
 rc=$?
 if ((rc)); then
-    echo "bench_train.py exit status $rc (124: timed out after 150 s)" >>"$OUT/bench.err"
+    echo "bench_train.py exit status $rc (124: timed out after $(t 150) s)" >>"$OUT/bench.err"
     cat "$OUT/bench.err" >&2
 fi
 cat "$OUT/bench.txt"
@@ -190,7 +196,7 @@ print(load_config("/etc/ds-ops/trainer.yaml", missing_ok=True).spool.dir)')"
         || ! mv "$spool/incoming/$drop.part" "$spool/incoming/$drop" 2>>"$OUT/unit.err"; then
         step "unit job" FAILED "cannot drop into $spool/incoming (run as root or a member of the spool's group): $(head -n1 "$OUT/unit.err")"
     else
-        for _ in $(seq 120); do
+        for _ in $(seq "$(t 120)"); do
             [[ -e "$spool/done/$drop.result.json" || -e "$spool/failed/$drop.error.json" ]] && break
             sleep 1
         done
@@ -200,7 +206,7 @@ print(load_config("/etc/ds-ops/trainer.yaml", missing_ok=True).spool.dir)')"
             cp "$spool/failed/$drop.error.json" "$OUT/unit-error.json"
             step "unit job" FAILED "the job failed: see $OUT/unit-error.json and journalctl -u ds-trainer"
         else
-            step "unit job" FAILED "no result in $spool/done/ within 120 s: journalctl -u ds-trainer"
+            step "unit job" FAILED "no result in $spool/done/ within $(t 120) s: journalctl -u ds-trainer"
         fi
     fi
 fi
@@ -212,10 +218,10 @@ printf '%s\n' "models_dir: $OUT/daemon-models" "device: $([[ "$DEVICE" == cpu ]]
     "train:" "  epochs: $EPOCHS" "spool:" "  dir: $OUT/spool" "  settle_s: 0.5" "  quiet_s: 1.0" >"$OUT/daemon.yaml"
 "${DSOPS[@]}" daemon --config "$OUT/daemon.yaml" >"$OUT/daemon.log" 2>&1 &
 dpid=$!
-for _ in $(seq 60); do [[ -d "$OUT/spool/incoming" ]] && grep -q "ready" "$OUT/daemon.log" && break; sleep 1; done
+for _ in $(seq "$(t 60)"); do [[ -d "$OUT/spool/incoming" ]] && grep -q "ready" "$OUT/daemon.log" && break; sleep 1; done
 cp data/smd/train/machine-1-2.txt.gz "$OUT/spool/incoming/.daemon-check.part" \
     && mv "$OUT/spool/incoming/.daemon-check.part" "$OUT/spool/incoming/daemon-check.txt.gz"
-for _ in $(seq 120); do
+for _ in $(seq "$(t 120)"); do
     [[ -e "$OUT/spool/done/daemon-check.txt.gz.result.json" || -e "$OUT/spool/failed/daemon-check.txt.gz.error.json" ]] && break
     kill -0 "$dpid" 2>/dev/null || break
     sleep 1
@@ -224,7 +230,7 @@ kill -TERM "$dpid" 2>/dev/null; wait "$dpid"
 if [[ -e "$OUT/spool/done/daemon-check.txt.gz.result.json" ]]; then
     cp "$OUT/spool/done/daemon-check.txt.gz.result.json" "$OUT/daemon-job.json"
 else
-    step "daemon job" FAILED "no result in $OUT/spool/done/ within 120 s: see $OUT/daemon.log and $OUT/spool/failed/"
+    step "daemon job" FAILED "no result in $OUT/spool/done/ within $(t 120) s: see $OUT/daemon.log and $OUT/spool/failed/"
     tail -n 20 "$OUT/daemon.log" >&2
 fi
 

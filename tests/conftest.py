@@ -19,6 +19,17 @@ SMD_LABELS = SMD / "test_label" / "machine-1-2.txt.gz"
 SHARED_SMD = Path(os.environ.get("DS_OPS_SMD_DIR", REPO.parent / "shared" / "data" / "smd"))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (make test: more workers than cores), one thread of torch in each worker:
+    two OpenMP threads per torch process side by side on 2 cores made a 1-epoch SMD training 7-60x
+    slower (tests/daemon_kit.py's base_env measured it). The processes the tests start keep their
+    own (a CLI run as a user runs it: the README's make demo output is what 2 threads print)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def smd_rows() -> np.ndarray:
     """The bundled real SMD machine-1-2 training rows, (23694, 38) float32."""

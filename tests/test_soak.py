@@ -1,54 +1,74 @@
-"""The soak tests (scripts/soak.py, scripts/fuzz_soak.py) at smoke size: real daemons SIGKILLed
-while real drops, good and hostile, arrive.
+"""The soaks (scripts/soak.py, scripts/alert_soak.py, scripts/fuzz_soak.py): real daemons
+SIGKILLed while real drops, good and hostile, arrive.
 
-`make soak` runs the full size (200 datasets, 100 kills, 4 writers); this runs 12 datasets, 5 kills
-and 2 writers (about 30 s on 2 cores) so that the script itself stays working. `make fuzz-soak`
-runs 500 hostile items and 50 kills; the smoke test here 40 items and 3 kills. `make soak` also
-runs scripts/alert_soak.py with 50 chunks and 50 kills; the smoke test here 4 chunks.
+They are marked ``soak`` and run by their own targets, once, at the size those give: `make soak`
+(the soak and the alert soak) and `make fuzz-soak`, which CI runs at its size (.ci/run); `make
+test` deselects them. Each takes its arguments from an environment variable, set by those targets
+(an empty value: the script's own defaults, the full soak); unset, as when one is run by hand with
+``pytest -m soak tests/test_soak.py``, it runs at smoke size: 12 datasets, 5 kills and 2 writers;
+4 chunks; 40 hostile items, 4 good datasets and 3 kills (about 30 s each on 2 cores).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
+SMOKE = {
+    "DS_OPS_SOAK_ARGS": "--datasets 12 --kills 5 --writers 2 --timeout-s 600",
+    "DS_OPS_ALERT_SOAK_ARGS": "--chunks 4 --timeout-s 400",
+    "DS_OPS_FUZZ_SOAK_ARGS": "--hostile 40 --good 4 --kills 3 --timeout-s 300 --stall-s 60",
+}
 
-def test_soak_smoke(tmp_path):
+
+def _soak(script: str, variable: str, root: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run scripts/SCRIPT with the arguments $VARIABLE gives (its smoke size where unset) under
+    root; print its output (the soak stages of CI show it: pytest -s); return the process and the arguments."""
+    args = shlex.split(os.environ.get(variable, SMOKE[variable]))
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "soak.py"), "--datasets", "12", "--kills", "5", "--writers", "2",
-         "--root", str(tmp_path / "soak"), "--timeout-s", "600"],
-        capture_output=True, text=True, cwd=REPO, timeout=900,  # a hang guard only; the soak has its own timeout
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "soak passed" in proc.stdout, proc.stdout
-
-
-def test_alert_soak_smoke(tmp_path):
-    """scripts/alert_soak.py at smoke size: 4 chunks that each open an incident, a SIGKILL in each."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "alert_soak.py"), "--chunks", "4", "--root", str(tmp_path / "alerts"),
-         "--timeout-s", "400"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,  # a hang guard only; the soak has its own timeout
+        [sys.executable, str(REPO / "scripts" / script), *args, "--root", str(root)],
+        capture_output=True, text=True, cwd=REPO,
+        timeout=4 * 3600,  # a hang guard only; every soak has its own --timeout-s
     )
     print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "alert soak: ok" in proc.stdout, proc.stdout
+    print(proc.stderr, file=sys.stderr)
+    return proc, args
 
 
-def test_fuzz_soak_smoke(tmp_path):
-    """scripts/fuzz_soak.py at smoke size: 40 hostile items of every kind, 4 good datasets, 3 kills."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "fuzz_soak.py"), "--hostile", "40", "--good", "4", "--kills", "3",
-         "--root", str(tmp_path / "fuzz-soak"), "--timeout-s", "300", "--stall-s", "60"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,  # a hang guard only; the soak has its own timeout
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "fuzz soak passed" in proc.stdout, proc.stdout
-    assert "hostile_dropped: 40" in proc.stdout and "kills: 3" in proc.stdout, proc.stdout
+@pytest.mark.soak
+def test_soak(tmp_path):
+    proc, _ = _soak("soak.py", "DS_OPS_SOAK_ARGS", tmp_path / "soak")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "soak passed" in proc.stdout, proc.stdout[-6000:]
+
+
+@pytest.mark.soak
+def test_alert_soak(tmp_path):
+    """scripts/alert_soak.py: chunks that each open an incident, a SIGKILL in each."""
+    proc, _ = _soak("alert_soak.py", "DS_OPS_ALERT_SOAK_ARGS", tmp_path / "alerts")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "alert soak: ok" in proc.stdout, proc.stdout[-6000:]
+
+
+@pytest.mark.soak
+def test_fuzz_soak(tmp_path):
+    """scripts/fuzz_soak.py: hostile items of every kind and good datasets, the daemon SIGKILLed;
+    every item it was asked for dropped and every kill done."""
+    proc, args = _soak("fuzz_soak.py", "DS_OPS_FUZZ_SOAK_ARGS", tmp_path / "fuzz-soak")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "fuzz soak passed" in proc.stdout, proc.stdout[-6000:]
+    sys.path.insert(0, str(REPO / "scripts"))
+    import fuzz_soak
+
+    asked = fuzz_soak.parser().parse_args(args)
+    assert f"hostile_dropped: {asked.hostile}" in proc.stdout and f"kills: {asked.kills}" in proc.stdout, proc.stdout[-6000:]
 
 
 def test_fuzz_soak_items_and_their_bytes_follow_the_seed(tmp_path):
