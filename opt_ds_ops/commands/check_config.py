@@ -48,11 +48,16 @@ def gpu_count(timeout_s: float = NVML_TIMEOUT_S) -> int | None:
 
 
 def run(args) -> int:
-    """Exit 0 and print ``FILE: ok`` and the memory per job process (and a line per ``--source``);
+    """Exit 0 and print ``FILE: ok`` and the memory per job process (and a line per ``--source``;
+    with ``--source`` and no conffile given or installed, the source files alone);
     1 with one ``ds-ops: error: FILE: ...`` line (ConfigError) for a missing, unreadable or invalid
     file (the conffile or a source), a feature this process's sandbox refuses or a memory budget
     below what a job process needs."""
     path = args.config or os.environ.get("DS_OPS_CONFIG") or DEFAULT_CONFIG_PATH
+    if args.source and path == DEFAULT_CONFIG_PATH and not os.path.exists(path) and not args.json:
+        for src in [load_source(f) for f in args.source]:  # a puller's host needs no trainer.yaml
+            print(_source_line(src))
+        return 0
     cfg = load_config(path)
     why = distributed_refusal(cfg)
     if why:
@@ -74,6 +79,10 @@ def run(args) -> int:
         for head, budget in budgets:
             print(f"{head}{budget.line()}")
         for src in sources:
-            print(f"{src.path}: ok: {len(src.series)} series from {src.options.prometheus}, one model per "
-                  f"{src.options.host_label}, a row every {src.options.step}, shard {src.options.shard}")
+            print(_source_line(src))
     return 0
+
+
+def _source_line(src) -> str:
+    return (f"{src.path}: ok: {len(src.series)} series from {src.options.prometheus}, one model per "
+            f"{src.options.host_label}, a row every {src.options.step}, shard {src.options.shard}")

@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     s.add_argument("source", metavar="SOURCE", help="the source file (/etc/ds-ops/sources/NAME.yaml)")
     s.add_argument("--config", help=f"configuration file naming spool.dir and metrics.textfile_dir (default: {DEFAULT_CONFIG_PATH} if present)")
     s.add_argument("--spool-dir", help="spool directory (default: spool.dir from the config)")
+    s.add_argument("--models-dir", help="the daemon's model store, where a host's model is looked for "
+                                        "(default: models_dir from the config)")
     s.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help=f"where the puller keeps its state (default: {DEFAULT_STATE_DIR})")
     s.add_argument("--shard", metavar="I/N", help="this server's shard of the hosts (default: the source's shard:)")
     s.add_argument("--once", action="store_true", help="one pull, then exit (exit 1 if it failed)")
@@ -73,7 +75,8 @@ def run(args) -> int:
     except OSError as e:
         raise CliError(f"cannot create {args.state_dir}: {e.strerror}") from None
     puller = Puller(source, spool_root, os.path.join(args.state_dir, source.name + ".json"),
-                    PullMetrics(source, cfg.metrics.textfile_dir), EventLog(identifier="ds-pull"), cfg.models_dir)
+                    PullMetrics(source, cfg.metrics.textfile_dir), EventLog(identifier="ds-pull"),
+                    args.models_dir or cfg.models_dir)
     if args.once:
         return 0 if puller.once(time.time() if args.now is None else args.now) else 1
     puller.forever()

@@ -485,14 +485,36 @@ def _sorted_keys(keys) -> list:
     return sorted(keys, key=lambda k: (not isinstance(k, str), type(k).__name__, str(k)))
 
 
-def _parse_yaml(text: str, where: str) -> Any:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the
+    last silently; a merge key ``<<`` is YAML's own way to repeat keys and stays allowed)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader's own error names it
+                if duplicate:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found the key {key!r} twice", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(text: str, where: str, unique_keys: bool = False) -> Any:
     """Return the YAML document in text; raise ConfigError for invalid YAML, naming where.
 
     Nesting deeper than the parser's recursion (20,000 ``[``) is invalid too, and so is a tagged
     scalar that PyYAML's constructors fail on with an error of their own (``!!float t``: ValueError,
-    ``!!float ''``: IndexError)."""
+    ``!!float ''``: IndexError). With ``unique_keys``, a key given twice in one mapping is invalid."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader) if unique_keys else yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: invalid YAML: {yaml_problem(e)}") from None
     except RecursionError:
@@ -501,13 +523,14 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: invalid YAML: a value cannot be read ({type(e).__name__}: {_shown(str(e))})") from None
 
 
-def _parse_yaml_bytes(text: bytes, where: str, max_bytes: int, what: str) -> Any:
+def _parse_yaml_bytes(text: bytes, where: str, max_bytes: int, what: str, unique_keys: bool = False) -> Any:
     """Return the YAML document in the bytes of file ``where`` (a ``what``: "sidecar", "source
-    file"); ConfigError for more than ``max_bytes``, text that is not UTF-8, or invalid YAML."""
+    file"); ConfigError for more than ``max_bytes``, text that is not UTF-8, or invalid YAML
+    (with ``unique_keys``: a key given twice in one mapping too)."""
     if len(text) > max_bytes:
         raise ConfigError(f"{where}: {len(text)} bytes; a {what} may hold at most {max_bytes}")
     try:
-        return _parse_yaml(text.decode("utf-8"), where)
+        return _parse_yaml(text.decode("utf-8"), where, unique_keys)
     except UnicodeDecodeError:
         raise ConfigError(f"{where}: not UTF-8 text") from None
 

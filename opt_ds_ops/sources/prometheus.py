@@ -3,14 +3,20 @@
 Prometheus answers at most 11,000 points per series per query, so a longer range is asked in
 pieces (:data:`MAX_POINTS` steps each) and joined. Every answer is bounded in bytes before it is
 parsed (``max_response_bytes``): a query that matches far more series than expected is an error
-naming the bound, never a daemon's worth of memory. A value Prometheus gives as NaN or ±Inf is a
-missing value here (the row will say so), never a number.
+naming the bound, never a daemon's worth of memory, and must arrive whole within ``timeout_s`` of
+the request (an answer that trickles in is cut off then, not read for as long as it trickles). A
+value Prometheus gives as NaN or ±Inf is a missing value here (the row will say so), never a
+number. Every field of an answer is checked before it is used: a label set that is not a mapping,
+a host label that is not text, a point that is not ``[time, "value"]``, a time that is not a finite
+number or a value that is not a number's text is a :class:`PrometheusError` naming the query and
+the field, never a crash.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -53,29 +59,59 @@ class Prometheus:
         out: dict[str, dict[float, float]] = {}
         for lo, hi in _pieces(start, end, step):
             for metric, values in self._matrix(query, lo, hi, step):
-                host = metric.get(label)
-                if host is None:
-                    raise PrometheusError(f"a result series of {query!r} has no label {label!r} ({_labels(metric)}); "
-                                          f"keep it in the query, e.g. sum by ({label}) (...)")
+                host = self._host(query, metric, label)
                 points = out.setdefault(host, {})
-                for t, v in values:
-                    t = float(t)
+                for t, value in self._points(query, values, label, host):
                     if t in points:
                         raise PrometheusError(f"{query!r} gives more than one series for {label}={host!r} "
                                               f"({_labels(metric)}); aggregate the others away, e.g. sum by ({label}) (...)")
-                    value = float(v)
                     if math.isfinite(value):
                         points[t] = value
         return out
+
+    def _host(self, query: str, metric, label: str) -> str:
+        """The value of ``label`` in a result series' label set: text, else PrometheusError."""
+        if not isinstance(metric, dict):
+            raise PrometheusError(f"{self.url}: a result series of {query!r} has a label set that is not a mapping: "
+                                  f"{_short(metric)}")
+        host = metric.get(label)
+        if host is None:
+            raise PrometheusError(f"a result series of {query!r} has no label {label!r} ({_labels(metric)}); "
+                                  f"keep it in the query, e.g. sum by ({label}) (...)")
+        if not isinstance(host, str) or not host:
+            raise PrometheusError(f"{self.url}: a result series of {query!r} has label {label} = {_short(host)}, "
+                                  "not a label value's text")
+        return host
+
+    def _points(self, query: str, values, label: str, host: str):
+        """Yield (time, value) of a result series' ``values``: each ``[time, "value"]``, the time a
+        finite number, the value a number's text (NaN and ±Inf allowed); else PrometheusError."""
+        where = f"{self.url}: the answer to {query!r} for {label}={host!r}"
+        if not isinstance(values, list):
+            raise PrometheusError(f"{where} has values that are not a list: {_short(values)}")
+        for point in values:
+            if not isinstance(point, list) or len(point) != 2:
+                raise PrometheusError(f"{where} has a point that is not [time, \"value\"]: {_short(point)}")
+            t, v = point
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+                raise PrometheusError(f"{where} has a time that is not a finite number: {_short(t)}")
+            try:
+                if not isinstance(v, str):
+                    raise ValueError
+                value = float(v)
+            except ValueError:
+                raise PrometheusError(f"{where} has a value that is not a number's text: {_short(v)}") from None
+            yield float(t), value
 
     def _matrix(self, query: str, start: float, end: float, step: float) -> list[tuple[dict, list]]:
         body = urllib.parse.urlencode({"query": query, "start": repr(start), "end": repr(end), "step": repr(step)}).encode()
         req = urllib.request.Request(self.url + "/api/v1/query_range", data=body, method="POST",
                                      headers={"Content-Type": "application/x-www-form-urlencoded",
                                               "User-Agent": "ds-ops-pull"})
+        deadline = time.monotonic() + self.timeout_s
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                raw = r.read(self.max_response_bytes + 1)
+                raw = self._read(r, deadline, query)
         except urllib.error.HTTPError as e:
             detail = _error_of(e.read(65536))
             raise PrometheusError(f"{self.url} answered HTTP {e.code} to {query!r}: {detail}",
@@ -93,6 +129,32 @@ class Prometheus:
             return [(s["metric"], s["values"]) for s in doc["data"]["result"]]
         except (ValueError, KeyError, TypeError, AttributeError):
             raise PrometheusError(f"{self.url}: the answer to {query!r} is not Prometheus's JSON") from None
+
+
+    def _read(self, response, deadline: float, query: str) -> bytes:
+        """At most max_response_bytes + 1 bytes of the answer, read as they come; PrometheusError
+        (unavailable) once the deadline passes with the answer not complete. A read waits at most
+        timeout_s (the socket's), so an answer ends within twice timeout_s of its request, whatever its pace."""
+        chunks, size, limit = [], 0, self.max_response_bytes + 1
+        while size < limit:
+            if time.monotonic() > deadline:
+                raise PrometheusError(f"{self.url} did not finish its answer to {query!r} within timeout_s "
+                                      f"({self.timeout_s:g} s; {size} bytes so far)", unavailable=True)
+            chunk = response.read1(min(1 << 16, limit - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+
+
+def _short(value) -> str:
+    """A field of an answer as the journal may show it: its JSON, at most 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _error_of(raw: bytes) -> str:

@@ -37,6 +37,7 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.\-]{0,199}$")
 _LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CREDENTIALS = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*:/*[^/?#]*@")  # scheme://user[:password]@host
 
 
 def parse_duration(text: str) -> float:
@@ -55,8 +56,12 @@ def _duration_ok(v: str) -> bool:
 
 
 def _url_ok(v: str) -> bool:
-    u = urllib.parse.urlsplit(v)
-    return u.scheme in ("http", "https") and bool(u.hostname) and not u.query and not u.fragment
+    try:
+        u = urllib.parse.urlsplit(v)
+        return (u.scheme in ("http", "https") and bool(u.hostname) and not u.query and not u.fragment
+                and u.username is None and u.password is None)
+    except ValueError:  # an invalid IPv6 host, a bad port
+        return False
 
 
 def _shard_ok(v: str) -> bool:
@@ -68,7 +73,7 @@ def _shard_ok(v: str) -> bool:
 class SourceOptions:
     """The scalar keys of a source file (its ``series`` list is :class:`Series`)."""
 
-    prometheus: str = _field("http://127.0.0.1:9090", _url_ok, "an http(s) URL without query")
+    prometheus: str = _field("http://127.0.0.1:9090", _url_ok, "an http(s) URL without credentials or query")
     host_label: str = _field("instance", lambda v: bool(_LABEL.match(v)), "a Prometheus label name")
     step: str = _field("1m", _duration_ok, "a duration like 15s, 1m")
     train_window: str = _field("7d", _duration_ok, "a duration like 7d")
@@ -121,14 +126,18 @@ class Source:
 def parse_source(text: bytes, where: str, name: str) -> Source:
     """Return the Source in ``text`` (the bytes of file ``where``, named ``name``). Raises
     ConfigError naming ``where`` and the key for: more than SOURCE_MAX_BYTES, invalid YAML or
-    UTF-8, an unknown key, a bad value, no series, a series without name or query, two columns of
-    one name, more than MAX_SERIES series, a step that is not a whole number of seconds, windows
+    UTF-8, a key given twice, an unknown key, a bad value, credentials in the URL (never shown),
+    no series, a series without name or query, two columns of one name, more than MAX_SERIES series, a step that is not a whole number of seconds, windows
     that cannot hold a row (``min_history`` under two steps or over ``train_window``,
     ``score_every`` under one step)."""
-    raw = _parse_yaml_bytes(text, where, SOURCE_MAX_BYTES, "source file")
+    raw = _parse_yaml_bytes(text, where, SOURCE_MAX_BYTES, "source file", unique_keys=True)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: a source file is a mapping with a 'series' list, got {_shown(raw)}")
     raw = dict(raw)
+    if isinstance(raw.get("prometheus"), str) and _CREDENTIALS.match(raw["prometheus"]):
+        raise ConfigError(f"{where}: key 'prometheus' holds credentials (user:password@ in the URL; not shown): "
+                          "ds-ops takes none in a URL, where every failed pull's line and check-config would print "
+                          "them; give the server's address alone (a proxy on loopback can add them)", ("prometheus",))
     series_raw = raw.pop("series", None)
     options = _build_guarded(SourceOptions, raw, where)
     if not isinstance(series_raw, list) or not series_raw:

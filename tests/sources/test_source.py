@@ -3,6 +3,7 @@ file and the key, and ``ds-ops check-config --source`` says so."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -42,6 +43,9 @@ def test_the_shipped_node_exporter_example_parses_with_its_names_and_clock():
     ("series:\n  - name: a\n    query: ''\n", "series[1].query must be PromQL text"),
     ("series: [\n", "invalid YAML"),
     (GOOD + "step: 1500ms\n", "key 'step' must be a whole number of seconds"),
+    (GOOD + "step: 1m\nstep: 5m\n", "found the key 'step' twice"),  # PyYAML alone keeps the last
+    ("series:\n  - name: a\n    query: a\n    query: b\n", "found the key 'query' twice"),
+    (GOOD + "prometheus: http://user:pw@127.0.0.1:9090\n", "key 'prometheus' holds credentials"),
 ])
 def test_a_bad_source_is_one_error_naming_the_file_and_the_key(text, error):
     with pytest.raises(ConfigError) as e:
@@ -77,3 +81,30 @@ def test_ds_ops_pull_starts_without_torch(tmp_path):
                        cwd=REPO, timeout=120)
     assert p.stdout.split("\n")[0] == "1 []", p.stdout + p.stderr
     assert "absent.yaml: cannot read" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_credentials_in_the_url_are_refused_and_never_printed(tmp_path):
+    """A password in the URL would be printed by check-config and in every failed pull's line:
+    refused, without showing it, by check-config and by ds-ops pull; a merge key still works."""
+    src = tmp_path / "node.yaml"
+    src.write_text(GOOD + "prometheus: https://alice:s3cr3t-pw@prom.example:9090/\n")
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text(f"spool:\n  dir: {tmp_path}\n")
+    for cmd in (["check-config", "--config", str(conf), "--source", str(src)],
+                ["pull", str(src), "--config", str(conf), "--once"]):
+        p = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", *cmd], capture_output=True, text=True, cwd=REPO,
+                           timeout=120)
+        assert p.returncode == 1 and "key 'prometheus' holds credentials" in p.stderr, p.stderr
+        assert "s3cr3t" not in p.stdout + p.stderr and "alice" not in p.stdout + p.stderr
+    merged = parse_source(b"series:\n  - &b {name: a, query: up}\n  - <<: *b\n    name: b\n", "m.yaml", "m")
+    assert merged.columns == ["a", "b"]  # YAML's merge key repeats keys on purpose: not a duplicate
+
+
+@pytest.mark.skipif(os.path.exists("/etc/ds-ops/trainer.yaml"), reason="the default conffile is installed")
+def test_check_config_validates_a_source_where_no_conffile_is_installed():
+    p = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "check-config", "--source", str(EXAMPLE)],
+                       capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "DS_OPS_CONFIG"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == (f"{EXAMPLE}: ok: 16 series from http://127.0.0.1:9090, one model per instance, "
+                                "a row every 1m, shard 0/1")
