@@ -7,7 +7,7 @@ MODELS ?= $(CURDIR)/build/models
 SMD    := data/smd
 DEMO   ?= machine-1-2
 
-.PHONY: venv demo test test-slow gpu-check-dry fuzz bench bench-fleet soak fuzz-soak replay eval clean deb deb-deps lintian e2e
+.PHONY: venv demo test test-durations test-slow gpu-check-dry fuzz bench bench-fleet soak fuzz-soak replay eval clean deb deb-deps lintian e2e
 
 venv: $(VENV)/.installed
 
@@ -33,10 +33,15 @@ TEST_WORKERS ?= 4
 TEST_ARGS ?=
 test: venv
 	$(BIN)/python -m pytest -q -m 'not e2e and not slow and not soak and not gpu_check' \
-	    -n $(TEST_WORKERS) --dist worksteal $(TEST_ARGS)
+	    -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
 
-# The tests of a minute or more alone (marker slow): every shared SMD machine trained and scored,
-# a 2 GiB dataset streamed under a 1 GiB limit (about 2 minutes on 2 cores).
+# tests/durations.json, the order make test hands tests out in (the longest first), measured anew:
+# every test in one process on an otherwise idle machine (about 30 minutes on 2 cores).
+test-durations: venv
+	$(BIN)/python -m pytest -q -m 'not e2e' --store-durations
+
+# The tests that take a minute or more each (marker slow), in 2 workers: every shared SMD machine
+# trained and scored, a 2 GiB dataset streamed under a 1 GiB limit (about 2 minutes on 2 cores).
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow -n 2 $(TEST_ARGS)
 
@@ -70,17 +75,18 @@ bench-fleet: venv
 # tests/test_soak.py::test_soak and ::test_alert_soak (marker soak), their output shown.
 SOAK_ARGS ?=
 ALERT_SOAK_ARGS ?=
+soak: export DS_OPS_SOAK_ARGS = $(SOAK_ARGS)
+soak: export DS_OPS_ALERT_SOAK_ARGS = $(ALERT_SOAK_ARGS)
 soak: venv
-	DS_OPS_SOAK_ARGS="$(SOAK_ARGS)" DS_OPS_ALERT_SOAK_ARGS="$(ALERT_SOAK_ARGS)" \
-	    $(BIN)/python -m pytest -s -q -p no:cacheprovider tests/test_soak.py::test_soak tests/test_soak.py::test_alert_soak
+	$(BIN)/python -m pytest -s -q -p no:cacheprovider tests/test_soak.py::test_soak tests/test_soak.py::test_alert_soak
 
 # Daemon fuzz soak: 500 hostile items (corrupt files of every format, random sidecars, FIFOs,
 # links, foreign 0600 files, stalled writers, ...) and 30 good datasets while the daemon is SIGKILLed
 # 50 times (scripts/fuzz_soak.py, docs/development-soak.md). FUZZ_SOAK_ARGS: e.g. --seed 7. It runs as
 # the test tests/test_soak.py::test_fuzz_soak (marker soak), its output shown.
+fuzz-soak: export DS_OPS_FUZZ_SOAK_ARGS = $(FUZZ_SOAK_ARGS)
 fuzz-soak: venv
-	DS_OPS_FUZZ_SOAK_ARGS="$(FUZZ_SOAK_ARGS)" \
-	    $(BIN)/python -m pytest -s -q -p no:cacheprovider tests/test_soak.py::test_fuzz_soak
+	$(BIN)/python -m pytest -s -q -p no:cacheprovider tests/test_soak.py::test_fuzz_soak
 
 # Detection quality: train and score every labelled machine, with both baselines (ds-ops evaluate).
 EVAL_SMD ?= $(if $(wildcard ../shared/data/smd/train),../shared/data/smd,$(SMD))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,12 +20,66 @@ SMD_LABELS = SMD / "test_label" / "machine-1-2.txt.gz"
 SHARED_SMD = Path(os.environ.get("DS_OPS_SMD_DIR", REPO.parent / "shared" / "data" / "smd"))
 
 
+# How long each test of a second or more took alone (seconds, one process, the idle 2-core machine):
+# make test hands out the test files with the most of it first, so that no long file starts last and
+# runs alone at the end (pytest-xdist's loadfile scheduling gives a free worker the next file in
+# collection order, and keeps a file on one worker: its module fixtures are made once). Written by
+# ``pytest --store-durations`` (make test-durations); files it does not know run after, in their order.
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write the duration of each test of a second or more to {DURATIONS.name}")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k took out what does not run
+def pytest_collection_modifyitems(config, items):
+    """The files with the most known test time first, each file's tests together in their own
+    order (a stable sort). Every xdist worker sorts the same way, as it must: the controller checks
+    that they collected one order."""
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    per_file: dict[str, float] = {}
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        per_file[file] = per_file.get(file, 0.0) + known.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: -per_file.get(item.nodeid.split("::")[0], 0.0))
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call", "teardown"):
+        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """--store-durations: the tests of this run replace their own entries (a run of one file keeps
+    the others'); written only after a run that passed, not one that failed or was interrupted."""
+    if session.config.getoption("store_durations") and not os.environ.get("PYTEST_XDIST_WORKER") and exitstatus == 0:
+        try:
+            known = json.loads(DURATIONS.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known = {k: v for k, v in known.items() if k not in _durations}
+        known.update({k: round(v, 1) for k, v in _durations.items() if v >= 1.0})
+        DURATIONS.write_text(json.dumps(dict(sorted(known.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
+
+
 def pytest_configure(config):
     """Under pytest-xdist (make test: more workers than cores), one thread of torch in each worker:
     two OpenMP threads per torch process side by side on 2 cores made a 1-epoch SMD training 7-60x
     slower (tests/daemon_kit.py's base_env measured it). The processes the tests start keep their
-    own (a CLI run as a user runs it: the README's make demo output is what 2 threads print)."""
+    thread count (a CLI run as a user runs it: the README's make demo output is what 2 threads
+    print), but their OpenMP threads wait for work asleep (OMP_WAIT_POLICY=PASSIVE), not spinning:
+    beside a busy core, 300 training steps of 2 threads took 0.88 s of CPU spinning, 0.27 s asleep.
+    The numbers they compute do not change."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, which reads it
         import torch
 
         torch.set_num_threads(1)

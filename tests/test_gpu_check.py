@@ -38,8 +38,10 @@ def test_gpu_check_without_cuda_runs_the_doctor_then_stops_with_a_clear_message(
 def _dry_run(tmp_path, **extra):
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_OUT=str(tmp_path), GPU_CHECK_DEVICE="cpu",
                OMP_NUM_THREADS="1", **extra)
+    # a hang guard only, above the sum of the steps' own limits (1,530 s at scale 1) times the dry run's scale
+    scale = int(os.environ.get("GPU_CHECK_TIMEOUT_SCALE", "5"))
     return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=1800)  # a hang guard only: every step has its own limit
+                          timeout=1530 * scale + 300)
 
 
 @pytest.mark.gpu_check

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from .sizes import JOB_BASE_BYTES, mem_total_bytes, parse_size, size_ok
-from .yamlpos import key_position, yaml_problem
+from .yamlpos import UniqueKeyLoader, key_position, yaml_problem
 
 DEFAULT_CONFIG_PATH = "/etc/ds-ops/trainer.yaml"
 
@@ -485,28 +485,6 @@ def _sorted_keys(keys) -> list:
     return sorted(keys, key=lambda k: (not isinstance(k, str), type(k).__name__, str(k)))
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the
-    last silently; a merge key ``<<`` is YAML's own way to repeat keys and stays allowed)."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    duplicate = key in seen
-                except TypeError:
-                    continue  # an unhashable key: SafeLoader's own error names it
-                if duplicate:
-                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
-                                                            f"found the key {key!r} twice", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
 def _parse_yaml(text: str, where: str, unique_keys: bool = False) -> Any:
     """Return the YAML document in text; raise ConfigError for invalid YAML, naming where.
 
@@ -514,7 +492,7 @@ def _parse_yaml(text: str, where: str, unique_keys: bool = False) -> Any:
     scalar that PyYAML's constructors fail on with an error of their own (``!!float t``: ValueError,
     ``!!float ''``: IndexError). With ``unique_keys``, a key given twice in one mapping is invalid."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader) if unique_keys else yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader) if unique_keys else yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: invalid YAML: {yaml_problem(e)}") from None
     except RecursionError:

@@ -4,7 +4,8 @@ Prometheus answers at most 11,000 points per series per query, so a longer range
 pieces (:data:`MAX_POINTS` steps each) and joined. Every answer is bounded in bytes before it is
 parsed (``max_response_bytes``): a query that matches far more series than expected is an error
 naming the bound, never a daemon's worth of memory, and must arrive whole within ``timeout_s`` of
-the request (an answer that trickles in is cut off then, not read for as long as it trickles). A
+the request: connection, headers and body (one that trickles in is cut off then, not read for as
+long as it trickles). A
 value Prometheus gives as NaN or ±Inf is a missing value here (the row will say so), never a
 number. Every field of an answer is checked before it is used: a label set that is not a mapping,
 a host label that is not text, a point that is not ``[time, "value"]``, a time that is not a finite
@@ -14,12 +15,13 @@ the field, never a crash.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import math
-import time
-import urllib.error
+import socket
+import threading
 import urllib.parse
-import urllib.request
 
 MAX_POINTS = 11000  # Prometheus's limit of points per series in one query_range answer
 
@@ -93,7 +95,7 @@ class Prometheus:
             if not isinstance(point, list) or len(point) != 2:
                 raise PrometheusError(f"{where} has a point that is not [time, \"value\"]: {_short(point)}")
             t, v = point
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not _finite(t):
                 raise PrometheusError(f"{where} has a time that is not a finite number: {_short(t)}")
             try:
                 if not isinstance(v, str):
@@ -105,20 +107,10 @@ class Prometheus:
 
     def _matrix(self, query: str, start: float, end: float, step: float) -> list[tuple[dict, list]]:
         body = urllib.parse.urlencode({"query": query, "start": repr(start), "end": repr(end), "step": repr(step)}).encode()
-        req = urllib.request.Request(self.url + "/api/v1/query_range", data=body, method="POST",
-                                     headers={"Content-Type": "application/x-www-form-urlencoded",
-                                              "User-Agent": "ds-ops-pull"})
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                raw = self._read(r, deadline, query)
-        except urllib.error.HTTPError as e:
-            detail = _error_of(e.read(65536))
-            raise PrometheusError(f"{self.url} answered HTTP {e.code} to {query!r}: {detail}",
-                                  unavailable=e.code >= 500 or e.code == 429) from None
-        except (urllib.error.URLError, OSError, TimeoutError) as e:
-            reason = getattr(e, "reason", e)
-            raise PrometheusError(f"{self.url} not reachable: {reason}", unavailable=True) from None
+        status, raw = self._post("/api/v1/query_range", body, query)
+        if status != 200:
+            raise PrometheusError(f"{self.url} answered HTTP {status} to {query!r}: {_error_of(raw[:65536])}",
+                                  unavailable=status >= 500 or status == 429)
         if len(raw) > self.max_response_bytes:
             raise PrometheusError(f"the answer to {query!r} over {_when(start)}..{_when(end)} is over "
                                   f"max_response_bytes ({self.max_response_bytes}): narrow the query or the hosts")
@@ -127,25 +119,57 @@ class Prometheus:
             if doc.get("status") != "success" or doc["data"]["resultType"] != "matrix":
                 raise PrometheusError(f"{self.url}: {query!r} did not give a range vector: {_error_of(raw)}")
             return [(s["metric"], s["values"]) for s in doc["data"]["result"]]
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise PrometheusError(f"{self.url}: the answer to {query!r} is not Prometheus's JSON") from None
 
+    def _post(self, path: str, body: bytes, query: str) -> tuple[int, bytes]:
+        """POST body to the server's path; return (HTTP status, at most max_response_bytes + 1
+        bytes of the answer). The whole exchange (connection, headers, body, an error's body) has
+        timeout_s: at the deadline a timer shuts the socket down, whatever the answer's pace.
+        PrometheusError (unavailable) if the server cannot be reached, breaks HTTP or is too slow."""
+        u = urllib.parse.urlsplit(self.url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = cls(u.hostname, u.port, timeout=self.timeout_s)
+        expired, sockets = threading.Event(), []  # the connection's socket, kept: a response that
+        # closes the connection takes it over from conn (conn.sock is None then)
 
-    def _read(self, response, deadline: float, query: str) -> bytes:
-        """At most max_response_bytes + 1 bytes of the answer, read as they come; PrometheusError
-        (unavailable) once the deadline passes with the answer not complete. A read waits at most
-        timeout_s (the socket's), so an answer ends within twice timeout_s of its request, whatever its pace."""
-        chunks, size, limit = [], 0, self.max_response_bytes + 1
-        while size < limit:
-            if time.monotonic() > deadline:
-                raise PrometheusError(f"{self.url} did not finish its answer to {query!r} within timeout_s "
-                                      f"({self.timeout_s:g} s; {size} bytes so far)", unavailable=True)
-            chunk = response.read1(min(1 << 16, limit - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
+        def cut() -> None:
+            expired.set()
+            for sock in sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(self.timeout_s, cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            conn.connect()
+            sockets.append(conn.sock)
+            if expired.is_set():  # the deadline passed while connecting, before there was a socket to cut
+                raise TimeoutError
+            conn.request("POST", u.path.rstrip("/") + path, body=body,
+                         headers={"Content-Type": "application/x-www-form-urlencoded", "User-Agent": "ds-ops-pull"})
+            response = conn.getresponse()
+            raw = response.read(self.max_response_bytes + 1)
+            if response.length and len(raw) <= self.max_response_bytes:  # the connection ended early
+                raise http.client.IncompleteRead(raw, response.length)
+            return response.status, raw
+        except (OSError, http.client.HTTPException) as e:
+            if expired.is_set():
+                raise PrometheusError(f"{self.url} did not answer {query!r} in full within timeout_s "
+                                      f"({self.timeout_s:g} s)", unavailable=True) from None
+            reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise PrometheusError(f"{self.url} not reachable: {reason}", unavailable=True) from None
+        finally:
+            timer.cancel()
+            conn.close()
+
+
+def _finite(t) -> bool:
+    try:
+        return math.isfinite(t)
+    except OverflowError:  # an integer too large for a float (JSON allows any number of digits)
+        return False
 
 
 def _short(value) -> str:

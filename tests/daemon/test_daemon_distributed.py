@@ -111,15 +111,19 @@ def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_e
         return r.get("state") == "running" and (r.get("epoch") or 0) >= 1
 
     def ranks() -> list[str]:
-        """The pids of this machine's processes running the rank module (read from /proc)."""
-        found = []
+        """The pids of this test's processes running the rank module (read from /proc): those whose
+        TMPDIR, the job's out_dir (run_ranks), lies under tmp_path; other tests' ranks may run beside."""
+        found, mine = [], b"TMPDIR=" + str(tmp_path).encode()
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv = f.read().split(b"\0")
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
             except OSError:
                 continue
-            if b"opt_ds_ops.training.distributed" in argv and b"torch.distributed.run" not in argv:
+            if (b"opt_ds_ops.training.distributed" in argv and b"torch.distributed.run" not in argv
+                    and any(e.startswith(mine) for e in env)):
                 found.append(pid)
         return found
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -51,6 +52,17 @@ MALFORMED = {
                          "is not Prometheus's JSON"),
     "data a list": (b'{"status": "success", "data": [1]}', "is not Prometheus's JSON"),
     "not JSON at all": (b"\x00\xffnot json", "is not Prometheus's JSON"),
+    "time of 400 digits": (_answer(_series(values=[[T0, "1"]])).replace(str(T0).encode(), b"9" * 400),
+                           "time that is not a finite number"),
+    "nested 200,000 deep": (b"[" * 200_000, "is not Prometheus's JSON"),
+}
+
+# answers that break HTTP itself, sent as raw bytes (the status line, a header, the chunks)
+BROKEN_HTTP = {
+    "no status line": b"garbage\r\n\r\n",
+    "a 70 kB header": b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n{}",
+    "a bad chunk size": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    "a body cut short": b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{\"status\"",
 }
 
 
@@ -90,6 +102,62 @@ def serve(body, trickle_s: float = 0.0):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def serve_raw(answer: bytes, pace_s: float = 0.0):
+    """A TCP server on a free loopback port that reads a request and sends ``answer`` as it is
+    (one byte every ``pace_s`` seconds if set), then closes; return (server socket, its URL)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def loop():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(65536)
+                    if pace_s:
+                        for i in range(len(answer)):
+                            conn.sendall(answer[i:i + 1])
+                            time.sleep(pace_s)
+                    else:
+                        conn.sendall(answer)
+                except OSError:
+                    pass  # the client gave up
+
+    threading.Thread(target=loop, daemon=True).start()
+    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_HTTP))
+def test_an_answer_that_breaks_http_is_an_error_never_a_crash(case):
+    listener, url = serve_raw(BROKEN_HTTP[case])
+    try:
+        with pytest.raises(PrometheusError) as e:
+            Prometheus(url, timeout_s=5).query_range("up", T0, T0 + 120, 60.0, "instance")
+    finally:
+        listener.close()
+    assert e.value.unavailable and "not reachable" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nX-A: 1\r\nX-B: 2\r\nX-C: 3\r\nX-D: 4\r\n\r\n",  # headers at a byte every 0.2 s
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"0" * 40 + b"2\r\n{}\r\n0\r\n\r\n",  # a chunk size
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 60\r\n\r\n" + b"x" * 60,  # an error's body
+], ids=["headers", "chunk size", "error body"])
+def test_every_part_of_a_slow_answer_is_cut_off_at_the_deadline(answer):
+    listener, url = serve_raw(answer, pace_s=0.2)
+    t = time.monotonic()
+    try:
+        with pytest.raises(PrometheusError, match=r"did not answer 'up' in full within timeout_s \(2 s\)") as e:
+            Prometheus(url, timeout_s=2).query_range("up", T0, T0 + 120, 60.0, "instance")
+    finally:
+        listener.close()
+    assert e.value.unavailable and time.monotonic() - t < 2 + 1.5, time.monotonic() - t  # the answer: 12 s and more
+
+
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_a_malformed_field_is_an_error_naming_it_never_a_crash(case):
     body, says = MALFORMED[case]
@@ -99,6 +167,7 @@ def test_a_malformed_field_is_an_error_naming_it_never_a_crash(case):
             Prometheus(url, timeout_s=5).query_range("up", T0, T0 + 120, 60.0, "instance")
     finally:
         server.shutdown()
+        server.server_close()
     assert says in str(e.value), str(e.value)
 
 
@@ -112,16 +181,17 @@ def test_a_well_formed_answer_still_reads():
 
 
 def test_an_answer_that_trickles_in_is_cut_off_at_its_deadline():
-    """A 1-byte-a-second answer: cut off once timeout_s passes, not read for as long as it trickles."""
+    """An answer at two bytes a second: cut off once timeout_s passes, not read for as long as it trickles."""
     server, url = serve(_answer(_series()), trickle_s=0.5)
     t = time.monotonic()
     try:
-        with pytest.raises(PrometheusError, match=r"did not finish its answer .* within timeout_s \(2 s") as e:
+        with pytest.raises(PrometheusError, match=r"did not answer 'up' in full within timeout_s \(2 s\)") as e:
             Prometheus(url, timeout_s=2).query_range("up", T0, T0 + 120, 60.0, "instance")
     finally:
         server.shutdown()
+        server.server_close()
     took = time.monotonic() - t
-    assert e.value.unavailable and took < 2 * 2 + 1, took  # the answer alone would take about 100 s
+    assert e.value.unavailable and took < 2 + 1.5, took  # the answer alone would take about 100 s
 
 
 SOURCE = """prometheus: {url}
@@ -178,17 +248,19 @@ def test_ds_ops_pull_looks_for_a_hosts_model_in_the_store_models_dir_names(tmp_p
         (tmp_path / "node.yaml").write_text(SOURCE.format(url=url))
         def pull(now: float, *extra: str) -> subprocess.CompletedProcess:
             return subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "pull", str(tmp_path / "node.yaml"),
-                                   "--config", "/dev/null", "--spool-dir", str(spool), "--state-dir", str(tmp_path / "state"),
+                                   "--spool-dir", str(spool), "--state-dir", str(tmp_path / "state"),
                                    "--once", "--now", str(now), *extra], capture_output=True, text=True, cwd=REPO, timeout=120)
 
-        p = pull(T0 + 86400, "--models-dir", str(models))
+        p = pull(T0 + 86400, "--config", "/dev/null", "--models-dir", str(models))
         assert p.returncode == 0 and "to incoming/ to train model h_9100" in p.stderr, p.stderr
         (models / "h_9100" / "v1").mkdir(parents=True)
         (models / "h_9100" / "current").symlink_to("v1")  # the daemon trained it
-        p = pull(T0 + 86400 + 600)  # the default store (/var/models): not there
+        other = tmp_path / "other.yaml"  # the store of --config, when --models-dir is not given: not there
+        other.write_text(f"models_dir: {tmp_path / 'other-models'}\n")
+        p = pull(T0 + 86400 + 600, "--config", str(other))
         assert p.returncode == 0 and "waiting for their model's first version" in p.stderr, p.stderr
         assert not any((spool / "score").iterdir())
-        p = pull(T0 + 86400 + 1200, "--models-dir", str(models))
+        p = pull(T0 + 86400 + 1200, "--config", str(other), "--models-dir", str(models))
         assert p.returncode == 0, p.stderr
     finally:
         server.shutdown()
