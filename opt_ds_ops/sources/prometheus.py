@@ -5,9 +5,8 @@ pieces (:data:`MAX_POINTS` steps each) and joined. Every answer is bounded in by
 parsed (``max_response_bytes``): a query that matches far more series than expected is an error
 naming the bound, never a daemon's worth of memory, and must arrive whole within ``timeout_s`` of
 the request: connection, headers and body (one that trickles in is cut off then, not read for as
-long as it trickles). A
-value Prometheus gives as NaN or ±Inf is a missing value here (the row will say so), never a
-number. Every field of an answer is checked before it is used: a label set that is not a mapping,
+long as it trickles). A value Prometheus gives as NaN or ±Inf is a missing value here (the row
+will say so), never a number. Every field of an answer is checked before it is used: a label set that is not a mapping,
 a host label that is not text, a point that is not ``[time, "value"]``, a time that is not a finite
 number or a value that is not a number's text is a :class:`PrometheusError` naming the query and
 the field, never a crash.
