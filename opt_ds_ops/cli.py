@@ -26,11 +26,13 @@ if sys.argv[1:2] == ["daemon"]:  # `ds-ops daemon` or `python -m opt_ds_ops.cli 
     _hold_stop_signals()  # before main() imports the commands' modules, which load torch
 
 # Each subcommand's module, imported only when it runs (or for the whole parser: --help, the man
-# page's test). Most load torch through the model and training code; ``pull`` does not, so the
-# puller (one process per source beside the daemon) starts in a fraction of a second without it.
+# page's test). Most load torch through the model and training code; the light ones do not, so the
+# puller (one process per source beside the daemon) and the operator's read and admin commands
+# (status, models, requeue, check-config: a script or a monitor may run them every few seconds)
+# start in a fraction of a second without it.
 COMMAND_MODULES = ["train", "score", "evaluate", "doctor", "daemon", "status", "models", "requeue", "check_config",
                    "report", "pull"]
-LIGHT_COMMANDS = {"pull"}  # need only their own module and the configuration's errors
+LIGHT_COMMANDS = {"pull", "status", "models", "requeue", "check-config"}  # their own module and the light errors
 
 
 def _module(name: str):
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ds-ops``; returns the exit code (0 ok, 1 bad input or config, 2 usage)."""
     words = sys.argv[1:] if argv is None else argv
     light = words[0] if words and words[0] in LIGHT_COMMANDS else None
+    light = light and light.replace("-", "_")  # the command's module
     args = build_parser(light).parse_args(argv)
     errors = user_errors(light is not None)
     try:

@@ -15,11 +15,9 @@ import os
 
 from ..config.conffile import DEFAULT_CONFIG_PATH
 from ..observe.journal import safe_text
-from ..scoring.job import remove_series
-from ..store.versions import (
-    METADATA_FILE, StoreError, current_version, list_models, pin, promote, read_metadata, remove, resolve,
-    rollback, version_summary
-)
+from ..scoring.results import remove_series
+from ..store.admin import list_models, pin, promote, remove, resolve, rollback, version_summary
+from ..store.model_dir import METADATA_FILE, StoreError, current_version, read_metadata
 from . import CliError, load_cfg
 
 

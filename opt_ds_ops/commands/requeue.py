@@ -20,7 +20,7 @@ from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError, DatasetConfig
 from ..config.sidecar import parse_sidecar
 from ..dataset import dataset_stem
 from ..spool import ERROR_SUFFIX, FAILED, SIDECAR_SUFFIX, Spool, SpoolError, read_json, requeue, sidecar_name
-from ..store.versions import StoreError, safe_model_name
+from ..store.model_dir import StoreError, safe_model_name
 from . import CliError, load_cfg
 
 

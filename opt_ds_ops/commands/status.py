@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import yaml
 
 from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError, ScoringConfig, SpoolConfig
-from ..daemon.scoreslot import model_views
+from ..scoring.results import model_views
 from ..observe.incident_entries import top_text
 from ..observe.journal import safe_text
 from ..spool import Spool, spool_status

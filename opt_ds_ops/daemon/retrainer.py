@@ -32,7 +32,7 @@ from ..lifecycle.history import history_path
 from ..observe.journal import LOG_NOTICE, safe_text
 from ..observe.metrics import _utc_seconds
 from ..spool import new_job_id, save_record
-from ..store.versions import StoreError, current_metadata
+from ..store.model_dir import StoreError, current_metadata
 
 KIND = "retrain"
 # What a version says of how to read the data it scores (metadata.json ``dataset``): a retraining's
@@ -279,7 +279,7 @@ def job_dataset(spool, job_id: str, record: dict, cfg) -> tuple[str, dict, str, 
     rows' path, for the gate). Raises
     ValueError for a history that leaves too little to train on."""
     from ..lifecycle.retrain_data import write_history_dataset
-    from ..store.versions import dataset_file_of
+    from ..store.model_dir import dataset_file_of
 
     parent = current_metadata(cfg.models_dir, record["model"])
     if parent is None:  # removed (ds-ops models rm) since it was queued: no version of no one's is made

@@ -117,7 +117,7 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
 def removed_message(view: dict) -> str:
     """The message of the ``incident-closed`` entry (reason ``removed``) of a model whose scoring
     series went (``ds-ops models rm NAME``, or by hand) while an incident was open: ``view`` is what
-    the daemon last showed of it (:func:`opt_ds_ops.daemon.scoreslot.model_view`)."""
+    the daemon last showed of it (:func:`opt_ds_ops.scoring.results.model_view`)."""
     name = f"incident {view['incident']}" if view.get("incident") is not None else "incident"
     version = f" (version {view['version']})" if view.get("version") else ""
     return (f"{view.get('model')}: {view.get('severity') or 'warning'} {name} closed: the model's scoring series was "

@@ -138,7 +138,7 @@ class MetricsWriter:
         self.last_success = self.last_failure = None
         self.last_job_s = self.last_training_s = self.last_samples_per_s = None
         self.gpus: dict[tuple[str, str], str] = {}  # (index, uuid) -> verdict
-        self.scores: dict[str, dict] = {}  # model -> opt_ds_ops.daemon.scoreslot.model_view
+        self.scores: dict[str, dict] = {}  # model -> opt_ds_ops.scoring.results.model_view
         self._last_error = ""
         if self.enabled:
             self.remove_leftovers()
@@ -209,7 +209,7 @@ class MetricsWriter:
         self.last_failure = time.time()
 
     def score_done(self, view: dict) -> None:
-        """A file was scored: ``view`` is its model's :func:`opt_ds_ops.daemon.scoreslot.model_view`."""
+        """A file was scored: ``view`` is its model's :func:`opt_ds_ops.scoring.results.model_view`."""
         self.scores[view["model"]] = view
 
     def health(self, report: dict | None) -> None:

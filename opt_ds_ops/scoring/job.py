@@ -26,10 +26,7 @@ import dataclasses
 import io
 import json
 import os
-import secrets
 import shutil
-import stat
-import time
 import zipfile
 from datetime import datetime, timezone
 
@@ -49,6 +46,7 @@ from . import calibration as calib
 from .calibration import CalibrationPolicy
 from .incidents import IncidentPolicy
 from .regime import RegimePolicy
+from .results import remove_series
 from .series import (SeriesState, active_top_metrics, finite_or_none, fresh_state, model_metric_names, model_version,
                      sample_period_s, score_chunk)
 
@@ -432,56 +430,6 @@ def score_job(job_dir: str, cfg: Config) -> dict:
                            "series (results, state, history) is removed with it, so the name's next owner starts "
                            "from nothing")
     return summary
-
-
-def remove_series(results_dir: str, name: str) -> bool:
-    """Remove model ``name``'s scoring series (``RESULTS/NAME``: its results, ``state.json``,
-    ``history.npz``), as ``ds-ops models rm NAME`` does with the model: renamed to a hidden
-    ``.rm-NAME-TOKEN`` first, then deleted, so the next owner of the name starts from nothing (no
-    counters, drift or history of the old one). Return True if there was one (False also when
-    another removal took it first). Raises OSError."""
-    sweep_removed(results_dir)
-    path = os.path.join(results_dir, name)
-    if os.path.islink(path) or not os.path.isdir(path):
-        return False
-    hidden = os.path.join(results_dir, f"{REMOVED_PREFIX}{name}-{secrets.token_hex(6)}")
-    try:
-        os.rename(path, hidden)
-    except FileNotFoundError:
-        return False  # another removal (the operator's rm, a scoring job's) took it first
-    fsync_dir(results_dir)
-    shutil.rmtree(hidden, ignore_errors=True)  # what a kill leaves, the sweep takes
-    return True
-
-
-REMOVED_PREFIX = ".rm-"  # RESULTS/.rm-NAME-TOKEN: a series being removed
-SWEEP_AFTER_S = 600.0  # a .rm-* renamed this long ago (its ctime) is a removal that was killed
-
-
-def sweep_removed(results_dir: str, now: float | None = None) -> list[str]:
-    """Delete what a removal killed midway left: ``.rm-*`` directories renamed over
-    :data:`SWEEP_AFTER_S` ago (their ctime, which the rename set and no member can change; a
-    removal at work is younger); return the names deleted. Called by :func:`remove_series` and
-    the daemon's hourly sweep of results. Takes no lock a member could hold. Never raises: a
-    sweep that cannot delete leaves it for the next."""
-    now = time.time() if now is None else now
-    gone = []
-    try:
-        names = [n for n in os.listdir(results_dir) if n.startswith(REMOVED_PREFIX)]
-    except OSError:
-        return gone
-    for n in names:
-        path = os.path.join(results_dir, n)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(st.st_mode) or now - st.st_ctime < SWEEP_AFTER_S:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.lexists(path):
-            gone.append(n)
-    return gone
 
 
 def series_status(results_dir: str) -> list[dict]:

@@ -300,3 +300,23 @@ def current_models(models_dir: str) -> list[tuple[str, dict, int]]:
         if isinstance(md, dict):
             out.append((name, md, len(list_versions(name_dir))))
     return out
+
+
+def current_metadata(models_dir: str, name: str) -> dict | None:
+    """Return the metadata.json of model name's ``current`` version, or None if there is no such
+    model or it cannot be read."""
+    try:
+        with open(os.path.join(models_dir, safe_model_name(name), CURRENT, METADATA_FILE), encoding="utf-8") as f:
+            md = json.load(f)
+    except (OSError, ValueError, StoreError):
+        return None
+    return md if isinstance(md, dict) else None
+
+
+def dataset_file_of(models_dir: str, name: str) -> str | None:
+    """Return the dataset file name the ``current`` version of model name was trained on (its
+    metadata's ``dataset.file``), or None if there is no such model or it cannot be read."""
+    try:
+        return (current_metadata(models_dir, name) or {})["dataset"]["file"]
+    except (KeyError, TypeError):
+        return None

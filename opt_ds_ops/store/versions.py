@@ -34,7 +34,8 @@ from .admin import (
     version_summary, who
 )
 from .model_dir import (  # noqa: F401 - some re-exported, as above
-    CURRENT, METADATA_FILE, MODEL_FILE, OPERATOR_FILE, NameLock, StoreError, current_version, list_versions,
+    CURRENT, METADATA_FILE, MODEL_FILE, OPERATOR_FILE, NameLock, StoreError, current_metadata, current_version,
+    dataset_file_of, list_versions,
     name_dir_of, publish, read_metadata, read_operator_action, safe_model_name, write_operator_action,
 )
 
@@ -252,26 +253,6 @@ def _gate_refusal(name_dir: str, version: str) -> str | None:
     if isinstance(gate, dict) and gate.get("promote") is False:
         return f"{gate.get('failed') or gate.get('mode')}: {gate.get('reason')}"
     return None
-
-
-def current_metadata(models_dir: str, name: str) -> dict | None:
-    """Return the metadata.json of model name's ``current`` version, or None if there is no such
-    model or it cannot be read."""
-    try:
-        with open(os.path.join(models_dir, safe_model_name(name), CURRENT, METADATA_FILE), encoding="utf-8") as f:
-            md = json.load(f)
-    except (OSError, ValueError, StoreError):
-        return None
-    return md if isinstance(md, dict) else None
-
-
-def dataset_file_of(models_dir: str, name: str) -> str | None:
-    """Return the dataset file name the ``current`` version of model name was trained on (its
-    metadata's ``dataset.file``), or None if there is no such model or it cannot be read."""
-    try:
-        return (current_metadata(models_dir, name) or {})["dataset"]["file"]
-    except (KeyError, TypeError):
-        return None
 
 
 def find_job_version(models_dir: str, name: str, job_id: str) -> dict | None:

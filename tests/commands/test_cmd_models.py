@@ -115,7 +115,7 @@ def test_what_a_removal_killed_midway_left_is_swept(trained):
     import time
 
     root, conf = trained
-    from opt_ds_ops.scoring.job import SWEEP_AFTER_S, remove_series, sweep_removed
+    from opt_ds_ops.scoring.results import SWEEP_AFTER_S, remove_series, sweep_removed
 
     left = root / "scores" / ".rm-m-4242"
     os.rename(root / "scores" / "m", left)

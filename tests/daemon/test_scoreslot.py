@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from opt_ds_ops.observe.metrics import MetricsWriter
-from opt_ds_ops.daemon.scoreslot import model_view, model_views, prune_results
+from opt_ds_ops.scoring.results import model_view, model_views, prune_results
 from opt_ds_ops.observe.incident_entries import top_text
 
 

@@ -447,7 +447,7 @@ def test_the_drift_ratio_of_the_last_scored_file_is_a_metric_per_model(tmp_path)
     from prometheus_client import generate_latest
 
     from opt_ds_ops.observe.metrics import MetricsWriter
-    from opt_ds_ops.daemon.scoreslot import model_view
+    from opt_ds_ops.scoring.results import model_view
 
     m = MetricsWriter(str(tmp_path), str(tmp_path / "models"))
     m.score_done(model_view("m", None, {"version": "v", "drift": {"rows": 1000, "flagged_share": 0.3,
