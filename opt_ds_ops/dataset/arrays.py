@@ -18,8 +18,8 @@ import zlib
 import numpy as np
 
 from .core import (
-    LIMIT_KEYS, DatasetError, DatasetLimits, Float32Builder, all_constant, block_rows, check_finite, check_float32,
-    check_shape, clip, rows_where,
+    LIMIT_KEYS, OFFSET_ROWS, DatasetError, DatasetLimits, Float32Builder, all_constant, block_rows, check_finite,
+    check_float32, check_shape, clip, offset_of, rows_where,
 )
 from .npyrows import NpyRows
 
@@ -96,7 +96,7 @@ def _streamed_npy(path: str, shape: tuple, dtype: np.dtype) -> tuple:
     the job's memory, after one pass that checks the file's length and every cell.
 
     A float64 or integer file is centred as in memory (:func:`_centred`): by the column means of
-    its first float64 block, the same offset, so that the same file gives the same float32 rows
+    its first OFFSET_ROWS rows, the same offset, so that the same file gives the same float32 rows
     whether it is loaded or streamed.
     """
     with open(path, "rb") as f:
@@ -112,10 +112,10 @@ def _streamed_npy(path: str, shape: tuple, dtype: np.dtype) -> tuple:
         return rows, None
     step = block_rows(int(shape[1]))
     centre = None
+    if int(shape[0]):  # Float32Builder's offset: the column means of the first OFFSET_ROWS rows
+        centre = offset_of(rows.raw(0, min(OFFSET_ROWS, int(shape[0]))).astype(np.float64))
     for start in range(0, int(shape[0]), step):
         block = rows.raw(start, min(start + step, int(shape[0]))).astype(np.float64)
-        if centre is None:
-            centre = block.mean(axis=0)  # Float32Builder's offset: the first block's column means
         check_float32(path, block, centre, start, rows_where)
     return NpyRows(path, shape, dtype, offset, centre=centre), centre
 

@@ -2,7 +2,9 @@
 
 **Precision.** float32 keeps 24 bits: a column of 1e8 + N(0, 1) would lose its signal. Every source
 that is not already float32 (text, Parquet, float64 or integer arrays, ...) is read as float64,
-centred per column by a float64 ``offset`` (the column means of its first block) and only then
+centred per column by a float64 ``offset`` (the column means of its first :data:`OFFSET_ROWS` rows,
+all of a shorter file: the same rows give the same offset, whatever the text's line lengths or
+the reader's block and batch boundaries, so the same model) and only then
 cast to float32 (:class:`Float32Builder`); :attr:`Dataset.offset` keeps that offset, so that
 ``data + offset`` (in float64) are the file's values. A finite float64 beyond float32's range is
 refused naming its row and column, before any training.
@@ -346,10 +348,20 @@ def check_float32(path: str, block: np.ndarray, offset: np.ndarray, row0: int, w
         _refuse_far_from_offset(path, block, magnitude, offset, dest, row0, where, number_column)
 
 
+OFFSET_ROWS = 1024  # a dataset's offset: the column means of its first this many rows
+
+
+def offset_of(first_rows: np.ndarray) -> np.ndarray:
+    """The float64 offset of a dataset whose first rows (float64, at least :data:`OFFSET_ROWS` of them
+    or all there are) are ``first_rows``: their column means, the same whatever blocks they came in."""
+    return first_rows[:OFFSET_ROWS].mean(axis=0)
+
+
 class Float32Builder:
     """Collects float64 blocks of rows into one float32 (rows, D) matrix, centred by a float64 offset.
 
-    The offset is the column mean of the first block added. Given ``rows`` the matrix is allocated
+    The offset is :func:`offset_of` the first :data:`OFFSET_ROWS` rows added (blocks are held
+    until that many have come, or :meth:`finish`). Given ``rows`` the matrix is allocated
     once; without, it grows in place by 1.125x (a realloc: no second copy), never past
     ``max_rows``. ``where(row)`` names a 0-based row in messages ("line 7", "row 7");
     ``column(c)`` names a 0-based feature column (default "column 3"). ``nan_is_missing``: a
@@ -369,43 +381,69 @@ class Float32Builder:
         if rows is not None and max_rows is not None:
             rows = min(rows, max_rows)  # a spilling builder never holds more than max_rows in memory
         self.out = np.empty((rows or 0, columns), dtype=np.float32)
-        self.n = 0
+        self._n = 0  # rows in the matrix (or the spill file)
         self.offset: np.ndarray | None = None
         self.spill_dir = spill_dir if max_rows else None
         self._spill = None  # the open SPILL_FILE once spilling
+        self._held: list[np.ndarray] = []  # the first blocks, until OFFSET_ROWS rows fix the offset
+        self._held_rows = 0
+        self._offset_rows = min(OFFSET_ROWS, max_rows) if max_rows else OFFSET_ROWS
 
     @property
     def spilled(self) -> bool:
         """True once the rows go to ``spill_dir`` (the matrix outgrew ``max_rows``)."""
         return self._spill is not None
 
+    @property
+    def n(self) -> int:
+        """Rows added so far (those held for the offset among them)."""
+        return self._n + self._held_rows
+
     def add(self, block: np.ndarray) -> None:
         """Append block, (k, D) float64; raise DatasetError at a NaN/Inf or a value beyond float32,
         SpillError if the spill file cannot be written."""
-        if self.max_rows and self.n + len(block) > self.max_rows and not self.spilled:
+        if len(block) == 0:
+            return
+        if self.offset is None:
+            _magnitude(self.path, block, self.n, self.where, self.column, self.nan_is_missing)
+            self._held.append(block)
+            self._held_rows += len(block)
+            if self._held_rows >= self._offset_rows:
+                self._settle()
+            return
+        self._append(block)
+
+    def _settle(self) -> None:
+        """Fix the offset from the held blocks' first rows (:func:`offset_of`) and add them."""
+        held, self._held, self._held_rows = self._held, [], 0
+        first = np.concatenate(held)[: self._offset_rows] if len(held) > 1 else held[0][: self._offset_rows]
+        self.offset = offset_of(first)
+        for block in held:
+            self._append(block)
+
+    def _append(self, block: np.ndarray) -> None:
+        if self.max_rows and self._n + len(block) > self.max_rows and not self.spilled:
             if self.spill_dir is not None:
                 self._start_spill()
             else:
-                block = block[: self.max_rows - self.n]  # the rows past max_rows are never kept: the caller refuses
+                block = block[: self.max_rows - self._n]  # the rows past max_rows are never kept: the caller refuses
         if len(block) == 0:
             return
-        magnitude = _magnitude(self.path, block, self.n, self.where, self.column, self.nan_is_missing)
-        if self.offset is None:
-            self.offset = block.mean(axis=0)
-        need = self.n + len(block)
+        magnitude = _magnitude(self.path, block, self._n, self.where, self.column, self.nan_is_missing)
+        need = self._n + len(block)
         if self.spilled:
             dest = np.empty((len(block), self.out.shape[1]), dtype=np.float32)
         else:
             if need > self.out.shape[0]:
                 cap = max(need, int(self.out.shape[0] * _GROWTH))
                 self.out.resize((min(cap, self.max_rows) if self.max_rows else cap, self.out.shape[1]), refcheck=False)
-            dest = self.out[self.n : need]
+            dest = self.out[self._n : need]
         with np.errstate(over="ignore"):
             np.subtract(block, self.offset, out=dest, casting="same_kind")
-        _refuse_far_from_offset(self.path, block, magnitude, self.offset, dest, self.n, self.where, self.column)
+        _refuse_far_from_offset(self.path, block, magnitude, self.offset, dest, self._n, self.where, self.column)
         if self.spilled:
             self._write(dest)
-        self.n = need
+        self._n = need
 
     def _start_spill(self) -> None:
         """Open SPILL_FILE (a header with room for any shape, then the rows held so far); free them."""
@@ -416,7 +454,7 @@ class Float32Builder:
             self._spill.write(_npy_header(0, self.out.shape[1]))
         except OSError as e:
             raise SpillError(e.errno, f"cannot write {target}: {e.strerror or e}") from None
-        self._write(self.out[: self.n])
+        self._write(self.out[: self._n])
         self.out = np.empty((0, self.out.shape[1]), dtype=np.float32)
 
     def _write(self, rows: np.ndarray) -> None:
@@ -431,20 +469,22 @@ class Float32Builder:
         """Return (the float32 matrix, exactly the rows added; the (D,) float64 offset or None if
         empty). Spilled: the matrix is an :class:`opt_ds_ops.dataset.npyrows.NpyRows` over the completed,
         fsynced SPILL_FILE."""
+        if self._held:
+            self._settle()
         if self.spilled:
 
             f, self._spill = self._spill, None
             try:
                 with f:
                     f.seek(0)
-                    f.write(_npy_header(self.n, self.out.shape[1]))
+                    f.write(_npy_header(self._n, self.out.shape[1]))
                     f.flush()
                     os.fsync(f.fileno())
             except OSError as e:
                 raise SpillError(e.errno, f"cannot write {f.name}: {e.strerror or e}") from None
-            return NpyRows(f.name, (self.n, self.out.shape[1]), np.dtype(np.float32), _SPILL_HEADER_BYTES), self.offset
-        if self.out.shape[0] != self.n:
-            self.out.resize((self.n, self.out.shape[1]), refcheck=False)
+            return NpyRows(f.name, (self._n, self.out.shape[1]), np.dtype(np.float32), _SPILL_HEADER_BYTES), self.offset
+        if self.out.shape[0] != self._n:
+            self.out.resize((self._n, self.out.shape[1]), refcheck=False)
         return self.out, self.offset
 
 
