@@ -9,7 +9,9 @@ Given ``store.promote``:
   For a retraining these are the newest tenth of the model's scoring history, held back BEFORE
   its flagged segments are cut (:func:`opt_ds_ops.lifecycle.retrain_data.write_history_dataset`): neither
   model trained on them, the challenger's threshold was fit on its own validation rows, not on
-  these, and they keep the rows the champion flagged. For a dropped training file they are its
+  these, and they keep the rows the champion flagged. The champion is judged as live scoring
+  judged it: its flags are those its series gave these rows when it scored them (the threshold
+  in force, the smoothing carried across chunks), not a new scoring from a cold start. For a dropped training file they are its
   validation split (its most recent rows, which the challenger's weights never saw), or with the
   sidecar's ``exclude_flagged`` its newest tenth, held back before the cut likewise. It is
   promoted only if
@@ -52,6 +54,7 @@ from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
 MODES = ("always", "if-not-worse", "manual")
 LABELS_SUFFIX = ".labels"
 MAX_GATE_ROWS = 200_000  # the most recent rows scored by both models: bounded time and memory
+WARM_WINDOWS = 3  # judged live, the first this many smoothing windows of held-back rows warm the challenger up
 MOST_FLAGGED = 0.5  # a challenger that flags more of the held-back rows than this is refused (flagged-most)
 
 
@@ -82,7 +85,7 @@ def _share(scores: np.ndarray, threshold: float) -> float:
 def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np.ndarray,
          offset: np.ndarray | None, labels: np.ndarray | None, *, flag_tolerance: float,
          pr_auc_tolerance: float, rows_from: str, held_range: dict | None = None, labels_from: str | None = None,
-         champion_shift=None) -> dict:
+         champion_shift=None, champion_flags: np.ndarray | None = None) -> dict:
     """Given the challenger (a TrainResult and its metadata), the held-back ``rows`` (n, D; the
     data's ``offset``), their ``labels`` (n,) bool or None, return the ``promotion`` record:
     ``{mode, promote, failed, reason, rows, rows_from, design_rate, challenger: {...}, champion:
@@ -94,29 +97,47 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     models; ScoreError only for rows of the wrong shape for the challenger. ``champion_shift``
     ``[[column, delta]]`` (data units): the champion scores the rows moved back by it, as its series
     scores them now (a change of regime's re-baseline, :mod:`opt_ds_ops.scoring.regime`): a challenger
-    must beat the champion as it runs, not as it ran before the change."""
+    must beat the champion as it runs, not as it ran before the change. ``champion_flags`` (n,) bool:
+    what the model's series flagged on these rows when it scored them (a retraining's held-back
+    history rows): the champion is judged by them, as live scoring judged (its threshold in force,
+    smoothing carried across chunks), not by scoring the rows again from a cold start at its
+    training threshold, which can flag all of them where live scoring flagged none. The challenger's
+    scores then start cold at the first held-back row while the series' were warm: both are judged
+    on the rows after the first :data:`WARM_WINDOWS` smoothing windows (a quarter of the rows at
+    most), once the challenger's smoothing has forgotten its start (``warm_up_rows``)."""
     rows = rows[-MAX_GATE_ROWS:]
+    if champion_flags is not None:
+        champion_flags = np.asarray(champion_flags, dtype=bool)[-rows.shape[0]:]
+        if champion_flags.shape != (rows.shape[0],):
+            champion_flags = None  # not these rows' flags: the champion is scored again, as without them
     if labels is not None:
         labels = labels[-rows.shape[0]:]
     design = design_rate(dict(metadata, threshold_method=result.threshold_method,
                               threshold_quantile=result.threshold_quantile, score_window=result.score_window))
     challenger = in_memory_model(result)
     c_scores = score_rows(challenger, rows, offset=offset)
+    warm = min(WARM_WINDOWS * challenger.score_window, rows.shape[0] // 4) if champion_flags is not None else 0
+    c_scores, champion_flags = c_scores[warm:], (champion_flags[warm:] if champion_flags is not None else None)
+    labels = labels[warm:] if labels is not None else None
     c_flags = c_scores > challenger.threshold
     chal = {"flagged_share": _share(c_scores, challenger.threshold), "threshold": challenger.threshold,
             "final_train_loss": metadata.get("final_train_loss"), "final_val_loss": metadata.get("final_val_loss")}
     champ, champ_note = None, None
     try:
         stored = load_model(os.path.join(models_dir, safe_model_name(name), CURRENT))
-        s = score_rows(stored, _moved_back(rows, champion_shift), offset=offset)
+        s = score_rows(stored, _moved_back(rows, champion_shift), offset=offset)[warm:]
         champ = {"version": stored.metadata.get("version"), "flagged_share": _share(s, stored.threshold),
                  "threshold": stored.threshold}
         if champion_shift:
             champ["rebased_by"] = [[int(j), float(v)] for j, v in champion_shift]
         normal = s <= stored.threshold
+        if champion_flags is not None:  # live scoring's verdict on these rows, not a cold rescoring's
+            champ.update(flagged_share=float(champion_flags.mean()), judged_by="live",
+                         flagged_share_rescored=_share(s, stored.threshold))
+            normal = ~champion_flags
     except (StoreError, ScoreError, OSError) as e:
         champ_note = f"no champion to compare with ({str(e).splitlines()[0][:200]})"
-        s, normal = None, np.ones(rows.shape[0], dtype=bool)
+        s, normal = None, np.ones(c_scores.shape[0], dtype=bool)
     # test 3's figure: the challenger's share of the rows the champion did not flag
     chal["flagged_share_of_normal"] = float(c_flags[normal].mean()) if normal.any() else 0.0
     chal["normal_rows"] = int(normal.sum())
@@ -127,7 +148,7 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     elif labels is not None:  # labelled incidents elsewhere in the file: say that test 4 did not run
         champ_note = "; ".join(filter(None, [champ_note, f"no labelled row among the {rows.shape[0]} held-back rows "
                                                          "(the newest): the PR-AUC test did not run"]))
-    doc = {"mode": mode, "rows": int(rows.shape[0]), "rows_from": rows_from, "held_back": held_range,
+    doc = {"mode": mode, "rows": int(c_scores.shape[0]), "warm_up_rows": warm, "rows_from": rows_from, "held_back": held_range,
            "design_rate": design,
            "labels": bool(labels is not None), "labels_from": labels_from, "challenger": chal, "champion": champ,
            "tolerances": {"flag": flag_tolerance, "pr_auc": pr_auc_tolerance}, "note": champ_note}
@@ -224,6 +245,19 @@ def held_back_file(path: str) -> np.ndarray:
     return rows
 
 
+def held_back_flags(held_back_path: str, rows: int) -> np.ndarray | None:
+    """Return what the series flagged on a retraining's held-back rows when it scored them (the
+    file :func:`opt_ds_ops.lifecycle.retrain_data.held_flags_path` names), or None where there is
+    none (a job queued before they were kept) or it does not fit the rows."""
+    from .retrain_data import held_flags_path
+
+    try:
+        flags = np.load(held_flags_path(held_back_path), allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return flags.astype(bool) if flags.shape == (rows,) and flags.dtype == np.bool_ else None
+
+
 def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, held_rows=None,
                      held_back_path: str | None = None, incidents=()) -> dict:
     """Return the ``promotion`` record of a daemon job's new version (:func:`gate` on the held-back
@@ -237,9 +271,10 @@ def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str,
     reason says why. Raises nothing."""
     mode = cfg.store.promote
     try:
-        held_range, offset, labels_from = None, ds.offset, None
+        held_range, offset, labels_from, live = None, ds.offset, None, None
         if held_back_path is not None and os.path.isfile(held_back_path):
             rows, labels, offset = held_back_file(held_back_path), None, None  # the rows' values as they are
+            live = held_back_flags(held_back_path, rows.shape[0])
             held_range = (metadata.get("excluded") or {}).get("held_back")
             where = "the newest rows of the scoring history, held back before the flagged segments were cut"
         elif held_rows is not None:
@@ -254,7 +289,8 @@ def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str,
         return gate(mode, result, metadata, cfg.models_dir, name, rows, offset, labels,
                     flag_tolerance=cfg.store.promote_flag_tolerance,
                     pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where, held_range=held_range,
-                    labels_from=labels_from, champion_shift=regime.get("shift") if held_back_path else None)
+                    labels_from=labels_from, champion_shift=regime.get("shift") if held_back_path else None,
+                    champion_flags=live)
     except (ScoreError, ValueError, MemoryError, OSError) as e:
         return {"mode": mode, "promote": mode == "always", "failed": "gate-error",
                 "reason": f"the gate could not run: {str(e).splitlines()[0][:300]}"}

@@ -124,7 +124,8 @@ def write_history_dataset(history_path: str, out_path: str, margin: int, max_row
     """Write the normal rows of the scoring history at history_path as a float64 ``.npy`` at
     out_path (the dataset of a retraining job, trained through :func:`opt_ds_ops.training.job.run_job`);
     return the ``excluded`` record. With ``held_path``, the newest rows of the history
-    (:func:`held_back_range`, flagged rows included) are written there instead, for the promotion
+    (:func:`held_back_range`, flagged rows included) are written there instead, and what the series
+    flagged among them when it scored them beside it (:func:`held_flags_path`), for the promotion
     gate: neither the cut, the training nor the challenger's threshold sees them; ``excluded``
     then counts the older rows only and says the held-back range (``held_back``). Raises
     ValueError for a missing, unreadable or too small history, OSError if a file cannot be written.
@@ -144,6 +145,7 @@ def write_history_dataset(history_path: str, out_path: str, margin: int, max_row
         held = held_back_range(h.flags, h.times)
         if held["rows"]:
             _save(held_path, h.rows()[held["from_row"]:])
+            _save(held_flags_path(held_path), h.flags[held["from_row"]:].astype(bool))
         cut = held["from_row"]
         h = History(values=h.values[:cut], offset=h.offset, flags=h.flags[:cut], times=h.times[:cut])
     rows, info = history_dataset(h, margin, max_rows)
@@ -176,6 +178,12 @@ def rebased_history(h, regime: dict):
         values[:old, j] += float(delta)
     moved = History(values=values - h.offset, offset=h.offset, flags=h.flags, times=h.times, last_job=h.last_job)
     return moved, {"rows": rows, "rows_moved": old, "shift": [[int(j), float(v)] for j, v in shift]}
+
+
+def held_flags_path(held_path: str) -> str:
+    """Where the held-back rows' live flags (what the series flagged when it scored them) lie:
+    ``held_back.npy`` -> ``held_back.flags.npy``."""
+    return held_path[: -len(".npy")] + ".flags.npy" if held_path.endswith(".npy") else held_path + ".flags"
 
 
 def _save(path: str, rows: np.ndarray) -> None:
