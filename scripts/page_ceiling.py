@@ -13,8 +13,10 @@ fleet: the most segments paged by the best threshold for that series chosen know
 and within that and 2 % of normal rows in alarm, for the autoencoder and the baseline.
 
 ``--quiet-s``: another quiet spell for the rule (0: every run of flagged rows is an incident).
+``--set train.KEY=VALUE``: the autoencoder trained and scored with another setting on top of the
+shipped defaults (``train.input_differences=true``, ``train.score_window=10``: round 9's score).
 
-Usage: scripts/page_ceiling.py [--smd DIR] [--asd DIR] [--seed N] [--quiet-s S] [--json PATH]
+Usage: scripts/page_ceiling.py [--smd DIR] [--asd DIR] [--seed N] [--quiet-s S] [--set train.K=V ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import time
 
 import numpy as np
 import torch
+import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from eval_incidents import FLEETS, SHARED, series_scores  # noqa: E402
-from opt_ds_ops.config.conffile import Config, TrainConfig  # noqa: E402
+from opt_ds_ops.config.conffile import Config, TrainConfig, with_overrides  # noqa: E402
 from opt_ds_ops.health.device import plan_device  # noqa: E402
 from opt_ds_ops.scoring.evaluate import smd_machines  # noqa: E402
 from opt_ds_ops.scoring.incidents import IncidentPolicy, incidents_of, operator_figures  # noqa: E402
@@ -64,6 +67,7 @@ def main() -> int:
     ap.add_argument("--asd", default=os.path.join(SHARED, "asd"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet-s", type=float, help="the incident rule's quiet spell (default: the shipped one)")
+    ap.add_argument("--set", action="append", default=[], metavar="train.KEY=VALUE")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -78,6 +82,7 @@ def main() -> int:
         t0 = time.perf_counter()
         cfg = Config(device="cpu")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(TrainConfig(), seed=args.seed, sample_period_s=period))
+        cfg = with_overrides(cfg, {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)})
         with tempfile.TemporaryDirectory(prefix="page-ceiling-") as tmp:
             series = [series_scores(f, cfg, plan, tmp) for f in smd_machines(roots[fleet])]
         print(f"\n{fleet.upper()}: {len(series)} series trained and scored in {time.perf_counter() - t0:.0f} s; the best "
@@ -111,7 +116,7 @@ def main() -> int:
         out[fleet] = {"series": rows, "means": means, "roc_auc": auc[0], "pr_auc": auc[1]}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"seed": args.seed, "policy": dataclasses.asdict(policy), "fleets": out}, f, indent=1)
+            json.dump({"seed": args.seed, "set": args.set, "policy": dataclasses.asdict(policy), "fleets": out}, f, indent=1)
     return 0
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Rounds 6, 7 and 8 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 9 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round: round 6, ``before`` (the defaults before it: no retraining, no change
 of regime; reported, not a candidate) and its candidates; round 7, the alarm budget's candidates;
-round 8, a new version's budget from the scored history; in the order used for ties. Prints each
+round 8, a new version's budget from the scored history; round 9, the score (each metric's change
+beside its level, shorter smoothing) and what the alarm budget learns from; in the order used for ties. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -40,6 +41,14 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
          "history-seed-regime": ["scoring.alarm_budget_history=true", "scoring.regime_after_s=21600",
                                  "scoring.regime_shift_sd=3"]},
         ("budget-1", "history-seed", "history-seed-regime")),
+    9: ({"shipped": ["scoring.alarm_budget_learns=all"],
+         "diff-10": ["train.input_differences=true", "train.score_window=10", "scoring.alarm_budget_learns=warnings"],
+         "diff-10-normal": ["train.input_differences=true", "train.score_window=10",
+                            "scoring.alarm_budget_learns=normal"],
+         "diff-10-regime": ["train.input_differences=true", "train.score_window=10",
+                            "scoring.alarm_budget_learns=warnings", "scoring.regime_after_s=21600",
+                            "scoring.regime_shift_sd=3"]},
+        ("shipped", "diff-10", "diff-10-normal", "diff-10-regime")),
 }
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]

@@ -14,7 +14,9 @@ the journal, and whether the retraining kept its promises.
   with ``--period-s 300`` (one row every 5 minutes, 19 metrics).
 * The rest of the train period and the whole test period follow as chunks of ``--chunk-hours``
   (12) into score/, each written under ``.part`` and renamed in, one at a time (the next once the
-  daemon has scored the last), paced at ``--day-s`` (8) wall seconds per day of data.
+  daemon has scored the last and any retraining it made due has ended: the data's clock decides
+  which version scores each chunk, so the same code replayed twice gives the same figures),
+  paced at ``--day-s`` (8) wall seconds per day of data.
   ``retrain.every`` counts the data's clock where the rows have times (opt_ds_ops/daemon/retrainer.py:
   from the newest row a version was made from to a scored file's last row), so the replay
   retrains as a live server would, however fast it is fed.
@@ -431,6 +433,12 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
             write_csv(spool / "score" / f"{name}.csv", rows[a:b], a, period)
             d.wait(lambda: d.log().count(" scored with version ") > scored or "failed in stage" in d.log(),
                    f"chunk {chunks + 1} to be scored")
+            # the data's clock decides, not the wall's: a retraining this chunk made due ends before
+            # the next chunk is dropped (processing/ empties once the scoring job is discarded, after
+            # the daemon queued any retraining), so two replays of the same code score every chunk
+            # with the same version and give the same figures
+            d.wait(lambda: not any((spool / "processing").iterdir()) or "failed in stage" in d.log(),
+                   f"the jobs of chunk {chunks + 1} to end")
             chunks += 1
             check_current(name_dir, failures, f"after chunk {chunks}")
             time.sleep(max(0.0, t0 + chunks * args.day_s * (b - a) / per_day - time.monotonic()))

@@ -138,6 +138,7 @@ def _scored(args, stored, ds) -> int:
         "score_smoothing": stored.score_smoothing,
         "input_window": stored.input_window,
         "window_error": stored.window_error,
+        "input_differences": stored.diff is not None,
         "threshold_method": stored.metadata.get("threshold_method", "quantile"),
         "flagged": int(flags.sum()),
         "output": args.output,

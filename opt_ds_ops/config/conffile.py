@@ -84,6 +84,9 @@ class TrainConfig:
     error_floor: float = _field(0.01, _positive, "a number > 0")
     input_window: int = _field(1, lambda v: 1 <= v <= 256, "an integer in 1..256 (rows; 1 = one row per input)")
     window_error: str = _field("last", lambda v: v in ("last", "window"), "one of last, window")
+    # Each metric's change since the previous row, standardised like the levels, read beside its level
+    # (opt_ds_ops.model.network.with_differences; needs input_window 1): the model's input is 2 x D wide.
+    input_differences: bool = _field(False, None, "true or false")
     threshold_method: str = _field("quantile", lambda v: v in ("quantile", "alarm_rate", "spot"),
                                    "one of quantile, alarm_rate, spot")
     alarms_per_day: float = _field(1.0, _non_negative, "a number >= 0 (alarms per day)")
@@ -162,7 +165,9 @@ class ScoringConfig:
     that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
     1 as shipped, round 7). ``alarm_budget_history``: a new version's budget starts from the
     series' scored history (its last alarm_budget_days days), scored again by the new version,
-    instead of from nothing (:func:`opt_ds_ops.scoring.calibration.seed`).
+    instead of from nothing (:func:`opt_ds_ops.scoring.calibration.seed`). ``alarm_budget_learns``:
+    whose runs the budget counts (``all``; ``warnings``: not those of an incident that was or became
+    critical; ``normal``: none inside an incident).
     """
 
     results_dir: str = _field("/var/lib/ds-ops/scores", os.path.isabs, "an absolute path")
@@ -181,6 +186,8 @@ class ScoringConfig:
     alarm_budget_per_day: float = _field(1.0, lambda v: 0 <= v <= 1e6, "alarms a day in [0, 1000000] (0: off)")
     alarm_budget_days: float = _field(14.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
     alarm_budget_history: bool = _field(False, None, "true or false")
+    alarm_budget_learns: str = _field("all", lambda v: v in ("all", "warnings", "normal"),
+                                      "one of all, warnings, normal")
 
 
 def _max_jobs_ok(v: str) -> bool:

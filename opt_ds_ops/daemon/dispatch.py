@@ -271,7 +271,7 @@ class Dispatch:
                 self.d.log.event("job-claimed", f"{safe_text(record['dataset'])}: {record.get('size_bytes', 0):,} bytes "
                                f">= daemon.distributed_min_bytes: trains alone with {nproc} processes under "
                                f"torchrun, on {on} (in one process if its data streams, being over "
-                               "job.max_matrix_bytes, or train.input_window > 1)", **job_fields(record))
+                               "job.max_matrix_bytes, or train.input_window > 1, or train.input_differences)", **job_fields(record))
         job = worker.JobProcess(self.d.spool.root, job_id, record, job_config(self.d.cfg, self.d.slots.memory_budget(nproc)),
                                 self.d.mp_context, self.d.gate,
                                 gpu=gpu, slot=self._free_slot_number(), nproc=nproc, gpus=gpus)

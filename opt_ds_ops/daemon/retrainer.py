@@ -14,7 +14,8 @@ challenger the gate refused is followed by another one ``every`` later, by the d
 where the rows have times (:func:`due`; each version's data end capped at its training's end,
 each file's last row at now), else by the wall clock; ``drift`` fires once per current version
 (a refused challenger does not start another until current changes). A failed retraining backs
-off by the wall clock (:func:`next_try_s`), so a replay fed faster than real time waits it out.
+off (one hour, doubled after each failure in a row, a day at most: :func:`backing_off`), by the
+data's clock where the rows have times, else by the wall clock.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from datetime import datetime, timezone
 from ..config.conffile import parse_window
 from ..fsutil import fsync_dir, read_small, utc_now, write_atomic
 from ..lifecycle.history import history_path
-from ..observe.journal import LOG_NOTICE, safe_text
+from ..observe.journal import LOG_NOTICE, LOG_WARNING, safe_text
 from ..observe.metrics import _utc_seconds
 from ..spool import new_job_id, save_record
 from ..store.model_dir import StoreError, current_metadata
@@ -42,10 +43,11 @@ READS_AS = ("header", "time", "left_out", "feature_columns", "options")
 DATA_FILE = "dataset.npz"
 HELD_FILE = "held_back.npy"  # the history's newest rows, for the promotion gate only
 FAILED_FILE = "retrain-failed.json"  # RESULTS/NAME/: the last failed retraining, until one is saved
-# After a failed retraining the next try waits retrain.every, and never less than this back-off,
-# doubled after each failure in a row up to a day: a failure is not repeated after every scored
-# chunk (each try copies the history, up to retrain.max_history_bytes, to failed/), even where
-# retrain.every is shorter than the chunks' interval.
+# After a failed retraining the next try waits this back-off, doubled after each failure in a row up
+# to a day: a failure is not repeated after every scored chunk (each try copies the history, up to
+# retrain.max_history_bytes, to failed/), and a failure after a shift (its history all flagged,
+# say) does not hold the next try back for a whole retrain.every (7 days as shipped). Counted on
+# the data's clock where the rows have times (a replay or a backfill), else on the wall clock.
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 3600.0, 86400.0
 
 
@@ -108,15 +110,30 @@ def read_failure(results_dir: str, name: str) -> dict | None:
     return doc if isinstance(doc, dict) and isinstance(doc.get("failed_at_s"), (int, float)) else None
 
 
+def backoff_s(failure: dict) -> float:
+    """The doubling back-off after a model's failed retraining(s) in a row (seconds)."""
+    doublings = min(10, max(0, int(failure.get("failures") or 1) - 1))  # 2**10 h is past the cap already
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** doublings)
+
+
 def next_try_s(rcfg, failure: dict | None) -> float | None:
-    """The UTC seconds before which no retraining of a model whose last one failed is queued
-    (the longer of retrain.every and the doubling back-off, after the failure), or None without
-    a failure."""
+    """The UTC seconds before which no retraining of a model whose last one failed is queued (the
+    doubling back-off after the failure, wall clock), or None without a failure."""
     if failure is None:
         return None
-    doublings = min(10, max(0, int(failure.get("failures") or 1) - 1))  # 2**10 h is past the cap already
-    wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** doublings)
-    return float(failure["failed_at_s"]) + max(wait, rcfg.every_s)
+    return float(failure["failed_at_s"]) + backoff_s(failure)
+
+
+def backing_off(failure: dict | None, now_s: float, data_s: float | None) -> bool:
+    """Whether a model whose last retraining failed still waits: on the data's clock where both the
+    failure (its ``data_s``: the newest scored row's time when it was queued) and the newest scored
+    row (``data_s``) have one, else on the wall clock (:func:`next_try_s`)."""
+    if failure is None:
+        return False
+    failed_data = failure.get("data_s")
+    if isinstance(failed_data, (int, float)) and isinstance(data_s, (int, float)):
+        return data_s < float(failed_data) + backoff_s(failure)
+    return now_s < float(failure["failed_at_s"]) + backoff_s(failure)
 
 
 def due(rcfg, summary: dict, trained_s: float | None, now_s: float,
@@ -168,8 +185,8 @@ class Retrainer:
             return None  # its retraining is queued or running (also one recovered from processing/)
         if self.drift_for.get(name) == version:
             summary = {k: v for k, v in summary.items() if k != "drift"}  # drift tried for this current
-        wait_until = next_try_s(cfg.retrain, read_failure(cfg.scoring.results_dir, name))
-        if wait_until is not None and time.time() < wait_until:
+        data_s = _utc_seconds(summary.get("last_time"))  # the newest scored row's time, or None
+        if backing_off(read_failure(cfg.scoring.results_dir, name), time.time(), data_s):
             return None  # the last retraining failed: its back-off first
         hist = history_path(cfg.scoring.results_dir, name)
         regime = summary.get("regime")
@@ -182,14 +199,15 @@ class Retrainer:
                 why = (f"a change of regime ({metrics}) since {regime.get('started_time') or 'series row'}: "
                        f"{regime.get('rows')} rows of it scored (retrain.regime_learn_s {cfg.retrain.regime_learn_s:g})")
                 job_id = self.queue(name, hist, "regime", why,
-                                    regime={"rows": int(regime.get("rows") or 0), "shift": regime.get("shift") or []})
+                                    regime={"rows": int(regime.get("rows") or 0), "shift": regime.get("shift") or []},
+                                    data_s=data_s)
                 self.regime_for[name] = key
                 return job_id
         trained_s, data_s = last_trained(cfg.models_dir, name)
         why = due(cfg.retrain, summary, trained_s, time.time(), data_s)
         if why is None or not os.path.isfile(hist):
             return None
-        job_id = self.queue(name, hist, *why)
+        job_id = self.queue(name, hist, *why, data_s=data_s)
         if why[0] == "drift":
             self.drift_for[name] = version
         return job_id
@@ -204,12 +222,19 @@ class Retrainer:
         last = read_failure(self.d.cfg.scoring.results_dir, name) or {}
         doc = {"failed_at": utc_now(), "failed_at_s": time.time(), "failures": int(last.get("failures") or 0) + 1,
                "reason": reason, "job_id": record.get("job_id")}
+        if isinstance(record.get("data_s"), (int, float)):
+            doc["data_s"] = float(record["data_s"])  # the back-off counts on the data's clock from here
         path = failure_path(self.d.cfg.scoring.results_dir, name)
         os.makedirs(os.path.dirname(path), 0o750, exist_ok=True)
         write_atomic(path, (json.dumps(doc, sort_keys=True) + "\n").encode(), mode=0o640)
-        at = datetime.fromtimestamp(next_try_s(self.d.cfg.retrain, doc), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if "data_s" in doc:
+            at = datetime.fromtimestamp(doc["data_s"] + backoff_s(doc), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            when = f"before rows of {at} (data time) are scored"
+        else:
+            at = datetime.fromtimestamp(next_try_s(self.d.cfg.retrain, doc), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            when = f"before {at}"
         self.d.log.event("retrain-backoff", f"{safe_text(name)}: retraining failed ({doc['failures']} in a row); the "
-                         f"next one is not queued before {at}", priority=LOG_NOTICE, model=name, reason=reason,
+                         f"next one is not queued {when}", priority=LOG_WARNING, model=name, reason=reason,
                          job_id=record.get("job_id"))
 
     def on_saved(self, record: dict) -> None:
@@ -219,7 +244,8 @@ class Retrainer:
         except FileNotFoundError:
             pass
 
-    def queue(self, name: str, hist: str, trigger: str, why: str, regime: dict | None = None) -> str:
+    def queue(self, name: str, hist: str, trigger: str, why: str, regime: dict | None = None,
+              data_s: float | None = None) -> str:
         """Make processing/JOB (a copy of the history, its record) and put it in the training
         queue; journal ``retrain-queued``. ``regime``: a change of regime to learn (``rows``: the
         history's newest rows are its; ``shift``: ``[[column, delta]]``, data units): the older rows
@@ -238,6 +264,8 @@ class Retrainer:
                   "why": why, "uploader_uid": None, "window": self.d.cfg.retrain.window}
         if regime:
             record["regime"] = regime
+        if data_s is not None:
+            record["data_s"] = data_s  # the newest scored row's time: a failure's back-off counts from it
         save_record(spool, record)
         fsync_dir(jdir)
         self.d.records[job_id] = record

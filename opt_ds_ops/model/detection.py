@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .network import feature_errors, fold_window, smooth, window_rows
+from .network import feature_errors, fold_window, model_inputs, smooth
 from .threshold import SECONDS_PER_DAY, segments
 from .trained import StoredModel
 
@@ -51,6 +51,8 @@ def in_memory_model(result) -> StoredModel:
         threshold=float(result.threshold), score_window=int(result.score_window), metadata={},
         score_smoothing=result.score_smoothing, input_clip=float(result.input_clip),
         input_window=int(result.input_window), window_error=result.window_error,
+        diff=(None if getattr(result, "diff", None) is None else
+              tuple(torch.from_numpy(np.asarray(v, dtype=np.float32)) for v in result.diff)),
     )
 
 
@@ -90,7 +92,7 @@ def _cell_batches(stored: StoredModel, data: np.ndarray, batch_rows: int, offset
         x = standardise_rows(stored, data[start - k : start + batch_rows], offset)
         if stored.input_clip > 0:
             x.clamp_(-stored.input_clip, stored.input_clip)
-        x = window_rows(x[k:], w, context=x[:k])
+        x = model_inputs(x[k:], w, context=x[:k], diff=stored.diff, clip=stored.input_clip)
         cells = feature_errors(stored.model, x) / stored.error_scale
         yield start, fold_window(cells, w, stored.window_error).numpy()
 

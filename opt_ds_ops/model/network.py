@@ -124,6 +124,49 @@ def window_rows(x: torch.Tensor, window: int, context: torch.Tensor | None = Non
     return x[idx[k:]].reshape(n - k, d * window)
 
 
+def with_differences(xw: torch.Tensor, diff_mean: torch.Tensor, diff_std: torch.Tensor, clip: float = 0.0) -> torch.Tensor:
+    """Return the inputs of a model that reads each metric's change beside its level: from windows
+    of two rows ``[z_(t-1), z_t]`` (rows, 2D) of standardised, clipped levels (:func:`window_rows`)
+    to ``[d_t, z_t]`` (rows, 2D), where ``d_t = ((z_t - z_(t-1)) - diff_mean) / diff_std`` is the
+    first difference standardised like the levels (its training rows' mean and std, (D,) each) and
+    clipped to +-clip (0: not clipped). Row 0 without context has no previous row: its difference
+    is that of a repeated row (0 before standardising). The level's columns come last, so the
+    model's last D outputs are the levels' reconstruction, as for every window."""
+    d = xw.shape[1] // 2
+    prev, cur = xw[:, :d], xw[:, d:]
+    change = (cur - prev).sub_(diff_mean.to(xw.dtype)).div_(diff_std.to(xw.dtype))
+    if clip > 0:
+        change.clamp_(-clip, clip)
+    return torch.cat([change, cur], dim=1)
+
+
+def model_inputs(x: torch.Tensor, window: int, context: torch.Tensor | None = None, diff=None,
+                 clip: float = 0.0) -> torch.Tensor:
+    """Return what the model reads for standardised, clipped rows x (rows, D): causal windows of
+    ``window`` rows (:func:`window_rows`, ``context`` the rows before x), and for a model that reads
+    differences (``diff``: its ``(diff_mean, diff_std)``, window 2) each metric's change beside its
+    level (:func:`with_differences`). Without ``diff``, :func:`window_rows` itself."""
+    xw = window_rows(x, window, context=context)
+    if diff is None:
+        return xw
+    return with_differences(xw, diff[0], diff[1], clip)
+
+
+def difference_scaler(x: torch.Tensor, clip: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Return (mean, std), (D,) float64 each, of the first differences ``z_t - z_(t-1)`` of
+    standardised, clipped training rows x (rows, D): the scaler of a model's difference inputs
+    (:func:`with_differences`). A std of 0 (a constant column) becomes 1; fewer than 2 rows give
+    (0, 1)."""
+    d = x.shape[1]
+    if x.shape[0] < 2:
+        return np.zeros(d), np.ones(d)
+    diffs = (x[1:].double() - x[:-1].double()).cpu().numpy()
+    mean = diffs.mean(axis=0)
+    std = np.sqrt(((diffs - mean) ** 2).mean(axis=0))
+    std[std == 0] = 1.0
+    return mean, std
+
+
 def fold_window(cells: torch.Tensor, window: int, how: str) -> torch.Tensor:
     """Return per-row, per-feature terms (rows, D) from a window's terms (rows, D * window).
 

@@ -27,6 +27,10 @@ class StoredModel:
     ``error_scale`` is (D * input_window,)); ``window_error``: ``last`` or ``window``, which of
     the window's rows make the score (:func:`opt_ds_ops.model.network.fold_window`). Models saved
     before windowed inputs load as 1 and ``last``: one row per input, as they were trained.
+    ``diff``: for a model that reads each metric's change beside its level
+    (:func:`opt_ds_ops.model.network.with_differences`; then ``input_window`` is 2 and
+    ``window_error`` ``window``), the (D,) float32 ``(diff_mean, diff_std)`` of its training rows'
+    standardised first differences; None for a model of levels alone (every model saved before).
     """
 
     path: str
@@ -41,6 +45,7 @@ class StoredModel:
     input_clip: float = 0.0
     input_window: int = 1
     window_error: str = "last"
+    diff: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n_features(self) -> int:

@@ -105,12 +105,16 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                    + (f" ({alarms} alarms)" if isinstance(alarms, int) else ""))
         if isinstance(ev.get("seeded_rows"), int):  # a new version's start, from the rows scored before it
             why += f", counting the {ev['seeded_rows']} rows scored before this version as it scores them"
+        if isinstance(ev.get("wanted"), (int, float)):
+            why += (f"; the budget asked for {num(ev.get('wanted'))}, held to {num(ev.get('bound'))} times the threshold "
+                    "in force for one day")
+        far_move = ev.get("far") is True
         return (kind, f"{model}: threshold {num(ev.get('threshold'))} from {when} on (was {num(ev.get('previous'))}; "
                       + why + ("" if not ev.get("capped") else ")")
                       + f" (version {ev.get('version') or version}); in {file}",
-                LOG_WARNING if ev.get("capped") else LOG_INFO,
+                LOG_WARNING if ev.get("capped") or far_move else LOG_INFO,
                 dict(common, version=ev.get("version") or version, threshold=ev.get("threshold"),
-                     previous=ev.get("previous"), seeded_rows=ev.get("seeded_rows")))
+                     previous=ev.get("previous"), seeded_rows=ev.get("seeded_rows"), wanted=ev.get("wanted")))
     return None
 
 

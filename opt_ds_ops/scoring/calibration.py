@@ -17,6 +17,16 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
   same version: the lowest bin edge at which that history and every higher edge give at most
   ``budget_per_day`` alarms a day, and never under the model's own threshold. Less than
   ``min_days`` of history: the model's threshold. A change is an event ``threshold-calibrated``.
+* **What teaches it** (``learns``): with ``normal``, a run that starts inside an incident
+  (:mod:`opt_ds_ops.scoring.incidents`) is not counted, so an incident, a burst of them or the same
+  failure again never raises the threshold that must page it (with one flagged row opening an
+  incident, the budget then learns only the runs under the threshold in force); with ``warnings``,
+  only the runs of incidents that were or became critical are left out, so the budget still
+  learns the model's noise, the warnings it pages for nothing, while loud bursts and real
+  failures (twice the threshold or more) never raise it and a repeat within ``days`` is paged as
+  the first was; ``all`` counts every run (before round 9).
+* **Bounded**: one day moves the threshold by at most :data:`MAX_DAY_FACTOR` either way (never
+  under the model's own); a move of that factor or more is said at warning level by the daemon.
 * **Invariant**: the threshold moves only at day boundaries of the rows, so a file scored in one
   chunk or in many gives the same flags; the state is a few hundred numbers a day, ``days`` days
   at most, carried in the series state.
@@ -39,6 +49,7 @@ import numpy as np
 PER_OCTAVE = 16
 EDGES = 2.0 ** (np.arange(-4 * PER_OCTAVE, 10 * PER_OCTAVE + 1) / PER_OCTAVE)  # score / the model's threshold
 SECONDS_PER_DAY = 86400.0
+MAX_DAY_FACTOR = 2.0  # one day's calibration moves the threshold by at most this factor, up or down
 
 
 @dataclass(frozen=True)
@@ -49,11 +60,12 @@ class CalibrationPolicy:
     days: float = 14.0
     min_days: float = 1.0
     from_history: bool = False  # a new version's days start from the scored history, scored again by it
+    learns: str = "all"  # whose runs count: "all", "warnings" (not a critical incident's), "normal" (no incident's)
 
     @classmethod
     def from_config(cls, scoring) -> CalibrationPolicy:
         return cls(budget_per_day=scoring.alarm_budget_per_day, days=scoring.alarm_budget_days,
-                   from_history=scoring.alarm_budget_history)
+                   from_history=scoring.alarm_budget_history, learns=scoring.alarm_budget_learns)
 
     @property
     def on(self) -> bool:
@@ -123,13 +135,16 @@ def _bins(x: np.ndarray) -> np.ndarray:
     return np.searchsorted(EDGES, x, side="left")
 
 
-def add(cal: dict, scores: np.ndarray) -> None:
-    """Count the run starts of scores (n,) (the current day's, the next rows of the series) into cal."""
+def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None) -> None:
+    """Count the run starts of scores (n,) (the current day's, the next rows of the series) into cal;
+    ``in_incident`` (n,) bool: rows inside an incident, whose run starts are not counted."""
     s = np.asarray(scores, dtype=np.float64) / cal["base"]
     if not s.size:
         return
     lo = np.r_[-np.inf if cal["prev"] is None else cal["prev"], s[:-1]]
     up = lo < s
+    if in_incident is not None:
+        up &= ~np.asarray(in_incident, dtype=bool)
     runs = cal["runs"]
     for b, k in zip(*np.unique(_bins(lo[up]), return_counts=True)):
         runs[str(int(b))] = runs.get(str(int(b)), 0) + int(k)
@@ -197,10 +212,37 @@ def roll(cal: dict, day: int, policy: CalibrationPolicy, period_s: float, clock:
     cal["day"], cal["rows"], cal["runs"] = day, 0, {}
     threshold, basis = budget_threshold(_days_before(cal, day, policy), policy, cal["base"], period_s, clock)
     previous = cal["threshold"]
+    threshold, basis = bounded(threshold, basis, previous, cal["base"])
     cal["threshold"] = threshold
     if threshold == previous:
         return None
-    return dict(basis, previous=previous, threshold=threshold)
+    return _said(dict(basis, previous=previous, threshold=threshold))
+
+
+def _said(event: dict) -> dict:
+    """A threshold-calibrated event with ``bound`` (:data:`MAX_DAY_FACTOR`) and ``far`` (:func:`far`):
+    the journal says a far move at warning level."""
+    return dict(event, bound=MAX_DAY_FACTOR, far=far(event))
+
+
+def bounded(threshold: float, basis: dict, previous: float, base: float) -> tuple[float, dict]:
+    """The budget's threshold kept within :data:`MAX_DAY_FACTOR` of the one in force (and never under the
+    model's own ``base``); ``basis`` gains ``wanted`` (the budget's) where it was held back."""
+    lo, hi = max(base, previous / MAX_DAY_FACTOR), previous * MAX_DAY_FACTOR
+    if lo <= threshold <= hi:
+        return threshold, basis
+    return min(max(threshold, lo), hi), dict(basis, wanted=threshold)
+
+
+def far(event: dict) -> bool:
+    """Whether a ``threshold-calibrated`` event moved the threshold far: by :data:`MAX_DAY_FACTOR` or
+    more either way, or was held back by that bound (the daemon says it at warning level)."""
+    prev, new = event.get("previous"), event.get("threshold")
+    if "wanted" in event:
+        return True
+    if not (isinstance(prev, (int, float)) and isinstance(new, (int, float)) and prev > 0 and new > 0):
+        return False
+    return max(new / prev, prev / new) >= MAX_DAY_FACTOR * (1 - 1e-9)
 
 
 def _days_before(cal: dict, day: int, policy: CalibrationPolicy) -> list:
@@ -248,4 +290,4 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, period_s: floa
     if cal["threshold"] == previous:
         return None
     _, basis = budget_threshold(_days_before(cal, cal["day"], policy), policy, cal["base"], period_s, clock)
-    return dict(basis, previous=previous, threshold=cal["threshold"], seeded_rows=n)
+    return _said(dict(basis, previous=previous, threshold=cal["threshold"], seeded_rows=n))

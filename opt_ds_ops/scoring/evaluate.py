@@ -44,7 +44,7 @@ from ..model.detection import (
     segment_hit_rate, segments_flagged, load_interpretation, load_labels, pca_ema_baseline, score_with_cells,
     standardise_rows, zscore_cells
 )
-from ..model.network import feature_errors, smooth, window_rows
+from ..model.network import feature_errors, model_inputs, smooth
 from ..model.threshold import pick_threshold
 from ..store.versions import load_model
 from ..training.fit import split_rows
@@ -156,7 +156,8 @@ def evaluate_machine(files: MachineFiles, cfg: Config, plan: DevicePlan | None =
         x = standardise_rows(stored, values)
         if stored.input_clip > 0:
             x.clamp_(-stored.input_clip, stored.input_clip)
-        return feature_errors(stored.model, window_rows(x, stored.input_window)).mean(dim=1).double().numpy()
+        x = model_inputs(x, stored.input_window, diff=stored.diff, clip=stored.input_clip)
+        return feature_errors(stored.model, x).mean(dim=1).double().numpy()
 
     seed_test, seed_val = seed_mse(test.values()), seed_mse(ref)
     pca_test, pca_val = pca_ema_baseline(train_values, test.values()), pca_ema_baseline(train_values, ref)

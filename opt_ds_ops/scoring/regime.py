@@ -126,7 +126,7 @@ def refined(stored, shift: list[tuple[int, float]], tail) -> list[tuple[int, flo
     still flag. Fewer than 8 rows, or a windowed model: the mean levels as they are."""
     import torch
 
-    from ..model.network import window_rows
+    from ..model.network import model_inputs
 
     rows = np.asarray(tail or [], dtype=np.float64)
     if rows.ndim != 2 or rows.shape[0] < 8 or rows.shape[1] != stored.n_features or not shift:
@@ -143,7 +143,7 @@ def refined(stored, shift: list[tuple[int, float]], tail) -> list[tuple[int, flo
             x = torch.from_numpy((rows - delta).astype(np.float32))
             if stored.input_clip > 0:
                 x = x.clamp(-stored.input_clip, stored.input_clip)
-            recon = model(window_rows(x, w) if w > 1 else x).float()[:, -d:]
+            recon = model(model_inputs(x, w, diff=stored.diff, clip=stored.input_clip)).float()[:, -d:]
             resid = (x - recon).double().numpy().mean(axis=0)
             delta[cols] += resid[cols]
     if not np.isfinite(delta).all():

@@ -26,7 +26,7 @@ import torch
 
 from ..dataset.core import iso_utc
 from ..model.detection import ScoreError, standardise_rows
-from ..model.network import feature_errors, fold_window, window_rows
+from ..model.network import feature_errors, fold_window, model_inputs
 from ..store.versions import StoredModel
 from . import calibration as calib
 from .calibration import CalibrationPolicy
@@ -260,7 +260,7 @@ def _cells(stored: StoredModel, data: np.ndarray, offset, context: torch.Tensor,
         levels[start : start + x.shape[0]] = x.numpy()
         if stored.input_clip > 0:
             x.clamp_(-stored.input_clip, stored.input_clip)
-        xw = window_rows(x, w, context=context)
+        xw = model_inputs(x, w, context=context, diff=stored.diff, clip=stored.input_clip)
         cells = feature_errors(stored.model, xw) / stored.error_scale
         out[start : start + x.shape[0]] = fold_window(cells, w, stored.window_error).numpy()
         if w > 1:
@@ -480,12 +480,26 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     st.rows_scored += n
     st.version_rows += n
     st.rows_flagged += int(flags.sum())
-    if calibration is not None:
-        calib.add(st.calibration, scores)
+    if calibration is not None:  # the budget learns from the rows its policy lets it (calibration.learns)
+        calib.add(st.calibration, scores, in_incident=_not_learned(done, calibration.learns))
     part = ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, first_row=row0,
                        events=events, notes=[], state=st, active=done.tracker.open is not None, cells=cells)
     part.stopped = done.stopped
     return part
+
+
+def _not_learned(done, learns: str) -> np.ndarray | None:
+    """The rows of a tracked chunk whose runs the alarm budget does not count: inside any incident
+    (``normal``), inside one that was or became critical (``warnings``), or None (``all``)."""
+    if learns == "all":
+        return None
+    ids = done.incident
+    if learns == "normal":
+        return ids > 0
+    critical = {inc["id"] for _kind, _i, inc in done.changes if inc.get("severity") == "critical"}
+    if done.tracker.open is not None and done.tracker.open.get("severity") == "critical":
+        critical.add(done.tracker.open["id"])
+    return np.isin(ids, sorted(critical)) if critical else None
 
 
 def _warm_smoothing(stored: StoredModel, tail, moved: np.ndarray, st: SeriesState) -> None:
@@ -502,7 +516,7 @@ def _warm_smoothing(stored: StoredModel, tail, moved: np.ndarray, st: SeriesStat
     if stored.input_clip > 0:
         x = x.clamp(-stored.input_clip, stored.input_clip)
     w = stored.input_window
-    cells = feature_errors(stored.model, window_rows(x, w)) / stored.error_scale
+    cells = feature_errors(stored.model, model_inputs(x, w, diff=stored.diff, clip=stored.input_clip)) / stored.error_scale
     raw = fold_window(cells, w, stored.window_error).numpy().mean(axis=1)
     _smoothed(stored, raw.astype(np.float32), st)
 

@@ -90,6 +90,9 @@ def model_payload(result) -> dict:
         "threshold_method": str(result.threshold_method),
         "input_window": int(result.input_window),
         "window_error": str(result.window_error),
+        **({"diff_mean": torch.from_numpy(np.asarray(result.diff[0], dtype=np.float32)),
+            "diff_std": torch.from_numpy(np.asarray(result.diff[1], dtype=np.float32))}
+           if getattr(result, "diff", None) is not None else {}),
     }
 
 
@@ -310,6 +313,14 @@ def load_model(path: str) -> StoredModel:
     if window_error not in WINDOW_ERRORS or window < 1 or payload["model_args"]["n_features"] % window:
         raise StoreError(f"{model_file}: unknown window_error {window_error!r} or input_window {window} "
                          f"(this ds-ops knows {', '.join(WINDOW_ERRORS)}; the model's input width must be a multiple)")
+    diff = None
+    if "diff_mean" in payload or "diff_std" in payload:  # a model reading differences beside levels
+        d = payload["model_args"]["n_features"] // 2
+        diff = (payload.get("diff_mean"), payload.get("diff_std"))
+        if (window != 2 or window_error != "window" or not all(isinstance(t, torch.Tensor) and tuple(t.shape) == (d,)
+                                                                for t in diff)):
+            raise StoreError(f"{model_file}: a model reading differences needs input_window 2, window_error "
+                             f"window and diff_mean, diff_std of its {d} metrics")
     model = TelemetryAutoencoder(**payload["model_args"])
     model.load_state_dict(payload["state_dict"])
     model.eval()
@@ -326,4 +337,5 @@ def load_model(path: str) -> StoredModel:
         input_clip=float(payload.get("input_clip", 0.0)),
         input_window=window,
         window_error=window_error,
+        diff=diff,
     )

@@ -138,6 +138,7 @@ class TrainResult:
     error_floor: float = 1e-6
     threshold_method: str = "quantile"
     input_window: int = 1
+    diff: tuple | None = None  # (diff_mean, diff_std) (D,) float64: a model reading differences
     window_error: str = "last"
     # Why and when training stopped (Stopper.summary), the human line, and the split
     # check's figures (opt_ds_ops.training.suspect: eval-mode train/validation loss, per-column mean shift)

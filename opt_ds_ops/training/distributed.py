@@ -89,9 +89,10 @@ def train_distributed(data: np.ndarray, cfg: TrainConfig, plan: DevicePlan, npro
     if not isinstance(data, np.ndarray):  # opt_ds_ops.dataset.npyrows.NpyRows
         raise TrainingError(f"--nproc {nproc}: this dataset is over the job's memory budget and streams, which a "
                             "distributed run does not do yet (every rank holds the training split); train it with one process")
-    if cfg.input_window > 1:
-        raise TrainingError(f"--nproc {nproc}: train.input_window is {cfg.input_window}; a distributed run trains "
-                            "on single rows (input_window: 1)")
+    if cfg.input_window > 1 or cfg.input_differences:
+        raise TrainingError(f"--nproc {nproc}: " + (f"train.input_window is {cfg.input_window}" if cfg.input_window > 1
+                                                    else "train.input_differences is true")
+                            + "; a distributed run trains on single rows (input_window: 1, input_differences: false)")
     ddp_batch_bounds(split_sizes(data.shape[0], cfg.val_fraction)[0], cfg.batch_size, nproc)
     if work_dir is not None:
         os.makedirs(work_dir, mode=0o700, exist_ok=True)

@@ -28,7 +28,8 @@ import torch
 from ..config.conffile import TrainConfig
 from ..fsutil import utc_now
 from ..health.device import DevicePlan
-from ..model.network import TelemetryAutoencoder, anomaly_scores, feature_errors, smooth, window_rows
+from ..model.network import (TelemetryAutoencoder, anomaly_scores, difference_scaler, feature_errors, model_inputs,
+                             smooth)
 from ..model.scaling import clip_inputs, fit_scaler, standardise
 from ..model.threshold import pick_threshold
 from .common import (
@@ -138,11 +139,16 @@ def train(
     """
     if offset is not None and np.shape(offset) != (data.shape[1],):
         raise ValueError(f"offset has shape {np.shape(offset)}, data has {data.shape[1]} columns")
+    if cfg.input_differences and cfg.input_window != 1:
+        raise TrainingError(f"train.input_differences reads each row beside the one before it; it needs "
+                            f"train.input_window 1, not {cfg.input_window}")
     if hasattr(data, "read") and not isinstance(data, np.ndarray):  # opt_ds_ops.dataset.npyrows.NpyRows
-        if cfg.input_window > 1:
-            raise TrainingError(f"train.input_window is {cfg.input_window}: windowed inputs need the dataset in memory, "
+        if cfg.input_window > 1 or cfg.input_differences:
+            what = (f"train.input_window is {cfg.input_window}: windowed inputs" if cfg.input_window > 1
+                    else "train.input_differences is true: inputs of differences")
+            raise TrainingError(f"{what} need the dataset in memory, "
                                 f"and this one ({data.nbytes:,} bytes as float32) is over the job's budget and streams; "
-                                "use input_window: 1 or a larger job.max_matrix_bytes")
+                                "use input_window: 1 and input_differences: false, or a larger job.max_matrix_bytes")
         return train_streaming(data, cfg, plan, on_epoch=on_epoch, should_stop=should_stop, resume=resume,
                                read_gpu=read_gpu, offset=offset)
     placed = {"placement": "", "need_bytes": 0}
@@ -159,13 +165,16 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     train_idx, val_idx = split_rows(data.shape[0], cfg.val_fraction)
     train_rows, val_rows = data[: len(train_idx)], data[len(train_idx) :]  # contiguous: views, no copies
     mean, std = fit_scaler(train_rows)
-    w = cfg.input_window  # windowed inputs: each split windowed from its own row 0
-    x_train, placement, placement_note = _place(
-        window_rows(clip_inputs(standardise(train_rows, mean, std), cfg.input_clip), w), device)
+    w, _ = input_form(cfg)  # windowed inputs: each split windowed from its own row 0
+    z_train = clip_inputs(standardise(train_rows, mean, std), cfg.input_clip)
+    diff = difference_inputs(z_train, cfg)
+    x_train, placement, placement_note = _place(model_inputs(z_train, w, diff=diff, clip=cfg.input_clip), device)
+    del z_train
     val_bytes = len(val_idx) * data.shape[1] * w * 4
     placed.update(placement=placement, need_bytes=GPU_HEADROOM_BYTES + val_bytes + 2 * min(cfg.batch_size, len(train_idx))
                   * data.shape[1] * w * 4 + (2 * x_train.nbytes if placement == "gpu" else 0))
-    x_val = window_rows(clip_inputs(standardise(val_rows, mean, std), cfg.input_clip), w).to(device) if len(val_idx) else None
+    x_val = (model_inputs(clip_inputs(standardise(val_rows, mean, std), cfg.input_clip), w, diff=diff,
+                          clip=cfg.input_clip).to(device) if len(val_idx) else None)
     n = x_train.shape[0]
 
     model = TelemetryAutoencoder(data.shape[1] * w, cfg.hidden, cfg.latent).to(device)
@@ -247,22 +256,39 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
     restored = stopper.finish(model, device)  # the best evaluated weights, the last ones included
     return finish_result(model, cfg, plan, stopper, restored, x_train, x_val, val_rows, mean, std, offset,
                          history=history, skipped_total=skipped_total, started=started, t_start=t_start,
-                         placement=placement, placement_note=placement_note, step_mode=step.mode)
+                         placement=placement, placement_note=placement_note, step_mode=step.mode, diff=diff)
+
+
+def input_form(cfg: TrainConfig) -> tuple[int, str]:
+    """Return (rows per model input, how a window's terms make a row's score) of the model cfg trains:
+    ``(input_window, window_error)``, or ``(2, "window")`` for one reading differences (its input is
+    the change and the level of each metric, :func:`opt_ds_ops.model.network.with_differences`, and
+    a row's term per metric is the mean of the two)."""
+    return (2, "window") if cfg.input_differences else (cfg.input_window, cfg.window_error)
+
+
+def difference_inputs(z_train: torch.Tensor, cfg: TrainConfig):
+    """Return a model's ``(diff_mean, diff_std)`` (D,) float32 tensors, the scaler of its difference
+    inputs fit on the standardised, clipped training rows z_train, or None when cfg reads levels alone."""
+    if not cfg.input_differences:
+        return None
+    mean, std = difference_scaler(z_train, cfg.input_clip)
+    return (torch.from_numpy(mean.astype(np.float32)), torch.from_numpy(std.astype(np.float32)))
 
 
 def finish_result(model, cfg: TrainConfig, plan: DevicePlan, stopper: Stopper, restored: bool, x_train, x_val,
                   val_rows, mean, std, offset, *, history: list[EpochStats], skipped_total: int, started: str,
-                  t_start: float, placement: str, placement_note: str, step_mode: str) -> TrainResult:
+                  t_start: float, placement: str, placement_note: str, step_mode: str, diff=None) -> TrainResult:
     """Return the :class:`TrainResult` of a finished run whose best weights are in ``model`` (on
     ``plan.device``): the per-feature error scale and the threshold from the validation rows (the
     training rows without a validation split), scored exactly as scoring does. Shared by the
     in-memory loop and :mod:`opt_ds_ops.training.stacked`, so that a model trained in a stack is
-    published as one trained alone."""
-    w = cfg.input_window
+    published as one trained alone. ``diff``: the difference inputs' scaler (:func:`difference_inputs`)."""
+    w, how = input_form(cfg)
     ref = x_val if x_val is not None else x_train
     cell = feature_errors(model, ref)
     error_scale = cell.mean(dim=0).clamp_min(cfg.error_floor)
-    scores = smooth(anomaly_scores(cell, error_scale, w, cfg.window_error).cpu().numpy(), cfg.score_window,
+    scores = smooth(anomaly_scores(cell, error_scale, w, how).cpu().numpy(), cfg.score_window,
                     cfg.score_smoothing)
     threshold = pick_threshold(scores.astype(np.float32), cfg)
     model = model.cpu().eval()
@@ -290,7 +316,8 @@ def finish_result(model, cfg: TrainConfig, plan: DevicePlan, stopper: Stopper, r
         error_floor=cfg.error_floor,
         threshold_method=cfg.threshold_method,
         input_window=w,
-        window_error=cfg.window_error,
+        window_error=how,
+        diff=None if diff is None else tuple(t.numpy() for t in diff),
         stopping=stopper.summary(restored),
         stopping_line=stopper.line(),
         val_loss=float(cell.mean()) if x_val is not None else None,

@@ -222,6 +222,7 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
         "input_clip": result.input_clip,
         "input_window": result.input_window,
         "window_error": result.window_error,
+        "input_differences": result.diff is not None,
         "error_floor": result.error_floor,
         "threshold_method": result.threshold_method,
         "device": str(result.plan.device),
@@ -382,9 +383,11 @@ def run_job(
                            explicit_name=explicit_name, scratch_dir=scratch_dir, uploader_uid=uploader_uid,
                            job_id=job_id)
         ds = prep.ds
-        if nproc > 1 and distributed_optional and (not isinstance(ds.data, np.ndarray) or cfg.train.input_window > 1):
+        if nproc > 1 and distributed_optional and (not isinstance(ds.data, np.ndarray) or cfg.train.input_window > 1
+                                                   or cfg.train.input_differences):
             why = ("it streams from disk (over the job's matrix budget)" if not isinstance(ds.data, np.ndarray)
-                   else f"train.input_window is {cfg.train.input_window}")
+                   else f"train.input_window is {cfg.train.input_window}" if cfg.train.input_window > 1
+                   else "train.input_differences is true")
             ds.notes.append(f"trained in one process, not {nproc} (daemon.distributed_min_bytes): {why}")
             nproc = 1
         stage("training")

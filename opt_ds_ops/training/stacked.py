@@ -41,13 +41,13 @@ from torch import nn
 
 from ..config.conffile import TrainConfig
 from ..health.device import DevicePlan
-from ..model.network import TelemetryAutoencoder, feature_errors
+from ..model.network import TelemetryAutoencoder, feature_errors, model_inputs
 from ..model.scaling import clip_inputs, fit_scaler, standardise
 from .common import (
     EpochStats, TrainingError, TrainingInterrupted, TrainResult, batch_bounds, begin_run, is_out_of_memory, make_optimizer,
     split_rows
 )
-from .fit import _NOTHING_CARRIED, _evaluate, _sums, finish_result, out_of_memory_reason
+from .fit import _NOTHING_CARRIED, _evaluate, _sums, difference_inputs, finish_result, input_form, out_of_memory_reason
 from .stopping import Stopper, eval_subset
 
 LINEARS = ("encoder.0", "encoder.3", "decoder.0", "decoder.3")
@@ -241,19 +241,23 @@ def _train_stacked(datasets, key: tuple[int, int], cfg: TrainConfig, plan: Devic
     started, t_start = begin_run(cfg, plan)
     device = plan.device
     rows, width = key
+    w, _ = input_form(cfg)  # 2 for inputs of differences beside levels, else 1 (stack_key)
     train_idx, val_idx = split_rows(rows, cfg.val_fraction)
     n = len(train_idx)
     prepared = []
     for data in datasets:
         train_rows, val_rows = data[:n], data[n:]
         mean, std = fit_scaler(train_rows)
-        x_train = clip_inputs(standardise(train_rows, mean, std), cfg.input_clip)
-        x_val = clip_inputs(standardise(val_rows, mean, std), cfg.input_clip).to(device) if len(val_idx) else None
-        prepared.append((mean, std, x_train, x_val, val_rows))
-    init = TelemetryAutoencoder(width, cfg.hidden, cfg.latent)  # the seed's weights: each model alone starts so
+        z_train = clip_inputs(standardise(train_rows, mean, std), cfg.input_clip)
+        diff = difference_inputs(z_train, cfg)  # None for levels alone; then model_inputs is z itself
+        x_train = model_inputs(z_train, w, diff=diff, clip=cfg.input_clip)
+        x_val = (model_inputs(clip_inputs(standardise(val_rows, mean, std), cfg.input_clip), w, diff=diff,
+                              clip=cfg.input_clip).to(device) if len(val_idx) else None)
+        prepared.append((mean, std, x_train, x_val, val_rows, diff))
+    init = TelemetryAutoencoder(width * w, cfg.hidden, cfg.latent)  # the seed's weights: each model alone starts so
     stack = StackedAutoencoder([init.state_dict()] * len(datasets), init.model_args()).to(device)
     x_all = torch.stack([p[2] for p in prepared]).to(device)  # (K, n, D): the only copy of the training rows
-    prepared = [(mean, std, x_val, val_rows) for mean, std, _x, x_val, val_rows in prepared]
+    prepared = [(mean, std, x_val, val_rows, diff) for mean, std, _x, x_val, val_rows, diff in prepared]
     optimizer = StackOptimizer(stack, cfg, device)
     autocast = torch.autocast(device.type, dtype=plan.amp_dtype) if plan.amp_dtype is not None else None
     bounds = batch_bounds(n, cfg.batch_size)
@@ -265,7 +269,7 @@ def _train_stacked(datasets, key: tuple[int, int], cfg: TrainConfig, plan: Devic
 
     def finish(slot: int, k: int) -> None:
         """Model k (in datasets) at slot ``slot`` of the stack has stopped: publish it."""
-        mean, std, x_val, val_rows = prepared[k]
+        mean, std, x_val, val_rows, diff = prepared[k]
         try:
             model = stack.module_of(slot)
             if stoppers[k].pending():
@@ -274,7 +278,7 @@ def _train_stacked(datasets, key: tuple[int, int], cfg: TrainConfig, plan: Devic
             results[k] = finish_result(model, cfg, plan, stoppers[k], restored, x_all[slot], x_val, val_rows,
                                        mean, std, offsets[k], history=histories[k], skipped_total=0, started=started,
                                        t_start=t_start, placement="gpu" if device.type == "cuda" else "host",
-                                       placement_note="", step_mode=f"stacked ({len(datasets)} models)")
+                                       placement_note="", step_mode=f"stacked ({len(datasets)} models)", diff=diff)
         except (TrainingError, ValueError, RuntimeError) as e:  # this model's failure, not the stack's
             if isinstance(e, torch.OutOfMemoryError) or is_out_of_memory(e):
                 raise  # the stack's memory, not this model's fault

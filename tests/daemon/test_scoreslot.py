@@ -317,18 +317,35 @@ def test_the_back_off_of_a_model_that_failed_for_months_is_a_day_not_an_overflow
     from opt_ds_ops.daemon.retrainer import next_try_s
 
     assert next_try_s(RetrainConfig(every=""), {"failed_at_s": 0.0, "failures": 5000}) == 86400.0
-    assert next_try_s(RetrainConfig(every="7d"), {"failed_at_s": 0.0, "failures": 5000}) == 7 * 86400.0
+    assert next_try_s(RetrainConfig(every="7d"), {"failed_at_s": 0.0, "failures": 5000}) == 86400.0
 
 
-def test_a_retrain_every_shorter_than_the_back_off_does_not_shorten_it():
+def test_a_failed_retraining_backs_off_hours_not_a_retrain_every():
     """retrain.every 1s (or any interval shorter than the chunks'): before, the next chunk queued
-    the failed retraining again; the back-off is the longer of the two."""
+    the failed retraining again; it waits the back-off. And retrain.every 7d no longer holds the
+    next try back for a week after a failure (a drift retraining after a shift, its history all
+    flagged): one hour, doubled after each failure in a row, a day at most."""
     from opt_ds_ops.config.conffile import RetrainConfig
     from opt_ds_ops.daemon.retrainer import next_try_s
 
     assert next_try_s(RetrainConfig(every="1s"), {"failed_at_s": 0.0, "failures": 1}) == 3600.0
     assert next_try_s(RetrainConfig(every="1s"), {"failed_at_s": 0.0, "failures": 3}) == 4 * 3600.0
-    assert next_try_s(RetrainConfig(every="7d"), {"failed_at_s": 0.0, "failures": 1}) == 7 * 86400.0
+    assert next_try_s(RetrainConfig(every="7d"), {"failed_at_s": 0.0, "failures": 1}) == 3600.0
+
+
+def test_the_back_off_counts_the_datas_clock_where_the_failure_and_the_rows_have_times():
+    """A replay fed a day of data in seconds: the back-off after a failure is waited out in data
+    time (the failure's data_s, the newest scored row's time when it was queued), not wall time;
+    without a data time it is the wall clock's."""
+    from opt_ds_ops.daemon.retrainer import backing_off
+
+    now = time.time()
+    failure = {"failed_at_s": now, "failures": 2, "data_s": 1_800_000_000.0}  # two in a row: 2 hours
+    assert backing_off(failure, now, 1_800_000_000.0 + 7199)
+    assert not backing_off(failure, now, 1_800_000_000.0 + 7200)  # two hours of data later, at once
+    assert backing_off(dict(failure, data_s=None), now + 7199, 1_800_000_000.0 + 10**6)  # no data time: the wall's
+    assert not backing_off(dict(failure, data_s=None), now + 7200, None)
+    assert not backing_off(None, now, None)
 
 
 def test_retrain_every_counts_the_datas_clock_where_the_rows_have_times():

@@ -6,15 +6,32 @@ from opt_ds_ops.observe.incident_entries import incident_entry
 from opt_ds_ops.observe.journal import LOG_INFO, LOG_WARNING
 
 EVENT = {"event": "threshold-calibrated", "row": 0, "time": "2026-12-01T00:00:00Z", "version": "v2",
-         "threshold": 2.5, "previous": 1.2, "model_threshold": 1.2, "days": 3.0, "alarms": 2, "budget_per_day": 1.0}
+         "threshold": 2.5, "previous": 1.5, "model_threshold": 1.2, "days": 3.0, "alarms": 2, "budget_per_day": 1.0}
 
 
 def test_a_calibrated_threshold_says_the_days_and_alarms_it_rests_on():
     kind, message, priority, fields = incident_entry(EVENT, model="host1", version="v2", file="host1.csv")
     assert kind == "threshold-calibrated" and priority == LOG_INFO
-    assert "threshold 2.5 from" in message and "(was 1.2;" in message and "last 3 days scored" in message
+    assert "threshold 2.5 from" in message and "(was 1.5;" in message and "last 3 days scored" in message
     assert "(2 alarms)" in message and "rows scored before" not in message
-    assert fields["threshold"] == 2.5 and fields["previous"] == 1.2
+    assert fields["threshold"] == 2.5 and fields["previous"] == 1.5
+
+
+def test_a_threshold_that_moves_twice_as_high_or_half_as_high_in_a_day_is_a_warning():
+    """A day's move of the bound (2 x either way: the event's ``far``, opt_ds_ops.scoring.calibration)
+    says so at warning level, with what the budget wanted where the bound held it back."""
+    from opt_ds_ops.scoring.calibration import _said
+
+    for prev, new in ((1.25, 2.5), (5.0, 2.5)):
+        _, message, priority, _ = incident_entry(_said(dict(EVENT, previous=prev, threshold=new)), model="host1",
+                                                 version="v2", file="host1.csv")
+        assert priority == LOG_WARNING, (prev, new)
+    _, message, priority, fields = incident_entry(_said(dict(EVENT, previous=1.25, threshold=2.5, wanted=40.0)),
+                                                  model="host1", version="v2", file="host1.csv")
+    assert priority == LOG_WARNING and "the budget asked for 40, held to 2 times" in message
+    assert fields["wanted"] == 40.0
+    _, _, priority, _ = incident_entry(_said(EVENT), model="host1", version="v2", file="host1.csv")
+    assert priority == LOG_INFO  # 1.5 -> 2.5: under the bound
 
 
 def test_a_new_versions_start_from_the_history_says_so():

@@ -47,8 +47,20 @@ def scored(stored, rows, k, policy=BUDGET, times=None):
                         max_gap_periods=10, policy=IncidentPolicy(), calibration=policy)
         state = r.state
         parts.append(r)
+    scored.incident = np.concatenate([p.incident for p in parts])  # each row's incident id, as known then
+    scored.critical = {e["incident"] for p in parts for e in p.events
+                       if e.get("severity") == "critical" and e["event"].startswith("incident-")}
     return (np.concatenate([p.scores for p in parts]), np.concatenate([p.flags for p in parts]),
             [e for p in parts for e in p.events], state)
+
+
+def alarms_outside(scores: np.ndarray, in_incident: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """alarms_at's count of runs over each threshold, without the runs that start inside an incident."""
+    s = np.asarray(scores, dtype=np.float64)
+    lo = np.r_[-np.inf, s[:-1]]
+    up = (lo < s) & ~in_incident
+    lo, hi = np.sort(lo[up]), np.sort(s[up])
+    return np.searchsorted(lo, thresholds, side="right") - np.searchsorted(hi, thresholds, side="right")
 
 
 def test_the_run_histogram_counts_what_alarms_at_counts_from_the_scores():
@@ -75,12 +87,18 @@ def test_the_threshold_is_the_lowest_within_the_budget_over_the_last_days_and_ne
     for e in moves:
         threshold[e["row"]:] = e["threshold"]
     assert np.array_equal(flags, scores > threshold.astype(np.float32))
-    for day in range(1, 8):  # what the threshold of each day must be, from the scores alone
-        days = scores[max(0, day - 3) * DAY: day * DAY].astype(np.float64)
-        runs = alarms_at(days, EDGES * base)
-        over = np.flatnonzero(runs > math.floor(BUDGET.budget_per_day * days.size / DAY + 1e-9))
+    in_incident = np.zeros(scores.shape[0], dtype=bool)  # BUDGET learns from all runs (learns: all)
+    held = 0
+    for day in range(1, 8):  # what the threshold of each day must be, from the scores and incidents alone
+        days = slice(max(0, day - 3) * DAY, day * DAY)
+        runs = alarms_outside(scores[days], in_incident[days], EDGES * base)  # normal rows' runs only
+        over = np.flatnonzero(runs > math.floor(BUDGET.budget_per_day * (days.stop - days.start) / DAY + 1e-9))
         k = max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))
-        assert threshold[day * DAY] == pytest.approx(EDGES[k] * base, rel=1e-12), day
+        prev = threshold[day * DAY - 1]
+        want = min(max(EDGES[k] * base, base, prev / calib.MAX_DAY_FACTOR), prev * calib.MAX_DAY_FACTOR)
+        held += want != EDGES[k] * base
+        assert threshold[day * DAY] == pytest.approx(want, rel=1e-12), day
+    print(f"days whose move the bound (x{calib.MAX_DAY_FACTOR:g} a day) held back: {held}")
     assert threshold.min() == base and threshold.max() > base  # machine-1-2 drifts past its threshold
     day_alarms = [alarms_at(scores[d * DAY:(d + 1) * DAY].astype(np.float64), np.array([threshold[d * DAY]]))[0]
                   for d in range(8)]
@@ -280,7 +298,12 @@ def test_a_budget_even_the_top_edge_cannot_keep_is_said_capped():
     flapping = np.tile([0.5, 2000.0], DAY // 2)  # runs far over 1024 x the threshold, all day
     _day(cal, 0, flapping)
     moved = calib.roll(cal, 1, BUDGET, 60.0)
-    assert moved["threshold"] == EDGES[-1] and moved["capped"] and moved["alarms"] == DAY // 2
+    assert moved["wanted"] == EDGES[-1] and moved["capped"] and moved["alarms"] == DAY // 2
+    assert moved["threshold"] == calib.MAX_DAY_FACTOR  # one day moves it by the bound, no more
+    for d in range(1, 11):  # ten more such days: it doubles each day up to the top edge
+        _day(cal, d, flapping)
+        moved = calib.roll(cal, d + 1, BUDGET, 60.0) or moved
+    assert cal["threshold"] == EDGES[-1] and moved["capped"]
 
 
 @pytest.mark.parametrize("broken", [
@@ -291,3 +314,49 @@ def test_a_state_out_of_range_is_not_valid_and_starts_again(broken):
     cal = dict(calib.fresh(1.0), **broken)
     assert not calib.valid(cal, 1.0)
     assert calib.valid(calib.fresh(1.0), 1.0)
+
+
+@pytest.mark.parametrize("learns", ["normal", "warnings"])
+def test_runs_inside_incidents_teach_the_budget_nothing_as_learns_says(model, period, learns):
+    """learns normal: no run that starts inside an incident is counted; warnings: none inside an
+    incident that was or became critical. Each day's threshold is then what the other runs allow,
+    within the day's bound, checked against the scores and incidents alone."""
+    policy = CalibrationPolicy(budget_per_day=1.0, days=3.0, min_days=1.0, learns=learns)
+    base = float(model.threshold)
+    scores, flags, events, state = scored(model, period, 1, policy=policy)
+    threshold = np.full(period.shape[0], base)
+    for e in events:
+        if e["event"] == "threshold-calibrated":
+            threshold[e["row"]:] = e["threshold"]
+    ids = scored.incident
+    left_out = ids > 0 if learns == "normal" else np.isin(ids, sorted(scored.critical))
+    assert left_out.any()  # machine-1-2's unseen days have incidents, and critical ones
+    for day in range(1, 8):
+        days = slice(max(0, day - 3) * DAY, day * DAY)
+        runs = alarms_outside(scores[days], left_out[days], EDGES * base)
+        over = np.flatnonzero(runs > math.floor(policy.budget_per_day * (days.stop - days.start) / DAY + 1e-9))
+        k = max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))
+        prev = threshold[day * DAY - 1]
+        want = min(max(EDGES[k] * base, base, prev / calib.MAX_DAY_FACTOR), prev * calib.MAX_DAY_FACTOR)
+        assert threshold[day * DAY] == pytest.approx(want, rel=1e-12), day
+    print(f"{learns}: {int(left_out.sum())} rows left out; thresholds by day "
+          f"{[round(float(threshold[d * DAY]) / base, 2) for d in range(8)]} x the model's")
+
+
+def test_one_day_moves_the_threshold_by_at_most_the_bound_and_says_it_held_back():
+    """A day of loud runs wants the threshold 100 times higher: it doubles (MAX_DAY_FACTOR), the
+    event carries what the budget wanted, and the journal entry is at warning level."""
+    from opt_ds_ops.observe.incident_entries import incident_entry
+    from opt_ds_ops.observe.journal import LOG_WARNING
+
+    cal = calib.fresh(1.0)
+    policy = CalibrationPolicy(budget_per_day=1.0, days=14.0, min_days=1.0)
+    calib.roll(cal, 0, policy, 60.0, "rows")
+    loud = np.tile(np.r_[np.zeros(10), np.full(5, 100.0)], 96)  # 96 runs at 100 x the threshold in one day
+    calib.add(cal, loud)
+    moved = calib.roll(cal, 1, policy, 60.0, "rows")
+    assert moved["threshold"] == 2.0 and moved["wanted"] > 90 and moved["previous"] == 1.0
+    assert calib.far(moved)
+    entry = incident_entry(dict(moved, event="threshold-calibrated", row=1440, time=None, version="v1",
+                                model_threshold=1.0, budget_per_day=1.0), model="m", version="v1", file="f.csv")
+    assert entry is not None and entry[2] == LOG_WARNING and "held to 2 times" in entry[1], entry

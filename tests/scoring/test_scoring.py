@@ -18,6 +18,7 @@ from opt_ds_ops.dataset import DatasetError
 from opt_ds_ops.training.job import JobError, run_job
 from opt_ds_ops.model.detection import score_rows
 from opt_ds_ops.model.threshold import alarms_at
+from opt_ds_ops.scoring import calibration as calib
 from opt_ds_ops.scoring.calibration import EDGES, CalibrationPolicy
 from opt_ds_ops.scoring.job import ScoringError, history_seed, score_job
 from opt_ds_ops.store.versions import load_model
@@ -362,9 +363,18 @@ def test_a_new_versions_alarm_budget_starts_from_the_scored_history_when_asked(t
     new = load_model(second.model_dir)
     base = float(new.threshold)
     history = score_rows(new, test[:3000]).astype(np.float64)  # the three chunks before, no more
-    runs = alarms_at(history, EDGES * base)  # by rows: 3,000 rows at 60 s are 2.08 days, 2 alarms allowed
-    over = np.flatnonzero(runs > 2)
-    want = float(EDGES[max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))] * base)
+
+    def budget(rows: np.ndarray, allowed: int) -> float:
+        runs = alarms_at(rows, EDGES * base)
+        over = np.flatnonzero(runs > allowed)
+        return float(EDGES[max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))] * base)
+
+    # by rows, the history is series rows -3000..-1 at 60 s: days -3 (120 rows), -2 and -1 (1,440 each).
+    # Day -1 starts from days -3 and -2 (1.08 days: 1 alarm allowed), day 0 from all (2.08: 2 allowed);
+    # each day's move is held to MAX_DAY_FACTOR of the threshold before it
+    bound = calib.MAX_DAY_FACTOR
+    first = min(max(budget(history[:1560], 1), base / bound), base * bound)
+    want = min(max(budget(history, 2), first / bound, base), first * bound)
     assert want > base
     assert len(seeded) == 1 and seeded[0]["seeded_rows"] == 3000 and seeded[0]["previous"] == base
     assert seeded[0]["threshold"] == pytest.approx(want) and summary["threshold"] == pytest.approx(want)

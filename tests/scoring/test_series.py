@@ -24,6 +24,7 @@ SETTINGS = {
     "input_window 4": {"input_window": 4},
     "mean smoothing": {"score_smoothing": "mean", "score_window": 15},
     "window error": {"input_window": 4, "window_error": "window"},
+    "differences": {"input_differences": True},
 }
 NAMES = [f"m{j}" for j in range(38)]
 
@@ -94,6 +95,34 @@ def test_a_period_scored_in_chunks_equals_it_scored_whole(models, test_period, s
     assert state.incidents == len(segments)
     reference, ref_events, _ = scored_in(stored, test_period, 1, policy=ROWS_RULE)
     assert json.dumps(events, sort_keys=True) == json.dumps(ref_events, sort_keys=True)
+
+
+def test_a_model_of_differences_carries_the_previous_row_across_chunks_and_a_short_gap(models, test_period):
+    """Each row's change is read against the row before it, carried in the series state from one
+    chunk to the next: chunks with times and a gap of 5 missing rows between two of them (under
+    scoring.max_gap_periods, 10) score as the whole file with the same gap does (to 1e-6). A gap
+    over max_gap_periods starts the series again: its first row has no row before it (a change of 0)."""
+    stored = models["differences"]
+    assert stored.diff is not None and stored.input_window == 2 and stored.model.n_features == 2 * 38
+    times = 1.8e9 + 60.0 * np.arange(test_period.shape[0])
+    times[1500:] += 300.0  # five rows missing before row 1500
+    whole = scored_in(stored, test_period, 1, times=times)[0]
+    state, parts = fresh_state("m", stored), []
+    for idx in (np.arange(0, 1500), np.arange(1500, 2200), np.arange(2200, 3000)):
+        r = score_chunk(stored, test_period[idx], None, times[idx], state, names=NAMES, max_gap_periods=10)
+        assert r.notes == []  # no reset: the gap is 6 periods
+        state, parts = r.state, parts + [r.scores]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=1e-6)
+    assert len(state.context) == 1 and len(state.context[0]) == 38  # the last row, standardised and clipped
+    far = times.copy()
+    far[1500:] += 3600.0  # an hour missing: over 10 periods, the series starts again at row 1500
+    first = score_chunk(stored, test_period[:1500], None, far[:1500], fresh_state("m", stored), names=NAMES,
+                        max_gap_periods=10)
+    after = score_chunk(stored, test_period[1500:], None, far[1500:], first.state, names=NAMES, max_gap_periods=10)
+    alone = score_chunk(stored, test_period[1500:], None, far[1500:], fresh_state("m", stored), names=NAMES,
+                        max_gap_periods=10)
+    assert after.notes and "gap" in after.notes[0]
+    np.testing.assert_allclose(after.scores, alone.scores, rtol=0, atol=1e-6)  # as a series that starts there
 
 
 @pytest.mark.parametrize("k", [1, 7, 50, 300])

@@ -61,6 +61,19 @@ def test_the_shipped_defaults_in_a_stack_equal_alone_to_the_last_step(smd_rows):
         _assert_same(a, b, smd_rows[20000:21000])
 
 
+def test_models_of_differences_stack_and_equal_each_trained_alone(smd_rows):
+    """train.input_differences: each model's inputs are its metrics' changes beside their levels
+    (2 x 38 wide), its difference scaler its own; a stack of them equals each trained alone."""
+    cfg = TrainConfig(max_steps=120, input_differences=True)
+    data = _slices(smd_rows, (1000, 9000), rows=4000)
+    assert stack_key(data[0], cfg) == (4000, 38)
+    for a, b in zip([train(d, cfg, CPU) for d in data], train_stacked(data, cfg, CPU)):
+        _assert_same(a, b, smd_rows[20000:21000])
+        assert b.model.n_features == 76 and b.input_window == 2 and b.window_error == "window"
+        for x, y in zip(a.diff, b.diff):
+            np.testing.assert_array_equal(x, y)
+
+
 def test_a_model_whose_loss_is_not_finite_fails_alone_and_the_others_are_unchanged(smd_rows):
     cfg = TrainConfig(max_steps=30, eval_every_steps=10)
     data = _slices(smd_rows, (0, 6000, 12000))
