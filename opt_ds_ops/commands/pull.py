@@ -13,17 +13,20 @@ most ``score_every``); the next pull that succeeds covers the gap, up to ``catch
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import signal
 import threading
 import time
 
 from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError
-from ..observe.journal import LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog
+from ..observe.journal import LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog, safe_text
 from ..sources.metrics import PullMetrics
 from ..sources.prometheus import Prometheus, PrometheusError
 from ..sources.puller import PullReport, load_state, pull, save_state
 from ..sources.sourcefile import Source, load_source
+from ..spool.layout import ERROR_SUFFIX, FAILED
 from . import CliError, load_cfg
 
 DEFAULT_STATE_DIR = "/var/lib/ds-ops/pull"
@@ -99,6 +102,34 @@ class Puller:
         """Whether model ``name`` has a current version (the store is readable by group ds-ops)."""
         return os.path.exists(os.path.join(self.models_dir, name, "current"))
 
+    def model_taken(self, name: str) -> str | None:
+        """Why model ``name`` is another owner's (its current version's ``uploader_uid`` is neither
+        this puller's uid nor root's: docs/trust.md), or None (no such model, or this puller's)."""
+        try:
+            with open(os.path.join(self.models_dir, name, "current", "metadata.json"), encoding="utf-8") as f:
+                owner = json.load(f).get("uploader_uid")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(owner, int) or isinstance(owner, bool) or owner in (0, os.geteuid()):
+            return None
+        try:
+            who = pwd.getpwuid(owner).pw_name
+        except KeyError:
+            who = "no user name"
+        return (f"its model name {name} belongs to uid {owner} ({who}), who trained it first: no row of it is dropped "
+                f"(give this source another model_prefix, or the owner or root runs ds-ops models rm {name})")
+
+    def train_failed(self, file: str) -> str | None:
+        """Why the daemon refused training file ``file`` this puller dropped in incoming/ (the reason in
+        ``failed/FILE.error.json``), or None while it is not there."""
+        try:
+            with open(os.path.join(self.spool_root, FAILED, file + ERROR_SUFFIX), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return None
+        reason = doc.get("reason") if isinstance(doc, dict) else None
+        return safe_text(str(reason))[:300] if reason else "failed (no reason given)"
+
     def model_removed(self, name: str) -> bool:
         """Whether model ``name`` is certainly gone from the store (``ds-ops models rm``): its
         directory does not exist in a store that can be listed. Any other error (unreadable,
@@ -132,7 +163,8 @@ class Puller:
             raise CliError(f"cannot read the puller's state: {e}") from None
         t0 = time.monotonic()
         try:
-            report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready, self.model_removed)
+            report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready, self.model_removed,
+                          self.model_taken, self.train_failed)
             save_state(self.state_path, state)
         except PrometheusError as e:
             return self.failed(str(e), e.unavailable)
@@ -174,6 +206,15 @@ class Puller:
                            "its model stays, its scoring waits", priority=LOG_NOTICE, source=name, host=host)
         for host, why in report.refused.items():
             self.log.event("source-host", f"{name}: host {host}: {why}", priority=LOG_WARNING, source=name, host=host)
+        for host, (why, news) in report.blocked.items():
+            self.log.event("source-host", f"{name}: host {host} is not modelled: {why}", source=name, host=host,
+                           priority=LOG_WARNING if news else LOG_INFO)  # a warning when it starts or changes
+        for host, why in report.train_failed.items():
+            entry = state["hosts"].get(host) or {}
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(entry.get("retry_at") or 0))
+            self.log.event("source-host", f"{name}: host {host}: the daemon refused its training file ({why}); trained "
+                           f"again from its last train_window after {at} ({entry.get('train_failures')} failure(s) "
+                           "in a row; the wait doubles, a day at most)", priority=LOG_WARNING, source=name, host=host)
         for host, skipped in report.skipped_s.items():
             self.log.event("source-host", f"{name}: host {host}: {skipped / 3600:.1f} h of rows left unscored: the gap "
                            f"was longer than catch_up ({self.source.options.catch_up})", priority=LOG_WARNING,

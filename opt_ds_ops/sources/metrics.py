@@ -60,10 +60,11 @@ class PullMetrics:
         self.rows.labels(n, "train").inc(sum(r[1] for r in report.trained.values()))
         self.rows.labels(n, "score").inc(sum(r[1] for r in report.scored.values()))
         self.missing.labels(n).inc(sum(report.left_out.values()))
-        counts = {"trained": 0, "waiting": 0, "gone": 0}
+        counts = {"trained": 0, "waiting": 0, "gone": 0, "blocked": 0, "failed": 0}
         for host, entry in state["hosts"].items():
             trained = entry.get("scored_until") is not None
-            counts["waiting" if not trained else "gone" if entry.get("gone") else "trained"] += 1
+            counts["blocked" if entry.get("blocked") else "failed" if not trained and entry.get("train_failed")
+                   else "waiting" if not trained else "gone" if entry.get("gone") else "trained"] += 1
             if trained and entry.get("last_seen") is not None:
                 self.last_seen.labels(n, host).set(entry["last_seen"])
         for s, v in counts.items():

@@ -33,23 +33,28 @@ which series: the time column shows the gap, and no value is ever invented. Valu
 step grid as float64 arrays (8 bytes a point: a first pull of 1,000 hosts, 7 days at 1 minute and
 16 series holds 1.3 GB), and only for the hosts the pull needs. Each drop is the spool's safe way:
 the sidecar (``name:``/``model:``, ``time_column: time``) and then the CSV, each written under a
-hidden temporary name (which the daemon never claims) and renamed into place, fsync'ed.
+hidden temporary name (which the daemon never claims), fsync'ed and linked into place under a name
+with 16 random hex digits (``MODEL.TIME.TOKEN.csv``), never over a file that is there: no member
+can plant the next name first and so stop a host from being trained or scored (:func:`drop`).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
 import math
 import os
+import secrets
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..fsutil import write_atomic
+from ..fsutil import fsync_dir, write_atomic
 from ..spool.layout import INCOMING, SCORE
 from ..store.model_dir import StoreError, safe_model_name
 from .prometheus import Prometheus, PrometheusError
@@ -57,6 +62,7 @@ from .sourcefile import Source
 
 STATE_FORMAT = 1
 RECHECK_WAITING_S = 3600.0  # a host with too little history is looked at again this often, at most
+TRAIN_RETRY_S, TRAIN_RETRY_MAX_S = 3600.0, 86400.0  # a failed first training: tried again after 1 h, doubling to a day
 PIECE_POINTS = 1440  # points per series per query of a long range: an answer stays near 45 KB a host
 
 
@@ -89,6 +95,8 @@ class PullReport:
     skipped_s: dict = field(default_factory=dict)    # host -> seconds of an outage left unscored (catch_up)
     forgotten: list = field(default_factory=list)    # waiting hosts not seen for a train_window
     removed: dict = field(default_factory=dict)      # host -> its model, removed from the store since: trained again
+    blocked: dict = field(default_factory=dict)      # host -> (why its model name is another owner's, news since the last pull)
+    train_failed: dict = field(default_factory=dict)  # host -> why its training file failed; tried again after retry_at
 
 
 def load_state(path: str) -> dict:
@@ -174,24 +182,58 @@ def _csv(source: Source, rows: np.ndarray) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
+NAME_TRIES = 8  # names tried before a drop gives up (each taken one: another writer's file, left alone)
+
+
 def drop(spool_root: str, which: str, stem: str, sidecar: str, data: bytes) -> str:
-    """Drop ``stem.csv`` with its sidecar ``stem.yaml`` into spool directory ``which`` the safe way:
-    each written under a hidden temporary name (mkstemp: nothing a member planted is written
-    through), fsync'ed and renamed, the sidecar first. Return the CSV's path. On an error the
-    sidecar is removed again."""
+    """Drop ``STEM.TOKEN.csv`` with its sidecar ``STEM.TOKEN.yaml`` into spool directory ``which``
+    the safe way; return the CSV's path. ``TOKEN`` is 16 random hex digits, so no member of the
+    spool's group can plant the next name first (a predictable name in a sticky directory is any
+    writer's to take). Each file is written under a hidden temporary name (mkstemp: nothing a member
+    planted is written through), fsync'ed and linked to its name, which fails rather than replaces
+    a file that is there (another writer's, left as it is); the sidecar first. A taken name is
+    tried again with a new token, :data:`NAME_TRIES` times. On an error the sidecar is removed again."""
     directory = os.path.join(spool_root, which)
-    side = os.path.join(directory, stem + ".yaml")
-    write_atomic(side, sidecar.encode(), prefix=".pull.tmp-", mode=0o640)
-    path = os.path.join(directory, stem + ".csv")
-    try:
-        write_atomic(path, data, prefix=".pull.tmp-", mode=0o640)
-    except BaseException:
+    for _ in range(NAME_TRIES):
+        name = f"{stem}.{secrets.token_hex(8)}"
+        side = os.path.join(directory, name + ".yaml")
         try:
-            os.unlink(side)
-        except OSError:
+            _write_new(side, sidecar.encode())
+        except FileExistsError:
+            continue
+        path = os.path.join(directory, name + ".csv")
+        try:
+            _write_new(path, data)
+        except BaseException as e:
+            try:
+                os.unlink(side)
+            except OSError:
+                pass
+            if isinstance(e, FileExistsError):
+                continue
+            raise
+        return path
+    raise FileExistsError(errno.EEXIST, f"{NAME_TRIES} random names were all taken", os.path.join(directory, stem))
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Write data to a new file at path (mode 0640): a hidden mkstemp file, fsync'ed, then linked to
+    path (FileExistsError if anything is there: nothing is replaced), the temporary name unlinked."""
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".pull.tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o640)
+        os.link(tmp, path)
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
             pass
-        raise
-    return path
+    fsync_dir(directory)
 
 
 def _stamp(t: float) -> str:
@@ -204,11 +246,17 @@ def model_name(source: Source, host: str) -> str:
 
 def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: float,
          model_ready: Callable[[str], bool] = lambda name: True,
-         model_removed: Callable[[str], bool] = lambda name: False) -> PullReport:
+         model_removed: Callable[[str], bool] = lambda name: False,
+         model_taken: Callable[[str], str | None] = lambda name: None,
+         train_failed: Callable[[str], str | None] = lambda file: None) -> PullReport:
     """Do one pull at time ``now`` (epoch seconds): update ``state`` in place and return what was
     done. ``model_ready(name)``: whether the model has a current version (its rows wait until it
     has); ``model_removed(name)``: whether it is certainly not in the store any more (not an
-    unreadable store). Raises PrometheusError (nothing written then, ``state`` unchanged) if a query fails."""
+    unreadable store); ``model_taken(name)``: why the name is another owner's (a member trained it
+    first: no file is dropped for it, the host is ``blocked``), or None; ``train_failed(file)``: why
+    the daemon refused a training file this puller dropped (its name), or None while it is not known
+    to have failed (the host waits, then trains again after a back-off). Raises PrometheusError
+    (nothing written then, ``state`` unchanged) if a query fails."""
     step = source.step_s
     end = math.floor((now - source.seconds("delay")) / step) * step
     index, of = source.shard
@@ -222,6 +270,21 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         return end - (max(1, math.floor(seconds / step + 1e-9)) - 1) * step
 
     trained = {h: e for h, e in hosts.items() if e.get("scored_until") is not None and mine(h)}
+    for h, e in list(trained.items()):
+        taken = model_taken(e["model"])
+        if taken is not None:  # a member's model of the name: none of this host's rows go to it
+            report.blocked[h] = (taken, e.get("blocked") != taken)
+            e["blocked"] = taken
+            del trained[h]
+            continue
+        e.pop("blocked", None)
+        failed = train_failed(e["train_file"]) if e.get("train_file") and not e.get("had_model") else None
+        if failed is not None:  # its first training was refused: waiting again, tried after a back-off
+            tries = int(e.get("train_failures") or 0) + 1
+            e.update(scored_until=None, trained_at=None, train_file=None, train_failures=tries, train_failed=failed,
+                     retry_at=now + min(TRAIN_RETRY_MAX_S, TRAIN_RETRY_S * 2 ** (tries - 1)))
+            report.train_failed[h] = failed
+            del trained[h]
     oldest = back(source.seconds("catch_up"))
     starts = {h: max(e["scored_until"] + step, oldest) for h, e in trained.items()}
     ready = {h for h, e in trained.items() if starts[h] <= end and model_ready(e["model"])}
@@ -239,6 +302,8 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     trained = {h: e for h, e in trained.items() if h not in report.removed}
     for h in ready:
         trained[h]["had_model"] = True
+        for k in ("train_failed", "train_failures", "retry_at"):
+            trained[h].pop(k, None)
     back_again = [h for h in ready if trained[h].get("gone") and h in recent.hosts and starts[h] < first]
     earlier = _fetch(prom, source, min(starts[h] for h in back_again), end, set(back_again).__contains__) if back_again else None
 
@@ -247,7 +312,8 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if h in hosts:
             hosts[h]["seen_at"] = end
     due = [h for h, e in hosts.items() if e.get("scored_until") is None and mine(h)
-           and now - (e.get("checked_at") or 0) >= recheck_s(source) - source.seconds("score_every") / 2]
+           and now - (e.get("checked_at") or 0) >= recheck_s(source) - source.seconds("score_every") / 2
+           and now >= (e.get("retry_at") or 0)]
     candidates = set(new) | set(due)
     training = _fetch(prom, source, back(source.seconds("train_window")), end, candidates.__contains__) if candidates else None
 
@@ -270,6 +336,13 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if names.get(name, host) != host:
             report.refused[host] = f"its model name {name} is {names[name]}'s already"
             continue
+        taken = model_taken(name)
+        if taken is not None:  # a member trained the name first: no training file is dropped for it
+            report.blocked[host] = (taken, entry.get("blocked") != taken)
+            entry.update(model=name, blocked=taken)
+            names[name] = host
+            continue
+        entry.pop("blocked", None)
         history = (rows[-1, 0] - rows[0, 0]) if len(rows) >= 2 else 0.0
         if len(rows) < 2 or history < source.seconds("min_history"):  # its steps left out are counted when it trains
             report.waiting[host] = float(history)
@@ -287,7 +360,8 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         except OSError as e:
             report.refused[host] = f"cannot write its training file: {e.strerror} ({e.filename})"
             continue
-        entry.update(model=name, scored_until=end, trained_at=end, gone=False)
+        entry.update(model=name, scored_until=end, trained_at=end, gone=False, train_file=os.path.basename(path),
+                     retry_at=None)
         names[name] = host
         report.trained[host] = (name, len(rows), path)
 

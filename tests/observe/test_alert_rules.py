@@ -37,7 +37,7 @@ def promtool() -> str:
 def test_promtool_accepts_the_shipped_rules(promtool):
     r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 18 rules found" in r.stdout
+    assert "SUCCESS: 19 rules found" in r.stdout
 
 
 def test_the_rules_use_only_series_the_daemon_writes():
@@ -410,7 +410,24 @@ tests:
         values: '0x4 2x70'
       - series: 'ds_ops_pull_hosts{{source="db", state="gone", instance="h:9100", job="node"}}'
         values: '0x74'
+      # source node: one host blocked from minute 10 (a member took its model name)
+      - series: 'ds_ops_pull_hosts{{source="node", state="blocked", instance="h:9100", job="node"}}'
+        values: '0x9 1x70'
+      - series: 'ds_ops_pull_hosts{{source="db", state="failed", instance="h:9100", job="node"}}'
+        values: '0x79'
     alert_rule_test:
+      - {{eval_time: 39m, alertname: DsOpsPullHostsNotModelled, exp_alerts: []}}
+      - eval_time: 41m
+        alertname: DsOpsPullHostsNotModelled
+        exp_alerts:
+          - exp_labels: {{severity: warning, source: node, state: blocked, instance: "h:9100", job: node}}
+            exp_annotations:
+              summary: "1 host(s) of source node not modelled (blocked)"
+              description: >-
+                1 host(s) of source node have been blocked for
+                30 minutes: none of their rows is scored. `journalctl -u ds-pull@node -g
+                'is not modelled|refused its training file'` names each host and why (the uid that owns its
+                model name, or the daemon's reason).
       - {{eval_time: 19m, alertname: DsOpsPullFailing, exp_alerts: []}}
       - eval_time: 21m
         alertname: DsOpsPullFailing

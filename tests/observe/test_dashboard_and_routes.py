@@ -71,7 +71,7 @@ def test_the_alertmanager_route_passes_amtool_and_sends_each_alert_by_its_severi
     r = subprocess.run([amtool, "check-config", str(ROUTES)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
     rules = [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
-    assert len(rules) == 18
+    assert len(rules) == 19
     for rule in rules:
         severity = rule["labels"]["severity"]
         r = subprocess.run([amtool, "config", "routes", "test", f"--config.file={ROUTES}", f"alertname={rule['alert']}",

@@ -7,10 +7,12 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from conftest import REPO, SMD_TRAIN
 from opt_ds_ops.dataset import load_dataset
 from opt_ds_ops.sources.prometheus import MAX_POINTS, Prometheus, PrometheusError
-from opt_ds_ops.sources.puller import load_state, pull, save_state, shard_of
+from opt_ds_ops.sources.puller import NAME_TRIES, drop, load_state, pull, save_state, shard_of
 from opt_ds_ops.sources.sourcefile import parse_source
 from prometheus_kit import PrometheusServer, openmetrics
 
@@ -106,8 +108,8 @@ def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_p
     name, rows, path = first.trained["h3:9100"]
     assert (name, rows) == ("h3_9100", int(1.2 * 1440))  # the first step has no rate() yet: one sample
     assert first.missing["h3:9100"] == {"req_rate": 1} and first.left_out["h3:9100"] == 1
-    assert (tmp_path / "spool" / "incoming" / "h3_9100.train-20260922T044800Z.yaml").read_text() == \
-        "name: h3_9100\ntime_column: time\n"
+    assert re.fullmatch(r"h3_9100\.train-20260922T044800Z\.[0-9a-f]{16}\.csv", os.path.basename(path)), path
+    assert Path(path[:-4] + ".yaml").read_text() == "name: h3_9100\ntime_column: time\n"
     table = read_csv(path)
     assert table[0] == ["time", "smd_a", "smd_b", "req_rate"]
     for line in table[1:]:  # Prometheus's values, as written, at their own times: no value invented
@@ -484,3 +486,109 @@ def test_a_step_missing_several_series_is_one_step_left_out():
     src = SimpleNamespace(series=[SimpleNamespace(name=n) for n in ("a", "b", "c")])
     rows, missing, left_out = _rows(values, 1000.0 + 60 * np.arange(10), src)
     assert missing == {"a": 2, "b": 1, "c": 1} and left_out == 2 and len(rows) == 8
+
+
+def test_names_a_member_plants_first_never_stop_a_drop_nor_are_replaced(tmp_path, monkeypatch):
+    """Before, the next chunk's name was MODEL.<stamp of its first row>.yaml: a member who created
+    the next names first stopped the puller's rename (sticky bit) for good, and the host was never
+    scored again. Now each drop's name ends in 16 random hex digits, and a name that is taken
+    (planted here by giving the token generator's first answers away) is left as it is and another
+    one tried: the chunk lands, the planted files are untouched."""
+    from opt_ds_ops.sources import puller
+
+    score = tmp_path / "spool" / "score"
+    score.mkdir(parents=True)
+    planted = ["0" * 16, "1" * 16]
+    for token in planted:  # a member's files at the names the puller will try first
+        (score / f"web-3.20261201T000000Z.{token}.yaml").write_text("model: someone-else\n")
+        (score / f"web-3.20261201T000000Z.{token}.csv").write_text("mine\n")
+    tokens = iter(planted + ["2" * 16])
+    monkeypatch.setattr(puller.secrets, "token_hex", lambda n: next(tokens))
+    path = drop(str(tmp_path / "spool"), "score", "web-3.20261201T000000Z", "model: web-3\n", b"time,a\n1,2\n")
+    assert os.path.basename(path) == f"web-3.20261201T000000Z.{'2' * 16}.csv"
+    assert Path(path).read_bytes() == b"time,a\n1,2\n" and Path(path[:-4] + ".yaml").read_text() == "model: web-3\n"
+    for token in planted:
+        assert (score / f"web-3.20261201T000000Z.{token}.csv").read_text() == "mine\n"
+        assert (score / f"web-3.20261201T000000Z.{token}.yaml").read_text() == "model: someone-else\n"
+    assert not [p for p in score.iterdir() if p.name.startswith(".pull.tmp-")]
+    monkeypatch.setattr(puller.secrets, "token_hex", lambda n: planted[0])  # every name taken: an error, nothing left
+    with pytest.raises(FileExistsError, match=f"{NAME_TRIES} random names"):
+        drop(str(tmp_path / "spool"), "score", "web-3.20261201T000000Z", "model: web-3\n", b"x")
+    assert len(list(score.iterdir())) == 6
+    monkeypatch.undo()
+    real = [drop(str(tmp_path / "spool"), "score", "h.T", "model: h\n", b"x") for _ in range(2)]
+    assert real[0] != real[1]  # no two drops share a name, so no member can know the next one
+
+
+def test_a_model_name_a_member_took_first_blocks_the_host_with_a_reason_and_drops_nothing(tmp_path, prom):
+    """Before: a member trained h3_9100 before the puller; its training file was refused, yet the
+    host was marked trained and a chunk dropped every pull, each failing. Now the name's owner is
+    checked: a name that is another uid's takes no training file and no chunk, the host is
+    'blocked' with the owner named (journal at warning when it starts, ds_ops_pull_hosts{state=
+    "blocked"}), and the same once a trained host's name is taken after a models rm."""
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom), Prometheus(prom.url)
+    taken = {"h3_9100": "its model name h3_9100 belongs to uid 1001 (alice)"}
+    first = pull(src, client, spool, state, T0 + 1.2 * DAY, model_taken=taken.get)
+    assert "h3:9100" not in first.trained and first.blocked["h3:9100"] == (taken["h3_9100"], True)
+    assert not [n for n in os.listdir(os.path.join(spool, "incoming")) if n.startswith("h3_9100.")]
+    assert state["hosts"]["h3:9100"]["scored_until"] is None and state["hosts"]["h3:9100"]["blocked"]
+    later = pull(src, client, spool, state, T0 + 1.2 * DAY + 300, model_taken=taken.get)
+    assert "h3:9100" not in later.scored and "h4:9100" in later.scored  # the others go on
+    taken["h4_9100"] = "its model name h4_9100 belongs to uid 1002 (bob)"  # taken after the puller's model
+    third = pull(src, client, spool, state, T0 + 1.2 * DAY + 600, model_taken=taken.get)
+    assert third.blocked["h4:9100"] == (taken["h4_9100"], True) and "h4:9100" not in third.scored
+    fourth = pull(src, client, spool, state, T0 + 1.2 * DAY + 900, model_taken=taken.get)
+    assert fourth.blocked["h4:9100"] == (taken["h4_9100"], False)  # said once at warning, then known
+    from opt_ds_ops.sources.metrics import PullMetrics
+
+    m = PullMetrics(src, str(tmp_path))
+    m.pulled(fourth, state, T0 + 1.2 * DAY + 900)
+    text = (tmp_path / "ds_ops_pull_node.prom").read_text()
+    assert 'ds_ops_pull_hosts{source="node",state="blocked"} 2.0' in text
+
+
+def test_the_pullers_owner_check_reads_the_current_versions_uploader(tmp_path):
+    from opt_ds_ops.commands.pull import Puller
+
+    p = Puller.__new__(Puller)
+    p.models_dir = str(tmp_path / "models")
+    for name, uid in (("alices", 1001), ("mine", os.geteuid()), ("roots", 0)):
+        (tmp_path / "models" / name / "v1").mkdir(parents=True)
+        (tmp_path / "models" / name / "v1" / "metadata.json").write_text(json.dumps({"uploader_uid": uid}))
+        os.symlink("v1", tmp_path / "models" / name / "current")
+    why = p.model_taken("alices")
+    assert why.startswith("its model name alices belongs to uid 1001") and "ds-ops models rm alices" in why
+    assert p.model_taken("mine") is None and p.model_taken("roots") is None and p.model_taken("absent") is None
+
+
+def test_a_refused_first_training_is_tried_again_after_a_back_off_not_waited_for_for_ever(tmp_path, prom):
+    """Before: a host whose first training file the daemon refused (constant rows, quarantine, out
+    of memory) waited 'for its model's first version' for ever and counted as trained. Now the
+    refusal in failed/ (its .error.json) sends the host back to waiting, trained again from its last
+    train_window after 1 hour (doubling for each failure in a row), counted as failed meanwhile."""
+    from opt_ds_ops.commands.pull import Puller
+
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    (tmp_path / "spool" / "failed").mkdir()
+    src, client = source(prom), Prometheus(prom.url)
+    p = Puller.__new__(Puller)
+    p.spool_root = spool
+    first = pull(src, client, spool, state, T0 + 1.2 * DAY)
+    path = first.trained["h3:9100"][2]
+    not_h3 = lambda name: name != "h3_9100"  # noqa: E731 - h3's model never comes
+    waiting = pull(src, client, spool, state, T0 + 1.2 * DAY + 300, model_ready=not_h3, train_failed=p.train_failed)
+    assert waiting.pending == {"h3:9100": "h3_9100"} and not waiting.train_failed  # not known to have failed yet
+    (tmp_path / "spool" / "failed" / (os.path.basename(path) + ".error.json")).write_text(
+        json.dumps({"stage": "dataset", "reason": "every feature column is constant"}))
+    failed = pull(src, client, spool, state, T0 + 1.2 * DAY + 600, model_ready=not_h3, train_failed=p.train_failed)
+    assert failed.train_failed == {"h3:9100": "every feature column is constant"} and "h3:9100" not in failed.pending
+    entry = state["hosts"]["h3:9100"]
+    assert entry["scored_until"] is None and entry["train_failures"] == 1
+    assert entry["retry_at"] == T0 + 1.2 * DAY + 600 + 3600
+    early = pull(src, client, spool, state, T0 + 1.2 * DAY + 3600, model_ready=not_h3, train_failed=p.train_failed)
+    assert "h3:9100" not in early.trained  # within its back-off
+    again = pull(src, client, spool, state, T0 + 1.2 * DAY + 4500, model_ready=not_h3, train_failed=p.train_failed)
+    assert again.trained["h3:9100"][0] == "h3_9100" and again.trained["h3:9100"][2] != path  # a new file, a new name
+    ok = pull(src, client, spool, state, T0 + 1.2 * DAY + 4800, train_failed=p.train_failed)
+    assert "h3:9100" in ok.scored and "train_failures" not in state["hosts"]["h3:9100"]
