@@ -212,3 +212,24 @@ def drift(h: History, window: str, design_rate: float, own_rows: int | None = No
     share = float(flags.mean()) if n else 0.0
     return {"rows": n, "flagged_share": share, "design_rate": design_rate,
             "drift_ratio": share / design_rate if design_rate > 0 else None, "full": bool(full)}
+
+
+def sent_again(h: History | None, data: np.ndarray, offset: np.ndarray | None, times: np.ndarray | None,
+               last_time: float | None) -> int:
+    """How many leading rows of a chunk (``data`` (n, D) float32 + ``offset``, ``times`` (n,) epoch
+    seconds in order) the series scored already: rows at or before its ``last_time`` that the history
+    ``h`` holds at the same times with the same values (to float32's rounding of two centrings). A
+    chunk sent again (a puller killed after its drop, before it saved its state) starts with them;
+    other rows at those times (a host clock set back) are new: 0, and the series starts again."""
+    if h is None or times is None or last_time is None or not len(times):
+        return 0
+    k = int(np.searchsorted(times, last_time, side="right"))
+    if k == 0 or not h.times.size:
+        return 0
+    idx = np.searchsorted(h.times, times[:k])
+    if np.any(idx >= h.times.size) or not np.array_equal(h.times[np.minimum(idx, h.times.size - 1)], times[:k]):
+        return 0
+    old = h.values[idx].astype(np.float64) + h.offset
+    new = np.asarray(data[:k], dtype=np.float64) + (0.0 if offset is None else np.asarray(offset, dtype=np.float64))
+    scale = np.abs(h.offset) + np.abs(old).max(axis=0) + 1.0
+    return k if np.all(np.abs(new - old) <= 1e-6 * scale) else 0

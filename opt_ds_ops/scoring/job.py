@@ -37,7 +37,7 @@ from ..config.sidecar import SIDECAR_MAX_BYTES, parse_sidecar
 from ..dataset import DatasetError, DatasetLimits, dataset_stem, load_dataset
 from ..dataset.core import iso_utc
 from ..fsutil import fsync_dir, read_small, write_atomic
-from ..lifecycle.history import HISTORY_FILE, chunk_drift, read_history, record_chunk
+from ..lifecycle.history import HISTORY_FILE, chunk_drift, read_history, record_chunk, sent_again
 from ..lifecycle.promotion import design_rate
 from ..model.detection import ScoreError, score_rows
 from ..store.model_dir import model_lineage
@@ -374,11 +374,26 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     notes = list(ds.notes)  # the file's own (rows sorted, repeated times): in the summary and the scored line
     calibration = CalibrationPolicy.from_config(cfg.scoring)
     times = ds.time.seconds if ds.time is not None else None
+    data = np.asarray(ds.data)
+    if state is not None and times is not None and state.last_time is not None and len(times) \
+            and times[0] <= state.last_time and state.version == model_version(stored):
+        k = sent_again(read_history(os.path.join(model_dir, HISTORY_FILE)), data, ds.offset, times, state.last_time)
+        if k == len(times):
+            raise ScoringError(f"{_clip(source)}: its {k} rows ({iso_utc(float(times[0]))} to "
+                               f"{iso_utc(float(times[-1]))}) were scored already (the same times and values are in "
+                               "the series' history: a chunk sent again); not scored twice")
+        if k:
+            notes.append(f"{k} row(s) from {iso_utc(float(times[0]))} to {iso_utc(float(times[k - 1]))} were scored "
+                         "already (the same times and values are in the series' history: a chunk sent again); "
+                         "scored from the next row on, not twice")
+            data, times = data[k:], times[k:]
     seed = (history_seed(model_dir, stored, calibration, job_id, ds.rows, times is not None)
             if calibration.on and calibration.from_history and state is not None
-            and state.version != model_version(stored) else None)  # a new version of a series scored before
+            and state.version != model_version(stored) else None)
+    if data.shape[0] != ds.rows:
+        seed = None  # a chunk sent again continues its own version's series: nothing to seed  # a new version of a series scored before
     state = state or fresh_state(name, stored)
-    result = score_chunk(stored, np.asarray(ds.data), ds.offset, times, state, names=names,
+    result = score_chunk(stored, data, ds.offset, times, state, names=names,
                          max_gap_periods=cfg.scoring.max_gap_periods,
                          policy=IncidentPolicy.from_config(cfg.scoring), regime=RegimePolicy.from_config(cfg.scoring),
                          calibration=calibration, calibration_seed=seed)
@@ -416,7 +431,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
     summary = json_safe(summary)
     os.makedirs(model_dir, DIR_MODE, exist_ok=True)
     _write_result(model_dir, job_id, summary, rows_csv(result, times))
-    note = record_chunk(model_dir, job_id, np.asarray(ds.data), ds.offset, result.flags, times,  # rows to retrain from
+    note = record_chunk(model_dir, job_id, data, ds.offset, result.flags, times,  # rows to retrain from
                         cfg.retrain.window, cfg.retrain.max_history_bytes)
     summary["notes"] += [note] if note else []
     new.last_job, new.last_result, new.lineage = job_id, result_name, lineage

@@ -408,3 +408,34 @@ def test_a_versions_own_series_and_a_learned_change_of_regime_start_no_seed(tmp_
     assert history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False) is None
     (tmp_path / "scores" / "m1" / "history.npz").write_bytes(b"PK\x03\x04 truncated")
     assert history_seed(str(tmp_path / "scores" / "m1"), load_model(first.model_dir), policy, "x", 0, False) is None
+
+
+def _timed(rows: np.ndarray, first: int) -> str:
+    """rows as CSV text with a time column (one row a minute from 2026-09-21 + first minutes), as the puller writes."""
+    t0 = 1_790_000_000
+    return "time," + ",".join(NAMES) + "\n" + "".join(
+        ",".join([str(t0 + 60 * (first + i))] + [repr(float(v)) for v in r]) + "\n" for i, r in enumerate(rows))
+
+
+def test_a_chunk_sent_again_is_scored_from_its_first_new_row_and_pages_nothing_twice(store, cfg, tmp_path):
+    """Before: a puller killed after its drop, before saving its state, dropped the chunk again with
+    more rows; the daemon saw time go backwards, reset the series, closed the open incident and
+    opened a second one for the same rows. Now rows at or before the series' last row whose time
+    and values the history holds are known as scored: the chunk continues the series from its first
+    new row (a note says so), and a chunk of nothing new is refused, naming why. Rows at those times
+    with other values (a host clock set back) still start the series again."""
+    test, side = store["test"], "model: m1\ntime_column: time\n"
+    first = score_job(make_job(tmp_path, job_id(1), None, text=_timed(test[:1000], 0), sidecar=side), cfg)
+    again = score_job(make_job(tmp_path, job_id(2), None, text=_timed(test[:1200], 0), sidecar=side), cfg)
+    assert again["resets"] == [] and (again["first_row"], again["rows"]) == (1000, 200)
+    assert any("1000 row(s)" in n and "scored already" in n for n in again["notes"]), again["notes"]
+    whole = score_job(make_job(tmp_path / "w", job_id(3), None, text=_timed(test[:1200], 0), sidecar=side),
+                      with_overrides(cfg, {"scoring.results_dir": str(tmp_path / "w" / "scores")}))
+    np.testing.assert_allclose([float(r["score"]) for r in read_rows(again["result_dir"])],
+                               [float(r["score"]) for r in read_rows(whole["result_dir"])[1000:]], rtol=0, atol=1e-6)
+    assert again["incidents"] == whole["incidents"]  # no incident opened twice
+    with pytest.raises(ScoringError, match="200 rows .* were scored already"):
+        score_job(make_job(tmp_path, job_id(4), None, text=_timed(test[1000:1200], 1000), sidecar=side), cfg)
+    other = test[1000:1200] + 1.0  # the same times, other values: a clock set back, not a chunk sent again
+    moved = score_job(make_job(tmp_path, job_id(5), None, text=_timed(other, 1000), sidecar=side), cfg)
+    assert moved["resets"] and "went backwards" in moved["resets"][0] and moved["first_row"] == 0
