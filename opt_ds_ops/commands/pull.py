@@ -102,9 +102,46 @@ class Puller:
         """Whether model ``name`` has a current version (the store is readable by group ds-ops)."""
         return os.path.exists(os.path.join(self.models_dir, name, "current"))
 
+    def other_sources(self, state: dict) -> dict[str, str]:
+        """{model name: source} of the names the other sources' pullers on this server hold (their
+        state files beside this one's) before this one (``state``): trained earlier, or at the same
+        time by a source whose name sorts first. Two sources over the same hosts with the same
+        ``model_prefix`` would otherwise make one model of two sources' columns."""
+        mine = {e.get("model"): e.get("trained_at") for e in (state.get("hosts") or {}).values()
+                if isinstance(e, dict) and e.get("model") and not e.get("blocked")}
+        names: dict[str, str] = {}
+        here = os.path.dirname(os.path.abspath(self.state_path))
+        try:
+            files = sorted(f for f in os.listdir(here) if f.endswith(".json") and not f.startswith("."))
+        except OSError:
+            return names
+        for f in files:
+            path = os.path.join(here, f)
+            if os.path.abspath(path) == os.path.abspath(self.state_path):
+                continue
+            try:
+                hosts = load_state(path).get("hosts") or {}
+            except (OSError, ValueError, AttributeError):
+                continue
+            other = f[: -len(".json")]
+            for entry in hosts.values() if isinstance(hosts, dict) else ():
+                if not (isinstance(entry, dict) and isinstance(entry.get("model"), str) and not entry.get("blocked")):
+                    continue
+                theirs, ours = entry.get("trained_at"), mine.get(entry["model"])
+                if not isinstance(theirs, (int, float)):
+                    continue  # a name it waits to train: not held yet
+                if not isinstance(ours, (int, float)) or (theirs, other) < (ours, self.source.name):
+                    names.setdefault(entry["model"], other)
+        return names
+
     def model_taken(self, name: str) -> str | None:
-        """Why model ``name`` is another owner's (its current version's ``uploader_uid`` is neither
-        this puller's uid nor root's: docs/trust.md), or None (no such model, or this puller's)."""
+        """Why model ``name`` is not this puller's to feed: another source's on this server
+        (:meth:`other_sources`), or another owner's (its current version's ``uploader_uid`` is
+        neither this puller's uid nor root's: docs/trust.md); None if it is free or its own."""
+        other = getattr(self, "others", {}).get(name)
+        if other is not None:
+            return (f"its model name {name} is source {other}'s already (both sources make a model of this host: "
+                    "give one of them its own model_prefix)")
         try:
             with open(os.path.join(self.models_dir, name, "current", "metadata.json"), encoding="utf-8") as f:
                 owner = json.load(f).get("uploader_uid")
@@ -162,6 +199,7 @@ class Puller:
         except (OSError, ValueError) as e:
             raise CliError(f"cannot read the puller's state: {e}") from None
         t0 = time.monotonic()
+        self.others = self.other_sources(state)
         try:
             report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready, self.model_removed,
                           self.model_taken, self.train_failed)

@@ -592,3 +592,37 @@ def test_a_refused_first_training_is_tried_again_after_a_back_off_not_waited_for
     assert again.trained["h3:9100"][0] == "h3_9100" and again.trained["h3:9100"][2] != path  # a new file, a new name
     ok = pull(src, client, spool, state, T0 + 1.2 * DAY + 4800, train_failed=p.train_failed)
     assert "h3:9100" in ok.scored and "train_failures" not in state["hosts"]["h3:9100"]
+
+
+def test_two_sources_over_the_same_hosts_do_not_share_a_model(tmp_path):
+    """model_prefix ships empty: before, a second source over the same hosts trained a new version
+    of the first source's model with its own columns (every later chunk failed). Now a name another
+    source's puller on this server held first (its state file beside this one's: trained earlier,
+    or at the same time by a source whose name sorts first) is that source's: this host is blocked,
+    naming the source and the fix. Each source's check gives the same answer: no deadlock."""
+    from types import SimpleNamespace
+
+    from opt_ds_ops.commands.pull import Puller
+
+    def puller(name: str) -> Puller:
+        p = Puller.__new__(Puller)
+        p.source, p.state_path, p.models_dir = SimpleNamespace(name=name), str(tmp_path / f"{name}.json"), str(tmp_path)
+        return p
+
+    def state(trained_at):
+        return {"format": 1, "hosts": {"h:9100": {"model": "h_9100", "trained_at": trained_at, "scored_until": trained_at}}}
+
+    for own, other, first in ((200.0, 100.0, "node"), (100.0, 300.0, "app"), (100.0, 100.0, "app")):
+        save_state(str(tmp_path / "node.json"), state(other))
+        app = puller("app")
+        app.others = app.other_sources(state(own))
+        node = puller("node")
+        node.others = node.other_sources(state(other))
+        held = {"app": app.model_taken("h_9100"), "node": node.model_taken("h_9100")}
+        loser = "node" if first == "app" else "app"
+        assert held[first] is None and held[loser] is not None, (own, other, held)
+        assert f"is source {first}'s already" in held[loser] and "model_prefix" in held[loser]
+        save_state(str(tmp_path / "app.json"), state(own))  # both states on disk, as the next pulls see them
+    waiting = puller("app")
+    waiting.others = waiting.other_sources({"format": 1, "hosts": {}})  # not trained here yet: node's
+    assert "is source node's" in waiting.model_taken("h_9100")
