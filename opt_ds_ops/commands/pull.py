@@ -13,6 +13,7 @@ most ``score_every``); the next pull that succeeds covers the gap, up to ``catch
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import pwd
@@ -26,7 +27,7 @@ from ..sources.metrics import PullMetrics
 from ..sources.prometheus import Prometheus, PrometheusError
 from ..sources.puller import PullReport, load_state, pull, save_state
 from ..sources.sourcefile import Source, load_source
-from ..spool.layout import ERROR_SUFFIX, FAILED
+from ..spool.layout import ERROR_SUFFIX, FAILED, INCOMING, PROCESSING
 from . import CliError, load_cfg
 
 DEFAULT_STATE_DIR = "/var/lib/ds-ops/pull"
@@ -84,6 +85,14 @@ def run(args) -> int:
         return 0 if puller.once(time.time() if args.now is None else args.now) else 1
     puller.forever()
     return 0
+
+
+def _stamp_s(rest: str) -> float | None:
+    """The epoch seconds of a training file's ``STAMP`` (``20260922T044800Z.TOKEN.csv``), or None."""
+    try:
+        return float(calendar.timegm(time.strptime(rest[:16], "%Y%m%dT%H%M%SZ")))
+    except ValueError:
+        return None
 
 
 class Puller:
@@ -156,6 +165,46 @@ class Puller:
         return (f"its model name {name} belongs to uid {owner} ({who}), who trained it first: no row of it is dropped "
                 f"(give this source another model_prefix, or the owner or root runs ds-ops models rm {name})")
 
+    def own_training(self, name: str) -> float | None:
+        """The end (epoch seconds) of a training of model ``name`` this puller made already: its file
+        ``NAME.train-STAMP.TOKEN.csv`` still in incoming/ (owned by this uid) or claimed in processing/,
+        else the data end of the model's current version if this uid dropped it; None if there is none."""
+        prefix, uid = f"{name}.train-", os.geteuid()
+        ends = []
+        incoming = os.path.join(self.spool_root, INCOMING)
+        try:
+            for f in os.listdir(incoming):
+                if f.startswith(prefix) and f.endswith(".csv") and os.lstat(os.path.join(incoming, f)).st_uid == uid:
+                    ends.append(_stamp_s(f[len(prefix):]))
+        except OSError:
+            pass
+        processing = os.path.join(self.spool_root, PROCESSING)
+        try:
+            jobs = os.listdir(processing)
+        except OSError:
+            jobs = []
+        for job in jobs:
+            try:
+                with open(os.path.join(processing, job, "job.json"), encoding="utf-8") as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            dataset = record.get("dataset") if isinstance(record, dict) else None
+            if isinstance(dataset, str) and dataset.startswith(prefix) and record.get("uploader_uid") == uid:
+                ends.append(_stamp_s(dataset[len(prefix):]))
+        ends = [e for e in ends if e is not None]
+        if ends:
+            return max(ends)
+        try:
+            with open(os.path.join(self.models_dir, name, "current", "metadata.json"), encoding="utf-8") as f:
+                md = json.load(f)
+            if md.get("uploader_uid") != uid:
+                return None
+            dataset = (md.get("dataset") or {}).get("file") or ""
+            return _stamp_s(dataset[len(prefix):]) if dataset.startswith(prefix) else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
     def train_failed(self, file: str) -> str | None:
         """Why the daemon refused training file ``file`` this puller dropped in incoming/ (the reason in
         ``failed/FILE.error.json``), or None while it is not there."""
@@ -202,7 +251,7 @@ class Puller:
         self.others = self.other_sources(state)
         try:
             report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready, self.model_removed,
-                          self.model_taken, self.train_failed)
+                          self.model_taken, self.train_failed, self.own_training)
             save_state(self.state_path, state)
         except PrometheusError as e:
             return self.failed(str(e), e.unavailable)
@@ -244,6 +293,14 @@ class Puller:
                            "its model stays, its scoring waits", priority=LOG_NOTICE, source=name, host=host)
         for host, why in report.refused.items():
             self.log.event("source-host", f"{name}: host {host}: {why}", priority=LOG_WARNING, source=name, host=host)
+        for host, (model, adopted) in report.adopted.items():
+            self.log.event("source-host", f"{name}: host {host}: its training file for model {model} (rows up to "
+                           f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(adopted))}) was dropped before the "
+                           "puller last stopped: scored from there, not trained twice", priority=LOG_NOTICE,
+                           source=name, host=host, model_name=model)
+        for host, model in report.moved.items():
+            self.log.event("source-host", f"{name}: host {host} is of another shard now ({self.source.options.shard}); "
+                           f"its model {model} is left to that shard's puller", priority=LOG_NOTICE, source=name, host=host)
         for host, (why, news) in report.blocked.items():
             self.log.event("source-host", f"{name}: host {host} is not modelled: {why}", source=name, host=host,
                            priority=LOG_WARNING if news else LOG_INFO)  # a warning when it starts or changes

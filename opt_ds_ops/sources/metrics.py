@@ -61,12 +61,17 @@ class PullMetrics:
         self.rows.labels(n, "score").inc(sum(r[1] for r in report.scored.values()))
         self.missing.labels(n).inc(sum(report.left_out.values()))
         counts = {"trained": 0, "waiting": 0, "gone": 0, "blocked": 0, "failed": 0}
+        for host in getattr(self, "_seen_hosts", set()) - {h for h, e in state["hosts"].items()
+                                                          if e.get("scored_until") is not None}:
+            self.last_seen.remove(n, host)  # forgotten, moved to another shard or waiting again: no stale last-seen
+        self._seen_hosts = set()
         for host, entry in state["hosts"].items():
             trained = entry.get("scored_until") is not None
             counts["blocked" if entry.get("blocked") else "failed" if not trained and entry.get("train_failed")
                    else "waiting" if not trained else "gone" if entry.get("gone") else "trained"] += 1
             if trained and entry.get("last_seen") is not None:
                 self.last_seen.labels(n, host).set(entry["last_seen"])
+                self._seen_hosts.add(host)
         for s, v in counts.items():
             self.hosts.labels(n, s).set(v)
         self.write()

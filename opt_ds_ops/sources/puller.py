@@ -97,6 +97,8 @@ class PullReport:
     removed: dict = field(default_factory=dict)      # host -> its model, removed from the store since: trained again
     blocked: dict = field(default_factory=dict)      # host -> (why its model name is another owner's, news since the last pull)
     train_failed: dict = field(default_factory=dict)  # host -> why its training file failed; tried again after retry_at
+    adopted: dict = field(default_factory=dict)      # host -> (model, end): its training found, made before a kill
+    moved: dict = field(default_factory=dict)        # host -> its model: of another shard now, dropped from the state
 
 
 def load_state(path: str) -> dict:
@@ -248,15 +250,20 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
          model_ready: Callable[[str], bool] = lambda name: True,
          model_removed: Callable[[str], bool] = lambda name: False,
          model_taken: Callable[[str], str | None] = lambda name: None,
-         train_failed: Callable[[str], str | None] = lambda file: None) -> PullReport:
+         train_failed: Callable[[str], str | None] = lambda file: None,
+         own_training: Callable[[str], float | None] = lambda name: None) -> PullReport:
     """Do one pull at time ``now`` (epoch seconds): update ``state`` in place and return what was
     done. ``model_ready(name)``: whether the model has a current version (its rows wait until it
     has); ``model_removed(name)``: whether it is certainly not in the store any more (not an
     unreadable store); ``model_taken(name)``: why the name is another owner's (a member trained it
     first: no file is dropped for it, the host is ``blocked``), or None; ``train_failed(file)``: why
     the daemon refused a training file this puller dropped (its name), or None while it is not known
-    to have failed (the host waits, then trains again after a back-off). Raises PrometheusError
-    (nothing written then, ``state`` unchanged) if a query fails."""
+    to have failed (the host waits, then trains again after a back-off); ``own_training(name)``: the
+    end (epoch seconds) of a training of the name this puller already made (a file dropped before a
+    kill, before its state was saved: pending in the spool, or the model's current version), adopted
+    instead of dropping a second one, or None. Hosts of another shard (a change of ``shard``) are
+    dropped from the state (``report.moved``). Raises PrometheusError (nothing written then,
+    ``state`` unchanged) if a query fails."""
     step = source.step_s
     end = math.floor((now - source.seconds("delay")) / step) * step
     index, of = source.shard
@@ -265,6 +272,9 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
 
     def mine(h: str) -> bool:
         return shard_of(h, of) == index
+
+    for h in [h for h in hosts if not mine(h)]:  # the shard changed: another server's puller models it now
+        report.moved[h] = hosts.pop(h).get("model")
 
     def back(seconds: float) -> float:  # the first grid point of a span of `seconds` ending at end
         return end - (max(1, math.floor(seconds / step + 1e-9)) - 1) * step
@@ -343,6 +353,13 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
             names[name] = host
             continue
         entry.pop("blocked", None)
+        adopted = own_training(name) if not entry.get("train_failed") else None
+        if adopted is not None:  # dropped before a kill, before the state was saved: not trained twice
+            entry.update(model=name, scored_until=min(float(adopted), end), trained_at=min(float(adopted), end),
+                         gone=False, retry_at=None)
+            names[name] = host
+            report.adopted[host] = (name, float(adopted))
+            continue
         history = (rows[-1, 0] - rows[0, 0]) if len(rows) >= 2 else 0.0
         if len(rows) < 2 or history < source.seconds("min_history"):  # its steps left out are counted when it trains
             report.waiting[host] = float(history)

@@ -626,3 +626,53 @@ def test_two_sources_over_the_same_hosts_do_not_share_a_model(tmp_path):
     waiting = puller("app")
     waiting.others = waiting.other_sources({"format": 1, "hosts": {}})  # not trained here yet: node's
     assert "is source node's" in waiting.model_taken("h_9100")
+
+
+def test_a_training_dropped_before_a_kill_is_adopted_not_dropped_twice(tmp_path, prom):
+    """Before: a puller killed after dropping a host's training file, before saving its state,
+    dropped a second one at its next start (the model trained twice). Now the host's own training
+    (its file still in incoming/, claimed in processing/, or the model's current version this uid
+    dropped) is adopted: the host is trained up to that file's end and scored from there."""
+    from opt_ds_ops.commands.pull import Puller
+
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    (tmp_path / "spool" / "processing").mkdir()
+    src, client = source(prom), Prometheus(prom.url)
+    before = dict(state, hosts={})
+    first = pull(src, client, spool, before, T0 + 1.2 * DAY)  # dropped; its state never saved (killed)
+    dropped = first.trained["h3:9100"][2]
+    p = Puller.__new__(Puller)
+    p.spool_root, p.models_dir = spool, str(tmp_path / "models")
+    end = T0 + 1.2 * DAY
+    assert p.own_training("h3_9100") == end and p.own_training("h4_9100") == end
+    assert p.own_training("nobody") is None
+    again = pull(src, client, spool, state, T0 + 1.2 * DAY + 300, own_training=p.own_training)
+    assert again.adopted["h3:9100"] == ("h3_9100", end) and "h3:9100" not in again.trained
+    assert [n for n in os.listdir(os.path.join(spool, "incoming")) if n.startswith("h3_9100.train-")
+            and n.endswith(".csv")] == [os.path.basename(dropped)]  # one training file, not two
+    assert state["hosts"]["h3:9100"]["scored_until"] == end
+    later = pull(src, client, spool, state, T0 + 1.2 * DAY + 600, own_training=p.own_training)
+    assert [float(r[0]) for r in read_csv(later.scored["h3:9100"][2])[1:]][0] == end + 60  # from its end on
+
+
+def test_hosts_of_another_shard_after_a_change_of_shard_leave_the_state_and_the_metrics(tmp_path, prom):
+    """Before: after a change of shard (0/1 to 0/2) the hosts that moved away stayed 'trained' in
+    the state and in ds_ops_pull_hosts, with a stale last-seen, for ever."""
+    from opt_ds_ops.sources.metrics import PullMetrics
+
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    client = Prometheus(prom.url)
+    whole = source(prom, shard="0/1")
+    m = PullMetrics(whole, str(tmp_path))
+    m.pulled(pull(whole, client, spool, state, T0 + 1.2 * DAY), state, T0 + 1.2 * DAY)
+    m.pulled(pull(whole, client, spool, state, T0 + 1.2 * DAY + 300), state, T0 + 1.2 * DAY + 300)
+    half = source(prom, shard="0/2")
+    report = pull(half, client, spool, state, T0 + 1.2 * DAY + 600)
+    away = {h for h in HOSTS + [GAPPY] if shard_of(h, 2) != 0}
+    assert away and set(report.moved) >= away and not away & set(state["hosts"])
+    m.pulled(report, state, T0 + 1.2 * DAY + 600)
+    text = (tmp_path / "ds_ops_pull_node.prom").read_text()
+    for h in away:
+        assert f'host="{h}"' not in text, h
+    kept = sorted(set(HOSTS) - away)[0]
+    assert f'host="{kept}"' in text
