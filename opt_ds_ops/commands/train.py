@@ -128,8 +128,9 @@ def run(args) -> int:
         length = (f"until the validation loss plateaus, at most {max_steps:,} steps or {cfg.train.epochs} epochs"
                   if max_steps
                   else f"{cfg.train.epochs} epochs")
+        reads = "; reads each metric's change beside its level" if cfg.train.input_differences else ""
         print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {length}{procs}"
-              f"{health}){f'; options from {sidecar}' if sidecar else ''}", flush=True)
+              f"{health}){reads}{f'; options from {sidecar}' if sidecar else ''}", flush=True)
     if options.incidents:  # only a daemon job passes the promotion gate
         print("ds-ops: note: the sidecar's incidents label rows for the daemon's promotion gate; ds-ops train "
               "publishes the new version as current without a gate", file=sys.stderr)

@@ -484,6 +484,9 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
         if check is not None and not check(value):
             raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {_shown(value)}", (*parts, name))
         values[name] = value
+    if cls is TrainConfig and values.get("input_differences") and values.get("input_window", 1) != 1:
+        raise ConfigError(f"{where}: key '{prefix}input_differences' reads each row beside the one before it and needs "
+                          f"'{prefix}input_window' 1, got {values['input_window']}", (*parts, "input_differences"))
     return cls(**values)
 
 

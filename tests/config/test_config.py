@@ -226,3 +226,15 @@ def test_sidecar_of_aliases_that_stand_for_millions_of_values_is_refused_in_a_sh
         with pytest.raises(ConfigError, match=r"x\.yaml: key '(columns|time_column|name)' must be") as e:
             parse_sidecar(text, "x.yaml", DatasetConfig())
         assert time.monotonic() - t0 < 5 and len(str(e.value)) < 1000, str(e.value)[:300]
+
+
+def test_inputs_of_differences_with_a_window_are_refused_by_check_config_not_by_every_job(tmp_path):
+    """train.input_differences needs input_window 1: the conffile (and so check-config and a reload)
+    says so, naming the key and its line, instead of every training job failing later."""
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text("train:\n  input_differences: true\n  input_window: 3\n")
+    with pytest.raises(ConfigError, match=r"line 2, column 3: key 'train.input_differences' .* needs "
+                                          r"'train.input_window' 1, got 3"):
+        load_config(str(conf))
+    conf.write_text("train:\n  input_differences: true\n")
+    assert load_config(str(conf)).train.input_differences

@@ -1,0 +1,164 @@
+"""A threshold that holds, through the real daemon with the shipped conffile (only paths and the
+spool's pace are the test's): a day of loud bursts does not raise the threshold that must page a
+shift the day after; the same incident twice, three days apart, is paged twice; a sustained level
+shift leaves alarm within a bound and a real incident after it is paged; chunks across a short
+gap score as the whole file does. Marked slow (make test-slow, run once in CI): each trains with the
+shipped stopping rule and scores days of chunks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from daemon_kit import Daemon, spool_dir, versions, write_config
+
+pytestmark = pytest.mark.slow
+
+T0 = 1_790_000_000.0  # 2026-09-21T14:13:20Z: one row a minute from here
+DAY, CHUNK = 1440, 720
+NAMES = [f"m{j}" for j in range(38)]
+
+
+def write_rows(path, rows: np.ndarray, first: int, times: np.ndarray | None = None) -> None:
+    """rows as a CSV with a time column (one row a minute from T0 + first minutes, or ``times``), by
+    rename, as the puller writes them."""
+    t = T0 + 60.0 * (first + np.arange(rows.shape[0])) if times is None else times
+    part = path.with_name(path.name + ".part")
+    with open(part, "w") as f:
+        f.write("time," + ",".join(NAMES) + "\n")
+        for ti, r in zip(t, rows):
+            f.write(",".join([str(int(ti))] + [repr(float(v)) for v in r]) + "\n")
+    os.rename(part, path)
+
+
+class Series:
+    """A daemon with model m trained on a quiet stretch of machine-1-2; score() drops a chunk and
+    returns its summary."""
+
+    def __init__(self, tmp_path, smd_rows):
+        self.tmp = tmp_path
+        conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5,
+                            extra=["scoring:", f"  results_dir: {tmp_path / 'scores'}"])
+        self.train = smd_rows[12000:15000]
+        self.std = self.train.std(axis=0) + 1e-3
+        self.d = Daemon(conf)
+        self.summaries = []
+        self.d.wait_until(lambda: "ds-trainer ready" in self.d.log(), "the daemon to be ready", timeout_s=120)
+        write_rows(spool_dir(tmp_path, "incoming") / "m.csv", self.train, 0)
+        self.d.wait_until(lambda: len(versions(tmp_path, "m")) == 1, "the first model", timeout_s=300)
+        self.at = self.train.shape[0]
+
+    def score(self, rows: np.ndarray, times: np.ndarray | None = None) -> dict:
+        write_rows(spool_dir(self.tmp, "score") / "m.csv", rows, self.at, times)
+        self.d.wait_until(lambda: self.d.log().count(" scored with version ") > len(self.summaries)
+                          or "failed in stage" in self.d.log(), "the chunk to be scored")
+        assert "failed in stage" not in self.d.log(), self.d.log()
+        self.d.wait_until(lambda: not any(spool_dir(self.tmp, "processing").iterdir()), "its jobs to end",
+                          timeout_s=300)  # a retraining it made due ends before the next chunk: data time decides
+        results = sorted(p for p in (self.tmp / "scores" / "m").iterdir() if p.is_dir() and not p.name.startswith("."))
+        s = json.loads((results[-1] / "summary.json").read_text())
+        self.summaries.append(s)
+        self.at += rows.shape[0] if times is None else 0
+        return s
+
+    def opened_in(self, s: dict, lo: int, hi: int) -> list[dict]:
+        """The chunk's incident-opened events at chunk rows lo..hi."""
+        return [e for e in s["events"] if e["event"] == "incident-opened" and lo <= e["row"] - s["first_row"] <= hi]
+
+    def close(self) -> None:
+        rc, _ = self.d.stop()
+        assert rc == 0, self.d.log()
+
+
+@pytest.fixture
+def series(tmp_path, smd_rows):
+    s = Series(tmp_path, smd_rows)
+    try:
+        yield s
+    finally:
+        s.d.kill()
+
+
+def test_a_day_of_loud_bursts_does_not_hide_a_shift_the_next_day(series, smd_rows):
+    """Twelve 3-row bursts of 30 training SDs on five metrics in one day (anyone who can load a
+    host can make them) page as critical incidents; before, the budget learned them and raised the
+    threshold until a 5-hour shift of three metrics the next day paged nothing. Now the shift is
+    paged, and no day moved the threshold by more than 2 times."""
+    quiet = smd_rows[15000:15000 + 4 * DAY].copy()
+    for b in range(12):
+        i = 2 * DAY + b * 120 + 30
+        quiet[i:i + 3, 0:5] += 30 * series.std[0:5]
+    s0 = 3 * DAY + 120
+    quiet[s0:s0 + 300, [3, 9, 20]] += 3 * series.std[[3, 9, 20]]
+    summaries = [series.score(quiet[c:c + CHUNK]) for c in range(0, quiet.shape[0], CHUNK)]
+    moves = [e for s in summaries for e in s["events"] if e["event"] == "threshold-calibrated"]
+    assert all(max(e["threshold"] / e["previous"], e["previous"] / e["threshold"]) <= 2 + 1e-9 for e in moves), moves
+    shift = summaries[s0 // CHUNK]
+    assert series.opened_in(shift, s0 % CHUNK, s0 % CHUNK + 300), (shift["threshold"], shift["events"])
+    bursts = [e for s in summaries[4:6] for e in s["events"] if e["event"] == "incident-opened"]
+    assert len(bursts) >= 6, bursts  # the bursts paged too
+    series.close()
+
+
+def test_the_same_incident_three_days_apart_is_paged_both_times(series, smd_rows):
+    """A failure of 40 minutes on four metrics, then the same failure three days later: before, the
+    first one's peak raised the next day's threshold near it and the repeat paged nobody for 14 days."""
+    quiet = smd_rows[15000:15000 + 5 * DAY].copy()
+    for start in (DAY + 300, 4 * DAY + 300):
+        quiet[start:start + 40, [4, 12, 16, 22]] += 6 * series.std[[4, 12, 16, 22]]
+    summaries = [series.score(quiet[c:c + CHUNK]) for c in range(0, quiet.shape[0], CHUNK)]
+    for start in (DAY + 300, 4 * DAY + 300):
+        s = summaries[start // CHUNK]
+        assert series.opened_in(s, start % CHUNK, start % CHUNK + 40), (start, s["threshold"], s["events"])
+    series.close()
+
+
+def test_a_sustained_level_shift_leaves_alarm_within_two_days_and_a_real_incident_after_it_pages(series, smd_rows):
+    """Three metrics move for good. Within two days of data the series is out of alarm (the drift
+    trigger retrains on the new levels, its long flagged segment kept as a change of regime, the
+    gate promotes it, or the change of regime re-baselines it where that is on), and a real
+    incident on the new levels is paged."""
+    rows = smd_rows[15000:15000 + 5 * DAY].copy()
+    rows[DAY // 2:, [3, 9, 20]] += 8 * series.std[[3, 9, 20]]  # from half a day in, for good
+    summaries = [series.score(rows[c:c + CHUNK]) for c in range(0, 4 * DAY, CHUNK)]
+    quiet_from = next((k for k, s in enumerate(summaries) if k >= 1 and not s["active"] and s["flagged"] < 0.05 * CHUNK),
+                      None)
+    print("per chunk (flagged, active, version):", [(s["flagged"], s["active"], s["version"][-8:]) for s in summaries])
+    assert quiet_from is not None and quiet_from * CHUNK - DAY // 2 <= 2 * DAY, summaries[-1]
+    assert all(not s["active"] for s in summaries[quiet_from:]), "back in alarm on the new levels"
+    burst = rows[4 * DAY:5 * DAY].copy()
+    burst[300:330, [4, 12, 16, 22]] += 8 * series.std[[4, 12, 16, 22]]  # a real incident on the new levels
+    s = series.score(burst[:CHUNK])
+    assert series.opened_in(s, 295, 330), s["events"]
+    series.close()
+
+
+def test_chunks_across_a_short_gap_score_as_the_whole_file(tmp_path, smd_rows):
+    """Four chunks with five rows missing between the second and the third (under
+    scoring.max_gap_periods) score as the same rows in one file (rows.csv's 6 significant digits), whatever the model reads."""
+    rows = smd_rows[15000:15000 + 2 * DAY]
+    times = T0 + 60.0 * (3000 + np.arange(rows.shape[0]))
+    times[DAY:] += 300.0
+    got = {}
+    for how in ("chunks", "whole"):
+        root = tmp_path / how
+        root.mkdir()
+        s = Series(root, smd_rows)
+        try:
+            parts = [slice(0, CHUNK), slice(CHUNK, DAY), slice(DAY, DAY + CHUNK), slice(DAY + CHUNK, 2 * DAY)]
+            for p in parts if how == "chunks" else [slice(0, 2 * DAY)]:
+                summary = s.score(rows[p], times[p])
+                assert summary["resets"] == [], summary["resets"]
+            s.close()
+        finally:
+            s.d.kill()
+        scores = []
+        for res in sorted(p for p in (root / "scores" / "m").iterdir() if p.is_dir() and not p.name.startswith(".")):
+            with open(res / "rows.csv") as f:
+                scores += [float(line.split(",")[2]) for line in f.read().splitlines()[1:]]
+        got[how] = np.array(scores)
+    assert got["chunks"].shape == got["whole"].shape == (2 * DAY,)
+    np.testing.assert_allclose(got["chunks"], got["whole"], rtol=1e-5, atol=1e-6)  # rows.csv: 6 significant digits
