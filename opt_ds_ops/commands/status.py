@@ -85,7 +85,8 @@ def _model_line(v: dict) -> str:
         after = failed.get("next_try_at")
         retrain += (f", retraining FAILED {failed.get('failures')} time(s), last at {safe_text(str(failed.get('failed_at')))}:"
                     f" {safe_text(str(failed.get('reason')))[:200]}; next try not before "
-                    + (_utc(after) if isinstance(after, (int, float)) else "?"))
+                    + (f"the data reaches {failed['next_try_data_time']}" if isinstance(failed.get("next_try_data_time"), str)
+                       else _utc(after) if isinstance(after, (int, float)) else "?"))
     reg = v.get("regime")
     regime = ""
     if isinstance(reg, dict):
@@ -111,7 +112,7 @@ def next_retrains(args, views: dict) -> None:
     as the daemon counts it, or the end of a failed retraining's back-off if later) to each scored
     model's view when retrain.every is set, and ``retrain_failed`` (the last failure, its
     ``next_try_at``) where the model's last retraining failed."""
-    from ..daemon.retrainer import last_trained, next_try_s, read_failure
+    from ..daemon.retrainer import backoff_s, last_trained, next_try_s, read_failure
 
     try:
         cfg = load_cfg(args, {})
@@ -122,6 +123,8 @@ def next_retrains(args, views: dict) -> None:
         after = next_try_s(cfg.retrain, failure)
         if failure is not None:
             v["retrain_failed"] = dict(failure, next_try_at=after)
+            if isinstance(failure.get("data_s"), (int, float)):  # the daemon counts the back-off on the data's clock
+                v["retrain_failed"]["next_try_data_time"] = _utc(float(failure["data_s"]) + backoff_s(failure))
         if not cfg.retrain.every:
             continue
         trained, data_s = last_trained(cfg.models_dir, name)

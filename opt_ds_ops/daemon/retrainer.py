@@ -185,8 +185,8 @@ class Retrainer:
             return None  # its retraining is queued or running (also one recovered from processing/)
         if self.drift_for.get(name) == version:
             summary = {k: v for k, v in summary.items() if k != "drift"}  # drift tried for this current
-        data_s = _utc_seconds(summary.get("last_time"))  # the newest scored row's time, or None
-        if backing_off(read_failure(cfg.scoring.results_dir, name), time.time(), data_s):
+        newest_s = _utc_seconds(summary.get("last_time"))  # the newest scored row's time, or None
+        if backing_off(read_failure(cfg.scoring.results_dir, name), time.time(), newest_s):
             return None  # the last retraining failed: its back-off first
         hist = history_path(cfg.scoring.results_dir, name)
         regime = summary.get("regime")
@@ -200,14 +200,14 @@ class Retrainer:
                        f"{regime.get('rows')} rows of it scored (retrain.regime_learn_s {cfg.retrain.regime_learn_s:g})")
                 job_id = self.queue(name, hist, "regime", why,
                                     regime={"rows": int(regime.get("rows") or 0), "shift": regime.get("shift") or []},
-                                    data_s=data_s)
+                                    data_s=newest_s)
                 self.regime_for[name] = key
                 return job_id
         trained_s, data_s = last_trained(cfg.models_dir, name)
         why = due(cfg.retrain, summary, trained_s, time.time(), data_s)
         if why is None or not os.path.isfile(hist):
             return None
-        job_id = self.queue(name, hist, *why, data_s=data_s)
+        job_id = self.queue(name, hist, *why, data_s=newest_s)
         if why[0] == "drift":
             self.drift_for[name] = version
         return job_id

@@ -168,6 +168,7 @@ class Tracked:
     incident: np.ndarray
     tracker: Tracker
     stopped: int | None = None  # the chunk's row at which a change of regime closed the incident: rows after it are not tracked
+    live: np.ndarray | None = None  # (n,) int8, as known at each row (never relabelled): 0 none open, 1 warning, 2 critical
 
 
 def severity(peak: float, threshold: float, critical_ratio: float, was: str = "warning") -> str:
@@ -203,6 +204,7 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
         inc["sums"] = list(inc.get("sums", []))
     opened = tracker.opened
     out = np.zeros(n, dtype=np.int64)
+    live = np.zeros(n, dtype=np.int8)  # as known at each row: 0 no incident open, 1 a warning, 2 a critical one
     changes = []
 
     def at(i: int) -> float | None:  # row i of the chunk's time; i < 0: a row of the previous chunk's
@@ -253,6 +255,7 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
                     # its rows are spent: a later incident's opening window counts only rows after it
                     hist[: base + i + 1] = [0] * (base + i + 1)
                     count = 0
+            live[i] = 0 if inc is None else 2 if inc["severity"] == "critical" else 1
             continue
         if f and count >= need:
             opened += 1
@@ -270,6 +273,7 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
             inc["severity"] = severity(inc["peak_score"], threshold, policy.critical_ratio)
             out[max(first, 0):i + 1] = inc["id"]
             changes.append(("opened", i, dict(inc, sums=list(inc["sums"]))))
+            live[i] = 2 if inc["severity"] == "critical" else 1
     end = n if stopped is None else stopped + 1  # the rows tracked
     hist = hist[: base + end]
     keep = hist[-keep_n:] if keep_n else []
@@ -279,7 +283,7 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
     all_c = []
     if k and cells is not None and (prev_c or base == 0):
         all_c = [*(list(map(float, c)) for c in prev_c), *(np.asarray(cells[:end][-k:], dtype=np.float64).tolist())]
-    return Tracked(changes=changes, incident=out[:end], stopped=stopped,
+    return Tracked(changes=changes, incident=out[:end], stopped=stopped, live=live[:end],
                    tracker=Tracker(recent=keep, recent_times=all_t[-k:] if k else [], recent_scores=all_s[-k:],
                                    recent_cells=all_c[-k:] if len(all_c) >= k else [], open=inc, opened=opened))
 

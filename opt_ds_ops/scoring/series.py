@@ -148,6 +148,7 @@ class ChunkResult:
     active: bool
     cells: np.ndarray | None = None
     stopped: int | None = None  # (internal) the row of a change of regime in a piece
+    live: np.ndarray | None = None  # (n,) int8: an incident open at each row as known then (0, 1 warning, 2 critical)
 
 
 def model_version(stored: StoredModel) -> str:
@@ -413,7 +414,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     cat = lambda k: np.concatenate([getattr(p, k) for p in pieces])  # noqa: E731
     return ChunkResult(scores=cat("scores"), flags=cat("flags"), top=[x for p in pieces for x in p.top],
                        incident=cat("incident"), first_row=pieces[0].first_row, events=events, notes=notes, state=st,
-                       active=st.open_incident is not None, cells=cat("cells"))
+                       active=st.open_incident is not None, cells=cat("cells"), live=cat("live"))
 
 
 def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, state: SeriesState, names: list[str],
@@ -447,7 +448,8 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     done = track(flags, scores, threshold, Tracker.from_dict(st.incident), policy,
                  period, row0=row0, times=t, cells=cells, levels=levels, regime=regime)
     if done.stopped is not None and done.stopped < n - 1:
-        part = ChunkResult(scores=scores, flags=flags, top=[], incident=done.incident, first_row=row0, events=events,
+        part = ChunkResult(scores=scores, flags=flags, top=[], incident=done.incident, live=done.live, first_row=row0,
+                           events=events,
                            notes=[], state=st, active=False, cells=cells)
         part.stopped = done.stopped
         return part
@@ -482,24 +484,19 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     st.rows_flagged += int(flags.sum())
     if calibration is not None:  # the budget learns from the rows its policy lets it (calibration.learns)
         calib.add(st.calibration, scores, in_incident=_not_learned(done, calibration.learns))
-    part = ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, first_row=row0,
+    part = ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, live=done.live, first_row=row0,
                        events=events, notes=[], state=st, active=done.tracker.open is not None, cells=cells)
     part.stopped = done.stopped
     return part
 
 
 def _not_learned(done, learns: str) -> np.ndarray | None:
-    """The rows of a tracked chunk whose runs the alarm budget does not count: inside any incident
-    (``normal``), inside one that was or became critical (``warnings``), or None (``all``)."""
+    """The rows of a tracked chunk whose runs the alarm budget does not count, as known at each row
+    (so one chunk or many count the same): an incident open there (``normal``), a critical one open
+    there (``warnings``: critical when it opened or since it escalated), or None (``all``)."""
     if learns == "all":
         return None
-    ids = done.incident
-    if learns == "normal":
-        return ids > 0
-    critical = {inc["id"] for _kind, _i, inc in done.changes if inc.get("severity") == "critical"}
-    if done.tracker.open is not None and done.tracker.open.get("severity") == "critical":
-        critical.add(done.tracker.open["id"])
-    return np.isin(ids, sorted(critical)) if critical else None
+    return done.live > 0 if learns == "normal" else done.live == 2
 
 
 def _warm_smoothing(stored: StoredModel, tail, moved: np.ndarray, st: SeriesState) -> None:

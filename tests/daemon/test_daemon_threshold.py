@@ -118,20 +118,22 @@ def test_the_same_incident_three_days_apart_is_paged_both_times(series, smd_rows
 
 def test_a_sustained_level_shift_leaves_alarm_within_two_days_and_a_real_incident_after_it_pages(series, smd_rows):
     """Three metrics move for good. Within two days of data the series is out of alarm (the drift
-    trigger retrains on the new levels, its long flagged segment kept as a change of regime, the
-    gate promotes it, or the change of regime re-baselines it where that is on), and a real
-    incident on the new levels is paged."""
-    rows = smd_rows[15000:15000 + 5 * DAY].copy()
+    trigger retrains on the new levels, its long flagged segment kept as a change of regime, and
+    the gate promotes it), and a real incident on the new levels, after a quiet stretch, is paged."""
+    rows = smd_rows[15000:15000 + 5 * DAY + CHUNK].copy()
     rows[DAY // 2:, [3, 9, 20]] += 8 * series.std[[3, 9, 20]]  # from half a day in, for good
     summaries = [series.score(rows[c:c + CHUNK]) for c in range(0, 4 * DAY, CHUNK)]
+    print("per chunk (flagged, active, version):", [(s["flagged"], s["active"], s["version"][-8:]) for s in summaries])
     quiet_from = next((k for k, s in enumerate(summaries) if k >= 1 and not s["active"] and s["flagged"] < 0.05 * CHUNK),
                       None)
-    print("per chunk (flagged, active, version):", [(s["flagged"], s["active"], s["version"][-8:]) for s in summaries])
-    assert quiet_from is not None and quiet_from * CHUNK - DAY // 2 <= 2 * DAY, summaries[-1]
+    assert quiet_from is not None and quiet_from * CHUNK - DAY // 2 <= 2 * DAY, "still in alarm two days on"
     assert all(not s["active"] for s in summaries[quiet_from:]), "back in alarm on the new levels"
     burst = rows[4 * DAY:5 * DAY].copy()
-    burst[300:330, [4, 12, 16, 22]] += 8 * series.std[[4, 12, 16, 22]]  # a real incident on the new levels
-    s = series.score(burst[:CHUNK])
+    burst[CHUNK + 300:CHUNK + 330, [4, 12, 16, 22]] += 8 * series.std[[4, 12, 16, 22]]  # a real incident
+    calm = series.score(burst[:CHUNK])
+    assert not calm["active"], calm["events"]
+    s = series.score(burst[CHUNK:])
+    assert not series.opened_in(s, 0, 294), s["events"]  # nothing open before it: the incident is its own
     assert series.opened_in(s, 295, 330), s["events"]
     series.close()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import datetime, timezone
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -450,3 +451,42 @@ def test_metrics_off_still_say_the_removed_series_incident_closed(tmp_path):
     shutil.rmtree(results / "gone")
     Duties(d).write_metrics()
     assert [(e["event"], e["severity"], e["priority"]) for e in d.log.entries] == [("incident-closed", "warning", 4)]
+
+
+def test_a_failed_retraining_waits_its_back_off_after_the_newest_scored_row_not_the_models_data_end(
+        tmp_path, monkeypatch):
+    """Review of the data-clock back-off: the queued retraining recorded the current version's data
+    end (days old for an `every` retraining) instead of the newest scored row, so after a failure
+    every next chunk queued it again. The daemon's hooks in order: queue (on_scored), failure
+    (on_failed), the next chunks (on_scored): nothing is queued until an hour of data has passed."""
+    from types import SimpleNamespace
+
+    from opt_ds_ops.config.conffile import Config, with_overrides
+    from opt_ds_ops.daemon import retrainer as rt
+
+    cfg = with_overrides(Config(), {"scoring.results_dir": str(tmp_path / "scores"), "models_dir": str(tmp_path / "m"),
+                                    "retrain.every": "7d"})
+    (tmp_path / "scores" / "m1").mkdir(parents=True)
+    (tmp_path / "scores" / "m1" / "history.npz").write_bytes(b"x")
+    events = []
+    d = SimpleNamespace(cfg=cfg, records={}, log=SimpleNamespace(event=lambda *a, **k: events.append((a, k))))
+    t0 = 1_790_000_000.0
+    queued = []
+    monkeypatch.setattr(rt, "last_trained", lambda models_dir, name: (t0, t0))  # data end: t0
+    monkeypatch.setattr(rt, "current_metadata", lambda models_dir, name: {"version": "v1"})
+    monkeypatch.setattr(rt.Retrainer, "queue", lambda self, name, hist, trigger, why, regime=None, data_s=None:
+                        queued.append({"model": name, "data_s": data_s, "job_id": f"j{len(queued)}"}) or f"j{len(queued)}")
+    r = rt.Retrainer(d)
+
+    def summary(at: float) -> dict:
+        return {"model": "m1", "version": "v1", "last_time": datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+
+    assert r.on_scored(summary(t0 + 8 * 86400))  # due: 8 days of data since the version's data end
+    assert queued[-1]["data_s"] == t0 + 8 * 86400  # the newest scored row, not the version's data end
+    r.on_failed(dict(queued[-1], kind="retrain"), "0 normal rows")
+    for minutes in (1, 30, 59):
+        assert r.on_scored(summary(t0 + 8 * 86400 + 60 * minutes)) is None, minutes
+    assert len(queued) == 1
+    assert r.on_scored(summary(t0 + 8 * 86400 + 3600))  # an hour of data later: tried again
+    said = [a[1] for a, _ in events if a[0] == "retrain-backoff"]
+    assert said and "not queued before rows of 2026-" in said[0], said  # the data time the next try waits for
