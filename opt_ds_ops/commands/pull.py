@@ -87,6 +87,9 @@ def run(args) -> int:
     return 0
 
 
+OTHER_STATE_FRESH_S = 86400.0  # another source's state counts if its puller saved it within this (it saves every pull)
+
+
 def _stamp_s(rest: str) -> float | None:
     """The epoch seconds of a training file's ``STAMP`` (``20260922T044800Z.TOKEN.csv``), or None."""
     try:
@@ -115,7 +118,9 @@ class Puller:
         """{model name: source} of the names the other sources' pullers on this server hold (their
         state files beside this one's) before this one (``state``): trained earlier, or at the same
         time by a source whose name sorts first. Two sources over the same hosts with the same
-        ``model_prefix`` would otherwise make one model of two sources' columns."""
+        ``model_prefix`` would otherwise make one model of two sources' columns. Only a state saved
+        within :data:`OTHER_STATE_FRESH_S` counts: a source renamed or turned off (its puller no
+        longer saves it) holds nothing."""
         mine = {e.get("model"): e.get("trained_at") for e in (state.get("hosts") or {}).values()
                 if isinstance(e, dict) and e.get("model") and not e.get("blocked")}
         names: dict[str, str] = {}
@@ -129,6 +134,8 @@ class Puller:
             if os.path.abspath(path) == os.path.abspath(self.state_path):
                 continue
             try:
+                if time.time() - os.stat(path).st_mtime > OTHER_STATE_FRESH_S:
+                    continue  # no puller saves it any more
                 hosts = load_state(path).get("hosts") or {}
             except (OSError, ValueError, AttributeError):
                 continue
@@ -149,8 +156,9 @@ class Puller:
         neither this puller's uid nor root's: docs/trust.md); None if it is free or its own."""
         other = getattr(self, "others", {}).get(name)
         if other is not None:
-            return (f"its model name {name} is source {other}'s already (both sources make a model of this host: "
-                    "give one of them its own model_prefix)")
+            state = os.path.join(os.path.dirname(os.path.abspath(self.state_path)), f"{other}.json")
+            return (f"its model name {name} is source {other}'s already ({state}: both sources make a model of this "
+                    "host: give one of them its own model_prefix)")
         try:
             with open(os.path.join(self.models_dir, name, "current", "metadata.json"), encoding="utf-8") as f:
                 owner = json.load(f).get("uploader_uid")
@@ -165,17 +173,37 @@ class Puller:
         return (f"its model name {name} belongs to uid {owner} ({who}), who trained it first: no row of it is dropped "
                 f"(give this source another model_prefix, or the owner or root runs ds-ops models rm {name})")
 
-    def own_training(self, name: str) -> float | None:
-        """The end (epoch seconds) of a training of model ``name`` this puller made already: its file
-        ``NAME.train-STAMP.TOKEN.csv`` still in incoming/ (owned by this uid) or claimed in processing/,
-        else the data end of the model's current version if this uid dropped it; None if there is none."""
-        prefix, uid = f"{name}.train-", os.geteuid()
-        ends = []
+    def own_training(self, name: str) -> tuple[float, str | None] | None:
+        """(end in epoch seconds, its file's name) of a training of model ``name`` this puller made
+        already: its file ``NAME.train-STAMP.TOKEN.csv`` still in incoming/ (owned by this uid) or
+        claimed in processing/, else (end, None) for the model's current version if this uid dropped
+        it; None if there is none. The spool is listed once per pull (:meth:`_own_files`)."""
+        files = self._own_files()
+        if name in files:
+            return files[name]
+        try:
+            with open(os.path.join(self.models_dir, name, "current", "metadata.json"), encoding="utf-8") as f:
+                md = json.load(f)
+            if md.get("uploader_uid") != os.geteuid():
+                return None
+            dataset = (md.get("dataset") or {}).get("file") or ""
+            end = _stamp_s(dataset[len(name) + len(".train-"):]) if dataset.startswith(f"{name}.train-") else None
+            return (end, None) if end is not None else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def _own_files(self) -> dict[str, tuple[float, str]]:
+        """{model: (end, file)} of this uid's training files in incoming/ and processing/, listed once
+        per pull (a member's thousands of files there cost one listing, not one per host)."""
+        if getattr(self, "_own", None) is not None:
+            return self._own
+        uid, found = os.geteuid(), []
         incoming = os.path.join(self.spool_root, INCOMING)
         try:
-            for f in os.listdir(incoming):
-                if f.startswith(prefix) and f.endswith(".csv") and os.lstat(os.path.join(incoming, f)).st_uid == uid:
-                    ends.append(_stamp_s(f[len(prefix):]))
+            with os.scandir(incoming) as it:
+                for e in it:
+                    if ".train-" in e.name and e.name.endswith(".csv") and e.stat(follow_symlinks=False).st_uid == uid:
+                        found.append(e.name)
         except OSError:
             pass
         processing = os.path.join(self.spool_root, PROCESSING)
@@ -190,20 +218,16 @@ class Puller:
             except (OSError, ValueError):
                 continue
             dataset = record.get("dataset") if isinstance(record, dict) else None
-            if isinstance(dataset, str) and dataset.startswith(prefix) and record.get("uploader_uid") == uid:
-                ends.append(_stamp_s(dataset[len(prefix):]))
-        ends = [e for e in ends if e is not None]
-        if ends:
-            return max(ends)
-        try:
-            with open(os.path.join(self.models_dir, name, "current", "metadata.json"), encoding="utf-8") as f:
-                md = json.load(f)
-            if md.get("uploader_uid") != uid:
-                return None
-            dataset = (md.get("dataset") or {}).get("file") or ""
-            return _stamp_s(dataset[len(prefix):]) if dataset.startswith(prefix) else None
-        except (OSError, ValueError, AttributeError):
-            return None
+            if isinstance(dataset, str) and ".train-" in dataset and record.get("uploader_uid") == uid:
+                found.append(dataset)
+        own: dict[str, tuple[float, str]] = {}
+        for f in found:
+            model, _, rest = f.rpartition(".train-")
+            end = _stamp_s(rest)
+            if model and end is not None and end >= own.get(model, (-1.0, ""))[0]:
+                own[model] = (end, f)
+        self._own = own
+        return own
 
     def train_failed(self, file: str) -> str | None:
         """Why the daemon refused training file ``file`` this puller dropped in incoming/ (the reason in
@@ -241,14 +265,14 @@ class Puller:
 
     def once(self, now: float) -> bool:
         """One pull at ``now``; return True if it succeeded. The state is saved only after a success;
-        a drop whose state could not be saved is made again by the next pull (the same training
-        file's name for the same end; a chunk the daemon already took is refused there, not lost)."""
+        a drop whose state could not be saved is not made twice: the next pull adopts its training
+        file (:meth:`own_training`), and the daemon skips a chunk's rows it scored already."""
         try:
             state = load_state(self.state_path)
         except (OSError, ValueError) as e:
             raise CliError(f"cannot read the puller's state: {e}") from None
         t0 = time.monotonic()
-        self.others = self.other_sources(state)
+        self.others, self._own = self.other_sources(state), None
         try:
             report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready, self.model_removed,
                           self.model_taken, self.train_failed, self.own_training)

@@ -33,9 +33,10 @@ which series: the time column shows the gap, and no value is ever invented. Valu
 step grid as float64 arrays (8 bytes a point: a first pull of 1,000 hosts, 7 days at 1 minute and
 16 series holds 1.3 GB), and only for the hosts the pull needs. Each drop is the spool's safe way:
 the sidecar (``name:``/``model:``, ``time_column: time``) and then the CSV, each written under a
-hidden temporary name (which the daemon never claims), fsync'ed and linked into place under a name
-with 16 random hex digits (``MODEL.TIME.TOKEN.csv``), never over a file that is there: no member
-can plant the next name first and so stop a host from being trained or scored (:func:`drop`).
+hidden temporary name (which the daemon never claims), fsync'ed and renamed into place under a
+name with 16 random hex digits (``MODEL.TIME.TOKEN.csv``), never over a file that is there
+(``RENAME_NOREPLACE``): no member can plant the next name first and so stop a host from being
+trained or scored (:func:`drop`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..fsutil import fsync_dir, write_atomic
+from ..fsutil import fsync_dir, rename_noreplace, write_atomic
 from ..spool.layout import INCOMING, SCORE
 from ..store.model_dir import StoreError, safe_model_name
 from .prometheus import Prometheus, PrometheusError
@@ -192,7 +193,7 @@ def drop(spool_root: str, which: str, stem: str, sidecar: str, data: bytes) -> s
     the safe way; return the CSV's path. ``TOKEN`` is 16 random hex digits, so no member of the
     spool's group can plant the next name first (a predictable name in a sticky directory is any
     writer's to take). Each file is written under a hidden temporary name (mkstemp: nothing a member
-    planted is written through), fsync'ed and linked to its name, which fails rather than replaces
+    planted is written through), fsync'ed and renamed to its name without replacing (RENAME_NOREPLACE), which fails rather than replaces
     a file that is there (another writer's, left as it is); the sidecar first. A taken name is
     tried again with a new token, :data:`NAME_TRIES` times. On an error the sidecar is removed again."""
     directory = os.path.join(spool_root, which)
@@ -219,8 +220,9 @@ def drop(spool_root: str, which: str, stem: str, sidecar: str, data: bytes) -> s
 
 
 def _write_new(path: str, data: bytes) -> None:
-    """Write data to a new file at path (mode 0640): a hidden mkstemp file, fsync'ed, then linked to
-    path (FileExistsError if anything is there: nothing is replaced), the temporary name unlinked."""
+    """Write data to a new file at path (mode 0640): a hidden mkstemp file, fsync'ed, then renamed
+    to path with ``RENAME_NOREPLACE`` (FileExistsError if anything is there: nothing is replaced;
+    a rename, so the daemon's watcher sees it arrive at once, and never two links to it)."""
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".pull.tmp-")
     try:
@@ -229,12 +231,13 @@ def _write_new(path: str, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o640)
-        os.link(tmp, path)
-    finally:
+        rename_noreplace(tmp, path)
+    except BaseException:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        raise
     fsync_dir(directory)
 
 
@@ -251,7 +254,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
          model_removed: Callable[[str], bool] = lambda name: False,
          model_taken: Callable[[str], str | None] = lambda name: None,
          train_failed: Callable[[str], str | None] = lambda file: None,
-         own_training: Callable[[str], float | None] = lambda name: None) -> PullReport:
+         own_training: Callable[[str], tuple[float, str | None] | None] = lambda name: None) -> PullReport:
     """Do one pull at time ``now`` (epoch seconds): update ``state`` in place and return what was
     done. ``model_ready(name)``: whether the model has a current version (its rows wait until it
     has); ``model_removed(name)``: whether it is certainly not in the store any more (not an
@@ -260,8 +263,8 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     the daemon refused a training file this puller dropped (its name), or None while it is not known
     to have failed (the host waits, then trains again after a back-off); ``own_training(name)``: the
     end (epoch seconds) of a training of the name this puller already made (a file dropped before a
-    kill, before its state was saved: pending in the spool, or the model's current version), adopted
-    instead of dropping a second one, or None. Hosts of another shard (a change of ``shard``) are
+    kill, before its state was saved: pending in the spool, or the model's current version) and its
+    file's name (None for a current version), adopted instead of dropping a second one, or None. Hosts of another shard (a change of ``shard``) are
     dropped from the state (``report.moved``). Raises PrometheusError (nothing written then,
     ``state`` unchanged) if a query fails."""
     step = source.step_s
@@ -355,10 +358,11 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         entry.pop("blocked", None)
         adopted = own_training(name) if not entry.get("train_failed") else None
         if adopted is not None:  # dropped before a kill, before the state was saved: not trained twice
-            entry.update(model=name, scored_until=min(float(adopted), end), trained_at=min(float(adopted), end),
-                         gone=False, retry_at=None)
+            until = min(float(adopted[0]), end)
+            entry.update(model=name, scored_until=until, trained_at=until, gone=False, retry_at=None,
+                         train_file=adopted[1])  # a refusal of it is seen as of a file this pull dropped
             names[name] = host
-            report.adopted[host] = (name, float(adopted))
+            report.adopted[host] = (name, float(adopted[0]))
             continue
         history = (rows[-1, 0] - rows[0, 0]) if len(rows) >= 2 else 0.0
         if len(rows) < 2 or history < source.seconds("min_history"):  # its steps left out are counted when it trains

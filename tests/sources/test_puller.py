@@ -625,7 +625,11 @@ def test_two_sources_over_the_same_hosts_do_not_share_a_model(tmp_path):
         save_state(str(tmp_path / "app.json"), state(own))  # both states on disk, as the next pulls see them
     waiting = puller("app")
     waiting.others = waiting.other_sources({"format": 1, "hosts": {}})  # not trained here yet: node's
-    assert "is source node's" in waiting.model_taken("h_9100")
+    assert "is source node's already (" in waiting.model_taken("h_9100")
+    old = time.time() - 2 * 86400  # node's puller stopped saving two days ago (renamed, turned off): holds nothing
+    os.utime(tmp_path / "node.json", (old, old))
+    waiting.others = waiting.other_sources({"format": 1, "hosts": {}})
+    assert waiting.model_taken("h_9100") is None
 
 
 def test_a_training_dropped_before_a_kill_is_adopted_not_dropped_twice(tmp_path, prom):
@@ -644,10 +648,12 @@ def test_a_training_dropped_before_a_kill_is_adopted_not_dropped_twice(tmp_path,
     p = Puller.__new__(Puller)
     p.spool_root, p.models_dir = spool, str(tmp_path / "models")
     end = T0 + 1.2 * DAY
-    assert p.own_training("h3_9100") == end and p.own_training("h4_9100") == end
+    p._own = None  # a pull lists the spool once
+    assert p.own_training("h3_9100") == (end, os.path.basename(dropped)) and p.own_training("h4_9100")[0] == end
     assert p.own_training("nobody") is None
     again = pull(src, client, spool, state, T0 + 1.2 * DAY + 300, own_training=p.own_training)
     assert again.adopted["h3:9100"] == ("h3_9100", end) and "h3:9100" not in again.trained
+    assert state["hosts"]["h3:9100"]["train_file"] == os.path.basename(dropped)  # a refusal of it is still seen
     assert [n for n in os.listdir(os.path.join(spool, "incoming")) if n.startswith("h3_9100.train-")
             and n.endswith(".csv")] == [os.path.basename(dropped)]  # one training file, not two
     assert state["hosts"]["h3:9100"]["scored_until"] == end
