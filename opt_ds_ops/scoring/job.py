@@ -399,7 +399,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
                          calibration=calibration, calibration_seed=seed)
     bad = np.flatnonzero(~np.isfinite(result.scores))
     if bad.size:  # an inf would stay in the carried smoothing for good: refused before anything is written
-        raise ScoringError(f"{_clip(source)}: data row {int(bad[0]) + 1} scores {float(result.scores[bad[0]])} (not "
+        raise ScoringError(f"{_clip(source)}: data row {int(bad[0]) + 1 + ds.rows - data.shape[0]} scores {float(result.scores[bad[0]])} (not "
                            "finite): its values are too far outside the training data's range (train.input_clip 0 "
                            "does not bound them); the file is not scored and the series state is unchanged")
     resets.extend(result.notes)
