@@ -44,9 +44,10 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, prefix: str = ".tmp-", mode: int = 0o644) -> None:
+def write_atomic(path: str, data: bytes, prefix: str = ".tmp-", mode: int = 0o644, replace: bool = True) -> None:
     """Write data to path (file ``mode``) through a hidden temporary file (``prefix`` + random) in
-    the same directory, fsync, rename."""
+    the same directory, fsync, rename. ``replace`` False: never over a file that is there
+    (:func:`rename_noreplace`: FileExistsError, the temporary file removed)."""
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix)
     try:
@@ -55,7 +56,10 @@ def write_atomic(path: str, data: bytes, prefix: str = ".tmp-", mode: int = 0o64
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.rename(tmp, path)
+        if replace:
+            os.rename(tmp, path)
+        else:
+            rename_noreplace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -6,6 +6,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .scaling import fit_scaler
+
 
 class TelemetryAutoencoder(nn.Module):
     """Dense autoencoder D -> hidden -> latent -> hidden -> D (seed: 32 -> 24 -> 8 -> 24 -> 32).
@@ -160,11 +162,7 @@ def difference_scaler(x: torch.Tensor, clip: float = 0.0) -> tuple[np.ndarray, n
     d = x.shape[1]
     if x.shape[0] < 2:
         return np.zeros(d), np.ones(d)
-    diffs = (x[1:].double() - x[:-1].double()).cpu().numpy()
-    mean = diffs.mean(axis=0)
-    std = np.sqrt(((diffs - mean) ** 2).mean(axis=0))
-    std[std == 0] = 1.0
-    return mean, std
+    return fit_scaler((x[1:].double() - x[:-1].double()).cpu().numpy())  # a std of 0 becomes 1 there too
 
 
 def fold_window(cells: torch.Tensor, window: int, how: str) -> torch.Tensor:

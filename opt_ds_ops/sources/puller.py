@@ -48,14 +48,13 @@ import json
 import math
 import os
 import secrets
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..fsutil import fsync_dir, rename_noreplace, write_atomic
+from ..fsutil import write_atomic
 from ..spool.layout import INCOMING, SCORE
 from ..store.model_dir import StoreError, safe_model_name
 from .prometheus import Prometheus, PrometheusError
@@ -220,25 +219,9 @@ def drop(spool_root: str, which: str, stem: str, sidecar: str, data: bytes) -> s
 
 
 def _write_new(path: str, data: bytes) -> None:
-    """Write data to a new file at path (mode 0640): a hidden mkstemp file, fsync'ed, then renamed
-    to path with ``RENAME_NOREPLACE`` (FileExistsError if anything is there: nothing is replaced;
-    a rename, so the daemon's watcher sees it arrive at once, and never two links to it)."""
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".pull.tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o640)
-        rename_noreplace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(directory)
+    """Write data to a new file at path (mode 0640) the safe way, never over a file that is there
+    (FileExistsError; a rename, so the daemon's watcher sees it arrive at once, never two links)."""
+    write_atomic(path, data, prefix=".pull.tmp-", mode=0o640, replace=False)
 
 
 def _stamp(t: float) -> str:
