@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,12 @@ def pytest_configure(config):
     print), but their OpenMP threads wait for work asleep (OMP_WAIT_POLICY=PASSIVE), not spinning:
     beside a busy core, 300 training steps of 2 threads took 0.88 s of CPU spinning, 0.27 s asleep.
     The numbers they compute do not change."""
+    # A suite started in the background by a shell without job control (`make test &`, nohup in a
+    # script) inherits SIGINT ignored, and so would every process it starts: the tests that stop a
+    # command with SIGINT (Ctrl-C) saw it ignored and failed (status --follow never exited; a
+    # 2-process training ran to its end, exit 0). The suite's processes get SIGINT's default back.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, which reads it
         import torch
