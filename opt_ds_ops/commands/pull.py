@@ -25,7 +25,7 @@ from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError
 from ..observe.journal import LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog, safe_text
 from ..sources.metrics import PullMetrics
 from ..sources.prometheus import Prometheus, PrometheusError
-from ..sources.puller import PullReport, load_state, pull, save_state
+from ..sources.puller import PullReport, load_state, pull, save_state, sweep_lone_sidecars
 from ..sources.sourcefile import Source, load_source
 from ..spool.layout import ERROR_SUFFIX, FAILED, INCOMING, PROCESSING
 from . import CliError, load_cfg
@@ -273,6 +273,12 @@ class Puller:
             raise CliError(f"cannot read the puller's state: {e}") from None
         t0 = time.monotonic()
         self.others, self._own = self.other_sources(state), None
+        swept = sweep_lone_sidecars(self.spool_root, {e["model"] for e in state["hosts"].values() if e.get("model")},
+                                    os.geteuid(), time.time())
+        if swept:
+            self.log.event("source-pulled", f"{self.source.name}: removed {len(swept)} sidecar(s) of this puller's left "
+                           f"without their CSV by a stop between the two files of a drop: {', '.join(swept[:3])}"
+                           + (", ..." if len(swept) > 3 else ""), priority=LOG_NOTICE, source=self.source.name)
         try:
             report = pull(self.source, self.prom, self.spool_root, state, now, self.model_ready, self.model_removed,
                           self.model_taken, self.train_failed, self.own_training)

@@ -218,6 +218,44 @@ def drop(spool_root: str, which: str, stem: str, sidecar: str, data: bytes) -> s
     raise FileExistsError(errno.EEXIST, f"{NAME_TRIES} random names were all taken", os.path.join(directory, stem))
 
 
+LONE_SIDECAR_AGE_S = 60.0  # a drop writes its CSV right after its sidecar: one alone this long was cut short
+
+
+def sweep_lone_sidecars(spool_root: str, models: set[str], uid: int, now: float) -> list[str]:
+    """Remove the sidecars :func:`drop` left without their CSV when the puller was killed between
+    the two renames (``which/NAME.TOKEN.yaml``, no ``NAME.TOKEN.csv``): only files of uid ``uid``,
+    of the models in ``models``, with a 16-hex-digit token, and older than LONE_SIDECAR_AGE_S (by
+    ``now``, epoch seconds of the wall clock), so no drop in progress and no other writer's file
+    is touched. Return their paths relative to the spool (``score/...``)."""
+    removed = []
+    for which in (SCORE, INCOMING):
+        directory = os.path.join(spool_root, which)
+        try:
+            names = set(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            stem, _, ext = name.rpartition(".")
+            rest, _, token = stem.rpartition(".")
+            model = rest.rpartition(".")[0]  # MODEL.STAMP or MODEL.train-STAMP
+            if ext != "yaml" or stem + ".csv" in names or len(token) != 16 or not all(c in "0123456789abcdef" for c in token):
+                continue
+            if model not in models:
+                continue
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+                if st.st_uid != uid or not os.path.isfile(path) or os.path.islink(path) or now - st.st_mtime < LONE_SIDECAR_AGE_S:
+                    continue
+                if os.path.exists(os.path.join(directory, stem + ".csv")):  # its CSV came meanwhile
+                    continue
+                os.unlink(path)
+                removed.append(f"{which}/{name}")
+            except OSError:
+                continue
+    return sorted(removed)
+
+
 def _write_new(path: str, data: bytes) -> None:
     """Write data to a new file at path (mode 0640) the safe way, never over a file that is there
     (FileExistsError; a rename, so the daemon's watcher sees it arrive at once, never two links)."""
@@ -230,6 +268,37 @@ def _stamp(t: float) -> str:
 
 def model_name(source: Source, host: str) -> str:
     return safe_model_name(source.options.model_prefix + host)
+
+
+NAME_HASH_DIGITS = 8  # a host whose safe name another host holds or also claims: NAME-<8 hex of its label's SHA-256>
+
+
+def model_names(source: Source, candidates, held: dict[str, str]) -> dict[str, str]:
+    """Return {host: its model name} for hosts ``candidates`` (label values: the hosts a pull may
+    train), given ``held`` ({model name: host} of the names hosts of the state hold). The name a host gets
+    depends on the hosts alone, never on their order: its safe name (:func:`model_name`) if no other
+    host holds it and no other candidate claims it, or, of two claims, the host whose label value
+    (with the prefix) is that name exactly (``a_b`` over ``a/b``); a host holding it keeps it. Any other claimant gets the safe
+    name with ``-`` and :data:`NAME_HASH_DIGITS` hex digits of its label's SHA-256 (``a_b-1f2e3d4c``),
+    its own whatever else answers. A host whose label leaves no usable name is left out (the caller
+    says why: :func:`model_name` raises StoreError)."""
+    claims: dict[str, list[str]] = {}
+    for host in candidates:
+        try:
+            claims.setdefault(model_name(source, host), []).append(host)
+        except StoreError:
+            continue
+    names = {}
+    for name, hosts in claims.items():
+        exact = [h for h in hosts if source.options.model_prefix + h == name]
+        holder = held.get(name)
+        for host in hosts:
+            if holder == host or (holder is None and (hosts == [host] or exact == [host])):
+                names[host] = name
+            else:
+                digest = hashlib.sha256(host.encode("utf-8", "surrogatepass")).hexdigest()[:NAME_HASH_DIGITS]
+                names[host] = f"{name[:200 - 1 - NAME_HASH_DIGITS]}-{digest}"
+    return names
 
 
 def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: float,
@@ -314,6 +383,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     training = _fetch(prom, source, back(source.seconds("train_window")), end, candidates.__contains__) if candidates else None
 
     names = {e["model"]: h for h, e in hosts.items() if e.get("model")}
+    given = model_names(source, candidates, names)
     for host in sorted(candidates):
         entry = hosts.setdefault(host, {"model": None, "scored_until": None, "last_seen": None, "checked_at": None,
                                         "seen_at": end})
@@ -325,7 +395,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if len(rows):
             entry["last_seen"] = float(rows[-1, 0])
         try:
-            name = model_name(source, host)
+            name = given.get(host) or model_name(source, host)
         except StoreError as e:
             report.refused[host] = str(e)
             continue

@@ -682,3 +682,65 @@ def test_hosts_of_another_shard_after_a_change_of_shard_leave_the_state_and_the_
         assert f'host="{h}"' not in text, h
     kept = sorted(set(HOSTS) - away)[0]
     assert f'host="{kept}"' in text
+
+
+def test_colliding_model_names_do_not_depend_on_the_hosts_order():
+    """Before, the first host in sorted order took a shared safe name and the other was refused for
+    good (``a/b`` took ``a_b``'s name). Now the name a host gets depends on the
+    hosts, not their order: the host whose label is the name exactly keeps it; the other claimants
+    each get the name with 8 hex digits of their label's SHA-256; a name held in the state stays its
+    holder's."""
+    import hashlib
+    import itertools
+
+    from opt_ds_ops.sources.puller import model_names
+
+    src = parse_source(SOURCE.format(url="http://127.0.0.1:9", shard="0/1", catch_up="1d").encode(), "node.yaml", "node")
+    tag = lambda h: hashlib.sha256(h.encode()).hexdigest()[:8]  # noqa: E731
+    hosts = ["a/b", "a_b", "a b", "c:9100", "..."]
+    want = {"a_b": "a_b", "a/b": f"a_b-{tag('a/b')}", "a b": f"a_b-{tag('a b')}",
+            "c:9100": "c_9100"}
+    for order in itertools.permutations(hosts):
+        assert model_names(src, order, {}) == want  # "..." has no usable character: left out, refused by the pull
+    # two mangled claims, neither exact: both get their own name, whichever comes first
+    both = {"a/b": f"a_b-{tag('a/b')}", "a b": f"a_b-{tag('a b')}"}
+    assert model_names(src, ["a/b", "a b"], {}) == model_names(src, ["a b", "a/b"], {}) == both
+    assert model_names(src, ["a/b"], {}) == {"a/b": "a_b"}  # alone: the safe name, as before
+    # a name the state holds stays its holder's, even against the exact label
+    held = {"a_b": "a/b"}
+    assert model_names(src, ["a_b", "a/b"], held) == {"a/b": "a_b", "a_b": f"a_b-{tag('a_b')}"}
+    assert model_names(src, ["a_b"], held) == {"a_b": f"a_b-{tag('a_b')}"}
+    long = "x" * 300
+    assert len(model_names(src, [long, long[:-1] + "/"], {})[long[:-1] + "/"]) == 200
+
+
+def test_a_sidecar_left_alone_by_a_killed_drop_is_removed_by_the_next_pull_and_no_other(tmp_path):
+    """A puller SIGKILLed between a drop's two renames leaves its sidecar without the CSV (the pull
+    soak left 7 in 200 pulls). Before, they stayed for good; now the next pull removes its own such
+    sidecars once a minute old, of its own models only, and nothing of another uid, a pair, a
+    young one or a name it does not make."""
+    from opt_ds_ops.sources.puller import LONE_SIDECAR_AGE_S, sweep_lone_sidecars
+
+    spool = Path(spool_at(tmp_path))
+    tok = "0123456789abcdef"
+    old = time.time() - LONE_SIDECAR_AGE_S - 5
+    files = {
+        "score/10.0.0.5_9100.20260921T120100Z.%s.yaml" % tok: True,          # lone, old, own model: removed
+        "incoming/10.0.0.5_9100.train-20260921T120100Z.%s.yaml" % tok: True,  # a training file's: removed
+        "score/web_9100.20260921T120100Z.%s.yaml" % tok: False,              # its CSV is there
+        "score/web_9100.20260921T120100Z.%s.csv" % tok: False,
+        "score/other_9100.20260921T120100Z.%s.yaml" % tok: False,            # not a model of this source
+        "score/10.0.0.5_9100.20260921T120100Z.yaml": False,                  # no token: another writer's name
+        "score/10.0.0.5_9100.20260921T120600Z.%s.yaml" % ("f" * 16): False,  # young: a drop in progress
+    }
+    for rel in files:
+        (spool / rel).write_text("model: x\n")
+        if "120600Z" not in rel:
+            os.utime(spool / rel, (old, old))
+    removed = sweep_lone_sidecars(str(spool), {"10.0.0.5_9100", "web_9100"}, os.geteuid(), time.time())
+    assert removed == sorted(rel for rel, gone in files.items() if gone)
+    assert all((spool / rel).exists() != gone for rel, gone in files.items())
+    # another uid's lone sidecar of the same model is never the puller's to remove
+    (spool / ("score/web_9100.20260921T121100Z.%s.yaml" % tok)).write_text("model: web_9100\n")
+    os.utime(spool / ("score/web_9100.20260921T121100Z.%s.yaml" % tok), (old, old))
+    assert sweep_lone_sidecars(str(spool), {"web_9100"}, os.geteuid() + 1, time.time()) == []
