@@ -70,15 +70,20 @@ bench-fleet: venv
 	$(BIN)/python scripts/bench_fleet.py --models 100 1000 --train-queue 40 --retrain-daily --stacked 16 $(BENCH_FLEET_ARGS)
 
 # Soak: 200 datasets dropped by 4 writers while the daemon is SIGKILLed 100 times (scripts/soak.py);
-# then 50 scored chunks that each open an incident, a SIGKILL in each: every incident entry said once (scripts/alert_soak.py).
-# SOAK_ARGS and ALERT_SOAK_ARGS size them (CI runs a smaller soak: .ci/run). Both run as the tests
-# tests/test_soak.py::test_soak and ::test_alert_soak (marker soak), their output shown.
+# then 50 scored chunks that each open an incident, a SIGKILL in each: every incident entry said once (scripts/alert_soak.py);
+# then 200 pulls of hosts from a real Prometheus, ds-ops pull SIGKILLed in half of them, a member planting
+# names and taking model names: every row scored once, the anomaly paged once (scripts/pull_soak.py).
+# SOAK_ARGS, ALERT_SOAK_ARGS and PULL_SOAK_ARGS size them (CI runs a smaller soak: .ci/run). They run as
+# the tests tests/test_soak.py::test_soak, ::test_alert_soak and ::test_pull_soak (marker soak), their output shown.
 SOAK_ARGS ?=
 ALERT_SOAK_ARGS ?=
+PULL_SOAK_ARGS ?=
 soak: export DS_OPS_SOAK_ARGS = $(SOAK_ARGS)
 soak: export DS_OPS_ALERT_SOAK_ARGS = $(ALERT_SOAK_ARGS)
+soak: export DS_OPS_PULL_SOAK_ARGS = $(PULL_SOAK_ARGS)
 soak: venv
-	$(BIN)/python -m pytest -s -q -p no:cacheprovider tests/test_soak.py::test_soak tests/test_soak.py::test_alert_soak
+	$(BIN)/python -m pytest -s -q -p no:cacheprovider tests/test_soak.py::test_soak tests/test_soak.py::test_alert_soak \
+	    tests/test_soak.py::test_pull_soak
 
 # Daemon fuzz soak: 500 hostile items (corrupt files of every format, random sidecars, FIFOs,
 # links, foreign 0600 files, stalled writers, ...) and 30 good datasets while the daemon is SIGKILLed

@@ -1,12 +1,12 @@
-"""The soaks (scripts/soak.py, scripts/alert_soak.py, scripts/fuzz_soak.py): real daemons
-SIGKILLed while real drops, good and hostile, arrive.
+"""The soaks (scripts/soak.py, scripts/alert_soak.py, scripts/pull_soak.py, scripts/fuzz_soak.py):
+real daemons or pullers SIGKILLed while real drops, good and hostile, arrive.
 
 They are marked ``soak`` and run by their own targets, once, at the size those give: `make soak`
-(the soak and the alert soak) and `make fuzz-soak`, which CI runs at its size (.ci/run); `make
+(the soak, the alert soak and the pull soak) and `make fuzz-soak`, which CI runs at its size (.ci/run); `make
 test` deselects them. Each takes its arguments from an environment variable, set by those targets
 (an empty value: the script's own defaults, the full soak); unset, as when one is run by hand with
 ``pytest -m soak tests/test_soak.py``, it runs at smoke size: 12 datasets, 5 kills and 2 writers;
-4 chunks; 40 hostile items, 4 good datasets and 3 kills (about 30 s each on 2 cores).
+4 chunks; 20 pulls; 40 hostile items, 4 good datasets and 3 kills (about 30 s each on 2 cores).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from conftest import REPO
 SMOKE = {
     "DS_OPS_SOAK_ARGS": "--datasets 12 --kills 5 --writers 2 --timeout-s 600",
     "DS_OPS_ALERT_SOAK_ARGS": "--chunks 4 --timeout-s 400",
+    "DS_OPS_PULL_SOAK_ARGS": "--pulls 20 --timeout-s 400",
     "DS_OPS_FUZZ_SOAK_ARGS": "--hostile 40 --good 4 --kills 3 --timeout-s 300 --stall-s 60",
 }
 
@@ -55,6 +57,23 @@ def test_alert_soak(tmp_path):
     proc, _ = _soak("alert_soak.py", "DS_OPS_ALERT_SOAK_ARGS", tmp_path / "alerts")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "alert soak: ok" in proc.stdout, proc.stdout[-6000:]
+
+
+@pytest.mark.soak
+def test_pull_soak(tmp_path):
+    """scripts/pull_soak.py: ds-ops pull SIGKILLed at random points of its pulls from a real
+    Prometheus, a member planting names and taking two hosts' model names: every host's rows
+    scored once, the anomaly paged once, the taken hosts blocked."""
+    from prometheus_kit import need_prometheus
+
+    need_prometheus()
+    # not under tmp_path: pytest makes its folders 0700, and the puller runs as a uid of its own
+    root = Path(tempfile.mkdtemp(prefix="ds-ops-pull-soak-"))  # the soak removes it when it passes
+    proc, args = _soak("pull_soak.py", "DS_OPS_PULL_SOAK_ARGS", root)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "pull soak passed" in proc.stdout, proc.stdout[-6000:]
+    if os.geteuid() == 0:  # the member is another uid only as root
+        assert "member uid 12345" in proc.stdout and "'aimed after a drop'" in proc.stdout, proc.stdout[-6000:]
 
 
 @pytest.mark.soak
