@@ -18,7 +18,8 @@ source's ``score_every``, 5 minutes, each run), each its own process, as the pul
 * A member of the group (another uid, as root; the same uid otherwise, and then no name is
   "taken") plants, before every pull, the names a puller with predictable names would use next
   (``MODEL.STAMP.yaml`` and ``.csv``-less sidecars in score/, ``MODEL.train-STAMP.yaml`` in
-  incoming/, every host's, for the next steps), and takes model names: ``tk:9100``'s model
+  incoming/, every host's, for the next steps), and a sidecar without its CSV named as the
+  puller's own are (a 16-hex token), dated 5 minutes back, and takes model names: ``tk:9100``'s model
   ``tk_9100`` is trained by the member before the first pull, and ``late:9100``'s (a host that
   appears a third of the way in) just before it appears.
 
@@ -50,6 +51,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -164,6 +166,10 @@ def as_member(path: Path, data: bytes, uid: int) -> None:
         os.lchown(path, uid, -1)
 
 
+def now_wall() -> float:
+    return time.time()
+
+
 def stamp(t: float) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t))
 
@@ -185,6 +191,12 @@ class Member:
                     if path not in self.planted:
                         as_member(path, data, self.uid)
                         self.planted[path] = data
+            # a lone sidecar named as the puller's own are, 5 minutes old: the puller's sweep of
+            # the sidecars its killed drops leave must not take a member's
+            lone = self.spool / "score" / f"{model}.{stamp(now)}.{secrets.token_hex(8)}.yaml"
+            as_member(lone, f"model: {model}\n".encode(), self.uid)
+            os.utime(lone, (now_wall() - EVERY_S, now_wall() - EVERY_S))
+            self.planted[lone] = f"model: {model}\n".encode()
 
     def take(self, model: str, rows: np.ndarray) -> None:
         """Train ``model`` first: a training file dropped the safe way (hidden name, renamed)."""

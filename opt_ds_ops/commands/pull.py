@@ -25,9 +25,10 @@ from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError
 from ..observe.journal import LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog, safe_text
 from ..sources.metrics import PullMetrics
 from ..sources.prometheus import Prometheus, PrometheusError
-from ..sources.puller import PullReport, load_state, pull, save_state, sweep_lone_sidecars
+from ..sources.puller import PullReport, load_state, model_name, pull, save_state, sweep_lone_sidecars
 from ..sources.sourcefile import Source, load_source
 from ..spool.layout import ERROR_SUFFIX, FAILED, INCOMING, PROCESSING
+from ..store.model_dir import StoreError
 from . import CliError, load_cfg
 
 DEFAULT_STATE_DIR = "/var/lib/ds-ops/pull"
@@ -71,8 +72,12 @@ def run(args) -> int:
         raise CliError(str(e)) from None
     spool_root = args.spool_dir or cfg.spool.dir
     for which in ("incoming", "score"):
-        if not os.access(os.path.join(spool_root, which), os.W_OK | os.X_OK):
-            raise CliError(f"cannot write {os.path.join(spool_root, which)}: run as a member of group ds-ops "
+        where = os.path.join(spool_root, which)
+        if not os.path.isdir(where):
+            raise CliError(f"no spool directory {where}: is the spool's path right (--spool-dir, or spool.dir in "
+                           "the configuration), and the daemon (ds-trainer) started once, which makes it?")
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise CliError(f"cannot write {where}: run as a member of group ds-ops "
                            "(the unit ds-pull@NAME.service runs as the user ds-pull, a member)")
     try:
         os.makedirs(args.state_dir, exist_ok=True)
@@ -148,6 +153,20 @@ class Puller:
                     continue  # a name it waits to train: not held yet
                 if not isinstance(ours, (int, float)) or (theirs, other) < (ours, self.source.name):
                     names.setdefault(entry["model"], other)
+        return names
+
+    def own_models(self, state: dict) -> set[str]:
+        """The model names this source's drops may carry: each host's own (not a blocked one's), and
+        a waiting host's safe name (a first training drop killed before its state was saved)."""
+        names = set()
+        for host, e in state["hosts"].items():
+            if e.get("model") and not e.get("blocked"):
+                names.add(e["model"])
+            elif e.get("scored_until") is None and not e.get("blocked"):
+                try:
+                    names.add(model_name(self.source, host))
+                except StoreError:
+                    pass
         return names
 
     def model_taken(self, name: str) -> str | None:
@@ -273,8 +292,7 @@ class Puller:
             raise CliError(f"cannot read the puller's state: {e}") from None
         t0 = time.monotonic()
         self.others, self._own = self.other_sources(state), None
-        swept = sweep_lone_sidecars(self.spool_root, {e["model"] for e in state["hosts"].values() if e.get("model")},
-                                    os.geteuid(), time.time())
+        swept = sweep_lone_sidecars(self.spool_root, self.own_models(state), os.geteuid(), time.time())
         if swept:
             self.log.event("source-pulled", f"{self.source.name}: removed {len(swept)} sidecar(s) of this puller's left "
                            f"without their CSV by a stop between the two files of a drop: {', '.join(swept[:3])}"
@@ -328,6 +346,13 @@ class Puller:
                            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(adopted))}) was dropped before the "
                            "puller last stopped: scored from there, not trained twice", priority=LOG_NOTICE,
                            source=name, host=host, model_name=model)
+        if report.old_prefix is not None:
+            olds = sorted(set(report.renamed.values()))
+            self.log.event("source-host", f"{name}: model_prefix is now {self.source.options.model_prefix!r} (was "
+                           f"{report.old_prefix!r}): {len(report.renamed)} host(s) are modelled again under their new "
+                           f"names, trained from their last train_window; their old models stay until removed "
+                           f"(ds-ops models rm {' '.join(olds[:3])}{' ...' if len(olds) > 3 else ''})",
+                           priority=LOG_WARNING, source=name)
         for host, model in report.moved.items():
             self.log.event("source-host", f"{name}: host {host} is of another shard now ({self.source.options.shard}); "
                            f"its model {model} is left to that shard's puller", priority=LOG_NOTICE, source=name, host=host)

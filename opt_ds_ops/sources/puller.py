@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..fsutil import write_atomic
-from ..spool.layout import INCOMING, SCORE
+from ..spool.layout import INCOMING, PROCESSING, SCORE
 from ..store.model_dir import StoreError, safe_model_name
 from .prometheus import Prometheus, PrometheusError
 from .sourcefile import Source
@@ -99,6 +99,8 @@ class PullReport:
     train_failed: dict = field(default_factory=dict)  # host -> why its training file failed; tried again after retry_at
     adopted: dict = field(default_factory=dict)      # host -> (model, end): its training found, made before a kill
     moved: dict = field(default_factory=dict)        # host -> its model: of another shard now, dropped from the state
+    renamed: dict = field(default_factory=dict)      # host -> its model before a change of model_prefix (trained again)
+    old_prefix: str | None = None                    # the model_prefix before this pull's, if it changed
 
 
 def load_state(path: str) -> dict:
@@ -226,8 +228,11 @@ def sweep_lone_sidecars(spool_root: str, models: set[str], uid: int, now: float)
     the two renames (``which/NAME.TOKEN.yaml``, no ``NAME.TOKEN.csv``): only files of uid ``uid``,
     of the models in ``models``, with a 16-hex-digit token, and older than LONE_SIDECAR_AGE_S (by
     ``now``, epoch seconds of the wall clock), so no drop in progress and no other writer's file
-    is touched. Return their paths relative to the spool (``score/...``)."""
-    removed = []
+    is touched; nor one whose CSV the daemon is claiming (a job record in processing/ names it: the
+    claim moves the CSV first and takes the sidecar after the copy, and a daemon killed between
+    the two finishes the claim when it starts again). Return their paths relative to the spool
+    (``score/...``)."""
+    removed, claimed = [], None
     for which in (SCORE, INCOMING):
         directory = os.path.join(spool_root, which)
         try:
@@ -249,11 +254,34 @@ def sweep_lone_sidecars(spool_root: str, models: set[str], uid: int, now: float)
                     continue
                 if os.path.exists(os.path.join(directory, stem + ".csv")):  # its CSV came meanwhile
                     continue
+                if claimed is None:  # read after the CSV was seen gone: a claim of it has its record by then
+                    claimed = _claimed_datasets(spool_root)
+                if stem + ".csv" in claimed:
+                    continue
                 os.unlink(path)
                 removed.append(f"{which}/{name}")
             except OSError:
                 continue
     return sorted(removed)
+
+
+def _claimed_datasets(spool_root: str) -> set[str]:
+    """The dataset names of the job records in processing/ (``JOB/job.json``'s ``dataset``)."""
+    out = set()
+    processing = os.path.join(spool_root, PROCESSING)
+    try:
+        jobs = os.listdir(processing)
+    except OSError:
+        return out
+    for job in jobs:
+        try:
+            with open(os.path.join(processing, job, "job.json"), encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("dataset"), str):
+            out.add(record["dataset"])
+    return out
 
 
 def _write_new(path: str, data: bytes) -> None:
@@ -273,31 +301,39 @@ def model_name(source: Source, host: str) -> str:
 NAME_HASH_DIGITS = 8  # a host whose safe name another host holds or also claims: NAME-<8 hex of its label's SHA-256>
 
 
-def model_names(source: Source, candidates, held: dict[str, str]) -> dict[str, str]:
-    """Return {host: its model name} for hosts ``candidates`` (label values: the hosts a pull may
-    train), given ``held`` ({model name: host} of the names hosts of the state hold). The name a host gets
-    depends on the hosts alone, never on their order: its safe name (:func:`model_name`) if no other
-    host holds it and no other candidate claims it, or, of two claims, the host whose label value
-    (with the prefix) is that name exactly (``a_b`` over ``a/b``); a host holding it keeps it. Any other claimant gets the safe
-    name with ``-`` and :data:`NAME_HASH_DIGITS` hex digits of its label's SHA-256 (``a_b-1f2e3d4c``),
-    its own whatever else answers. A host whose label leaves no usable name is left out (the caller
-    says why: :func:`model_name` raises StoreError)."""
+def model_names(source: Source, claimants, held: dict[str, str]) -> dict[str, str]:
+    """Return {host: its model name} for ``claimants``, the hosts (label values) that have no name
+    of their own yet: a pull's new hosts and every waiting host of the state, due or not. ``held``:
+    {model name: host} of the names hosts of the state keep (a host, once its name is given, keeps
+    it: retrained after ``models rm`` or a failed first training, it is the same model). The name a
+    host gets depends on the hosts alone, never on their order or on which of them a pull looks
+    at: its safe name (:func:`model_name`) if no host holds it and no other claimant claims it, or,
+    of two claims, the host's whose label value (with the prefix) is that name exactly (``a_b``
+    over ``a/b``). Any other claimant gets the safe name with ``-`` and the first
+    :data:`NAME_HASH_DIGITS` hex digits of its label's SHA-256 (``a_b-1f2e3d4c``; more digits
+    should that be a name claimed or held). A host whose label leaves no usable name is left out
+    (the caller says why: :func:`model_name` raises StoreError)."""
     claims: dict[str, list[str]] = {}
-    for host in candidates:
+    for host in claimants:
         try:
             claims.setdefault(model_name(source, host), []).append(host)
         except StoreError:
             continue
+    taken = set(held) | set(claims)
     names = {}
-    for name, hosts in claims.items():
+    for name, hosts in sorted(claims.items()):
         exact = [h for h in hosts if source.options.model_prefix + h == name]
-        holder = held.get(name)
-        for host in hosts:
-            if holder == host or (holder is None and (hosts == [host] or exact == [host])):
+        for host in sorted(hosts):
+            if name not in held and (len(hosts) == 1 or exact == [host]):
                 names[host] = name
-            else:
-                digest = hashlib.sha256(host.encode("utf-8", "surrogatepass")).hexdigest()[:NAME_HASH_DIGITS]
-                names[host] = f"{name[:200 - 1 - NAME_HASH_DIGITS]}-{digest}"
+                continue
+            digest = hashlib.sha256(host.encode("utf-8", "surrogatepass")).hexdigest()
+            for n in (NAME_HASH_DIGITS, 16, 64):
+                hashed = f"{name[:200 - 1 - n]}-{digest[:n]}"
+                if hashed not in taken:
+                    break
+            names[host] = hashed
+            taken.add(hashed)
     return names
 
 
@@ -330,6 +366,14 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
 
     for h in [h for h in hosts if not mine(h)]:  # the shard changed: another server's puller models it now
         report.moved[h] = hosts.pop(h).get("model")
+    prefix = source.options.model_prefix
+    if state.setdefault("model_prefix", prefix) != prefix:  # every host is modelled again, under its new name
+        report.old_prefix, state["model_prefix"] = state["model_prefix"], prefix
+        for h, e in list(hosts.items()):
+            if e.get("model"):
+                report.renamed[h] = e["model"]
+            hosts[h] = {"model": None, "scored_until": None, "last_seen": e.get("last_seen"), "checked_at": None,
+                        "seen_at": e.get("seen_at")}
 
     def back(seconds: float) -> float:  # the first grid point of a span of `seconds` ending at end
         return end - (max(1, math.floor(seconds / step + 1e-9)) - 1) * step
@@ -383,7 +427,9 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     training = _fetch(prom, source, back(source.seconds("train_window")), end, candidates.__contains__) if candidates else None
 
     names = {e["model"]: h for h, e in hosts.items() if e.get("model")}
-    given = model_names(source, candidates, names)
+    own = {h: e["model"] for h, e in hosts.items() if e.get("model") and not e.get("blocked")}  # names kept
+    waiting = {h for h, e in hosts.items() if e.get("scored_until") is None and mine(h)}
+    given = model_names(source, sorted((candidates | waiting) - set(own)), {m: h for h, m in own.items()})
     for host in sorted(candidates):
         entry = hosts.setdefault(host, {"model": None, "scored_until": None, "last_seen": None, "checked_at": None,
                                         "seen_at": end})
@@ -395,7 +441,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if len(rows):
             entry["last_seen"] = float(rows[-1, 0])
         try:
-            name = given.get(host) or model_name(source, host)
+            name = own.get(host) or given.get(host) or model_name(source, host)
         except StoreError as e:
             report.refused[host] = str(e)
             continue

@@ -262,6 +262,10 @@ def test_ds_ops_pull_looks_for_a_hosts_model_in_the_store_models_dir_names(tmp_p
         assert not any((spool / "score").iterdir())
         p = pull(T0 + 86400 + 1200, "--config", str(other), "--models-dir", str(models))
         assert p.returncode == 0, p.stderr
+        # a spool path that is not there is said so, not "run as a member of group ds-ops" (before)
+        p = subprocess.run([sys.executable, "-m", "opt_ds_ops.cli", "pull", str(tmp_path / "node.yaml"), "--spool-dir",
+                            str(tmp_path / "no-spool"), "--once"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert p.returncode == 1 and f"no spool directory {tmp_path / 'no-spool' / 'incoming'}" in p.stderr, p.stderr
     finally:
         server.shutdown()
     assert [e.name for e in (spool / "score").iterdir() if e.name.endswith(".csv")], p.stderr

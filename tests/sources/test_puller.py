@@ -706,10 +706,12 @@ def test_colliding_model_names_do_not_depend_on_the_hosts_order():
     both = {"a/b": f"a_b-{tag('a/b')}", "a b": f"a_b-{tag('a b')}"}
     assert model_names(src, ["a/b", "a b"], {}) == model_names(src, ["a b", "a/b"], {}) == both
     assert model_names(src, ["a/b"], {}) == {"a/b": "a_b"}  # alone: the safe name, as before
-    # a name the state holds stays its holder's, even against the exact label
-    held = {"a_b": "a/b"}
-    assert model_names(src, ["a_b", "a/b"], held) == {"a/b": "a_b", "a_b": f"a_b-{tag('a_b')}"}
-    assert model_names(src, ["a_b"], held) == {"a_b": f"a_b-{tag('a_b')}"}
+    # a name a host of the state holds stays its holder's, even against the exact label
+    assert model_names(src, ["a_b"], {"a_b": "a/b"}) == {"a_b": f"a_b-{tag('a_b')}"}
+    # a label that is another's hashed name: the hashed name takes more digits, no two hosts share one
+    twin = f"a_b-{tag('a/b')}"
+    got = model_names(src, ["a/b", "a_b", twin], {})
+    assert got[twin] == twin and got["a/b"] == f"a_b-{hashlib.sha256(b'a/b').hexdigest()[:16]}" and len(set(got.values())) == 3
     long = "x" * 300
     assert len(model_names(src, [long, long[:-1] + "/"], {})[long[:-1] + "/"]) == 200
 
@@ -718,7 +720,7 @@ def test_a_sidecar_left_alone_by_a_killed_drop_is_removed_by_the_next_pull_and_n
     """A puller SIGKILLed between a drop's two renames leaves its sidecar without the CSV (the pull
     soak left 7 in 200 pulls). Before, they stayed for good; now the next pull removes its own such
     sidecars once a minute old, of its own models only, and nothing of another uid, a pair, a
-    young one or a name it does not make."""
+    young one, a name it does not make, or one whose CSV the daemon is claiming."""
     from opt_ds_ops.sources.puller import LONE_SIDECAR_AGE_S, sweep_lone_sidecars
 
     spool = Path(spool_at(tmp_path))
@@ -737,6 +739,13 @@ def test_a_sidecar_left_alone_by_a_killed_drop_is_removed_by_the_next_pull_and_n
         (spool / rel).write_text("model: x\n")
         if "120600Z" not in rel:
             os.utime(spool / rel, (old, old))
+    claimed = "score/web_9100.20260921T120600Z.%s.yaml" % tok  # its CSV is being claimed: processing/ names it
+    (spool / claimed).write_text("model: web_9100\n")
+    os.utime(spool / claimed, (old, old))
+    files[claimed] = False
+    (spool / "processing" / "20261205T000000Z-abcd").mkdir(parents=True)
+    (spool / "processing" / "20261205T000000Z-abcd" / "job.json").write_text(
+        json.dumps({"dataset": "web_9100.20260921T120600Z.%s.csv" % tok, "drop": "score"}))
     removed = sweep_lone_sidecars(str(spool), {"10.0.0.5_9100", "web_9100"}, os.geteuid(), time.time())
     assert removed == sorted(rel for rel, gone in files.items() if gone)
     assert all((spool / rel).exists() != gone for rel, gone in files.items())
@@ -744,3 +753,73 @@ def test_a_sidecar_left_alone_by_a_killed_drop_is_removed_by_the_next_pull_and_n
     (spool / ("score/web_9100.20260921T121100Z.%s.yaml" % tok)).write_text("model: web_9100\n")
     os.utime(spool / ("score/web_9100.20260921T121100Z.%s.yaml" % tok), (old, old))
     assert sweep_lone_sidecars(str(spool), {"web_9100"}, os.geteuid() + 1, time.time()) == []
+
+
+@pytest.fixture(scope="module")
+def prom_names(tmp_path_factory):
+    """A real Prometheus with two hosts whose labels make one safe name: ``a/b`` with two days of
+    history, ``a_b`` from day 1 on (too little history to train at 1.2 days: waiting)."""
+    rows = np.loadtxt(SMD_TRAIN, delimiter=",", dtype=np.float64)[:, [0, 9]]
+    fam = {"smd_a": ("gauge", {}), "smd_b": ("gauge", {}), "requests": ("counter", {})}
+    for k, (host, first) in enumerate((("a/b", 0.0), ("a_b", 1.0 * DAY))):
+        times = [T0 + 60 * i for i in range(STEPS) if 60 * i >= first]
+        part = rows[2000 + 50 * k:2000 + 50 * k + STEPS] + 0.01 * k
+        fam["smd_a"][1][host] = [(t, float(part[i, 0])) for i, t in enumerate(times)]
+        fam["smd_b"][1][host] = [(t, float(part[i, 1])) for i, t in enumerate(times)]
+        fam["requests"][1][host] = [(t, 50.0 * i) for i, t in enumerate(times)]
+    server = PrometheusServer(tmp_path_factory.mktemp("prometheus-names"), openmetrics(fam)).start()
+    yield server
+    server.stop()
+
+
+def test_a_waiting_host_keeps_its_claim_to_its_exact_name_and_a_given_name_is_kept(tmp_path, prom_names):
+    """Before, a pull named only the hosts it looked at, so ``a/b`` (its history complete) took the
+    name ``a_b`` while the host ``a_b`` waited for its history, which was then refused; a host's
+    name was also worked out anew after ``models rm``. Now a waiting host's claim counts, the host
+    whose label is the name exactly gets it, the other its hashed name, and a host keeps the name it
+    was given when it is trained again."""
+    import hashlib
+
+    spool, state = spool_at(tmp_path), load_state(str(tmp_path / "state.json"))
+    src, client = source(prom_names), Prometheus(prom_names.url)
+    hashed = "a_b-" + hashlib.sha256(b"a/b").hexdigest()[:8]
+    first = pull(src, client, spool, state, T0 + 1.2 * DAY)
+    assert {h: v[0] for h, v in first.trained.items()} == {"a/b": hashed} and set(first.waiting) == {"a_b"}
+    second = pull(src, client, spool, state, T0 + 1.3 * DAY, model_ready=lambda name: name == hashed)
+    assert {h: v[0] for h, v in second.trained.items()} == {"a_b": "a_b"}
+    # a/b's model removed from the store (ds-ops models rm): trained again, under the name it had
+    third = pull(src, client, spool, state, T0 + 1.3 * DAY + 300, model_ready=lambda name: name == "a_b",
+                 model_removed=lambda name: name == hashed)
+    assert third.removed == {"a/b": hashed} and {h: v[0] for h, v in third.trained.items()} == {"a/b": hashed}
+
+
+def test_a_new_model_prefix_models_every_host_again_under_its_new_name(tmp_path, prom, capsys):
+    """docs/prometheus.md told an operator whose hosts' names another source holds to give the
+    source its own ``model_prefix``, "which renames every host's model"; before, a trained host kept
+    its old name in the state for good. Now the state keeps the prefix its names were made with,
+    and a new one trains every host again under its new name, said in the journal with the old
+    models to remove; a state from before (no prefix kept) is taken as made with today's."""
+    from opt_ds_ops.commands.pull import Puller
+    from opt_ds_ops.observe.journal import EventLog
+    from opt_ds_ops.sources.metrics import PullMetrics
+
+    spool, path = spool_at(tmp_path), str(tmp_path / "node.json")
+    one = 'smd_a{{instance=~"h[34]:9100"}}'
+    plain = parse_source(SOURCE.replace("query: smd_a\n", f"query: {one}\n").format(
+        url=prom.url, shard="0/1", catch_up="1d").encode(), "node.yaml", "node")
+    state = load_state(path)
+    assert set(pull(plain, Prometheus(prom.url), spool, state, T0 + 1.2 * DAY).trained) == {"h3:9100", "h4:9100"}
+    del state["model_prefix"]  # a state saved before the prefix was kept: taken as made with today's
+    assert not pull(plain, Prometheus(prom.url), spool, state, T0 + 1.2 * DAY + 300).renamed
+    assert state["model_prefix"] == ""
+    save_state(path, state)
+    prefixed = parse_source(SOURCE.replace("query: smd_a\n", f"query: {one}\n").format(
+        url=prom.url, shard="0/1", catch_up="1d").encode() + b"model_prefix: dc1-\n", "node.yaml", "node")
+    puller = Puller(prefixed, spool, path, PullMetrics(prefixed, ""), EventLog(journal=False), str(tmp_path / "models"))
+    assert puller.once(T0 + 1.2 * DAY + 600)
+    state = load_state(path)
+    assert {h: e["model"] for h, e in state["hosts"].items() if e["model"]} == {"h3:9100": "dc1-h3_9100", "h4:9100": "dc1-h4_9100"}
+    assert state["model_prefix"] == "dc1-"
+    err = capsys.readouterr().err
+    assert "model_prefix is now 'dc1-' (was ''): 2 host(s) are modelled again" in err and "h3_9100 h4_9100" in err
+    assert len(list((tmp_path / "spool" / "incoming").glob("dc1-h*.train-*.csv"))) == 2
