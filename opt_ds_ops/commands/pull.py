@@ -25,10 +25,9 @@ from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError
 from ..observe.journal import LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog, safe_text
 from ..sources.metrics import PullMetrics
 from ..sources.prometheus import Prometheus, PrometheusError
-from ..sources.puller import PullReport, load_state, model_name, pull, save_state, sweep_lone_sidecars
+from ..sources.puller import PullReport, drop_names, load_state, pull, save_state, sweep_lone_sidecars
 from ..sources.sourcefile import Source, load_source
 from ..spool.layout import ERROR_SUFFIX, FAILED, INCOMING, PROCESSING
-from ..store.model_dir import StoreError
 from . import CliError, load_cfg
 
 DEFAULT_STATE_DIR = "/var/lib/ds-ops/pull"
@@ -155,20 +154,6 @@ class Puller:
                     names.setdefault(entry["model"], other)
         return names
 
-    def own_models(self, state: dict) -> set[str]:
-        """The model names this source's drops may carry: each host's own (not a blocked one's), and
-        a waiting host's safe name (a first training drop killed before its state was saved)."""
-        names = set()
-        for host, e in state["hosts"].items():
-            if e.get("model") and not e.get("blocked"):
-                names.add(e["model"])
-            elif e.get("scored_until") is None and not e.get("blocked"):
-                try:
-                    names.add(model_name(self.source, host))
-                except StoreError:
-                    pass
-        return names
-
     def model_taken(self, name: str) -> str | None:
         """Why model ``name`` is not this puller's to feed: another source's on this server
         (:meth:`other_sources`), or another owner's (its current version's ``uploader_uid`` is
@@ -292,7 +277,7 @@ class Puller:
             raise CliError(f"cannot read the puller's state: {e}") from None
         t0 = time.monotonic()
         self.others, self._own = self.other_sources(state), None
-        swept = sweep_lone_sidecars(self.spool_root, self.own_models(state), os.geteuid(), time.time())
+        swept = sweep_lone_sidecars(self.spool_root, drop_names(self.source, state), os.geteuid(), time.time())
         if swept:
             self.log.event("source-pulled", f"{self.source.name}: removed {len(swept)} sidecar(s) of this puller's left "
                            f"without their CSV by a stop between the two files of a drop: {', '.join(swept[:3])}"

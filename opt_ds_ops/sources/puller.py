@@ -232,7 +232,7 @@ def sweep_lone_sidecars(spool_root: str, models: set[str], uid: int, now: float)
     claim moves the CSV first and takes the sidecar after the copy, and a daemon killed between
     the two finishes the claim when it starts again). Return their paths relative to the spool
     (``score/...``)."""
-    removed, claimed = [], None
+    removed = []
     for which in (SCORE, INCOMING):
         directory = os.path.join(spool_root, which)
         try:
@@ -254,9 +254,8 @@ def sweep_lone_sidecars(spool_root: str, models: set[str], uid: int, now: float)
                     continue
                 if os.path.exists(os.path.join(directory, stem + ".csv")):  # its CSV came meanwhile
                     continue
-                if claimed is None:  # read after the CSV was seen gone: a claim of it has its record by then
-                    claimed = _claimed_datasets(spool_root)
-                if stem + ".csv" in claimed:
+                # read after this CSV was seen gone, for each sidecar: a claim of it has its record by then
+                if stem + ".csv" in _claimed_datasets(spool_root):
                     continue
                 os.unlink(path)
                 removed.append(f"{which}/{name}")
@@ -337,6 +336,17 @@ def model_names(source: Source, claimants, held: dict[str, str]) -> dict[str, st
     return names
 
 
+def drop_names(source: Source, state: dict) -> set[str]:
+    """The model names this source's drops may carry, as :func:`pull` gives them: each host's own
+    (not a blocked host's, which is another owner's) and the name a waiting host would get."""
+    hosts = state["hosts"]
+    names = {e["model"]: h for h, e in hosts.items() if e.get("model")}
+    own = {e["model"] for e in hosts.values() if e.get("model") and not e.get("blocked")}
+    claimants = {h for h, e in hosts.items() if e.get("scored_until") is None and not (e.get("model") and not e.get("blocked"))}
+    given = model_names(source, sorted(claimants), {m: h for m, h in names.items() if h not in claimants})
+    return own | {n for h, n in given.items() if not hosts[h].get("blocked")}
+
+
 def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: float,
          model_ready: Callable[[str], bool] = lambda name: True,
          model_removed: Callable[[str], bool] = lambda name: False,
@@ -369,6 +379,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     prefix = source.options.model_prefix
     if state.setdefault("model_prefix", prefix) != prefix:  # every host is modelled again, under its new name
         report.old_prefix, state["model_prefix"] = state["model_prefix"], prefix
+        state["prefix_since"] = end  # a model of a name from before (a prefix used earlier) is not adopted
         for h, e in list(hosts.items()):
             if e.get("model"):
                 report.renamed[h] = e["model"]
@@ -429,7 +440,8 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     names = {e["model"]: h for h, e in hosts.items() if e.get("model")}
     own = {h: e["model"] for h, e in hosts.items() if e.get("model") and not e.get("blocked")}  # names kept
     waiting = {h for h, e in hosts.items() if e.get("scored_until") is None and mine(h)}
-    given = model_names(source, sorted((candidates | waiting) - set(own)), {m: h for h, m in own.items()})
+    claimants = sorted((candidates | waiting) - set(own))  # a blocked host claims its name again, not held by itself
+    given = model_names(source, claimants, {m: h for m, h in names.items() if h not in set(claimants)})
     for host in sorted(candidates):
         entry = hosts.setdefault(host, {"model": None, "scored_until": None, "last_seen": None, "checked_at": None,
                                         "seen_at": end})
@@ -456,6 +468,8 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
             continue
         entry.pop("blocked", None)
         adopted = own_training(name) if not entry.get("train_failed") else None
+        if adopted is not None and float(adopted[0]) < float(state.get("prefix_since") or 0):
+            adopted = None  # this name's model from before the prefix changed back: trained afresh
         if adopted is not None:  # dropped before a kill, before the state was saved: not trained twice
             until = min(float(adopted[0]), end)
             entry.update(model=name, scored_until=until, trained_at=until, gone=False, retry_at=None,

@@ -325,8 +325,8 @@ def take_sidecar(spool: Spool, job_id: str, record: dict) -> None:
             record["sidecar_error"] = f"{drop}/{record.get('sidecar')}: cannot be read: {e.strerror or e}"
         os.unlink(taken)
         fsync_dir(jdir)
-    if "sidecar" in record or "sidecars_foreign" in record:
-        write_json(os.path.join(jdir, JOB_FILE), record)
+    record["sidecar_done"] = True  # recovery takes the sidecar again only where this is missing
+    write_json(os.path.join(jdir, JOB_FILE), record)
 
 
 def _refuse(record: dict, reason: str) -> Claim:
@@ -342,8 +342,8 @@ def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int, progr
     if record.get("state") != "claiming":
         if os.path.lexists(source) and record.get("data_file") != SOURCE_FILE:
             os.unlink(source)
-        if os.path.lexists(os.path.join(jdir, SIDECAR_SOURCE)):
-            take_sidecar(spool, job_id, record)
+        if os.path.lexists(os.path.join(jdir, SIDECAR_SOURCE)) or not record.get("sidecar_done"):
+            take_sidecar(spool, job_id, record)  # killed before or while the sidecar was taken
         return Claim("claimed", job_id, record)
     if not os.path.lexists(source):
         shutil.rmtree(jdir, ignore_errors=True)

@@ -823,3 +823,38 @@ def test_a_new_model_prefix_models_every_host_again_under_its_new_name(tmp_path,
     err = capsys.readouterr().err
     assert "model_prefix is now 'dc1-' (was ''): 2 host(s) are modelled again" in err and "h3_9100 h4_9100" in err
     assert len(list((tmp_path / "spool" / "incoming").glob("dc1-h*.train-*.csv"))) == 2
+    # and back to no prefix: the first names' training files from before are not adopted (their rows
+    # are old), each host is trained again from its last train_window
+    puller = Puller(plain, spool, path, PullMetrics(plain, ""), EventLog(journal=False), str(tmp_path / "models"))
+    assert puller.once(T0 + 1.3 * DAY)
+    err = capsys.readouterr().err
+    assert "model_prefix is now '' (was 'dc1-')" in err and "was dropped before the puller last stopped" not in err
+    assert len(list((tmp_path / "spool" / "incoming").glob("h*.train-*.csv"))) == 4
+
+
+def test_a_waiting_host_not_due_and_a_blocked_host_keep_their_claims_to_their_names(tmp_path, prom_names):
+    """The re-review of the names: a waiting host that a pull does not look at (not due) still
+    claims its exact name, and a host blocked by a member's model of its name holds it: a new host
+    whose label makes the same name gets its hashed name and is trained, not refused for as long as
+    the other waits or is blocked. The names a source's drops may carry (the sweep of lone
+    sidecars) are the ones its pulls give."""
+    import hashlib
+
+    from opt_ds_ops.sources.puller import drop_names
+
+    src, client = source(prom_names), Prometheus(prom_names.url)
+    hashed = "a_b-" + hashlib.sha256(b"a/b").hexdigest()[:8]
+    now = T0 + 1.2 * DAY
+    waiting = {"format": 1, "hosts": {"a_b": {"model": None, "scored_until": None, "last_seen": None,
+                                              "checked_at": now - 60, "seen_at": now - 60}}}
+    got = pull(src, client, spool_at(tmp_path / "one"), waiting, now)
+    assert {h: v[0] for h, v in got.trained.items()} == {"a/b": hashed} and "a_b" not in got.waiting  # not looked at
+    blocked = {"format": 1, "hosts": {"a_b": {"model": "a_b", "scored_until": now - 600, "trained_at": now - 600,
+                                              "last_seen": now - 600, "checked_at": now - 600, "seen_at": now - 600,
+                                              "blocked": "its model name a_b belongs to uid 1001 (alice)"}}}
+    assert drop_names(src, blocked) == set()
+    taken = lambda name: "its model name a_b belongs to uid 1001 (alice)" if name == "a_b" else None  # noqa: E731
+    got = pull(src, client, spool_at(tmp_path / "two"), blocked, now, model_taken=taken)
+    assert {h: v[0] for h, v in got.trained.items()} == {"a/b": hashed} and not got.refused and set(got.blocked) == {"a_b"}
+    assert drop_names(src, blocked) == {hashed}
+    assert drop_names(src, waiting) == {hashed, "a_b"}  # a/b's own, and a_b's once it trains

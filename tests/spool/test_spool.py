@@ -186,6 +186,41 @@ def test_a_claim_cut_by_sigkill_is_finished_or_undone_at_recovery(spool):
     assert sp.job_ids(spool) == [job]
 
 
+def test_a_claim_killed_after_its_copy_before_its_sidecar_takes_the_sidecar_at_recovery(spool, monkeypatch):
+    """Found reviewing the puller's sweep of lone sidecars: a daemon killed after the record said
+    ``claimed`` and before the sidecar was renamed in left the sidecar in incoming/ for good (the
+    recovery took it only if it was half taken), so the job ran under its file's name, not the one
+    the sidecar gave. Now the record says when the sidecar step is done, and recovery does it if not."""
+    from opt_ds_ops.spool import claiming
+
+    put(spool, INCOMING, "h.train-1.yaml", b"name: h\n")
+    put(spool, INCOMING, "h.train-1.csv")
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*_a, **_k):
+        raise Killed
+
+    monkeypatch.setattr(claiming, "take_sidecar", killed)
+    with pytest.raises(Killed):
+        sp.claim(spool, "h.train-1.csv", 1000)
+    monkeypatch.undo()
+    (job,) = sp.job_ids(spool)
+    record = sp.read_json(spool.job_path(job, sp.JOB_FILE))
+    assert record["state"] == "claimed" and "sidecar_done" not in record
+    assert os.path.exists(spool.path(INCOMING, "h.train-1.yaml"))
+    c = sp.recover_claim(spool, job, record, 1000)
+    assert c.outcome == "claimed" and c.record["sidecar"] == "h.train-1.yaml" and c.record["sidecar_done"]
+    assert open(spool.job_path(job, sp.SIDECAR_FILE), "rb").read() == b"name: h\n"
+    assert not os.path.exists(spool.path(INCOMING, "h.train-1.yaml"))
+    # a claim that took its sidecar (or found none) is not looked at again: a later drop's sidecar of
+    # the same name stays the later drop's
+    put(spool, INCOMING, "h.train-1.yaml", b"name: later\n")
+    again = sp.recover_claim(spool, job, sp.read_json(spool.job_path(job, sp.JOB_FILE)), 1000)
+    assert again.outcome == "claimed" and os.path.exists(spool.path(INCOMING, "h.train-1.yaml"))
+
+
 # ---- finishing -----------------------------------------------------------------------------------
 
 def claimed(spool, name, data=b"1,2\n3,4\n"):
