@@ -305,8 +305,13 @@ def test_row6_sigterm_during_a_long_parse_stops_at_once(tmp_path):
     finally:
         d.kill()
     print(f"\nSIGTERM during a parse: exit {rc} after {seconds:.2f} s")
-    assert rc == 0 and seconds < 5
-    assert job_record(tmp_path, "big.csv")["state"] == "interrupted"
+    record = job_record(tmp_path, "big.csv")
+    print(f"record: state {record.get('state')}, stage {record.get('stage')}")
+    # the parse was stopped, not waited for: the job ends interrupted in its dataset stage (a stop that
+    # waited would see it train first). No timing: the stop took 1-2 s idle, 7.0 s beside a CPU hog
+    # (the 5 s bound this test had failed there); 60 s only tells a hang
+    assert rc == 0 and seconds < 60
+    assert record["state"] == "interrupted" and record.get("stage") == "dataset", record
     with service(tmp_path) as d:
         d.wait_until(lambda: "big.csv" in done_names(tmp_path), "the parse after the restart", timeout_s=600)
         then_a_good_dataset_is_trained(d, tmp_path)
