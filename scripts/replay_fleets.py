@@ -3,7 +3,8 @@
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round: round 6, ``before`` (the defaults before it: no retraining, no change
 of regime; reported, not a candidate) and its candidates; round 7, the alarm budget's candidates;
-round 8, a new version's budget from the scored history; round 9, the score (each metric's change
+round 8, a new version's budget from the scored history; round 10, round 9's best on SMD with half
+the alarm budget, and the levels score with the budget's ``warnings`` rule; round 9, the score (each metric's change
 beside its level, shorter smoothing) and what the alarm budget learns from; in the order used for ties. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
@@ -49,6 +50,13 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
                             "scoring.alarm_budget_learns=warnings", "scoring.regime_after_s=21600",
                             "scoring.regime_shift_sd=3"]},
         ("shipped", "diff-10", "diff-10-normal", "diff-10-regime")),
+    10: ({"shipped": ["scoring.alarm_budget_learns=all"],
+          "diff-10-regime-b0.5": ["train.input_differences=true", "train.score_window=10",
+                                  "scoring.alarm_budget_learns=warnings", "scoring.regime_after_s=21600",
+                                  "scoring.regime_shift_sd=3", "scoring.alarm_budget_per_day=0.5"],
+          "levels-warnings-regime": ["scoring.alarm_budget_learns=warnings", "scoring.regime_after_s=21600",
+                                     "scoring.regime_shift_sd=3"]},
+         ("shipped", "diff-10-regime-b0.5", "levels-warnings-regime")),
 }
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
