@@ -271,7 +271,10 @@ def test_a_job_whose_process_keeps_dying_goes_to_failed_after_max_crashes(tmp_pa
     assert "the job process died in stage training: killed by SIGKILL" in d.log()
 
 
-def test_sigterm_during_training_exits_0_within_10_s_and_the_restart_resumes_the_checkpoint(tmp_path):
+def test_sigterm_during_training_exits_0_within_the_units_stop_timeout_and_the_restart_resumes_the_checkpoint(tmp_path):
+    """The unit gives a stop TimeoutStopSec=2min and the daemon asks for more while it checkpoints
+    (EXTEND_TIMEOUT_USEC): it exits 0 within half that, checkpointed. (It takes 2-4 s idle; the 10 s
+    this test asserted before failed at 17.9 s beside a CPU hog and a second suite.)"""
     conf = write_config(tmp_path, **LONG_TRAINING)
     sock = NotifySocket(tmp_path / "notify.sock")
     d = Daemon(conf, env=base_env(NOTIFY_SOCKET=sock.path))
@@ -285,7 +288,7 @@ def test_sigterm_during_training_exits_0_within_10_s_and_the_restart_resumes_the
         d.kill()
     print(f"\nSIGTERM during training: exit {rc} after {seconds:.2f} s")
     assert rc == 0
-    assert seconds < 10
+    assert seconds < 60
     msgs = sock.drain()
     sock.close()
     stop = next(i for i, m in enumerate(msgs) if "STOPPING=1" in m)
@@ -393,11 +396,27 @@ def test_an_unwritable_models_directory_stops_the_start_with_the_path_and_why(tm
     assert "Not a directory" in r.stderr or "File exists" in r.stderr
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process pid has a handler for SIGTERM (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
 @pytest.mark.parametrize("after_s", [0.2, 1.0])
 def test_sigterm_while_the_daemon_is_still_starting_is_a_clean_exit(tmp_path, after_s):
-    """Found by the soak: a stop during the seconds torch takes to import killed the daemon (-15)."""
+    """Found by the soak: a stop during the seconds torch takes to import killed the daemon (-15).
+    The stop comes ``after_s`` after the daemon has its SIGTERM handler (the first thing it does),
+    not after its exec: beside a CPU hog the interpreter alone took longer than 0.2 s to start, and
+    no process can handle a signal before it runs."""
     d = Daemon(write_config(tmp_path))
     try:
+        deadline = time.monotonic() + 120
+        while not _catches_sigterm(d.proc.pid) and d.alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
         time.sleep(after_s)
         rc, _ = d.stop(signal.SIGTERM)
     finally:
