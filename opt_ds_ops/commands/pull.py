@@ -25,9 +25,10 @@ from ..config.conffile import DEFAULT_CONFIG_PATH, ConfigError
 from ..observe.journal import LOG_INFO, LOG_NOTICE, LOG_WARNING, EventLog, safe_text
 from ..sources.metrics import PullMetrics
 from ..sources.prometheus import Prometheus, PrometheusError
-from ..sources.puller import PullReport, drop_names, load_state, pull, save_state, sweep_lone_sidecars
+from ..sources.puller import (PullReport, drop_names, load_state, processing_records, pull, save_state,
+                              sweep_lone_sidecars)
 from ..sources.sourcefile import Source, load_source
-from ..spool.layout import ERROR_SUFFIX, FAILED, INCOMING, PROCESSING
+from ..spool.layout import ERROR_SUFFIX, FAILED, INCOMING
 from . import CliError, load_cfg
 
 DEFAULT_STATE_DIR = "/var/lib/ds-ops/pull"
@@ -210,18 +211,8 @@ class Puller:
                         found.append(e.name)
         except OSError:
             pass
-        processing = os.path.join(self.spool_root, PROCESSING)
-        try:
-            jobs = os.listdir(processing)
-        except OSError:
-            jobs = []
-        for job in jobs:
-            try:
-                with open(os.path.join(processing, job, "job.json"), encoding="utf-8") as f:
-                    record = json.load(f)
-            except (OSError, ValueError):
-                continue
-            dataset = record.get("dataset") if isinstance(record, dict) else None
+        for record in processing_records(self.spool_root):
+            dataset = record.get("dataset")
             if isinstance(dataset, str) and ".train-" in dataset and record.get("uploader_uid") == uid:
                 found.append(dataset)
         own: dict[str, tuple[float, str]] = {}

@@ -459,8 +459,9 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
     return value
 
 
-def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
-    """Given a mapping, return an instance of the dataclass cls; raise ConfigError on any bad key."""
+def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = "", also: tuple[str, ...] = ()):
+    """Given a mapping, return an instance of the dataclass cls; raise ConfigError on any bad key
+    (an unknown key's error lists cls's keys and ``also``, keys its caller takes out first)."""
     parts = tuple(prefix.rstrip(".").split(".")) if prefix else ()
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping, got {_shown(raw)}", parts)
@@ -468,7 +469,7 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = ""):
     unknown = _sorted_keys(set(raw) - set(fields))
     if unknown:
         raise ConfigError(
-            f"{where}: unknown key '{prefix}{unknown[0]}' (allowed: {', '.join(prefix + k for k in fields)})",
+            f"{where}: unknown key '{prefix}{unknown[0]}' (allowed: {', '.join(prefix + k for k in (*fields, *also))})",
             (*parts, unknown[0]))
     values = {}
     hints = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -523,10 +524,10 @@ def _parse_yaml_bytes(text: bytes, where: str, max_bytes: int, what: str, unique
         raise ConfigError(f"{where}: not UTF-8 text") from None
 
 
-def _build_guarded(cls, raw: Any, where: str, text: str = ""):
+def _build_guarded(cls, raw: Any, where: str, text: str = "", also: tuple[str, ...] = ()):
     """:func:`_build`; a value nested too deeply is a ConfigError, a key's names its line in ``text``."""
     try:
-        return _build(cls, raw, where)
+        return _build(cls, raw, where, also=also)
     except RecursionError:
         raise ConfigError(f"{where}: a value is nested too deeply") from None
     except ConfigError as e:

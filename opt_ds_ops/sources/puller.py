@@ -48,6 +48,7 @@ import json
 import math
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -250,12 +251,12 @@ def sweep_lone_sidecars(spool_root: str, models: set[str], uid: int, now: float)
             path = os.path.join(directory, name)
             try:
                 st = os.lstat(path)
-                if st.st_uid != uid or not os.path.isfile(path) or os.path.islink(path) or now - st.st_mtime < LONE_SIDECAR_AGE_S:
+                if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or now - st.st_mtime < LONE_SIDECAR_AGE_S:
                     continue
                 if os.path.exists(os.path.join(directory, stem + ".csv")):  # its CSV came meanwhile
                     continue
                 # read after this CSV was seen gone, for each sidecar: a claim of it has its record by then
-                if stem + ".csv" in _claimed_datasets(spool_root):
+                if stem + ".csv" in {r.get("dataset") for r in processing_records(spool_root)}:
                     continue
                 os.unlink(path)
                 removed.append(f"{which}/{name}")
@@ -264,23 +265,24 @@ def sweep_lone_sidecars(spool_root: str, models: set[str], uid: int, now: float)
     return sorted(removed)
 
 
-def _claimed_datasets(spool_root: str) -> set[str]:
-    """The dataset names of the job records in processing/ (``JOB/job.json``'s ``dataset``)."""
-    out = set()
+def processing_records(spool_root: str) -> list[dict]:
+    """The job records in processing/ (``JOB/job.json``) that can be read, as a member of the
+    spool's group reads them; one that cannot (gone meanwhile, not JSON) is left out."""
     processing = os.path.join(spool_root, PROCESSING)
     try:
         jobs = os.listdir(processing)
     except OSError:
-        return out
+        return []
+    records = []
     for job in jobs:
         try:
             with open(os.path.join(processing, job, "job.json"), encoding="utf-8") as f:
                 record = json.load(f)
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("dataset"), str):
-            out.add(record["dataset"])
-    return out
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def _write_new(path: str, data: bytes) -> None:
@@ -336,15 +338,22 @@ def model_names(source: Source, claimants, held: dict[str, str]) -> dict[str, st
     return names
 
 
+def _host_names(source: Source, hosts: dict, new=()) -> tuple[dict[str, str], dict[str, str]]:
+    """({host: the name it keeps}, {host: the name :func:`model_names` gives it}) for the state's
+    ``hosts`` and ``new`` hosts not in it yet: a host keeps a name it was given (not a blocked
+    one's, another owner's); the waiting hosts, the new ones and the blocked ones claim theirs (a
+    blocked host claims its name again: not held by itself)."""
+    own = {h: e["model"] for h, e in hosts.items() if e.get("model") and not e.get("blocked")}
+    claimants = ({h for h, e in hosts.items() if e.get("scored_until") is None} | set(new)) - set(own)
+    held = {e["model"]: h for h, e in hosts.items() if e.get("model") and h not in claimants}
+    return own, model_names(source, sorted(claimants), held)
+
+
 def drop_names(source: Source, state: dict) -> set[str]:
     """The model names this source's drops may carry, as :func:`pull` gives them: each host's own
     (not a blocked host's, which is another owner's) and the name a waiting host would get."""
-    hosts = state["hosts"]
-    names = {e["model"]: h for h, e in hosts.items() if e.get("model")}
-    own = {e["model"] for e in hosts.values() if e.get("model") and not e.get("blocked")}
-    claimants = {h for h, e in hosts.items() if e.get("scored_until") is None and not (e.get("model") and not e.get("blocked"))}
-    given = model_names(source, sorted(claimants), {m: h for m, h in names.items() if h not in claimants})
-    return own | {n for h, n in given.items() if not hosts[h].get("blocked")}
+    own, given = _host_names(source, state["hosts"])
+    return set(own.values()) | {n for h, n in given.items() if not state["hosts"][h].get("blocked")}
 
 
 def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: float,
@@ -438,10 +447,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     training = _fetch(prom, source, back(source.seconds("train_window")), end, candidates.__contains__) if candidates else None
 
     names = {e["model"]: h for h, e in hosts.items() if e.get("model")}
-    own = {h: e["model"] for h, e in hosts.items() if e.get("model") and not e.get("blocked")}  # names kept
-    waiting = {h for h, e in hosts.items() if e.get("scored_until") is None and mine(h)}
-    claimants = sorted((candidates | waiting) - set(own))  # a blocked host claims its name again, not held by itself
-    given = model_names(source, claimants, {m: h for m, h in names.items() if h not in set(claimants)})
+    own, given = _host_names(source, hosts, new)  # hosts of another shard left the state above
     for host in sorted(candidates):
         entry = hosts.setdefault(host, {"model": None, "scored_until": None, "last_seen": None, "checked_at": None,
                                         "seen_at": end})

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ..config.conffile import ConfigError, _build_guarded, _field, _parse_yaml_bytes, _shown
 
@@ -137,12 +137,8 @@ def parse_source(text: bytes, where: str, name: str) -> Source:
         raise ConfigError(f"{where}: key 'prometheus' holds an @, as credentials do (user:password@host; not shown): "
                           "ds-ops takes none in a URL, where every failed pull's line and check-config would print "
                           "them; give the server's address alone (a proxy on loopback can add them)", ("prometheus",))
-    allowed = [f.name for f in fields(SourceOptions)] + ["series"]
-    unknown = [k for k in raw if k not in allowed]
-    if unknown:  # named here, not by the options' builder, so the list of keys has 'series' too
-        raise ConfigError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(allowed)})", (str(unknown[0]),))
     series_raw = raw.pop("series", None)
-    options = _build_guarded(SourceOptions, raw, where)
+    options = _build_guarded(SourceOptions, raw, where, also=("series",))
     if not isinstance(series_raw, list) or not series_raw:
         raise ConfigError(f"{where}: key 'series' must be a list of {{name, query}}, got {_shown(series_raw)}", ("series",))
     if len(series_raw) > MAX_SERIES:
