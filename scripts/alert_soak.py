@@ -82,7 +82,10 @@ ESCALATED = re.compile(r"\bm: incident (\d+) is critical at row (\d+)\b")  # a w
 KINDS = (("incident-opened", OPENED), ("incident-escalated", ESCALATED), ("incident-closed", CLOSED))
 
 
-def write_config(root: Path) -> Path:
+def write_config(root: Path, period_s: int | None = PERIOD_S, extra: tuple[str, ...] = ()) -> Path:
+    """The conffile of a soak that scores (this one's, scripts/pull_soak.py's): the shipped incident
+    rule, no alarm budget, no retraining; ``period_s``: ``train.sample_period_s`` (None: the rows'
+    time column gives it), ``extra``: lines appended."""
     conf = root / "trainer.yaml"
     conf.write_text("\n".join([
         f"models_dir: {root / 'models'}",
@@ -92,8 +95,7 @@ def write_config(root: Path) -> Path:
         "  settle_s: 0.1",
         "  scan_interval_s: 30.0",
         "  quiet_s: 0.5",
-        "train:",
-        f"  sample_period_s: {PERIOD_S}",
+        *(["train:", f"  sample_period_s: {period_s}"] if period_s is not None else []),
         "scoring:",
         f"  results_dir: {root / 'scores'}",
         "  incident_open_window_s: 0",
@@ -105,6 +107,7 @@ def write_config(root: Path) -> Path:
         "retrain:",
         '  every: ""',
         "  drift_rate: 0",
+        *extra,
     ]) + "\n")
     return conf
 

@@ -65,6 +65,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from alert_soak import csv_bytes, drop, write_config  # noqa: E402
 from soak import OTHER_UID, READY_TIMEOUT_S, REPO, SMD_TRAIN, Daemon, SoakFailure, daemon_env, kill_everything, make_spool  # noqa: E402
 
 PULLER_UID = 12347  # the puller's own uid (ds-pull in the package), a member of the spool's group
@@ -128,32 +129,6 @@ def history(hosts: list[str], pulls: int) -> tuple[str, dict, float, float]:
     return openmetrics(fam), truth, anomaly, first_pull
 
 
-def write_config(root: Path) -> Path:
-    conf = root / "trainer.yaml"
-    conf.write_text("\n".join([
-        f"models_dir: {root / 'models'}",
-        "device: cpu",
-        "spool:",
-        f"  dir: {root / 'spool'}",
-        "  settle_s: 0.1",
-        "  scan_interval_s: 30.0",
-        "  quiet_s: 0.5",
-        "scoring:",
-        f"  results_dir: {root / 'scores'}",
-        "  incident_open_window_s: 0",
-        "  incident_quiet_s: 1800",
-        # the soak checks that rows are scored once and an anomaly paged once, not the threshold:
-        # no alarm budget and no retraining (a new version would change the model mid-soak)
-        "  alarm_budget_per_day: 0",
-        "retrain:",
-        '  every: ""',
-        "  drift_rate: 0",
-        "metrics:",
-        f"  textfile_dir: {root / 'metrics'}",
-    ]) + "\n")
-    return conf
-
-
 def as_member(path: Path, data: bytes, uid: int) -> None:
     """Write path as the member would: created new (O_EXCL: an existing file is left alone), 0640."""
     try:
@@ -164,10 +139,6 @@ def as_member(path: Path, data: bytes, uid: int) -> None:
         f.write(data)
     if os.geteuid() == 0:
         os.lchown(path, uid, -1)
-
-
-def now_wall() -> float:
-    return time.time()
 
 
 def stamp(t: float) -> str:
@@ -195,21 +166,14 @@ class Member:
             # the sidecars its killed drops leave must not take a member's
             lone = self.spool / "score" / f"{model}.{stamp(now)}.{secrets.token_hex(8)}.yaml"
             as_member(lone, f"model: {model}\n".encode(), self.uid)
-            os.utime(lone, (now_wall() - EVERY_S, now_wall() - EVERY_S))
+            os.utime(lone, (time.time() - EVERY_S, time.time() - EVERY_S))
             self.planted[lone] = f"model: {model}\n".encode()
 
     def take(self, model: str, rows: np.ndarray) -> None:
-        """Train ``model`` first: a training file dropped the safe way (hidden name, renamed)."""
-        incoming = self.spool / "incoming"
-        body = "\n".join(",".join(f"{v:.6f}" for v in r) for r in rows) + "\n"
-        side, data = incoming / f"{model}.member.yaml", incoming / f"{model}.member.csv"
-        for path, content in ((side, f"name: {model}\n"), (data, body)):
-            tmp = incoming / f".{path.name}.part"
-            tmp.write_text(content)
-            os.chmod(tmp, 0o640)
-            if os.geteuid() == 0:
-                os.lchown(tmp, self.uid, -1)
-            os.rename(tmp, path)
+        """Train ``model`` first: a training file and its sidecar dropped the safe way (NAME.part, renamed)."""
+        assert self.uid == OTHER_UID  # the uid scripts/alert_soak.py's drop gives its files
+        drop(self.spool / "incoming", f"{model}.member.yaml", f"name: {model}\n".encode())
+        drop(self.spool / "incoming", f"{model}.member.csv", csv_bytes(rows))
 
 
 class PullRun:
@@ -429,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     (root / "prometheus").mkdir()
     prom = PrometheusServer(root / "prometheus", text).start()
     (root / "node.yaml").write_text(SOURCE.format(url=prom.url))
-    conf = write_config(root)
+    conf = write_config(root, period_s=None, extra=("metrics:", f"  textfile_dir: {root / 'metrics'}"))
     member = Member(dirs["spool"], OTHER_UID)
     daemon, sessions, fails = None, set(), []
     started = time.monotonic()
