@@ -388,7 +388,9 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
     prefix = source.options.model_prefix
     if state.setdefault("model_prefix", prefix) != prefix:  # every host is modelled again, under its new name
         report.old_prefix, state["model_prefix"] = state["model_prefix"], prefix
-        state["prefix_since"] = end  # a model of a name from before (a prefix used earlier) is not adopted
+        # a training of a name from before (a prefix used earlier, then again) is not adopted: only one
+        # that ends after the last pull saved under the old prefix (this pull's own, dropped before a kill)
+        state["prefix_since"] = max([float(e.get("seen_at") or 0) for e in hosts.values()] + [0.0])
         for h, e in list(hosts.items()):
             if e.get("model"):
                 report.renamed[h] = e["model"]
@@ -474,7 +476,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
             continue
         entry.pop("blocked", None)
         adopted = own_training(name) if not entry.get("train_failed") else None
-        if adopted is not None and float(adopted[0]) < float(state.get("prefix_since") or 0):
+        if adopted is not None and float(adopted[0]) <= float(state.get("prefix_since") or 0):
             adopted = None  # this name's model from before the prefix changed back: trained afresh
         if adopted is not None:  # dropped before a kill, before the state was saved: not trained twice
             until = min(float(adopted[0]), end)

@@ -825,10 +825,18 @@ def test_a_new_model_prefix_models_every_host_again_under_its_new_name(tmp_path,
     assert len(list((tmp_path / "spool" / "incoming").glob("dc1-h*.train-*.csv"))) == 2
     # and back to no prefix: the first names' training files from before are not adopted (their rows
     # are old), each host is trained again from its last train_window
+    before = Path(path).read_bytes()
     puller = Puller(plain, spool, path, PullMetrics(plain, ""), EventLog(journal=False), str(tmp_path / "models"))
     assert puller.once(T0 + 1.3 * DAY)
     err = capsys.readouterr().err
     assert "model_prefix is now '' (was 'dc1-')" in err and "was dropped before the puller last stopped" not in err
+    assert len(list((tmp_path / "spool" / "incoming").glob("h*.train-*.csv"))) == 4
+    # that pull killed after its drops, before its state was saved: the next adopts its own drops
+    # (they end after the last pull saved under dc1-), and trains nothing twice
+    Path(path).write_bytes(before)
+    assert puller.once(T0 + 1.3 * DAY + 300)
+    err = capsys.readouterr().err
+    assert err.count("was dropped before the puller last stopped") == 2, err
     assert len(list((tmp_path / "spool" / "incoming").glob("h*.train-*.csv"))) == 4
 
 
