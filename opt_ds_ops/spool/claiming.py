@@ -342,8 +342,12 @@ def recover_claim(spool: Spool, job_id: str, record: dict, max_bytes: int, progr
     if record.get("state") != "claiming":
         if os.path.lexists(source) and record.get("data_file") != SOURCE_FILE:
             os.unlink(source)
-        if os.path.lexists(os.path.join(jdir, SIDECAR_SOURCE)) or not record.get("sidecar_done"):
+        if os.path.lexists(os.path.join(jdir, SIDECAR_SOURCE)) or (
+                not record.get("sidecar_done") and not os.path.lexists(os.path.join(jdir, SIDECAR_FILE))):
             take_sidecar(spool, job_id, record)  # killed before or while the sidecar was taken
+        elif not record.get("sidecar_done"):  # taken and copied; killed before the record said so
+            record["sidecar_done"] = True
+            write_json(os.path.join(jdir, JOB_FILE), record)
         return Claim("claimed", job_id, record)
     if not os.path.lexists(source):
         shutil.rmtree(jdir, ignore_errors=True)

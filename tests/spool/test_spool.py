@@ -219,6 +219,14 @@ def test_a_claim_killed_after_its_copy_before_its_sidecar_takes_the_sidecar_at_r
     put(spool, INCOMING, "h.train-1.yaml", b"name: later\n")
     again = sp.recover_claim(spool, job, sp.read_json(spool.job_path(job, sp.JOB_FILE)), 1000)
     assert again.outcome == "claimed" and os.path.exists(spool.path(INCOMING, "h.train-1.yaml"))
+    # killed after the sidecar was copied in, before the record said so: the copy stands, the later
+    # drop's sidecar is not taken over it
+    record = sp.read_json(spool.job_path(job, sp.JOB_FILE))
+    del record["sidecar_done"]
+    sp.write_json(spool.job_path(job, sp.JOB_FILE), record)
+    again = sp.recover_claim(spool, job, record, 1000)
+    assert again.record["sidecar_done"] and open(spool.job_path(job, sp.SIDECAR_FILE), "rb").read() == b"name: h\n"
+    assert open(spool.path(INCOMING, "h.train-1.yaml"), "rb").read() == b"name: later\n"
 
 
 # ---- finishing -----------------------------------------------------------------------------------
