@@ -58,6 +58,13 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
                                      "scoring.regime_shift_sd=3"]},
          ("shipped", "diff-10-regime-b0.5", "levels-warnings-regime")),
 }
+# Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
+# each configuration's items go on top of these, so their records reproduce. Rounds 6 to 8 run on
+# today's shipped conffile and so measure their candidates beside today's score, not their records.
+BEFORE_ROUND_10 = ["train.input_differences=false", "train.score_window=30", "scoring.alarm_budget_learns=all",
+                   "scoring.regime_after_s=0", "scoring.alarm_budget_per_day=1"]
+for _r in (9, 10):
+    ROUNDS[_r] = ({name: BEFORE_ROUND_10 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01

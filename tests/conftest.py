@@ -92,6 +92,16 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _a_tests_forkserver_ends_with_it():
+    """Stop the forkserver a test's in-process daemon started (tests/daemon_kit.py ``job_context``):
+    it holds the environment of the test that started it, which the next test's jobs must not see."""
+    yield
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    if forkserver is not None and forkserver._forkserver._forkserver_pid is not None:
+        forkserver._forkserver._stop()
+
+
 @pytest.fixture(scope="session")
 def smd_rows() -> np.ndarray:
     """The bundled real SMD machine-1-2 training rows, (23694, 38) float32."""

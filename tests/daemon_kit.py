@@ -25,9 +25,10 @@ JOB_TIMEOUT_S = 300
 def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_s: float = 0.5,
                  scan_interval_s: float = 30.0, max_dataset_bytes: int | None = None, watcher: str | None = None,
                  max_crashes: int | None = None, name: str = "trainer.yaml", quiet_s: float = 1.0,
-                 extra: list[str] | None = None, shipped_training: bool = False) -> Path:
+                 extra: list[str] | None = None, shipped_training: bool = False, train_keys: tuple[str, ...] = ()) -> Path:
     """Write a conffile for a daemon on root/spool and root/models; return its path.
-    ``shipped_training``: no ``train:`` keys (the shipped plateau rule), ``epochs`` and ``batch_size`` unused."""
+    ``shipped_training``: no ``train:`` keys (the shipped plateau rule), ``epochs`` and ``batch_size`` unused.
+    ``train_keys``: more ``train:`` lines, ``KEY: VALUE`` each."""
     train = [] if shipped_training else [
         "train:",
         f"  epochs: {epochs}",
@@ -35,6 +36,7 @@ def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_
         f"  batch_size: {batch_size}",
         "  lr: 1.0e-3",  # the seed's, as the daemon tests were written for (the shipped default is 1e-2)
     ]
+    train += ([] if train else ["train:"]) + [f"  {k}" for k in train_keys] if train_keys else []
     lines = [
         f"models_dir: {root / 'models'}",
         "device: cpu",
@@ -253,12 +255,23 @@ def copy_smd(dest: Path) -> Path:
     return dest
 
 
+def job_context():
+    """The multiprocessing context an in-process daemon's jobs start in: the daemon's own forkserver
+    (:func:`opt_ds_ops.daemon.worker.context`, torch and ds-ops imported once for all the test's
+    jobs instead of once per spawned job). It starts at the test's first job, after the test has set
+    its environment (which its jobs see, as they would spawned), and stops when the test ends
+    (tests/conftest.py), so no test's jobs see another's environment."""
+    from opt_ds_ops.daemon import worker
+
+    return worker.context()
+
+
 def in_process_daemon(conf: Path, gate=None):
-    """Return (a Daemon of conffile ``conf`` run in this process, with its job processes spawned;
-    the journal events it sends, as dicts with MESSAGE): tick it with ``d._tick()``. ``gate``
-    replaces the job processes' health gate (tests/fakes/scripted_gate.py)."""
+    """Return (a Daemon of conffile ``conf`` run in this process, with its job processes forked by
+    the test's forkserver (:func:`job_context`); the journal events it sends, as dicts with
+    MESSAGE): tick it with ``d._tick()``. ``gate`` replaces the job processes' health gate
+    (tests/fakes/scripted_gate.py)."""
     import io
-    import multiprocessing
 
     from opt_ds_ops.config.conffile import load_config
     from opt_ds_ops.daemon import service as daemon_mod
@@ -271,7 +284,7 @@ def in_process_daemon(conf: Path, gate=None):
     log = EventLog(journal=False, stream=io.StringIO())
     log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
     d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(conf),
-                          mp_context=multiprocessing.get_context("spawn"), gate=gate)
+                          mp_context=job_context(), gate=gate)
     return d, sent
 
 

@@ -78,7 +78,7 @@ class TrainConfig:
     val_fraction: float = _field(0.1, lambda v: 0 <= v < 0.9, "a number in [0, 0.9)")
     threshold_quantile: float = _field(0.99, lambda v: 0 < v < 1, "a number in (0, 1)")
     # Score and threshold: smoothing, input clip, windowed inputs (docs/detection.md, how the default score was chosen).
-    score_window: int = _field(30, _positive, "an integer >= 1 (rows; 1 = no smoothing)")
+    score_window: int = _field(10, _positive, "an integer >= 1 (rows; 1 = no smoothing)")
     score_smoothing: str = _field("ema", lambda v: v in ("ema", "mean"), "one of ema, mean")
     input_clip: float = _field(20.0, _non_negative, "a number >= 0 (standard deviations; 0 = no clipping)")
     error_floor: float = _field(0.01, _positive, "a number > 0")
@@ -86,7 +86,7 @@ class TrainConfig:
     window_error: str = _field("last", lambda v: v in ("last", "window"), "one of last, window")
     # Each metric's change since the previous row, standardised like the levels, read beside its level
     # (opt_ds_ops.model.network.with_differences; needs input_window 1): the model's input is 2 x D wide.
-    input_differences: bool = _field(False, None, "true or false")
+    input_differences: bool = _field(True, None, "true or false")
     threshold_method: str = _field("quantile", lambda v: v in ("quantile", "alarm_rate", "spot"),
                                    "one of quantile, alarm_rate, spot")
     alarms_per_day: float = _field(1.0, _non_negative, "a number >= 0 (alarms per day)")
@@ -163,7 +163,7 @@ class ScoringConfig:
     said once, then the series is re-baselined (0 seconds: off). ``alarm_budget_per_day``,
     ``alarm_budget_days``: each series raises its threshold, at each day of the data, to the lowest
     that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
-    1 as shipped, round 7). ``alarm_budget_history``: a new version's budget starts from the
+    0.5 as shipped, round 10). ``alarm_budget_history``: a new version's budget starts from the
     series' scored history (its last alarm_budget_days days), scored again by the new version,
     instead of from nothing (:func:`opt_ds_ops.scoring.calibration.seed`). ``alarm_budget_learns``:
     whose runs the budget counts (``all``; ``warnings``: not those of an incident that was or became
@@ -180,13 +180,13 @@ class ScoringConfig:
     incident_quiet_s: float = _field(1800.0, lambda v: _non_negative(v) and math.isfinite(v),
                                      "seconds >= 0 (0: the first unflagged row closes)")
     incident_critical_ratio: float = _field(2.0, lambda v: 1 <= v < math.inf, "a number >= 1 (times the threshold)")
-    regime_after_s: float = _field(0.0, lambda v: _non_negative(v) and math.isfinite(v),
+    regime_after_s: float = _field(21600.0, lambda v: _non_negative(v) and math.isfinite(v),
                                    "seconds >= 0 (0: a change of regime is never recognised)")
     regime_shift_sd: float = _field(3.0, lambda v: 0 < v < math.inf, "a number > 0 (training standard deviations)")
-    alarm_budget_per_day: float = _field(1.0, lambda v: 0 <= v <= 1e6, "alarms a day in [0, 1000000] (0: off)")
+    alarm_budget_per_day: float = _field(0.5, lambda v: 0 <= v <= 1e6, "alarms a day in [0, 1000000] (0: off)")
     alarm_budget_days: float = _field(14.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
     alarm_budget_history: bool = _field(False, None, "true or false")
-    alarm_budget_learns: str = _field("all", lambda v: v in ("all", "warnings", "normal"),
+    alarm_budget_learns: str = _field("warnings", lambda v: v in ("all", "warnings", "normal"),
                                       "one of all, warnings, normal")
 
 
@@ -485,9 +485,10 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = "", also: tupl
         if check is not None and not check(value):
             raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {_shown(value)}", (*parts, name))
         values[name] = value
-    if cls is TrainConfig and values.get("input_differences") and values.get("input_window", 1) != 1:
-        raise ConfigError(f"{where}: key '{prefix}input_differences' reads each row beside the one before it and needs "
-                          f"'{prefix}input_window' 1, got {values['input_window']}", (*parts, "input_differences"))
+    if cls is TrainConfig and values.get("input_differences", fields["input_differences"].default) and values.get("input_window", 1) != 1:
+        raise ConfigError(f"{where}: key '{prefix}input_differences' (true unless set false) reads each row beside the one "
+                          f"before it and needs '{prefix}input_window' 1, got {values['input_window']}; set "
+                          f"'{prefix}input_differences: false' for windowed inputs", (*parts, "input_differences"))
     return cls(**values)
 
 

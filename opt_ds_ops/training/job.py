@@ -354,8 +354,9 @@ def run_job(
     ranks and raises TrainingInterrupted without a checkpoint, ``resume`` is not used;
     metadata.json's ``distributed`` says world size and backend). ``distributed_optional`` (the
     daemon's ``daemon.distributed_min_bytes``): where a distributed run cannot take the dataset (it
-    streams, or ``train.input_window`` > 1) it trains in one process and the dataset's notes say
-    why, instead of failing. ``uploader_uid``: the owner of the file a daemon job was dropped as
+    streams, ``train.input_window`` > 1 or ``train.input_differences``) it trains in one process and
+    the dataset's notes say why, instead of failing; a run that still streams or is distributed reads
+    levels alone (:func:`_levels_alone_where_needed`). ``uploader_uid``: the owner of the file a daemon job was dropped as
     (:func:`check_model_name`). A text, Parquet or Arrow
     dataset whose matrix is over the job's budget is converted into a float32 ``.npy`` in
     ``scratch_dir`` (the daemon: the job's own directory; default :func:`scratch_dir_for`, removed
@@ -390,6 +391,7 @@ def run_job(
                    else "train.input_differences is true")
             ds.notes.append(f"trained in one process, not {nproc} (daemon.distributed_min_bytes): {why}")
             nproc = 1
+        cfg = _levels_alone_where_needed(cfg, ds, nproc)
         stage("training")
         fit = checkpoint_fit(ds, prep.options, prep.sha)
         dropped = on_resume_dropped or (lambda _why: None)
@@ -424,6 +426,19 @@ def run_job(
         return store_job(prep, result, cfg, health=health, job_id=job_id, source_name=source_name,
                          explicit_name=explicit_name, uploader_uid=uploader_uid, extra_metadata=extra_metadata,
                          held_back_path=held_back_path, distributed=nproc > 1, on_stage=stage)
+
+
+def _levels_alone_where_needed(cfg: Config, ds: Dataset, nproc: int) -> Config:
+    """Return cfg, or cfg with ``train.input_differences`` false where this training cannot read
+    differences (a dataset that streams from disk, over the job's matrix budget, or a distributed
+    run: both read single rows), with a dataset note saying why. The version's reading contract then
+    says levels alone (metadata.json's ``input_differences``), and it scores as one trained so."""
+    if not cfg.train.input_differences or (nproc <= 1 and isinstance(ds.data, np.ndarray)):
+        return cfg
+    why = (f"a distributed run ({nproc} processes) trains on single rows" if nproc > 1
+           else "it streams from disk (over the job's matrix budget), and differences need the rows in memory")
+    ds.notes.append(f"reads each metric's level alone, not its change beside it (train.input_differences): {why}")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, input_differences=False))
 
 
 @dataclass

@@ -16,8 +16,8 @@ import pytest
 from conftest import SMD_TRAIN, run_cli
 from daemon_kit import (
     SMD_ROWS, START_TIMEOUT_S, Daemon, NotifySocket, base_env, copy_smd, done_names, drop_dac_capabilities,
-    failed_names, job_dir, job_in_processing, job_record, read_json, run_until, save_version, spool_dir, versions,
-    write_config,
+    failed_names, job_context, job_dir, job_in_processing, job_record, read_json, run_until, save_version, spool_dir,
+    versions, write_config,
 )
 
 
@@ -471,10 +471,9 @@ def test_status_text_lists_queue_and_latest_results(tmp_path):
 # ---- the health gate's answers (in-process, with the gate replaced) --------------------------------
 
 def test_a_deferred_job_waits_in_processing_and_a_refused_one_goes_to_failed_with_the_report(tmp_path, monkeypatch):
-    """The job processes (spawned fresh: a fork of this test process, whose OpenMP pool other tests
-    started, could hang) answer the health gate from a script; everything else is the real daemon."""
+    """The job processes (forked by the test's own forkserver, as the daemon's are: a fork of this
+    test process, whose OpenMP pool other tests started, could hang) answer the health gate from a script; everything else is the real daemon."""
     import io
-    import multiprocessing
 
     from fakes import scripted_gate
     from opt_ds_ops.daemon import service as daemon_mod
@@ -493,7 +492,7 @@ def test_a_deferred_job_waits_in_processing_and_a_refused_one_goes_to_failed_wit
     cfg = load_config(str(write_config(tmp_path, settle_s=0)))
     log = io.StringIO()
     d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), EventLog(journal=False, stream=log), Notifier({}),
-                          str(tmp_path / "trainer.yaml"), mp_context=multiprocessing.get_context("spawn"),
+                          str(tmp_path / "trainer.yaml"), mp_context=job_context(),
                           gate=scripted_gate.gate)
 
     def run_job_to_end():

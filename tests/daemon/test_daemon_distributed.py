@@ -1,6 +1,6 @@
 """One dataset on several processes under the daemon (``daemon.distributed_min_bytes``).
 
-The real daemon in this process, its jobs in spawned processes, each distributed job's ranks under
+The real daemon in this process, its jobs forked by its forkserver, each distributed job's ranks under
 real torchrun with gloo on this machine's CPUs (``device: cpu``, ``distributed_nproc: 2``): what
 CI can run. On GPUs the same code gives each rank a GPU (nccl); that needs GPUs that are real.
 """
@@ -10,24 +10,27 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import multiprocessing
 import os
 import time
 
 import numpy as np
 
 from daemon_kit import (
-    done_names, in_process_daemon, job_record, read_json, spool_dir, stop_in_process, tick_until, write_config
+    done_names, in_process_daemon, job_context, job_record, read_json, spool_dir, stop_in_process, tick_until, write_config
 )
 
 DEADLINE_S = 300  # a generous end for one test's jobs on a shared 2-core machine (not a measurement)
 
 
-def start(tmp_path, monkeypatch, *, epochs: int = 2, batch_size: int = 256, nproc: str = "2"):
+def start(tmp_path, monkeypatch, *, epochs: int = 2, batch_size: int = 256, nproc: str = "2",
+          differences: bool = False):
     """Return (daemon, journal events sent) on tmp_path: device cpu, max_jobs 2, datasets of at
-    least 40,000 bytes on ``nproc`` processes."""
+    least 40,000 bytes on ``nproc`` processes. Levels alone (``train.input_differences: false``)
+    unless ``differences``: a distributed run reads single rows, and the shipped default trains a
+    large dataset in one process instead (test below)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     conf = write_config(tmp_path, settle_s=0, epochs=epochs, batch_size=batch_size, quiet_s=0,
+                        train_keys=() if differences else ("input_differences: false",),
                         extra=["daemon:", "  max_jobs: 2", "  distributed_min_bytes: 40000",
                                f"  distributed_nproc: {nproc}"])
     return in_process_daemon(conf)
@@ -99,6 +102,20 @@ def test_auto_on_a_host_without_gpus_trains_the_large_dataset_in_one_process(tmp
     assert metadata(tmp_path, "big.csv")["distributed"] is None
 
 
+def test_with_differences_as_shipped_the_large_dataset_trains_in_one_process_reading_them(tmp_path, monkeypatch):
+    """train.input_differences (shipped true) reads each row beside the one before it, which a
+    distributed run does not: the large dataset trains in one process, with its differences, and its
+    notes say why (not a failure, not levels alone)."""
+    d, sent = start(tmp_path, monkeypatch, differences=True)
+    drop(tmp_path, "big.csv", 3000, 3)
+    run(d, tmp_path, lambda: done_names(tmp_path) == {"big.csv"}, sent)  # its slots were held for 2 processes
+    d.watcher.stop()
+    md = metadata(tmp_path, "big.csv")
+    assert md["distributed"] is None and md["input_differences"] is True, md["distributed"]
+    assert ("trained in one process, not 2 (daemon.distributed_min_bytes): train.input_differences is true"
+            in md["dataset"]["notes"]), md["dataset"]["notes"]
+
+
 def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_epoch_1(tmp_path, monkeypatch):
     from opt_ds_ops.daemon import service as daemon_mod
     from opt_ds_ops.daemon.notify import Notifier
@@ -145,7 +162,7 @@ def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_e
                for e in sent)
 
     again = daemon_mod.Daemon(d.cfg, d.spool, d.log, Notifier({}), d.config_path,
-                              mp_context=multiprocessing.get_context("spawn"))
+                              mp_context=job_context())
     again.recovery.recover()
     assert again.pending == [record["job_id"]]
     seen = run(again, tmp_path, training, sent)

@@ -1,5 +1,5 @@
-"""Parallel jobs (``daemon.max_jobs``): the real daemon in this process, its jobs in spawned
-processes that really train (on the CPU, behind a fake CUDA runtime), on a host of two fake GPUs.
+"""Parallel jobs (``daemon.max_jobs``): the real daemon in this process, its jobs in processes
+of its forkserver that really train (on the CPU, behind a fake CUDA runtime), on a host of two fake GPUs.
 
 Fakes only at the library boundary (tests/fakes/scripted_gate.py: ``two_gpus`` for NVML,
 ``slot_gate`` for torch's CUDA device map and runtime in each job process, then the real health
@@ -14,7 +14,6 @@ import contextlib
 import gc
 import io
 import json
-import multiprocessing
 import os
 import time
 
@@ -22,7 +21,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_kit import (
-    done_names, failed_names, in_process_daemon, job_record, read_json, spool_dir, stop_in_process, write_config
+    done_names, failed_names, in_process_daemon, job_context, job_record, read_json, spool_dir, stop_in_process, write_config
 )
 from fakes import scripted_gate
 from fakes.fake_pynvml import FakeNvml, install
@@ -221,7 +220,7 @@ def test_sigterm_checkpoints_every_running_job_and_the_restart_resumes_each_on_a
     stopped = stop(d)
 
     again = daemon_mod.Daemon(d.cfg, d.spool, d.log, Notifier({}), d.config_path,
-                              mp_context=multiprocessing.get_context("spawn"), gate=scripted_gate.slot_gate)
+                              mp_context=job_context(), gate=scripted_gate.slot_gate)
     again.recovery.recover()
     assert sorted(again.pending) == sorted(r["job_id"] for r in stopped.values())
     (tmp_path / "barrier").rename(tmp_path / "barrier-1")

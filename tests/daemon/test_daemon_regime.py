@@ -1,4 +1,4 @@
-"""A change of regime through the real daemon with the shipped defaults:
+"""A change of regime through the real daemon with the shipped defaults (the score of levels alone):
 two metrics of a machine move to new levels and stay there. The daemon says so once, naming the
 metrics with their old and new levels (journal, summary, status, metrics), no incident stays open
 on the new regime, the model is retrained on the new regime's rows after retrain.regime_learn_s
@@ -36,8 +36,13 @@ def write_rows(path, rows: np.ndarray, first: int) -> None:
 
 def test_a_level_shift_is_said_once_learned_and_a_real_incident_after_it_pages(tmp_path, smd_rows):
     # the shipped conffile's scoring and retraining (only paths and the spool's pace are the test's),
-    # with the change of regime turned on (off as shipped: docs/detection-protocol.md, round 6)
+    # the change of regime on as shipped, with the score of levels alone (before round 10): the
+    # shipped score reads each metric's change too, pages this shift's onset (33 of the first 720 rows
+    # flagged, incidents of 2-16 rows) and holds no incident open for 6 hours, so it never needs a
+    # change of regime (tests/daemon/test_daemon_threshold.py: the shipped score through a shift).
+    # The levels score holds the shift in alarm: the mechanism is shown on it.
     conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5,
+                        train_keys=("input_differences: false", "score_window: 30"),
                         extra=["scoring:", f"  results_dir: {tmp_path / 'scores'}", "  regime_after_s: 21600"])
     # a quiet stretch of machine-1-2: a model of rows 12000..15000 flags under 1 % of the 8,640 after them
     steady = smd_rows[12000:15000]

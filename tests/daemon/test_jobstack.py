@@ -1,6 +1,6 @@
 """Several waiting datasets trained in one job process as one stacked model (``daemon.stack_max``).
 
-The real daemon in this process, its job processes spawned, real training on this machine's CPU:
+The real daemon in this process, its job processes forked by its forkserver, real training on this machine's CPU:
 what a fleet's first training looks like, small. Each job of a stack must end as it would alone: its
 own result, model and version, the same threshold as training its file alone, its own failure.
 """

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing
 import os
 import time
 
 import numpy as np
 import pynvml
 
-from daemon_kit import done_names, read_json, spool_dir, write_config
+from daemon_kit import done_names, job_context, read_json, spool_dir, write_config
 from fakes.fake_pynvml import FakeNvml, h200, install
 from opt_ds_ops.health import gpustats
 from opt_ds_ops.config.conffile import Config, TrainConfig
@@ -108,8 +107,8 @@ def test_each_epoch_in_metadata_carries_its_gpu_reading(tmp_path, monkeypatch, s
 
 
 def run_daemon_job(tmp_path, monkeypatch, gate, rows: int, epochs: int = 3) -> list[dict]:
-    """Run one dataset of ``rows`` x 4 through the real daemon in this process, its job in a spawned
-    process whose health gate is ``gate`` (tests/fakes/scripted_gate.py); return what the daemon
+    """Run one dataset of ``rows`` x 4 through the real daemon in this process, its job forked by
+    its forkserver, whose health gate is ``gate`` (tests/fakes/scripted_gate.py); return what the daemon
     sent to journald (captured at systemd-python's send)."""
     from opt_ds_ops.daemon import service as daemon_mod
     from opt_ds_ops.config.conffile import load_config
@@ -123,7 +122,7 @@ def run_daemon_job(tmp_path, monkeypatch, gate, rows: int, epochs: int = 3) -> l
     log = EventLog(journal=False, stream=io.StringIO())
     log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
     d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(tmp_path / "trainer.yaml"),
-                          mp_context=multiprocessing.get_context("spawn"), gate=gate)
+                          mp_context=job_context(), gate=gate)
     np.savetxt(spool_dir(tmp_path, "incoming") / "gpu.csv", np.random.default_rng(0).normal(size=(rows, 4)), delimiter=",")
     assert d.dispatch.take("gpu.csv")
     deadline = time.monotonic() + 300
@@ -134,7 +133,7 @@ def run_daemon_job(tmp_path, monkeypatch, gate, rows: int, epochs: int = 3) -> l
 
 
 def test_a_jobs_journal_events_carry_the_gpu_fields_and_a_throttle_warning(tmp_path, monkeypatch):
-    """The real daemon in this process, its job in a spawned process whose gate (tests/fakes/
+    """The real daemon in this process, its job forked by its forkserver, whose gate (tests/fakes/
     scripted_gate.py: gpu_gate) installs the fake NVML there; journald's send is captured."""
     from fakes import scripted_gate
 
@@ -165,7 +164,9 @@ def test_a_daemon_job_whose_dataset_hit_cuda_out_of_memory_says_so_when_saved(tm
     of memory: the job trains from pinned host memory and its saved event and metadata say so."""
     from fakes import scripted_gate
 
-    monkeypatch.setenv("DS_OPS_TEST_OOM_BYTES", str(2700 * 4 * 4))  # the training split of 3,000 x 4 rows
+    # the training split's model inputs: 2,700 of 3,000 rows x 8 (each of 4 metrics' change and level,
+    # train.input_differences as shipped) x 4 bytes; a batch (at most 2,048 rows) stays under it
+    monkeypatch.setenv("DS_OPS_TEST_OOM_BYTES", str(2700 * 8 * 4))
     sent = run_daemon_job(tmp_path, monkeypatch, scripted_gate.oom_gate, rows=3000, epochs=1)
     assert done_names(tmp_path) == {"gpu.csv"}, sent
     (saved,) = [e for e in sent if e["MESSAGE_ID"] == MESSAGE_IDS["job-saved"]]

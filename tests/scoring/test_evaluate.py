@@ -64,6 +64,15 @@ def test_baseline_figures_match_scikit_learn_on_independently_computed_scores(ma
     stored = load_model(machine["model_dir"])
     x = torch.from_numpy(((test_rows - stored.mean.numpy()) / stored.std.double().numpy()).astype(np.float32))
     x = x.clamp(-stored.input_clip, stored.input_clip)
+    # The shipped model (train.input_differences true, round 10) reads each metric's change beside its
+    # level: [d_t, z_t], d_t = ((z_t - z_(t-1)) - diff_mean) / diff_std clipped like the levels, row 0's
+    # change that of a repeated row (0); seed-mse is the MSE over all 2 x 38 of those inputs.
+    assert stored.diff is not None and stored.model.n_features == 2 * 38
+    z = x.double().numpy()
+    change = np.diff(z, axis=0, prepend=z[:1])
+    d = (change - stored.diff[0].double().numpy()) / stored.diff[1].double().numpy()
+    d = np.clip(d, -stored.input_clip, stored.input_clip)
+    x = torch.cat([torch.from_numpy(d.astype(np.float32)), x], dim=1)
     with torch.no_grad():
         seed = ((stored.model(x) - x) ** 2).mean(dim=1).double().numpy()
     np.testing.assert_allclose(seed, machine["_scores"]["seed-mse"], rtol=1e-4)
@@ -125,8 +134,10 @@ def test_ds_ops_score_reproduces_evaluate_for_the_same_model(machine, tmp_path):
 @pytest.mark.parametrize("smoothing, window, how", [("ema", 1, "last"), ("mean", 1, "last"), ("ema", 4, "last"),
                                                     ("ema", 4, "window")])
 def test_appending_rows_never_changes_earlier_scores(smd_rows, smoothing, window, how):
+    # One-row inputs: the shipped differences beside levels; windowed inputs cannot read differences.
+    levels = {"input_differences": False} if window > 1 else {}
     r = train(smd_rows[:3000], TrainConfig(epochs=1, score_smoothing=smoothing, input_window=window,
-                                           window_error=how), CPU)
+                                           window_error=how, **levels), CPU)
     stored = in_memory_model(r)
     full = score_rows(stored, smd_rows[3000:9000])
     for n in (1, 29, 1000, 5999):
@@ -139,7 +150,9 @@ def test_appending_rows_never_changes_earlier_scores(smd_rows, smoothing, window
 
 @pytest.mark.parametrize("window", [1, 4])
 def test_score_rows_and_score_with_cells_agree_to_the_bit(smd_rows, window):
-    stored = in_memory_model(train(smd_rows[:3000], TrainConfig(epochs=1, input_window=window), CPU))
+    # One-row inputs: the shipped differences beside levels; windowed inputs cannot read differences.
+    levels = {"input_differences": False} if window > 1 else {}
+    stored = in_memory_model(train(smd_rows[:3000], TrainConfig(epochs=1, input_window=window, **levels), CPU))
     data = smd_rows[3000:6000]
     scores, cells = score_with_cells(stored, data, batch_rows=700)
     assert np.array_equal(score_rows(stored, data, batch_rows=700), scores)
@@ -150,7 +163,10 @@ def test_score_rows_and_score_with_cells_agree_to_the_bit(smd_rows, window):
 
 
 def test_a_model_saved_before_score_smoothing_was_stored_scores_with_its_old_trailing_mean(smd_rows, tmp_path):
-    r = train(smd_rows[:3000], TrainConfig(epochs=1, score_smoothing="mean", score_window=15, input_clip=0.0), CPU)
+    # A model saved before the score's settings were stored read levels alone (differences came later,
+    # stored with their own keys): pinned so the payload is one such a ds-ops could have written.
+    r = train(smd_rows[:3000], TrainConfig(epochs=1, score_smoothing="mean", score_window=15, input_clip=0.0,
+                                           input_differences=False), CPU)
     payload = model_payload(r)
     for key in ("score_smoothing", "input_clip", "threshold_method", "input_window", "window_error"):
         del payload[key]
@@ -169,7 +185,7 @@ def test_a_model_saved_before_score_smoothing_was_stored_scores_with_its_old_tra
 
 
 def test_ds_ops_score_reproduces_evaluate_for_a_windowed_model(tmp_path):
-    cfg = Config(train=TrainConfig(epochs=1, input_window=4))
+    cfg = Config(train=TrainConfig(epochs=1, input_window=4, input_differences=False))  # windows read levels alone
     files = smd_machines(str(SMD), ["machine-1-2"])[0]
     r = evaluate_machine(files, cfg, CPU, models_dir=str(tmp_path / "models"), keep_scores=True)
     p = run_cli("score", r["model_dir"], str(SMD_TEST), "--labels", str(SMD_LABELS), "--json")

@@ -431,8 +431,15 @@ def test_a_chunk_sent_again_is_scored_from_its_first_new_row_and_pages_nothing_t
     assert any("1000 row(s)" in n and "scored already" in n for n in again["notes"]), again["notes"]
     whole = score_job(make_job(tmp_path / "w", job_id(3), None, text=_timed(test[:1200], 0), sidecar=side),
                       with_overrides(cfg, {"scoring.results_dir": str(tmp_path / "w" / "scores")}))
-    np.testing.assert_allclose([float(r["score"]) for r in read_rows(again["result_dir"])],
-                               [float(r["score"]) for r in read_rows(whole["result_dir"])[1000:]], rtol=0, atol=1e-6)
+    # rows.csv holds each score as %.6g: the same score, carried across the chunks or scored whole, can
+    # round to neighbouring sixth digits (1.80359 and 1.8036). The shipped score (differences beside
+    # levels, round 10) runs over 1 in these rows, where that digit is 1e-5 (an absolute 1e-6 holds
+    # only under 1): the two files agree to one unit of their sixth significant digit.
+    carried = np.array([float(r["score"]) for r in read_rows(again["result_dir"])])
+    scored_whole = np.array([float(r["score"]) for r in read_rows(whole["result_dir"])[1000:]])
+    sixth_digit = 10.0 ** (np.floor(np.log10(np.abs(scored_whole))) - 5)
+    assert carried.shape == (200,) and np.all(np.abs(carried - scored_whole) <= sixth_digit * (1 + 1e-9)), \
+        np.abs(carried - scored_whole).max()
     assert again["incidents"] == whole["incidents"]  # no incident opened twice
     with pytest.raises(ScoringError, match="200 rows .* were scored already"):
         score_job(make_job(tmp_path, job_id(4), None, text=_timed(test[1000:1200], 1000), sidecar=side), cfg)

@@ -17,6 +17,7 @@ import torch
 from conftest import REPO, SMD_TRAIN
 from opt_ds_ops.config.conffile import TrainConfig
 from opt_ds_ops.health.device import plan_device
+from opt_ds_ops.model.network import model_inputs
 from opt_ds_ops.store.versions import (
     CURRENT,
     StoreError,
@@ -52,7 +53,16 @@ def test_loaded_model_reconstructs_like_the_trained_one(tmp_path, result, smd_ro
     path, _ = save_model(str(tmp_path), "m", model_payload(result), {})
     stored = load_model(str(tmp_path / "m"))  # the name directory resolves through current
     assert stored.path == path and stored.threshold == result.threshold
-    x = torch.from_numpy(((smd_rows[:50] - result.mean) / result.std).astype(np.float32))
+    # As shipped the model reads each metric's change beside its level (train.input_differences):
+    # its reading contract comes back from the store, and both models are fed what scoring feeds them.
+    assert (stored.input_window, stored.window_error) == (result.input_window, result.window_error) == (2, "window")
+    assert stored.diff is not None and stored.input_clip == result.input_clip
+    for loaded, trained in zip(stored.diff, result.diff, strict=True):
+        np.testing.assert_array_equal(loaded.numpy(), trained)
+    z = torch.from_numpy(((smd_rows[:50] - result.mean) / result.std).astype(np.float32))
+    z = z.clamp(-result.input_clip, result.input_clip)
+    x = model_inputs(z, stored.input_window, diff=stored.diff, clip=stored.input_clip)
+    assert x.shape == (50, 2 * 38)
     with torch.no_grad():
         torch.testing.assert_close(stored.model(x), result.model.eval()(x))
 

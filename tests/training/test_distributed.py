@@ -14,8 +14,10 @@ import time
 import numpy as np
 import pytest
 import torch
+import yaml
 
-from conftest import REPO, run_cli
+from conftest import CLI_QUICK_CONFIG, REPO, run_cli
+from opt_ds_ops.config.conffile import load_config
 from opt_ds_ops.training.distributed import ddp_batch_bounds, run_ranks, shard
 from opt_ds_ops.training.fit import TrainingError, batch_bounds
 
@@ -32,11 +34,24 @@ def odd_smd_csv(tmp_path, smd_rows):
     return path
 
 
+def _levels_alone_conf(tmp_path, train: dict | None = None):
+    """A conffile of tests/cli-quick.yaml's training (or of ``train``) with input_differences false:
+    levels alone, what a distributed run reads, so the one-process run compared with it reads the
+    same (the equivalence of the two is under test, not the model's input)."""
+    raw = yaml.safe_load(CLI_QUICK_CONFIG.read_text()) if train is None else {"train": dict(train)}
+    raw["train"]["input_differences"] = False
+    conf = tmp_path / "levels-alone.yaml"
+    conf.write_text(yaml.safe_dump(raw))
+    return conf
+
+
 def test_train_nproc_2_stores_the_model_one_process_stores(tmp_path, odd_smd_csv):
     one, two = tmp_path / "one", tmp_path / "two"
-    p1 = run_cli("train", str(odd_smd_csv), "--models-dir", str(one), "--epochs", "3", "--device", "cpu")
-    p2 = run_cli("train", str(odd_smd_csv), "--models-dir", str(two), "--epochs", "3", "--device", "cpu",
-                 "--nproc", "2")
+    conf = _levels_alone_conf(tmp_path)  # levels alone: one process against two, not the input, is under test
+    p1 = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(one), "--epochs", "3",
+                 "--device", "cpu")
+    p2 = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(two), "--epochs", "3",
+                 "--device", "cpu", "--nproc", "2")
     assert p1.returncode == 0, p1.stderr
     assert p2.returncode == 0, p2.stderr
     assert [ln.split()[1] for ln in p2.stdout.splitlines() if ln.startswith("epoch ")] == ["1/3", "2/3", "3/3"]
@@ -68,6 +83,12 @@ def test_train_nproc_2_runs_the_plateau_rule_of_one_process_like_every_rank(tmp_
     assert p.returncode == 0, p.stderr
     md = json.loads((models / "machine-odd" / "current" / "metadata.json").read_text())
     assert md["distributed"] == {"world_size": 2, "backend": "gloo"} and md["epochs"] == 2
+    # the shipped default reads differences (this conffile leaves it), which a distributed run cannot:
+    # it reads each metric's level alone, and its version's metadata and notes say so
+    assert load_config(str(conf)).train.input_differences is True
+    assert md["input_differences"] is False and (md["input_window"], md["window_error"]) == (1, "last")
+    assert any(n.startswith("reads each metric's level alone") and "distributed run (2 processes)" in n
+               for n in md["dataset"]["notes"]), md["dataset"]["notes"]
     stop = md["stopping"]
     assert (stop["reason"], stop["evaluated"], stop["steps"], stop["evaluations"]) == ("plateau", "every_steps", 6, 2)
     assert stop["best_val_loss"] == pytest.approx(min(h["val_loss"] for h in md["history"]), rel=1e-6)
@@ -80,8 +101,8 @@ def test_train_nproc_2_runs_the_plateau_rule_of_one_process_like_every_rank(tmp_
 def test_train_nproc_2_stops_mid_epoch_at_the_step_one_process_stops(tmp_path, odd_smd_csv):
     """The ranks evaluate the rule every eval_every_steps steps on the rows one process evaluates, so
     they stop at its step, mid-epoch too (6 steps an epoch, an evaluation every 4)."""
-    conf = tmp_path / "plateau.yaml"
-    conf.write_text("train:\n  patience: 2\n  min_delta: 0.05\n  min_steps: 0\n  eval_every_steps: 4\n")
+    # levels alone: the rule's step in one process and in two is under test, not the model's input
+    conf = _levels_alone_conf(tmp_path, dict(patience=2, min_delta=0.05, min_steps=0, eval_every_steps=4))
     one, two = tmp_path / "one", tmp_path / "two"
     p1 = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(one), "--device", "cpu")
     p2 = run_cli("train", str(odd_smd_csv), "--config", str(conf), "--models-dir", str(two), "--device", "cpu",
@@ -207,8 +228,9 @@ from opt_ds_ops.health.device import plan_device
 from opt_ds_ops.training.distributed import train_distributed
 
 data = np.load(sys.argv[1])
-train_distributed(data, TrainConfig(epochs=int(sys.argv[3])), plan_device("cpu", "off"), 2, work_dir=sys.argv[2],
-                  on_epoch=lambda s: print("epoch", s.epoch, flush=True))
+# levels alone (input_differences false), as a job passes a distributed run its config: the matrix copy is under test
+train_distributed(data, TrainConfig(epochs=int(sys.argv[3]), input_differences=False), plan_device("cpu", "off"), 2,
+                  work_dir=sys.argv[2], on_epoch=lambda s: print("epoch", s.epoch, flush=True))
 """
 
 

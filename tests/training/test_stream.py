@@ -95,7 +95,10 @@ def test_streamed_training_learns_like_in_memory_training_and_its_threshold_scor
 
     monkeypatch.setattr(npyrows, "CHUNK_BYTES", 64 * 1024)  # 2,048-row chunks: 20 windows an epoch
     path = _write_npy(tmp_path / "t.npy", 60_000)
-    cfg = TrainConfig(epochs=3, batch_size=512, lr=1e-3)  # the seed's step size: two orders of batches compared
+    # levels alone: streaming equivalence with in-memory training is under test, not the model's input
+    # (a streamed dataset cannot read differences: a job reads it levels alone)
+    cfg = TrainConfig(epochs=3, batch_size=512, lr=1e-3,  # the seed's step size: two orders of batches compared
+                      input_differences=False)
     plan = plan_device("cpu", "off")
     streamed = train(load_dataset(str(path), _limits(1000)).data, cfg, plan)
     loaded = train(np.load(path), cfg, plan)
@@ -121,7 +124,7 @@ def test_a_stopped_streamed_run_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(npyrows, "CHUNK_BYTES", 32 * 1024)
     path = _write_npy(tmp_path / "r.npy", 30_000)
     src = load_dataset(str(path), _limits(1000)).data
-    cfg = TrainConfig(epochs=2, batch_size=256)
+    cfg = TrainConfig(epochs=2, batch_size=256, input_differences=False)  # levels alone: the checkpoint is under test
     plan = plan_device("cpu", "off")
     whole = train(src, cfg, plan)
     polls = {"n": 0}
@@ -248,6 +251,16 @@ def test_ds_ops_train_streams_a_csv_over_its_budget_and_leaves_no_conversion_beh
     model = load_model(out["model_dir"])
     np.testing.assert_allclose(model.mean, x[:18_000].mean(axis=0), rtol=1e-9, atol=1e-6)
     assert sorted(os.listdir(models)) == ["fleet"]
+    # the shipped default reads differences (the conffile leaves it), which need the rows in memory:
+    # the streamed run reads each metric's level alone, and its version's metadata and notes say so
+    from opt_ds_ops.config.conffile import load_config
+
+    assert load_config(str(conf)).train.input_differences is True
+    md = json.loads(open(os.path.join(out["model_dir"], "metadata.json")).read())
+    assert md["input_differences"] is False and model.diff is None and model.n_features == 5
+    assert any(n.startswith("reads each metric's level alone") and "streams from disk" in n
+               for n in md["dataset"]["notes"]), md["dataset"]["notes"]
+    assert out["notes"] == md["dataset"]["notes"]
 
 
 @pytest.mark.slow
@@ -284,7 +297,9 @@ def test_a_streamed_run_stops_on_a_plateau_of_its_epochs_and_at_max_steps(tmp_pa
     path = _write_npy(tmp_path / "p.npy", 30_000)
     src = load_dataset(str(path), _limits(1000)).data
     plan = plan_device("cpu", "off")
-    cfg = TrainConfig(epochs=12, batch_size=256, patience=2, min_delta=0.0, min_steps=0, lr=0.05, error_floor=1e-9)
+    # levels alone: the stopping rule of a streamed run and its measured figures are under test, not the input
+    cfg = TrainConfig(epochs=12, batch_size=256, patience=2, min_delta=0.0, min_steps=0, lr=0.05, error_floor=1e-9,
+                      input_differences=False)
     r = train(src, cfg, plan)
     vals = [h.val_loss for h in r.history]  # measured: 0.0140 0.0148 0.0115 0.0136 0.0198
     assert (r.stopping["reason"], r.stopping["evaluated"], len(vals)) == ("plateau", "epoch", 5)
@@ -293,5 +308,5 @@ def test_a_streamed_run_stops_on_a_plateau_of_its_epochs_and_at_max_steps(tmp_pa
     # the error scale is the restored (epoch 3) model's: its mean is epoch 3's validation loss
     assert float(r.error_scale.mean()) == pytest.approx(vals[2], rel=1e-5)
     assert r.val_loss == pytest.approx(vals[2], rel=1e-5)  # metadata's final_val_loss: the published model's
-    m = train(src, TrainConfig(epochs=50, batch_size=256, max_steps=30), plan)
+    m = train(src, TrainConfig(epochs=50, batch_size=256, max_steps=30, input_differences=False), plan)
     assert (m.stopping["reason"], len(m.history)) == ("max_steps", 1) and 30 <= m.stopping["steps"] < 48
