@@ -109,9 +109,10 @@ def test_a_day_of_loud_bursts_does_not_hide_a_shift_the_next_day(series, smd_row
     With the score and budget shipped before round 10 (levels, EMA 30, learns all) two days of
     bursts raise it 3.7 times and the shift is missed. Round 9's ``diff-10`` (each metric's change
     read, EMA 10, learns ``warnings``, 1 alarm a day) paged it; round 10's choice, shipped (the
-    same with half the budget, 0.5 a day) raises the threshold over the ordinary alarms of the
-    quiet days before the bursts (5.2 to 27.2 in four days, the last two moves 2 times each, said at
-    warning level) and misses the shift again: a known gap, reported as xfailed."""
+    same with half the budget, 0.5 a day) raises the threshold 1.9 times at the day start after the
+    bursts began (7.1 to 13.6 before the shift; 27.2 a day later): the budget learned from the burst
+    days though it learns ``warnings`` (not yet explained), and the shift is missed again: a known
+    gap, reported as xfailed, and only after the move it rests on is checked."""
     quiet = smd_rows[15000:15000 + 4 * DAY].copy()
     for b in range(12):
         i = 2 * DAY + b * 120 + 30
@@ -128,8 +129,13 @@ def test_a_day_of_loud_bursts_does_not_hide_a_shift_the_next_day(series, smd_row
     paged = series.opened_in(shift, s0 % CHUNK, s0 % CHUNK + 300)
     if series.keys != BEFORE_ROUND_10:
         if not paged:  # reported as xfailed; once the shift pages, the test passes and this goes
-            known_gap(f"the shift is not paged at the threshold {shift['threshold']:.2f} (the model's "
-                      f"{moves[0]['previous']:.2f}): the half budget raised it over the ordinary alarms of the days before")
+            first_burst = 2 * DAY + 30
+            after = [e for e in moves if first_burst < e["row"] <= s0]  # the day starts after the bursts began
+            assert after and after[-1]["threshold"] >= 1.5 * after[0]["previous"], moves  # what the gap rests on
+            series.close()
+            known_gap(f"the shift is not paged at the threshold {after[-1]['threshold']:.2f}, "
+                      f"{after[-1]['threshold'] / after[0]['previous']:.1f} times the one before the bursts: "
+                      "the budget learned from the burst days")
         assert paged, (shift["threshold"], shift["events"])
     else:  # the budget before round 10 learns the bursts: bounded, and the bound's move said at warning level
         assert moves and any(e["far"] for e in moves), moves
@@ -150,13 +156,16 @@ def test_the_same_incident_three_days_apart_is_paged_both_times(series, smd_rows
     for start in (DAY + 300, 4 * DAY + 300):
         quiet[start:start + 40, [4, 12, 16, 22]] += 6 * series.std[[4, 12, 16, 22]]
     summaries = [series.score(quiet[c:c + CHUNK]) for c in range(0, quiet.shape[0], CHUNK)]
-    for start in (DAY + 300, 4 * DAY + 300):
-        s = summaries[start // CHUNK]
-        paged = series.opened_in(s, start % CHUNK, start % CHUNK + 40)
-        if not paged and series.keys != BEFORE_ROUND_10:
-            series.close()
-            known_gap(f"the failure at row {start} is not paged at the threshold {s['threshold']:.2f}")
-        assert paged, (start, s["threshold"], s["events"])
+    first, again = (summaries[start // CHUNK] for start in (DAY + 300, 4 * DAY + 300))
+    paged = [series.opened_in(s, start % CHUNK, start % CHUNK + 40) for s, start in ((first, DAY + 300),
+                                                                                     (again, 4 * DAY + 300))]
+    if not paged[0] and series.keys != BEFORE_ROUND_10:
+        # the known gap is the first failure's (the score); a first one paged and a repeat missed is
+        # the bug this test is for, and fails below
+        series.close()
+        known_gap(f"the failure at row {DAY + 300} is not paged at the threshold {first['threshold']:.2f}")
+    assert paged[0], (first["threshold"], first["events"])
+    assert paged[1], ("the repeat three days later", again["threshold"], again["events"])  # the bug this test is for
     series.close()
 
 

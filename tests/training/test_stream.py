@@ -158,6 +158,24 @@ def test_a_job_streams_an_npy_over_its_budget_and_stores_a_model_that_scores(tmp
     assert (scores > model.threshold).mean() == pytest.approx(0.01, abs=0.01)
 
 
+@pytest.mark.parametrize("rows, reads", [(6_000, "differences"), (7_000, "levels")])
+def test_a_matrix_over_half_the_budget_reads_levels_alone_and_says_why(tmp_path, rows, reads):
+    """Differences need about twice training's memory beside the matrix: a dataset in memory under
+    half of job.max_matrix_bytes reads them (as shipped), one over half reads levels alone, with
+    the note, instead of running out of memory near the budget."""
+    path = _write_npy(tmp_path / "fleet.npy", rows)  # rows x 8 float32: 192,000 and 224,000 bytes
+    cfg = Config(models_dir=str(tmp_path / "models"), device="cpu", amp="off",
+                 train=TrainConfig(epochs=1), job=JobConfig(max_matrix_bytes=400_000))
+    md = json.loads(open(os.path.join(run_job(str(path), cfg).model_dir, "metadata.json")).read())
+    assert md["data_placement"] != "streamed"
+    note = [n for n in md["dataset"]["notes"] if n.startswith("reads each metric's level alone")]
+    if reads == "differences":
+        assert md["input_differences"] is True and note == [], md["dataset"]["notes"]
+    else:
+        assert md["input_differences"] is False
+        assert note and "over half of the job's matrix budget (job.max_matrix_bytes, 400,000 bytes)" in note[0], note
+
+
 def _telemetry_exports(tmp_path, rows: int = 20_000):
     """The same real-looking telemetry as a CSV with a header, a quoted epoch time column and a
     column near 1e6 (centring matters), and as Parquet of 4 row groups with a timestamp column."""
