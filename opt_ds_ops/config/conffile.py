@@ -485,10 +485,12 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = "", also: tupl
         if check is not None and not check(value):
             raise ConfigError(f"{where}: key '{key}' must be {meta['allowed']}, got {_shown(value)}", (*parts, name))
         values[name] = value
-    if cls is TrainConfig and values.get("input_differences", fields["input_differences"].default) and values.get("input_window", 1) != 1:
-        raise ConfigError(f"{where}: key '{prefix}input_differences' (true unless set false) reads each row beside the one "
-                          f"before it and needs '{prefix}input_window' 1, got {values['input_window']}; set "
-                          f"'{prefix}input_differences: false' for windowed inputs", (*parts, "input_differences"))
+    if cls is TrainConfig and values.get("input_window", 1) != 1 and "input_differences" not in values:
+        values["input_differences"] = False  # windowed inputs (a conffile from before round 10) read levels
+    if cls is TrainConfig and values.get("input_differences") and values.get("input_window", 1) != 1:
+        raise ConfigError(f"{where}: key '{prefix}input_differences' reads each row beside the one before it and needs "
+                          f"'{prefix}input_window' 1, got {values['input_window']}; set it false for windowed inputs",
+                          (*parts, "input_differences"))
     return cls(**values)
 
 

@@ -238,3 +238,14 @@ def test_inputs_of_differences_with_a_window_are_refused_by_check_config_not_by_
         load_config(str(conf))
     conf.write_text("train:\n  input_differences: true\n")
     assert load_config(str(conf)).train.input_differences
+
+
+def test_a_conffile_with_a_window_from_before_the_differences_default_still_loads_and_reads_levels(tmp_path):
+    """train.input_differences is true as shipped (round 10); a conffile kept from before with
+    input_window 4 and no input_differences (dpkg keeps an edited conffile) loads, windows of levels
+    as before, instead of stopping the daemon at the upgrade."""
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text("train:\n  input_window: 4\n")
+    train = load_config(str(conf)).train
+    assert train.input_window == 4 and train.input_differences is False
+    assert load_config(str(tmp_path / "none.yaml"), missing_ok=True).train.input_differences is True
