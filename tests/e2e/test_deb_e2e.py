@@ -638,10 +638,13 @@ def test_the_start_up_line_and_check_config_give_the_memory_per_job_process(box)
 
 def test_distributed_min_bytes_is_refused_under_the_shipped_unit_and_trains_on_two_ranks_with_the_drop_in(box):
     """Before: the unit's RestrictAddressFamilies=AF_UNIX made torchrun's TCP store fail and every
-    dataset over distributed_min_bytes failed in its training stage."""
+    dataset over distributed_min_bytes failed in its training stage. With train.input_differences
+    (true as shipped) the daemon trains such a dataset in one process: a distributed run reads single
+    rows (tests/daemon/test_daemon_distributed.py), so the admin sets it false here."""
     box.run(f"cp {CONF} /root/trainer.yaml.before-ddp && sed -i -e 's/^  distributed_min_bytes: 0$/  "
-            f"distributed_min_bytes: 1000/' -e 's/^  distributed_nproc: auto$/  distributed_nproc: 2/' {CONF} "
-            f"&& grep -q '^  distributed_min_bytes: 1000$' {CONF}")
+            f"distributed_min_bytes: 1000/' -e 's/^  distributed_nproc: auto$/  distributed_nproc: 2/' "
+            f"-e 's/^  input_differences: true$/  input_differences: false/' {CONF} "
+            f"&& grep -q '^  distributed_min_bytes: 1000$' {CONF} && grep -q '^  input_differences: false$' {CONF}")
     try:
         pid = show(box, "MainPID")
         r = box.run(["systemctl", "reload", UNIT], check=False)    # check-config, in the unit's sandbox, refuses
