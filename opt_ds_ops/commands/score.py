@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     s.add_argument("--format", choices=STDIN_FORMATS, help="the format of standard input (default: gzip, .npy, "
                    ".npz, Parquet and Arrow by their magic bytes, else text)")
     s.add_argument("--labels", help="file of one 0/1 per row: also print ROC-AUC, PR-AUC, precision, recall, F1")
-    s.add_argument("--output", help="write per-row CSV: row,score,anomaly[,label],top_metrics")
+    s.add_argument("--output", help="write per-row CSV: row[,time],score,anomaly[,label],top_metrics (time: a dataset with a time column)")
     s.add_argument("--top", type=int, default=3, metavar="N",
                    help="metrics named per flagged segment, largest share of the score first (default 3)")
     s.add_argument("--config", help=f"configuration file, for the job.* dataset budgets (default: {DEFAULT_CONFIG_PATH} if present)")
