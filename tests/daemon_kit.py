@@ -36,7 +36,8 @@ def write_config(root: Path, *, epochs: int = 1, batch_size: int = 2048, settle_
         f"  batch_size: {batch_size}",
         "  lr: 1.0e-3",  # the seed's, as the daemon tests were written for (the shipped default is 1e-2)
     ]
-    train += ([] if train else ["train:"]) + [f"  {k}" for k in train_keys] if train_keys else []
+    if train_keys:
+        train = (train or ["train:"]) + [f"  {k}" for k in train_keys]
     lines = [
         f"models_dir: {root / 'models'}",
         "device: cpu",

@@ -257,8 +257,7 @@ def test_a_level_shift_fires_the_drift_trigger_and_the_retrained_model_is_promot
     # reading levels alone: a retraining that learns the shift is what is measured here, and a model of
     # differences also flags machine-1-2's own jumps in the rows after it (4 short runs, 20 of 500 rows:
     # what it is for, docs/detection-protocol.md round 10, not the design rate of a level this test shifts)
-    conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5, extra=[
-        "train:", "  input_differences: false",
+    conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5, train_keys=("input_differences: false",), extra=[
         "scoring:", f"  results_dir: {tmp_path / 'scores'}",
         "  regime_after_s: 0",  # the drift trigger, not a change of regime (tests/daemon/test_daemon_regime.py)
         "retrain:", "  drift_window: 2000", "  drift_rate: 5", "  exclude_max_rows: 500"])
@@ -501,10 +500,9 @@ def test_a_promoted_retraining_reads_the_exporters_chunks_as_the_version_it_retr
     from daemon_kit import Daemon, spool_dir, versions, write_config
     from opt_ds_ops.store.versions import current_version
 
-    conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5, extra=[
-        # levels alone: the retrained version's flags are the check that it learned the shifted rows, which a
-        # model of differences muddles with machine-1-2's own jumps (see the drift trigger's test above)
-        "train:", "  input_differences: false",
+    # levels alone: the retrained version's flags are the check that it learned the shifted rows, which a
+    # model of differences muddles with machine-1-2's own jumps (see the drift trigger's test above)
+    conf = write_config(tmp_path, shipped_training=True, scan_interval_s=0.5, train_keys=("input_differences: false",), extra=[
         "scoring:", f"  results_dir: {tmp_path / 'scores'}",
         "  regime_after_s: 0",  # the drift trigger, not a change of regime (tests/daemon/test_daemon_regime.py)
         "retrain:", "  drift_window: 2000", "  drift_rate: 5", "  exclude_max_rows: 500"])
