@@ -259,9 +259,10 @@ def copy_smd(dest: Path) -> Path:
 def job_context():
     """The multiprocessing context an in-process daemon's jobs start in: the daemon's own forkserver
     (:func:`opt_ds_ops.daemon.worker.context`, torch and ds-ops imported once for all the test's
-    jobs instead of once per spawned job). It starts at the test's first job, after the test has set
-    its environment (which its jobs see, as they would spawned), and stops when the test ends
-    (tests/conftest.py), so no test's jobs see another's environment."""
+    jobs instead of once per spawned job). A job is forked from a server started in the state of the
+    test that starts it (environment, directory, umask, limits: tests/conftest.py restarts a server
+    started in another), so no test's jobs see another's environment; tests in the same state share
+    a server, and none outlives a test that leaves a job behind."""
     from opt_ds_ops.daemon import worker
 
     return worker.context()

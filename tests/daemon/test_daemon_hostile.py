@@ -292,11 +292,14 @@ def test_row6_a_full_model_store_pauses_intake_and_counts_against_no_dataset(tmp
 
 
 def test_row6_sigterm_during_a_long_parse_stops_at_once(tmp_path):
-    big = np.random.default_rng(0).normal(size=(400_000, 38)).astype(np.float32)
     conf = write_config(tmp_path)
     incoming = spool_dir(tmp_path, "incoming")
     incoming.mkdir(parents=True)
-    np.savetxt(incoming / "big.csv.part", big, delimiter=",", fmt="%.7g")  # ~130 MB of text: seconds to parse
+    # 400,000 rows of 38 columns, ~130 MB of text: seconds to parse (4,000 rows written 100 times:
+    # the parse reads every byte as it would distinct rows, and the text is made in a second, not 20)
+    block = io.StringIO()
+    np.savetxt(block, np.random.default_rng(0).normal(size=(4_000, 38)).astype(np.float32), delimiter=",", fmt="%.7g")
+    (incoming / "big.csv.part").write_text(block.getvalue() * 100)
     os.rename(incoming / "big.csv.part", incoming / "big.csv")
     d = Daemon(conf, preexec_fn=AS_SERVICE)
     try:
