@@ -26,13 +26,14 @@ demo: venv
 
 # The unit and integration tests, in TEST_WORKERS processes (pytest-xdist; most tests wait on real
 # daemons and job processes, so more workers than cores pays; docs/development.md). The long runs
-# have their own targets: the tests of a minute or more (make test-slow), e2e (make e2e), the soaks
-# (make soak, make fuzz-soak), the GPU check's dry run (make gpu-check-dry); CI runs each once.
+# have their own targets: the tests of a minute or more and the crash-recovery tests (make test-slow),
+# e2e (make e2e), the soaks (make soak, make fuzz-soak), the GPU check's dry run (make gpu-check-dry);
+# CI runs each once.
 # TEST_ARGS: more pytest arguments, e.g. TEST_ARGS='--durations=25'.
 TEST_WORKERS ?= 4
 TEST_ARGS ?=
 test: venv
-	$(BIN)/python -m pytest -q -m 'not e2e and not slow and not soak and not gpu_check' \
+	$(BIN)/python -m pytest -q -m 'not e2e and not slow and not recovery and not soak and not gpu_check' \
 	    -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
 
 # tests/durations.json, the order make test hands tests out in (the longest first), measured anew:
@@ -40,10 +41,13 @@ test: venv
 test-durations: venv
 	$(BIN)/python -m pytest -q -m 'not e2e' --store-durations
 
-# The tests that take a minute or more each (marker slow), in 2 workers: every shared SMD machine
-# trained and scored, a 2 GiB dataset streamed under a 1 GiB limit (about 2 minutes on 2 cores).
+# The tests that take a minute or more each (marker slow: every shared SMD machine trained and
+# scored, a 2 GiB dataset streamed under a 1 GiB limit), and the crash-recovery tests (marker
+# recovery: a daemon, job or command ended by SIGKILL or SIGTERM mid-work, or a daemon restarted,
+# then what the restart finds), each several daemon lifetimes. Run it too when a change touches the
+# spool, the store, the daemon's jobs or checkpoints (about 5 minutes on 2 cores).
 test-slow: venv
-	$(BIN)/python -m pytest -q -m slow -n 2 $(TEST_ARGS)
+	$(BIN)/python -m pytest -q -m 'slow or recovery' -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
 
 # scripts/gpu-check.sh's dry run on the CPU (GPU_CHECK_DEVICE=cpu), twice: every step passing, then
 # a failing one named (tests/test_gpu_check.py, about 2-4 minutes on 2 cores).

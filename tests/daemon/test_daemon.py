@@ -182,6 +182,7 @@ def test_every_bad_input_ends_in_failed_with_a_reason_and_the_next_good_file_is_
 LONG_TRAINING = {"epochs": 60, "batch_size": 128}  # 185 batches, ~0.15 s an epoch: the signal lands mid-run
 
 
+@pytest.mark.recovery
 def test_sigkill_during_training_then_restart_completes_with_exactly_one_model(tmp_path):
     conf = write_config(tmp_path, **LONG_TRAINING)
     d = Daemon(conf)
@@ -214,6 +215,7 @@ def test_sigkill_during_training_then_restart_completes_with_exactly_one_model(t
     assert list(spool_dir(tmp_path, "processing").iterdir()) == []
 
 
+@pytest.mark.recovery
 @pytest.mark.parametrize("published", [False, True])
 def test_a_model_saved_just_before_a_sigkill_is_published_and_not_trained_again(tmp_path, published):
     """Killed after the version's rename (before or after the `current`
@@ -246,6 +248,7 @@ def test_a_model_of_the_same_file_by_another_job_does_not_count(tmp_path):
     assert len(versions(tmp_path, "machine-1-2")) == 2
 
 
+@pytest.mark.recovery
 def test_a_job_whose_process_keeps_dying_goes_to_failed_after_max_crashes(tmp_path):
     """The OOM killer (here: a real SIGKILL of the job process) takes the job, not the daemon."""
     conf = write_config(tmp_path, max_crashes=2, **LONG_TRAINING)
@@ -271,6 +274,7 @@ def test_a_job_whose_process_keeps_dying_goes_to_failed_after_max_crashes(tmp_pa
     assert "the job process died in stage training: killed by SIGKILL" in d.log()
 
 
+@pytest.mark.recovery
 def test_sigterm_during_training_exits_0_within_the_units_stop_timeout_and_the_restart_resumes_the_checkpoint(tmp_path):
     """The unit gives a stop TimeoutStopSec=2min and the daemon asks for more while it checkpoints
     (EXTEND_TIMEOUT_USEC): it exits 0 within half that, checkpointed. (It takes 2-4 s idle; the 10 s
@@ -315,6 +319,7 @@ def test_sigterm_during_training_exits_0_within_the_units_stop_timeout_and_the_r
 
 # ---- acceptance 4 ---------------------------------------------------------------------------------
 
+@pytest.mark.recovery
 def test_files_present_at_start_up_and_dropped_while_the_daemon_was_down_are_processed(tmp_path):
     conf = write_config(tmp_path)
     incoming = spool_dir(tmp_path, "incoming")
@@ -406,6 +411,7 @@ def _catches_sigterm(pid: int) -> bool:
     return bool(mask & (1 << (signal.SIGTERM - 1)))
 
 
+@pytest.mark.recovery
 @pytest.mark.parametrize("after_s", [0.2, 1.0])
 def test_sigterm_while_the_daemon_is_still_starting_is_a_clean_exit(tmp_path, after_s):
     """Found by the soak: a stop during the seconds torch takes to import killed the daemon (-15).

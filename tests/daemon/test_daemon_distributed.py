@@ -14,6 +14,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 
 from daemon_kit import (
     done_names, in_process_daemon, job_context, job_record, read_json, spool_dir, stop_in_process, tick_until, write_config
@@ -116,6 +117,7 @@ def test_with_differences_as_shipped_the_large_dataset_trains_in_one_process_rea
             in md["dataset"]["notes"]), md["dataset"]["notes"]
 
 
+@pytest.mark.recovery
 def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_epoch_1(tmp_path, monkeypatch):
     from opt_ds_ops.daemon import service as daemon_mod
     from opt_ds_ops.daemon.notify import Notifier

@@ -232,6 +232,7 @@ def test_row5_truncating_or_rewriting_after_the_claim_changes_nothing(tmp_path, 
 
 # ---- row 6: the daemon killed, a full disk, SIGTERM while parsing, NVML hanging -----------------------------
 
+@pytest.mark.recovery
 def test_row6_sigkills_of_the_daemon_never_count_against_the_dataset(tmp_path):
     conf = write_config(tmp_path, epochs=40, batch_size=256, max_crashes=1)
     spool_dir(tmp_path, "incoming").mkdir(parents=True)
@@ -291,6 +292,7 @@ def test_row6_a_full_model_store_pauses_intake_and_counts_against_no_dataset(tmp
     assert leftovers == []  # row 11: a failed save leaves no temporary directory
 
 
+@pytest.mark.recovery
 def test_row6_sigterm_during_a_long_parse_stops_at_once(tmp_path):
     conf = write_config(tmp_path)
     incoming = spool_dir(tmp_path, "incoming")

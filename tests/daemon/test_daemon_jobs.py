@@ -18,6 +18,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_kit import (
@@ -187,6 +188,7 @@ def test_a_cpu_host_with_auto_runs_one_job_at_a_time_without_gpu_fields(tmp_path
         assert events and all("DS_GPU_UUID" not in e and "DS_GPU_INDEX" not in e for e in events)
 
 
+@pytest.mark.recovery
 def test_sigterm_checkpoints_every_running_job_and_the_restart_resumes_each_on_a_gpu(tmp_path, monkeypatch):
     """A stop while two jobs train: both write their checkpoint (state interrupted); a new daemon
     on the same spool resumes both from their checkpoints, again one per GPU at once, and a second

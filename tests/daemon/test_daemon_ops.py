@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, SMD_TRAIN, run_cli
@@ -123,6 +124,7 @@ def test_the_same_bytes_dropped_again_are_noticed_and_not_trained_twice(tmp_path
     assert failed_names(tmp_path) == set()
 
 
+@pytest.mark.recovery
 def test_the_last_results_survive_a_restart_for_staleness_alerts(tmp_path):
     prom = tmp_path / "node-exporter"
     prom.mkdir()
@@ -356,6 +358,7 @@ MetricsWriter(sys.argv[1], sys.argv[2]).write()
 """
 
 
+@pytest.mark.recovery
 def test_a_metrics_write_killed_before_its_rename_leaves_nothing_after_the_next_start(tmp_path):
     prom = tmp_path / "prom"
     prom.mkdir()

@@ -26,6 +26,7 @@ CHANGES = {
 }
 
 
+@pytest.mark.recovery
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_checkpoint_that_no_longer_fits_is_dropped_and_the_job_trains_from_epoch_1(tmp_path, change):
     conf = write_config(tmp_path, **LONG_TRAINING)

@@ -193,6 +193,7 @@ def test_chunks_are_scored_in_order_and_alert_in_the_journal_prometheus_and_stat
     assert st["scoring"]["m"]["rows_total"] == 3000 and st["score_queue"] == []
 
 
+@pytest.mark.recovery
 def test_an_open_incident_shows_its_top_metrics_and_counters_survive_a_restart(tmp_path):
     rows = smd(1000, 1000)
     rows[900:, 7] += 40.0  # the file ends inside the incident: it stays open
@@ -274,6 +275,7 @@ def test_hostile_entries_in_score_are_handled_as_in_incoming(tmp_path):
     assert "score/pipe.csv is a FIFO" in ignored["MESSAGE"] and ignored["PRIORITY"] == "4"
 
 
+@pytest.mark.recovery
 def test_a_daemon_killed_while_scoring_scores_the_file_again_once(tmp_path):
     rows = np.tile(smd(2000, 0), (15, 1))  # 30,000 rows: long enough to be killed while it is scored
     d = start(tmp_path)

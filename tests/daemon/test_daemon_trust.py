@@ -211,6 +211,7 @@ def test_an_exception_handling_one_job_fails_that_job_and_the_loop_goes_on(tmp_p
         assert f"job {job_id}: " in log and "Traceback (most recent call last)" in log
 
 
+@pytest.mark.recovery
 def test_a_job_the_daemon_died_handling_twice_in_a_row_is_quarantined(tmp_path):
     """SIGKILL the daemon twice while it copies the same claim (as an OOM kill or the watchdog
     would): the third start moves it to failed/ instead of handling it again."""

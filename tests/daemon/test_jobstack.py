@@ -13,6 +13,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from daemon_kit import (
     done_names, failed_names, in_process_daemon, job_record, read_json, spool_dir, stop_in_process, tick_until, write_config
@@ -146,6 +147,7 @@ def test_two_files_for_one_model_name_in_a_stack_train_one_after_the_other(tmp_p
 NAMES = ("a.csv", "b.csv", "c.csv")
 
 
+@pytest.mark.recovery
 def test_a_stack_that_dies_while_training_counts_one_crash_each_and_they_train_alone(tmp_path, monkeypatch):
     """SIGKILL of the stack's process while it trains: each job counts the crash and runs again,
     never in a stack again (so one bad file cannot hold the others back twice); all are saved."""
@@ -203,6 +205,7 @@ def test_a_death_while_one_dataset_is_read_counts_against_that_job_alone(tmp_pat
     stop_in_process(d)
 
 
+@pytest.mark.recovery
 def test_a_stop_interrupts_every_job_of_the_stack_and_keeps_no_checkpoint(tmp_path, monkeypatch):
     d, sent, _conf = start(tmp_path, monkeypatch, epochs=100_000, batch_size=16)
     for i, name in enumerate(["a.csv", "b.csv"]):

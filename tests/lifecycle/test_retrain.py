@@ -102,6 +102,7 @@ KILLED_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.recovery
 def test_a_sigkill_while_the_history_is_written_leaves_a_whole_history(tmp_path):
     model_dir = tmp_path / "scores" / "m"
     model_dir.mkdir(parents=True)
@@ -398,6 +399,7 @@ def test_due_says_which_trigger_fired_and_needs_a_full_drift_window():
     assert due(RetrainConfig(every="24h"), {}, 0.0, 23 * 3600.0) is None
 
 
+@pytest.mark.recovery
 def test_a_sigkill_during_retraining_leaves_one_current_the_history_and_no_half_version(tmp_path, smd_rows):
     """Acceptance 3: the daemon (and its job) killed while the retraining runs; then restarted,
     it finishes the job from processing/ and the store has one current and whole versions only."""

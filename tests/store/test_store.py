@@ -121,6 +121,7 @@ def _assert_store_consistent(models):
     return None
 
 
+@pytest.mark.recovery
 @pytest.mark.parametrize("point", ["before-rename", "before-current"])
 def test_sigkill_while_the_model_is_written_leaves_current_complete(tmp_path, small_smd_csv, point):
     models = str(tmp_path / "models")
@@ -140,6 +141,7 @@ def test_sigkill_while_the_model_is_written_leaves_current_complete(tmp_path, sm
     assert not any(e.startswith(".tmp-") for e in os.listdir(os.path.join(models, "m")))  # cleaned up
 
 
+@pytest.mark.recovery
 def test_sigkill_at_random_moments_of_real_cli_runs_never_exposes_a_partial_model(tmp_path, small_smd_csv):
     """Real ``ds-ops train`` processes killed at spread-out instants; the store is checked after each."""
     models = str(tmp_path / "models")

@@ -168,6 +168,7 @@ def test_a_failing_rank_is_named_and_no_rank_outlives_the_launch(tmp_path, monke
         "distributed training failed on rank 1 of 2: ValueError: the disk of rank 1 is on fire"
 
 
+@pytest.mark.recovery
 def test_a_rank_killed_without_an_error_of_its_own_is_named_from_torchruns_summary(tmp_path, monkeypatch):
     assert _failed_launch(tmp_path, monkeypatch, "ddp_rank_killed") == \
         "distributed training failed (torchrun exit code 1): rank 1 ended with exit code -9 (SIGKILL)"
@@ -200,6 +201,7 @@ def test_the_first_abort_is_reported_with_its_own_what_line():
 
 @pytest.mark.parametrize("sig, code, last_words", [(signal.SIGINT, 130, "ds-ops: interrupted"),
                                                     (signal.SIGTERM, 1, "stopped by SIGTERM")])
+@pytest.mark.recovery
 def test_a_stopped_train_nproc_leaves_no_rank_and_no_temporary_files(tmp_path, smd_rows, sig, code, last_words):
     data = tmp_path / "long.npy"
     np.save(data, smd_rows)
@@ -257,6 +259,7 @@ def _gone(pids_of, timeout_s: float = 30.0) -> list[int]:
     return left
 
 
+@pytest.mark.recovery
 def test_torchrun_and_its_ranks_die_with_a_sigkilled_job_process(tmp_path):
     work = tmp_path / "job"
     work.mkdir()
@@ -273,6 +276,7 @@ def test_torchrun_and_its_ranks_die_with_a_sigkilled_job_process(tmp_path):
     assert _gone(lambda: _processes_mentioning(str(work)), timeout_s=10) == []  # the ranks sleep 60 s
 
 
+@pytest.mark.recovery
 def test_the_next_attempt_removes_the_matrix_copy_a_sigkilled_attempt_left(tmp_path, smd_rows):
     work, _ = _sigkill_a_distributed_job(tmp_path, smd_rows)
     _gone(lambda: _processes_mentioning(str(work)))
