@@ -41,8 +41,8 @@ test: venv
 test-durations: venv
 	$(BIN)/python -m pytest -q -m 'not e2e' --store-durations
 
-# The tests that take a minute or more each (marker slow: every shared SMD machine trained and
-# scored, a 2 GiB dataset streamed under a 1 GiB limit), and the crash-recovery tests (marker
+# The long runs (marker slow: every shared SMD machine trained and scored, a 2 GiB dataset streamed
+# under a 1 GiB limit, the small month replay, 20 datasets at once...), and the crash-recovery tests (marker
 # recovery: a daemon, job or command ended by SIGKILL or SIGTERM mid-work, or a daemon restarted,
 # then what the restart finds), each several daemon lifetimes. Run it too when a change touches the
 # spool, the store, the daemon's jobs or checkpoints (about 5 minutes on 2 cores).

@@ -8,9 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow  # a long run: see the marker in pyproject.toml
 def test_a_replay_retrains_by_retrain_every_judges_each_challenger_and_keeps_the_invariants(tmp_path):
     out = tmp_path / "figures.json"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "replay_month.py"), "--smd", str(REPO / "data" / "smd"),

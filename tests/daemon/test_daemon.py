@@ -42,6 +42,7 @@ def slow_write(path, data: bytes, seconds: float, chunks: int = 20) -> None:
 
 # ---- acceptance 1 ---------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a long run: see the marker in pyproject.toml
 def test_twenty_datasets_dropped_at_once_are_each_trained_exactly_once(tmp_path):
     d = Daemon(write_config(tmp_path, epochs=1, settle_s=1.0))
     try:

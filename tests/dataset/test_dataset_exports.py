@@ -344,6 +344,7 @@ def test_score_keeps_labels_with_their_rows_and_names_file_columns(capsys, tmp_p
     assert written[301].split(",")[1] == "2024-05-18T05:00:00.000000Z"
 
 
+@pytest.mark.slow  # a long run: see the marker in pyproject.toml
 def test_short_commands_that_read_a_csv_never_abort_at_the_interpreters_exit(tmp_path):
     """A process that reads a small CSV and exits at once, with torch loaded (its teardown is long)
     and the other core busy, must exit with its own status. Before the text reader gave Arrow a
