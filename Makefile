@@ -26,7 +26,7 @@ demo: venv
 
 # The unit and integration tests, in TEST_WORKERS processes (pytest-xdist; most tests wait on real
 # daemons and job processes, so more workers than cores pays; docs/development.md). The long runs
-# have their own targets: the tests of a minute or more and the crash-recovery tests (make test-slow),
+# have their own targets: the long runs and the crash-recovery tests (make test-slow),
 # e2e (make e2e), the soaks (make soak, make fuzz-soak), the GPU check's dry run (make gpu-check-dry);
 # CI runs each once.
 # TEST_ARGS: more pytest arguments, e.g. TEST_ARGS='--durations=25'.
@@ -43,9 +43,9 @@ test-durations: venv
 
 # The long runs (marker slow: every shared SMD machine trained and scored, a 2 GiB dataset streamed
 # under a 1 GiB limit, the small month replay, 20 datasets at once...), and the crash-recovery tests (marker
-# recovery: a daemon, job or command ended by SIGKILL or SIGTERM mid-work, or a daemon restarted,
-# then what the restart finds), each several daemon lifetimes. Run it too when a change touches the
-# spool, the store, the daemon's jobs or checkpoints (about 5 minutes on 2 cores).
+# recovery: a daemon, job or command ended by a signal mid-work, or a daemon restarted, then what
+# the restart or the next run finds). Run it too when a change touches the spool, the store, the
+# daemon's jobs, checkpoints or restarts (about 6 minutes on 2 cores).
 test-slow: venv
 	$(BIN)/python -m pytest -q -m 'slow or recovery' -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -95,15 +96,15 @@ def pytest_configure(config):
 def _process_state() -> tuple:
     """What a process forked by the forkserver inherits from the state the server was started in:
     the environment (but the name of the running test, which pytest sets and only pytest reads),
-    working directory, umask, resource limits and user."""
+    working directory, resource limits, nice value, user, and the umask, signal mask, ignored
+    signals, groups and capability bounding set (/proc/self/status)."""
     import resource
 
-    mask = os.umask(0o022)
-    os.umask(mask)
-    limits = tuple(resource.getrlimit(getattr(resource, name)) for name in
-                   ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_FSIZE", "RLIMIT_NPROC"))
+    limits = tuple(resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_"))
+    status = tuple(line for line in Path("/proc/self/status").read_text().splitlines()
+                   if line.split(":")[0] in ("Umask", "SigBlk", "SigIgn", "Groups", "CapBnd", "Uid", "Gid"))
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"))  # pytest's, per test
-    return env, os.getcwd(), mask, limits, os.getuid(), os.geteuid(), os.getgid()
+    return env, os.getcwd(), limits, os.getpriority(os.PRIO_PROCESS, 0), status
 
 
 _FORKSERVER_STARTED_IN: list = [None]  # the _process_state() the running forkserver was started in
@@ -125,7 +126,11 @@ def _forkserver_in_the_callers_state() -> None:
 
     def ensure_running():
         state = _process_state()
-        if server._forkserver_pid is not None and _FORKSERVER_STARTED_IN[0] != state:
+        pid = server._forkserver_pid
+        if pid is not None and _FORKSERVER_STARTED_IN[0] != state:
+            if _children_of(pid):
+                raise RuntimeError("a test changed its process state (environment, limits, ...) while a job "
+                                   "forked in the old state still runs: set it before the daemon's first job")
             server._stop()
         start()
         _FORKSERVER_STARTED_IN[0] = state
@@ -149,15 +154,22 @@ def _children_of(pid: int) -> list[int]:
 
 @pytest.fixture(autouse=True)
 def _a_tests_jobs_end_with_it():
-    """Nothing a test's in-process daemon forked outlives the test: a forkserver (tests/daemon_kit.py
-    ``job_context``) with a job process still alive at the test's end is stopped, and its jobs die
-    with it (PR_SET_PDEATHSIG). A server with no job left stays for the next test, which forks from it
-    only if it runs in the state the server was started in (:func:`_forkserver_in_the_callers_state`)."""
+    """Nothing a test's in-process daemon forked outlives the test: a job process of the forkserver
+    (tests/daemon_kit.py ``job_context``) still alive at the test's end (a test that failed before
+    stopping its daemon) is killed (SIGKILL; its own children die with it, PR_SET_PDEATHSIG) and
+    the server stopped. (Stopping the server alone would wait for its jobs: each holds the server's
+    end of the pipe the server waits on.) A server with no job left stays for the next test, which
+    forks from it only if it runs in the state the server was started in
+    (:func:`_forkserver_in_the_callers_state`)."""
     _forkserver_in_the_callers_state()
     yield
     forkserver = sys.modules.get("multiprocessing.forkserver")
     pid = forkserver._forkserver._forkserver_pid if forkserver is not None else None
-    if pid is not None and _children_of(pid):
+    children = _children_of(pid) if pid is not None else []
+    if children:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
         forkserver._forkserver._stop()
 
 

@@ -114,6 +114,7 @@ KILLED_PRUNE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.recovery
 def test_a_prune_killed_midway_loses_nothing_that_should_stay(tmp_path, payload):
     v = make_versions(tmp_path, "m", 6, payload)
     name_dir = str(tmp_path / "m")
