@@ -17,22 +17,23 @@ from . import EARLY_STOP, __version__
 
 def _hold_stop_signals() -> None:
     """For ``ds-ops daemon``: until the daemon installs its own handlers, remember a SIGTERM or
-    SIGINT instead of dying of it (importing torch takes seconds; systemd may stop us meanwhile)."""
+    SIGINT instead of dying of it (its imports and start-up checks take a while; systemd may stop us meanwhile)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: EARLY_STOP.append(signum))
 
 
 if sys.argv[1:2] == ["daemon"]:  # `ds-ops daemon` or `python -m opt_ds_ops.cli daemon`
-    _hold_stop_signals()  # before main() imports the commands' modules, which load torch
+    _hold_stop_signals()  # before main() imports the daemon's modules
 
 # Each subcommand's module, imported only when it runs (or for the whole parser: --help, the man
 # page's test). Most load torch through the model and training code; the light ones do not, so the
 # puller (one process per source beside the daemon) and the operator's read and admin commands
 # (status, models, requeue, check-config: a script or a monitor may run them every few seconds)
-# start in a fraction of a second without it.
+# start in a fraction of a second without it, and the daemon's process never loads it (its jobs
+# get it from the forkserver, opt_ds_ops.daemon.worker).
 COMMAND_MODULES = ["train", "score", "evaluate", "doctor", "daemon", "status", "models", "requeue", "check_config",
                    "report", "pull"]
-LIGHT_COMMANDS = {"pull", "status", "models", "requeue", "check-config"}  # their own module and the light errors
+LIGHT_COMMANDS = {"pull", "status", "models", "requeue", "check-config", "daemon"}  # their own module and the light errors
 
 
 def _module(name: str):

@@ -50,6 +50,9 @@ def mem_total_bytes() -> int:
 # machine), 1.41 GB once CUDA is initialised.
 JOB_BASE_BYTES = 400 * 1024**2
 
+# Keep this much GPU memory free beyond the dataset tensors (bytes): activations, optimizer, CUDA context.
+GPU_HEADROOM_BYTES = 512 * 1024**2
+
 
 def data_segment_bytes() -> int:
     """Return this process's data segment (``VmData`` of /proc/self/status, bytes): what counts

@@ -35,8 +35,7 @@ from ..spool import (
     INCOMING, SpoolError, boot_id, claim, discard_job, is_storage_error, lock_job, process_start_ticks,
     read_record, save_record
 )
-from ..training.fit import EpochStats
-from ..training.stopping import step_cap
+from ..training.records import EpochStats, step_cap
 from . import worker
 from .budget import job_config
 from .pacing import STEP_BUDGET_S, STOP_EXTEND_S, TICK_S

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 
 from ..config.conffile import Config, ConfigError, load_config
-from ..health.policy import gate_job, summary_line
+from ..config.sizes import GPU_HEADROOM_BYTES
 from ..observe.incident_entries import removed_message
 from ..observe.journal import LOG_INFO, LOG_WARNING, safe_text
 from ..spool import DONE, FAILED, SpoolError, check_writable_dir, prune_retention
-from ..store.versions import StoreError, prune
-from ..training.fit import GPU_HEADROOM_BYTES
+from ..store.admin import prune
+from ..store.model_dir import StoreError
+from . import worker
 from .pacing import HEALTH_LOG_TIMEOUT_S, METRICS_MIN_GAP_S, METRICS_REFRESH_S
 
 
@@ -176,13 +178,19 @@ class Duties:
     # ---- health at start-up --------------------------------------------------------------------
     def log_health(self) -> None:
         """Run the health gate once at start-up, in a thread that is given up on after
-        HEALTH_LOG_TIMEOUT_S (a hung NVML call), and log its verdict (warning unless ok)."""
+        HEALTH_LOG_TIMEOUT_S (a hung NVML call), and log its verdict (warning unless ok).
+
+        The gate reads torch's view of CUDA: it runs in a process of the forkserver, which has
+        torch, as the daemon's process never imports it; a process that has torch already (a
+        daemon inside a test, with its fakes of NVML and CUDA) runs it here."""
         box: dict = {}
 
         def run() -> None:
             try:
-                # no CUDA smoke test here: the daemon holds no CUDA context; each job runs it in its process
-                box["decision"] = gate_job(self.d.cfg, GPU_HEADROOM_BYTES, smoke=False)
+                if "torch" in sys.modules:
+                    box["found"] = worker.health_at_start(self.d.cfg, GPU_HEADROOM_BYTES)
+                else:
+                    box["found"] = worker.health_in_child(self.d.cfg, GPU_HEADROOM_BYTES, self.d.mp_context)
             except Exception as e:  # a broken NVML must not stop the daemon; jobs report it again
                 box["error"] = e
 
@@ -198,14 +206,14 @@ class Duties:
             e = box["error"]
             self.d.log.event("health", f"health check could not run: {type(e).__name__}: {e}", priority=LOG_WARNING)
             return
-        decision = box["decision"]
-        self.d.slots.reading = (time.monotonic(), self.d.slots.slot_gpus(decision.report))  # the first job's slot uses it
-        verdict = decision.report.get("verdict", "?")
-        self.d.metrics.health(decision.report)
-        plan = decision.plan
-        self.d.log.event("health", summary_line(decision), priority=LOG_INFO if verdict == "ok" else LOG_WARNING,
-                       verdict=verdict, action=decision.action, device=str(plan.device) if plan else None,
-                       amp_dtype=plan.amp_name if plan else None, gpus=len(decision.report.get("gpus", [])))
+        report, line = box["found"]
+        self.d.slots.reading = (time.monotonic(), self.d.slots.slot_gpus(report))  # the first job's slot uses it
+        verdict = report.get("verdict", "?")
+        self.d.metrics.health(report)
+        decided = report.get("decision") or {}  # the plan's device and AMP dtype, as strings
+        self.d.log.event("health", line, priority=LOG_INFO if verdict == "ok" else LOG_WARNING,
+                       verdict=verdict, action=decided.get("action"), device=decided.get("device"),
+                       amp_dtype=decided.get("amp_dtype"), gpus=len(report.get("gpus", [])))
 
     # ---- configuration -------------------------------------------------------------------------
     def reload(self) -> None:

@@ -27,8 +27,8 @@ from datetime import datetime, timezone
 from ..fsutil import utc_now
 from ..observe.journal import LOG_ERR, LOG_NOTICE, LOG_WARNING, safe_text
 from ..spool import DONE, FAILED, STORAGE_ERRNOS, finish, prune_failed, save_record
-from ..store.versions import GATED, HELD
-from ..training.job import columns_note, stopping_note
+from ..store.model_dir import GATED, HELD
+from ..training.records import columns_note, stopping_note
 from .dispatch import job_fields
 from .pacing import BACKOFF_S
 

@@ -33,7 +33,7 @@ from ..lifecycle.history import history_path
 from ..observe.journal import LOG_NOTICE, LOG_WARNING, safe_text
 from ..observe.metrics import _utc_seconds
 from ..spool import new_job_id, save_record
-from ..store.model_dir import StoreError, current_metadata
+from ..store.model_dir import StoreError, current_metadata, list_versions, name_dir_of, read_metadata
 
 KIND = "retrain"
 # What a version says of how to read the data it scores (metadata.json ``dataset``): a retraining's
@@ -73,8 +73,6 @@ def last_trained(models_dir: str, name: str) -> tuple[float | None, float | None
     """(The UTC seconds the newest version of model ``name`` finished training, the newest data
     time any version was made from (:func:`data_end_s`)), promoted or not (a challenger the gate
     refused counts), each None where unknown; what ``retrain.every`` counts from."""
-    from ..store.versions import list_versions, name_dir_of, read_metadata
-
     try:
         name_dir = name_dir_of(models_dir, name)
         mds = [read_metadata(os.path.join(name_dir, v)) for v in list_versions(name_dir)]

@@ -40,7 +40,9 @@ stopped the daemon exits 0.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import runpy
 import signal
 import time
 import traceback
@@ -66,6 +68,17 @@ from .recovery import Recovery
 from .retrainer import Retrainer
 from .scoreslot import ScoreSlot
 from .slots import Slots
+
+
+def torch_build() -> tuple[str, str]:
+    """Return torch's version and the CUDA version it was built with ("" for a CPU build), as
+    ``torch.__version__`` and ``torch.version.cuda`` say, read from torch/version.py without
+    importing torch: the daemon's process never does (its jobs get it from the forkserver)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return "", ""
+    found = runpy.run_path(os.path.join(list(spec.submodule_search_locations)[0], "version.py"))
+    return str(found.get("__version__", "")), found.get("cuda") or ""
 
 
 class Daemon:
@@ -106,10 +119,9 @@ class Daemon:
         self.reload_requested = False
         self._stopping_sent = False
         # Prometheus textfile metrics (opt_ds_ops.observe.metrics), written on every state change
-        import torch
-
-        self.metrics = MetricsWriter(cfg.metrics.textfile_dir, cfg.models_dir, torch_version=torch.__version__,
-                                     cuda_version=torch.version.cuda or "", read_models=CurrentModels(),
+        torch_version, cuda_version = torch_build()
+        self.metrics = MetricsWriter(cfg.metrics.textfile_dir, cfg.models_dir, torch_version=torch_version,
+                                     cuda_version=cuda_version, read_models=CurrentModels(),
                                      retrain_every_s=cfg.retrain.every_s)
         self.metrics_written_at = 0.0  # time.monotonic() of the last write (METRICS_REFRESH_S)
         self.metrics_dirty = False  # a state change not yet written (METRICS_MIN_GAP_S)

@@ -1,6 +1,6 @@
 """Job slots and GPU assignment (``daemon.max_jobs``): which job may start now, on which GPU.
 
-Under ``auto`` each GPU that passes the daemon's NVML health check (:func:`opt_ds_ops.health.policy.judge_gpu`,
+Under ``auto`` each GPU that passes the daemon's NVML health check (:func:`opt_ds_ops.health.findings.judge_gpu`,
 read before each assignment, at most every :data:`opt_ds_ops.daemon.pacing.GPU_CHECK_S` seconds, in a
 thread given up on after the health timeout) runs one job, which sees only that GPU
 (``CUDA_VISIBLE_DEVICES=<UUID>``, see :mod:`opt_ds_ops.daemon.worker`); an integer N allows N jobs, each
@@ -21,10 +21,10 @@ import threading
 import time
 
 from ..config.conffile import Config
+from ..config.sizes import GPU_HEADROOM_BYTES
 from ..health import nvml
-from ..health.policy import judge_gpu
+from ..health.findings import judge_gpu
 from ..observe.journal import LOG_WARNING
-from ..training.fit import GPU_HEADROOM_BYTES
 from .budget import job_processes, this_process_budget
 from .pacing import GPU_CHECK_S, HEALTH_LOG_TIMEOUT_S
 from .sandbox import without_unusable

@@ -73,13 +73,61 @@ def shut_down() -> None:
     clean stop leaves no process for systemd to SIGKILL. Uses their ``_stop`` methods (what
     CPython's own tests call); where those are missing, the two exit by themselves once the
     daemon's end of their pipes closes."""
+    import gc
     from multiprocessing import forkserver, resource_tracker
 
+    # ended jobs' handles still in a reference cycle (a stack and its members) go first, unlinking their
+    # semaphores while the tracker runs: without torch's allocations the daemon's collector seldom runs
+    gc.collect()
+    for child in multiprocessing.active_children():  # a health check hung in NVML: it holds the server's pipe
+        child.kill()
+        child.join(10)
     for server in (getattr(forkserver, "_forkserver", None), getattr(resource_tracker, "_resource_tracker", None)):
         try:
             server._stop()
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
+
+
+def health_at_start(cfg, need_bytes: int) -> tuple[dict, str]:
+    """The daemon's health check at start-up: the health gate without its CUDA smoke test (the
+    daemon holds no CUDA context; each job runs it in its process); return (its report, its summary line)."""
+    from ..health.policy import gate_job, summary_line
+
+    decision = gate_job(cfg, need_bytes, smoke=False)
+    return decision.report, summary_line(decision)
+
+
+def _health_main(conn, cfg, need_bytes: int) -> None:
+    """The process of :func:`health_in_child`: sends ``("ok", (report, line))`` or ``("error", exception)``."""
+    _die_with_parent()
+    try:
+        conn.send(("ok", health_at_start(cfg, need_bytes)))
+    except Exception as e:  # noqa: BLE001 - raised again in the daemon, which logs it
+        conn.send(("error", e))
+
+
+def health_in_child(cfg, need_bytes: int, ctx=None) -> tuple[dict, str]:
+    """:func:`health_at_start` in a process of the forkserver (``ctx``, None: :func:`context`), which has
+    torch and the gate's code imported: the daemon's own process never imports torch. Waits for the
+    answer as long as the check takes (a hung NVML call: for ever; the caller gives up on its thread);
+    raises what the check raised, or RuntimeError if its process died without answering."""
+    ctx = ctx or context()
+    conn, child_conn = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_health_main, args=(child_conn, cfg, need_bytes), name="ds-ops health check")
+    proc.start()
+    child_conn.close()
+    try:
+        kind, answer = conn.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the health check's process ended without an answer (exit code {proc.exitcode})") from None
+    finally:
+        conn.close()
+    proc.join()
+    if kind == "error":
+        raise answer
+    return answer
 
 
 class JobProcess:

@@ -12,7 +12,7 @@ clocks_event_reasons.active`` would print, plus the memory this process holds on
   "n/a" where NVML cannot see it, e.g. in another PID namespace), ``utilization_gpu_pct`` (%,
   over NVML's last sample period), ``pstate`` ("P0".."P15"), ``clocks_event_reasons`` (the active
   throttle reasons' names, :data:`opt_ds_ops.health.nvml.CLOCKS_EVENT_REASONS`);
-- ``throttle_started``: the thermal or power slowdowns (:data:`opt_ds_ops.health.policy.THROTTLE_WARN`:
+- ``throttle_started``: the thermal or power slowdowns (:data:`opt_ds_ops.health.findings.THROTTLE_WARN`:
   HwSlowdown, HwThermalSlowdown, SwThermalSlowdown, HwPowerBrakeSlowdown) active now and not at the
   previous reading (the first one compares with the reading taken when the sampler opened, at the
   job's start). SwPowerCap is the normal state of a GPU at full load and is only reported.
@@ -28,7 +28,7 @@ import importlib
 import os
 
 from .nvml import NA, _GpuLost, _Reader, _text, decode_clocks_event_reasons
-from .policy import THROTTLE_WARN
+from .findings import THROTTLE_WARN
 
 _MIB = 1024 * 1024
 

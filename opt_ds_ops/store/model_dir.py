@@ -22,6 +22,8 @@ OPERATOR_FILE = ".operator.json"  # the operator's last change of current, read 
 CURRENT_LOG = ".current.log"  # JSON lines, oldest first: each change of current (at, version, action, previous)
 CURRENT_LOG_MAX = 1000  # lines kept: the newest half once it grows past this
 CURRENT_LOG_LINE_BYTES = 160  # about one line's size: the log is read to be cut only past MAX lines of it
+HELD = "held by the operator's decision:"  # how a not_current reason of a hold begins (the daemon's model-held)
+GATED = "not promoted by the gate:"  # a not_current reason of store.promote (the daemon's model-not-promoted)
 _NAME_OK = re.compile(r"[^A-Za-z0-9._+-]")
 
 

@@ -34,8 +34,8 @@ from .admin import (
     version_summary, who
 )
 from .model_dir import (  # noqa: F401 - some re-exported, as above
-    CURRENT, METADATA_FILE, MODEL_FILE, OPERATOR_FILE, NameLock, StoreError, current_metadata, current_version,
-    dataset_file_of, list_versions,
+    CURRENT, GATED, HELD, METADATA_FILE, MODEL_FILE, OPERATOR_FILE, NameLock, StoreError, current_metadata,
+    current_version, dataset_file_of, list_versions,
     name_dir_of, publish, read_metadata, read_operator_action, safe_model_name, write_operator_action,
 )
 
@@ -139,12 +139,6 @@ def save_model(models_dir: str, name: str, payload: dict, metadata: dict, *, bef
         err.errno = e.errno
         raise err from None
     return final, dict(metadata, not_current=not_current)
-
-
-HELD = "held by the operator's decision:"  # how a not_current reason of a hold begins (the daemon's model-held)
-
-
-GATED = "not promoted by the gate:"  # a not_current reason of store.promote (the daemon's model-not-promoted)
 
 
 def publish_job(name_dir: str, version: str, job_id: str | None) -> str | None:

@@ -7,6 +7,6 @@ ranks; the three share :mod:`.common` (the run's set-up, checkpoints, results) a
 :mod:`.step` (one optimizer step, eager or a CUDA graph); :mod:`.stacked` trains many small
 datasets of one shape as one stack of models, each as it would be alone. :mod:`.stopping` decides when
 training stops, :mod:`.suspect` warns about a model that looks wrong, :mod:`.report` draws a
-version's ``report.png``. What a model is and computes (the network, scaling, threshold) is
+version's ``report.png``; :mod:`.records` holds what the daemon reads of a job, without torch. What a model is and computes (the network, scaling, threshold) is
 :mod:`opt_ds_ops.model`.
 """

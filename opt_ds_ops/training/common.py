@@ -20,6 +20,7 @@ from ..config.conffile import TrainConfig
 from ..fsutil import utc_now
 from ..health.device import DevicePlan
 from ..model.network import TelemetryAutoencoder
+from .records import EpochStats
 
 class TrainingError(RuntimeError):
     """Training could not produce a usable model (non-finite loss, every fp16 step skipped, ...)."""
@@ -66,36 +67,6 @@ class TrainingInterrupted(Exception):
         super().__init__("training interrupted" if checkpoint is None else
                          f"training interrupted at epoch {checkpoint['epoch'] + 1}, batch {checkpoint['batch']}")
         self.checkpoint = checkpoint
-
-
-@dataclass
-class EpochStats:
-    """One epoch: mean train and validation MSE (standardised units), throughput (samples/s),
-    and ``steps``: the optimizer steps of the run so far (this epoch's included; 0 in a checkpoint
-    written before the field existed).
-
-    ``gpu``: the job's GPU read through NVML at the epoch's end (:meth:`opt_ds_ops.health.gpustats.GpuSampler.read`:
-    °C, W, MHz, MiB, %, throttle reasons), None on the CPU."""
-
-    epoch: int
-    train_loss: float
-    val_loss: float | None
-    samples_per_s: float
-    seconds: float
-    skipped_steps: int = 0
-    gpu: dict | None = None
-    steps: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    def line(self, epochs: int, max_steps: int | None = None) -> str:
-        """One human line: ``epoch 2/5 loss=0.843029 val_loss=1.013831 1,312,349 samples/s``; with
-        ``max_steps`` (the plateau rule's bound) ``epoch 12/1000 step 132/500 loss=...``."""
-        val = f" val_loss={self.val_loss:.6f}" if self.val_loss is not None else ""
-        skipped = f" skipped_steps={self.skipped_steps}" if self.skipped_steps else ""
-        step = f" step {self.steps:,}/{max_steps:,}" if max_steps and self.steps else ""
-        return f"epoch {self.epoch}/{epochs}{step} loss={self.train_loss:.6f}{val} {self.samples_per_s:,.0f} samples/s{skipped}"
 
 
 @dataclass

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..config.conffile import TrainConfig
+from ..config.sizes import GPU_HEADROOM_BYTES
 from ..fsutil import utc_now
 from ..health.device import DevicePlan
 from ..model.network import (TelemetryAutoencoder, anomaly_scores, difference_scaler, feature_errors, model_inputs,
@@ -41,9 +42,6 @@ from .step import TrainStep
 from .stopping import Stopper, eval_subset
 from .stream import train_streaming
 from .suspect import column_shift_sd
-
-# Keep this much GPU memory free beyond the dataset tensors (bytes): activations, optimizer, CUDA context.
-GPU_HEADROOM_BYTES = 512 * 1024**2
 
 
 def threshold_at(scores: torch.Tensor | np.ndarray, quantile: float) -> float:

@@ -32,6 +32,7 @@ from ..store.versions import (
     StoreError, current_metadata, dataset_file_of, model_payload, safe_model_name, save_model
 )
 from .fit import CheckpointMismatch, EpochStats, TrainingError, TrainingInterrupted, TrainResult, train
+from .records import columns_note  # noqa: F401 - re-exported: ds-ops train imports it here
 from .report import try_write_report, validation_summary
 from .suspect import split_warnings
 
@@ -138,19 +139,6 @@ def check_model_name(models_dir: str, name: str, source: str, explicit: bool, up
         )
 
 
-def columns_note(ds: dict) -> str:
-    """Return what metadata.json's ``dataset`` says about columns and time, as a log-line tail:
-    ``; time index 'Time' (epoch_ms); left out: column 1 ('Time'), ...; 3 rows ... sorted``."""
-    parts = []
-    if ds.get("time"):
-        parts.append(f"time index {ds['time']['column']!r} ({ds['time']['kind']})")
-    left = [d["column"] for d in ds.get("left_out") or [] if not d["why"].startswith("time index")]
-    if left:
-        parts.append("left out: " + ", ".join(left[:8]) + (", ..." if len(left) > 8 else ""))
-    parts.extend(ds.get("notes") or [])
-    return "".join("; " + p for p in parts)
-
-
 def named_metrics(ds: Dataset, options: DatasetConfig) -> list[str] | None:
     """Return the names of ds's features, stored with the model: the file's header names, else
     ``dataset.metric_names`` (the conffile's or a sidecar's), else None. Raises DatasetError if
@@ -163,15 +151,6 @@ def named_metrics(ds: Dataset, options: DatasetConfig) -> list[str] | None:
         raise DatasetError(f"{ds.path}: dataset.metric_names gives {len(options.metric_names)} names for "
                            f"{ds.features} feature columns")
     return [str(n).strip() for n in options.metric_names]
-
-
-def stopping_note(metadata: dict) -> str:
-    """Return the journal line's tail for why training stopped (docs/detection.md) and whether the model
-    is suspect: ``; stopped: plateau after 800 steps; suspect: 1 warning(s)`` ("" for neither)."""
-    stop = metadata.get("stopping") or {}
-    note = f"; stopped: {stop['reason']} after {stop['steps']} steps" if stop.get("reason") else ""
-    warnings = metadata.get("warnings") or []
-    return note + (f"; suspect: {len(warnings)} warning(s), see model-suspect" if warnings else "")
 
 
 def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, health: dict | None,
@@ -233,7 +212,7 @@ def build_metadata(ds: Dataset, sha256: str, result: TrainResult, cfg: Config, h
         "tf32": result.plan.tf32 if result.plan.device.type == "cuda" else None,
         "float32_matmul_precision": result.plan.matmul_precision if result.plan.device.type == "cuda" else None,
         "skipped_steps": result.skipped_steps,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),  # not a TorchVersion: the daemon, without torch, unpickles it
         "cuda_version": torch.version.cuda,
         "ds_ops_version": __version__,
         "started_at": result.started_at,

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..config.conffile import TrainConfig
+from .records import step_cap  # noqa: F401 - re-exported: ds-ops train and evaluate import it here
 
 EVAL_ROWS = 65536  # validation rows one evaluation of the plateau rule reads, at most
 
@@ -151,12 +152,6 @@ class Stopper:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
-
-
-def step_cap(cfg: TrainConfig) -> int | None:
-    """Return ``max_steps`` under the plateau rule (the bound that ends training first, for progress
-    lines and ratios), None under ``stopping: epochs``."""
-    return cfg.max_steps if cfg.stopping == "plateau" else None
 
 
 def throttled(on_epoch, cfg: TrainConfig, min_interval_s: float = 1.0):
