@@ -13,7 +13,7 @@ folders after it (docs/architecture.md, "Folders"; tests/test_layout.py checks i
 
 __version__ = "0.1.0"
 
-# Stop signals (SIGTERM, SIGINT) that reached ``ds-ops daemon`` while it was still importing torch
-# (seconds): held here by :mod:`opt_ds_ops.cli` and honoured by the daemon once it runs, so a stop
+# Stop signals (SIGTERM, SIGINT) that reached ``ds-ops daemon`` while it was still starting
+# (its imports, the forkserver's start): held here by :mod:`opt_ds_ops.cli` and honoured by the daemon once it runs, so a stop
 # during start-up is a clean exit 0, not a death by signal.
 EARLY_STOP: list[int] = []

@@ -272,7 +272,8 @@ def in_process_daemon(conf: Path, gate=None):
     """Return (a Daemon of conffile ``conf`` run in this process, with its job processes forked by
     the test's forkserver (:func:`job_context`); the journal events it sends, as dicts with
     MESSAGE): tick it with ``d._tick()``. ``gate`` replaces the job processes' health gate
-    (tests/fakes/scripted_gate.py)."""
+    (tests/fakes/scripted_gate.py); its start-up health check runs in this process, which has the
+    test's fakes of NVML and CUDA (``health_in_process``)."""
     import io
 
     from opt_ds_ops.config.conffile import load_config
@@ -286,7 +287,7 @@ def in_process_daemon(conf: Path, gate=None):
     log = EventLog(journal=False, stream=io.StringIO())
     log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
     d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(conf),
-                          mp_context=job_context(), gate=gate)
+                          mp_context=job_context(), gate=gate, health_in_process=True)
     return d, sent
 
 

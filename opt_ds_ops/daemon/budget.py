@@ -23,9 +23,10 @@ import os
 from ..config.conffile import Config
 from ..config.sizes import JOB_BASE_BYTES, mem_total_bytes, parse_size
 
-# The unit's own share beside its jobs: the daemon and the forkserver each import torch (about
-# 230 MB resident with the CPU build, measured), torchrun's launcher for a distributed job a third
-# time; the rest is room for page cache and the daemon's records.
+# The unit's own share beside its jobs: the forkserver imports torch (about 230 MB resident with
+# the CPU build, measured; the daemon's own process, without torch, about 40 MB), torchrun's
+# launcher for a distributed job a second time; the rest is room for page cache and the daemon's
+# records. Kept at 1 GiB, as when the daemon held torch too: not measured again.
 UNIT_SHARE_BYTES = 1024**3
 GIB = 1024**3
 V1_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as the largest page count in bytes (about 2**63)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 import time
 
@@ -181,13 +180,13 @@ class Duties:
         HEALTH_LOG_TIMEOUT_S (a hung NVML call), and log its verdict (warning unless ok).
 
         The gate reads torch's view of CUDA: it runs in a process of the forkserver, which has
-        torch, as the daemon's process never imports it; a process that has torch already (a
-        daemon inside a test, with its fakes of NVML and CUDA) runs it here."""
+        torch, as the daemon's process never imports it; a daemon made with ``health_in_process``
+        (one inside a test, with the test's fakes of NVML and CUDA) runs it here."""
         box: dict = {}
 
         def run() -> None:
             try:
-                if "torch" in sys.modules:
+                if self.d.health_in_process:
                     box["found"] = worker.health_at_start(self.d.cfg, GPU_HEADROOM_BYTES)
                 else:
                     box["found"] = worker.health_in_child(self.d.cfg, GPU_HEADROOM_BYTES, self.d.mp_context)

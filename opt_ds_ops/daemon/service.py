@@ -87,7 +87,10 @@ class Daemon:
     ``config_path`` is re-read on SIGHUP (``missing_ok``: a missing file means defaults). Create
     with :func:`start_daemon`, which checks the directories first. ``mp_context`` is the
     multiprocessing context jobs start in (None: the forkserver of :mod:`opt_ds_ops.daemon.worker`);
-    ``gate`` replaces the health gate in the job processes (tests only, see worker.job_main).
+    ``gate`` replaces the health gate in the job processes (tests only, see worker.job_main);
+    ``health_in_process`` runs the start-up health check in this process, with torch, instead of
+    a process of the forkserver (tests only: a daemon in the test's process, with its fakes of NVML
+    and CUDA).
 
     Its roles are objects of their own, each in a module named for it and given the daemon, whose
     state (configuration, spool, queue, job records, running jobs) they share: a job's claim,
@@ -101,10 +104,12 @@ class Daemon:
     """
 
     def __init__(self, cfg: Config, spool: Spool, log: EventLog, notifier: Notifier,
-                 config_path: str, missing_ok: bool = False, mp_context=None, gate=None):
+                 config_path: str, missing_ok: bool = False, mp_context=None, gate=None,
+                 health_in_process: bool = False):
         self.cfg, self.spool, self.log, self.notifier = cfg, spool, log, notifier
         self.config_path, self.missing_ok = config_path, missing_ok
         self.mp_context, self.gate = mp_context, gate
+        self.health_in_process = health_in_process  # the start-up health check here (tests), not in a job process
         self.watcher = IncomingWatcher(spool.dir(INCOMING), settle_s=cfg.spool.settle_s, quiet_s=cfg.spool.quiet_s,
                                        rescan_s=cfg.spool.scan_interval_s, mode=cfg.spool.watcher)
         self.pending: list[str] = []  # job ids in processing/ to (re)run, oldest claim first
@@ -175,7 +180,8 @@ class Daemon:
             self.guarded(lambda: self.recovery.recover(quarantine))
             self.watcher.tick()
             self.notifier.ready(self.duties.idle_status())
-            self.duties.log_health()
+            if not self.stop_requested:  # a stop before ready: no forkserver started for the check
+                self.duties.log_health()
             self.log.event(
                 "daemon-started",
                 f"ds-trainer ready: spool {self.spool.root}, models {self.cfg.models_dir}, device "

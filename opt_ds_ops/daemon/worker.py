@@ -99,19 +99,21 @@ def health_at_start(cfg, need_bytes: int) -> tuple[dict, str]:
 
 
 def _health_main(conn, cfg, need_bytes: int) -> None:
-    """The process of :func:`health_in_child`: sends ``("ok", (report, line))`` or ``("error", exception)``."""
+    """The process of :func:`health_in_child`: sends ``("ok", (report, line))`` or ``("error", text)``
+    (the exception as text: its class may not unpickle, or may import torch, in the daemon)."""
     _die_with_parent()
     try:
         conn.send(("ok", health_at_start(cfg, need_bytes)))
     except Exception as e:  # noqa: BLE001 - raised again in the daemon, which logs it
-        conn.send(("error", e))
+        conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 def health_in_child(cfg, need_bytes: int, ctx=None) -> tuple[dict, str]:
     """:func:`health_at_start` in a process of the forkserver (``ctx``, None: :func:`context`), which has
     torch and the gate's code imported: the daemon's own process never imports torch. Waits for the
     answer as long as the check takes (a hung NVML call: for ever; the caller gives up on its thread);
-    raises what the check raised, or RuntimeError if its process died without answering."""
+    raises RuntimeError with what the check raised (its class and message), or if its process died
+    without answering."""
     ctx = ctx or context()
     conn, child_conn = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_health_main, args=(child_conn, cfg, need_bytes), name="ds-ops health check")
@@ -126,7 +128,7 @@ def health_in_child(cfg, need_bytes: int, ctx=None) -> tuple[dict, str]:
         conn.close()
     proc.join()
     if kind == "error":
-        raise answer
+        raise RuntimeError(answer)
     return answer
 
 

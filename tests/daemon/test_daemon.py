@@ -500,7 +500,7 @@ def test_a_deferred_job_waits_in_processing_and_a_refused_one_goes_to_failed_wit
     log = io.StringIO()
     d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), EventLog(journal=False, stream=log), Notifier({}),
                           str(tmp_path / "trainer.yaml"), mp_context=job_context(),
-                          gate=scripted_gate.gate)
+                          gate=scripted_gate.gate, health_in_process=True)
 
     def run_job_to_end():
         deadline = time.monotonic() + 300

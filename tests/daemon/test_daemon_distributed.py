@@ -164,7 +164,7 @@ def test_a_stop_ends_the_ranks_keeps_no_checkpoint_and_the_restart_trains_from_e
                for e in sent)
 
     again = daemon_mod.Daemon(d.cfg, d.spool, d.log, Notifier({}), d.config_path,
-                              mp_context=job_context())
+                              mp_context=job_context(), health_in_process=True)
     again.recovery.recover()
     assert again.pending == [record["job_id"]]
     seen = run(again, tmp_path, training, sent)

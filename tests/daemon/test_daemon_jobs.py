@@ -222,7 +222,7 @@ def test_sigterm_checkpoints_every_running_job_and_the_restart_resumes_each_on_a
     stopped = stop(d)
 
     again = daemon_mod.Daemon(d.cfg, d.spool, d.log, Notifier({}), d.config_path,
-                              mp_context=job_context(), gate=scripted_gate.slot_gate)
+                              mp_context=job_context(), gate=scripted_gate.slot_gate, health_in_process=True)
     again.recovery.recover()
     assert sorted(again.pending) == sorted(r["job_id"] for r in stopped.values())
     (tmp_path / "barrier").rename(tmp_path / "barrier-1")

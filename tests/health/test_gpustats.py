@@ -122,7 +122,7 @@ def run_daemon_job(tmp_path, monkeypatch, gate, rows: int, epochs: int = 3) -> l
     log = EventLog(journal=False, stream=io.StringIO())
     log._journal = type("Capture", (), {"send": staticmethod(lambda MESSAGE, **f: sent.append(dict(f, MESSAGE=MESSAGE)))})
     d = daemon_mod.Daemon(cfg, open_spool(cfg.spool.dir), log, Notifier({}), str(tmp_path / "trainer.yaml"),
-                          mp_context=job_context(), gate=gate)
+                          mp_context=job_context(), gate=gate, health_in_process=True)
     np.savetxt(spool_dir(tmp_path, "incoming") / "gpu.csv", np.random.default_rng(0).normal(size=(rows, 4)), delimiter=",")
     assert d.dispatch.take("gpu.csv")
     deadline = time.monotonic() + 300

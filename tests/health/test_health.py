@@ -421,7 +421,7 @@ def test_the_daemons_start_up_health_log_runs_no_smoke_test(host, runtime, tmp_p
     rt = runtime("error")  # a smoke test would fail the GPU: the log says ok, and no CUDA call was made
     out = io.StringIO()
     d = Daemon(cfg(), open_spool(str(tmp_path / "spool")), EventLog(journal=False, stream=out), Notifier({}),
-               str(tmp_path / "trainer.yaml"))
+               str(tmp_path / "trainer.yaml"), health_in_process=True)  # this process has the fakes
     d.duties.log_health()
     assert "health ok: all checks passed -> cuda:0 amp=bf16" in out.getvalue() and rt.calls == []
 
