@@ -25,8 +25,8 @@ demo: venv
 	    || test $$? -eq 3  # 3: rows flagged (the test period holds anomalies)
 
 # The unit and integration tests, in TEST_WORKERS processes (pytest-xdist; most tests wait on real
-# daemons and job processes, so more workers than cores pays; docs/development.md). The long runs
-# have their own targets: the long runs and the crash-recovery tests (make test-slow),
+# daemons and job processes, so more workers than cores pays; docs/development.md). Other targets
+# run the rest: the long runs and the crash-recovery tests (make test-slow),
 # e2e (make e2e), the soaks (make soak, make fuzz-soak), the GPU check's dry run (make gpu-check-dry);
 # CI runs each once.
 # TEST_ARGS: more pytest arguments, e.g. TEST_ARGS='--durations=25'.

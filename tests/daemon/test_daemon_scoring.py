@@ -301,7 +301,10 @@ def test_a_daemon_killed_while_scoring_scores_the_file_again_once(tmp_path):
         d.wait_until(lambda: len(results(tmp_path)) == 1 and not os.listdir(spool_dir(tmp_path, "processing")),
                      "the file scored after the restart")
         chunk(d, tmp_path, "next", smd(100, 0))
-        d.wait_until(lambda: len(results(tmp_path)) == 2, "the next chunk scored")
+        # the job's end, not its result: the result directory is in place before state.json is replaced,
+        # and a stop between the two leaves the old state for the restart to redo (scoring/job.py)
+        d.wait_until(lambda: len(results(tmp_path)) == 2 and not os.listdir(spool_dir(tmp_path, "processing")),
+                     "the next chunk scored")
     (big, after) = results(tmp_path)
     assert (big["source"], big["rows"], big["first_row"]) == ("big.csv", 30000, 0)
     assert after["first_row"] == 30000  # the series advanced once, not twice
