@@ -90,6 +90,10 @@ SQUAT_SHARE = 0.2  # of the good datasets get a squatted sidecar
 SCORE_KINDS = ("score-squat", "failed-retrain")  # drawn apart: counts --score-squats, --failed-retrains
 RETRAIN_CHUNKS = 4  # chunks a failed-retrain item drops, one after the other
 RETRAIN_CHUNK_ROWS = 60  # rows of a flagged chunk
+# seconds between a flagged chunk's rows: the four chunks span 40 min of data, inside the first
+# back-off (counted on the data's clock, an hour), so a second failed retraining means the back-off
+# did not hold (or a kill fell between a failure and its record), not that the data outran it
+RETRAIN_STEP_S = 10
 SCORE_WAIT_S = 600.0  # how long a scoring item waits for its model, or for its chunk to be taken (and never past --timeout-s)
 STATUS_TIMEOUT_S = 60.0
 STATUS_EVERY_KILLS = 10
@@ -408,14 +412,15 @@ class Hostile:
         it.update(variant=variant, entries=entries, regular=regular, dataset=dataset, sidecar=sidecar,
                   dropped_at=time.time())
 
-    def _chunk_csv(self, rows: int, shift: float = 0.0, start_minute: int = 0) -> bytes:
-        """A chunk of the good CSV's columns (a time column and m0..m7), its rows shifted by ``shift``."""
+    def _chunk_csv(self, rows: int, shift: float = 0.0, start_s: int = 0, step_s: int = 60) -> bytes:
+        """A chunk of the good CSV's columns (a time column and m0..m7), its rows shifted by
+        ``shift``, timed from 2024-01-01 plus ``start_s``, ``step_s`` apart."""
         lines = self.seeds[".csv"].decode().splitlines()
         out = [lines[0]]
         for i, line in enumerate(lines[1 : rows + 1]):
             cells = line.split(",")
-            m = start_minute + i
-            out.append(",".join([f"2024-01-{1 + m // 1440:02d}T{m // 60 % 24:02d}:{m % 60:02d}:00Z"]
+            t = start_s + i * step_s
+            out.append(",".join([f"2024-01-{1 + t // 86400:02d}T{t // 3600 % 24:02d}:{t // 60 % 60:02d}:{t % 60:02d}Z"]
                                 + [f"{float(v) + shift:.6g}" for v in cells[1:]]))
         return ("\n".join(out) + "\n").encode()
 
@@ -450,8 +455,9 @@ class Hostile:
                     if self.stop_event.is_set() or time.monotonic() > limit:
                         raise OSError(f"score/{chunk.name} was not taken in time (--timeout-s, or {SCORE_WAIT_S:.0f} s)")
                     time.sleep(0.1)
-                self._drop_file(chunk.name, self._chunk_csv(RETRAIN_CHUNK_ROWS, shift=1000.0,
-                                                            start_minute=600 + c * RETRAIN_CHUNK_ROWS), where="score")
+                start_s = 36000 + c * RETRAIN_CHUNK_ROWS * RETRAIN_STEP_S
+                self._drop_file(chunk.name, self._chunk_csv(RETRAIN_CHUNK_ROWS, shift=1000.0, start_s=start_s,
+                                                            step_s=RETRAIN_STEP_S), where="score")
                 it["chunks"] = c + 1
         except OSError as e:
             with self._lock:
