@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 9 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 11 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
-configuration of the round: round 6, ``before`` (the defaults before it: no retraining, no change
-of regime; reported, not a candidate) and its candidates; round 7, the alarm budget's candidates;
-round 8, a new version's budget from the scored history; round 10, round 9's best on SMD with half
-the alarm budget, and the levels score with the budget's ``warnings`` rule; round 9, the score (each metric's change
-beside its level, shorter smoothing) and what the alarm budget learns from; in the order used for ties. Prints each
+configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
+it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
+the alarm budget's candidates; round 8, a new version's budget from the scored history; round 9,
+the score (each metric's change beside its level, shorter smoothing) and what the alarm budget
+learns from; round 10, round 9's best on SMD with half the alarm budget, and the levels score with
+the budget's ``warnings`` rule; round 11, a metric's term the larger of its change's and its
+level's error, with EMA 10 or 5. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -57,6 +59,10 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "levels-warnings-regime": ["scoring.alarm_budget_learns=warnings", "scoring.regime_after_s=21600",
                                      "scoring.regime_shift_sd=3"]},
          ("shipped", "diff-10-regime-b0.5", "levels-warnings-regime")),
+    11: ({"shipped": [],
+          "max-10": ["train.difference_term=max"],
+          "max-5": ["train.difference_term=max", "train.score_window=5"]},
+         ("shipped", "max-10", "max-5")),
 }
 # Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
 # each configuration's items go on top of these, so their records reproduce. Rounds 6 to 8 run on

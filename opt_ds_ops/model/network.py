@@ -99,7 +99,7 @@ def row_errors(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return feature_errors(model, x).mean(dim=1)
 
 
-WINDOW_ERRORS = ("last", "window")
+WINDOW_ERRORS = ("last", "window", "max")
 
 
 def window_rows(x: torch.Tensor, window: int, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,14 +169,18 @@ def fold_window(cells: torch.Tensor, window: int, how: str) -> torch.Tensor:
     """Return per-row, per-feature terms (rows, D) from a window's terms (rows, D * window).
 
     ``how``: ``"last"``: the window's last row (row t's own cells); ``"window"``: the mean over the
-    window's rows of each feature's term. Window 1 returns cells. Raises ValueError for another how.
+    window's rows of each feature's term; ``"max"``: the largest of them (for a model reading
+    differences, the larger of a metric's change term and level term, so a level that stays moved
+    keeps its full weight). Window 1 returns cells. Raises ValueError for another how.
     """
     if how not in WINDOW_ERRORS:
         raise ValueError(f"unknown window error {how!r} (one of {', '.join(WINDOW_ERRORS)})")
     if window <= 1:
         return cells
     folded = cells.reshape(cells.shape[0], window, cells.shape[1] // window)
-    return folded[:, -1] if how == "last" else folded.mean(dim=1)
+    if how == "last":
+        return folded[:, -1]
+    return folded.amax(dim=1) if how == "max" else folded.mean(dim=1)
 
 
 def anomaly_scores(cell_errors: torch.Tensor, error_scale: torch.Tensor, window: int = 1,

@@ -311,10 +311,10 @@ def load_model(path: str) -> StoredModel:
     if "diff_mean" in payload or "diff_std" in payload:  # a model reading differences beside levels
         d = payload["model_args"]["n_features"] // 2
         diff = (payload.get("diff_mean"), payload.get("diff_std"))
-        if (window != 2 or window_error != "window" or not all(isinstance(t, torch.Tensor) and tuple(t.shape) == (d,)
+        if (window != 2 or window_error not in ("window", "max") or not all(isinstance(t, torch.Tensor) and tuple(t.shape) == (d,)
                                                                 for t in diff)):
             raise StoreError(f"{model_file}: a model reading differences needs input_window 2, window_error "
-                             f"window and diff_mean, diff_std of its {d} metrics")
+                             f"window or max and diff_mean, diff_std of its {d} metrics")
     model = TelemetryAutoencoder(**payload["model_args"])
     model.load_state_dict(payload["state_dict"])
     model.eval()

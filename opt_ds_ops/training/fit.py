@@ -259,10 +259,13 @@ def _train(data, cfg, plan, on_epoch, should_stop, resume, offset, read_gpu, pla
 
 def input_form(cfg: TrainConfig) -> tuple[int, str]:
     """Return (rows per model input, how a window's terms make a row's score) of the model cfg trains:
-    ``(input_window, window_error)``, or ``(2, "window")`` for one reading differences (its input is
-    the change and the level of each metric, :func:`opt_ds_ops.model.network.with_differences`, and
-    a row's term per metric is the mean of the two)."""
-    return (2, "window") if cfg.input_differences else (cfg.input_window, cfg.window_error)
+    ``(input_window, window_error)``, or for one reading differences (its input is the change and
+    the level of each metric, :func:`opt_ds_ops.model.network.with_differences`) ``(2, "window")``,
+    a row's term per metric the mean of the two, or ``(2, "max")``, the larger, by
+    ``difference_term``."""
+    if cfg.input_differences:
+        return 2, ("max" if cfg.difference_term == "max" else "window")
+    return cfg.input_window, cfg.window_error
 
 
 def difference_inputs(z_train: torch.Tensor, cfg: TrainConfig):

@@ -177,15 +177,18 @@ def test_a_window_is_the_rows_up_to_t_oldest_first_and_row_0_repeats_before_the_
         assert torch.equal(torch.cat([window_rows(x[:k], 3), window_rows(x[k:], 3, context=x[:k])]), w), k
 
 
-def test_fold_window_keeps_the_last_rows_cells_or_averages_the_window():
+def test_fold_window_keeps_the_last_rows_cells_averages_the_window_or_takes_its_largest():
     cells = torch.arange(12.0).reshape(2, 6)  # window 3 of D = 2
     assert fold_window(cells, 3, "last").tolist() == [[4, 5], [10, 11]]
     assert fold_window(cells, 3, "window").tolist() == [[2, 3], [8, 9]]
     assert torch.equal(fold_window(cells, 1, "last"), cells)
     scale = torch.ones(6)
     assert anomaly_scores(cells, scale, 3, "window").tolist() == cells.mean(1).tolist()
-    with pytest.raises(ValueError, match="unknown window error 'max'"):
-        fold_window(cells, 3, "max")
+    flipped = cells.flip(1)  # each feature's largest term first in its window
+    assert fold_window(flipped, 3, "max").tolist() == [[5, 4], [11, 10]]
+    assert fold_window(flipped, 3, "last").tolist() == [[1, 0], [7, 6]]
+    with pytest.raises(ValueError, match="unknown window error 'median'"):
+        fold_window(cells, 3, "median")
 
 
 def test_a_windowed_model_reads_d_times_w_inputs_and_keeps_the_seed_layers():

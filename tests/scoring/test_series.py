@@ -30,6 +30,7 @@ SETTINGS = {
     "mean smoothing": {"score_smoothing": "mean", "score_window": 15},
     "window error": {"input_window": 4, "window_error": "window", "input_differences": False},
     "differences": {"input_differences": True},
+    "differences, max term": {"input_differences": True, "difference_term": "max"},
 }
 NAMES = [f"m{j}" for j in range(38)]
 

@@ -58,3 +58,29 @@ def test_inputs_of_differences_need_input_window_1_and_the_rows_in_memory(smd_ro
 
     with pytest.raises(TrainingError, match="needs train.input_window 1"):
         train(smd_rows[:500], TrainConfig(epochs=1, input_differences=True, input_window=3), plan_device("cpu", "off"))
+
+
+def test_a_model_whose_term_is_the_larger_of_change_and_level_keeps_it_in_its_contract(tmp_path, smd_rows):
+    """train.difference_term max: each metric's term is the larger of its change's and its level's
+    normalised error (window_error ``max`` in model.pt); read back, it scores as in memory, and
+    its cells are the elementwise max of the two halves of the model's own errors."""
+    from opt_ds_ops.model.detection import normalised_errors, standardise_rows
+    from opt_ds_ops.model.network import feature_errors, model_inputs
+
+    torch.manual_seed(0)
+    result = train(smd_rows[:3000], TrainConfig(max_steps=100, difference_term="max"), plan_device("cpu", "off"))
+    path, _ = save_model(str(tmp_path), "m", model_payload(result), {"dataset": {"file": "m.csv"}})
+    stored = load_model(path)
+    assert (stored.input_window, stored.window_error, stored.model.n_features) == (2, "max", 76)
+    rows = smd_rows[3000:4000]
+    assert np.array_equal(score_rows(stored, rows), score_rows(in_memory_model(result), rows))
+    x = standardise_rows(stored, rows).clamp_(-stored.input_clip, stored.input_clip)
+    terms = (feature_errors(stored.model, model_inputs(x, 2, diff=stored.diff, clip=stored.input_clip))
+             / stored.error_scale).reshape(len(rows), 2, 38)
+    cells = normalised_errors(stored, rows)
+    np.testing.assert_array_equal(cells, terms.amax(dim=1).numpy())
+    assert (cells > terms.mean(dim=1).numpy()).mean() > 0.5  # not the mean of the two
+    payload = torch.load(os.path.join(path, "model.pt"), weights_only=True)
+    torch.save(dict(payload, window_error="last"), os.path.join(path, "model.pt"))
+    with pytest.raises(StoreError, match="window or max"):
+        load_model(path)
