@@ -165,7 +165,7 @@ class ScoringConfig:
     said once, then the series is re-baselined (0 seconds: off). ``alarm_budget_per_day``,
     ``alarm_budget_days``: each series raises its threshold, at each day of the data, to the lowest
     that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
-    0.5 as shipped, round 10). ``alarm_budget_history``: a new version's budget starts from the
+    0.5 as shipped, round 10), once alarm_budget_min_days days are kept. ``alarm_budget_history``: a new version's budget starts from the
     series' scored history (its last alarm_budget_days days), scored again by the new version,
     instead of from nothing (:func:`opt_ds_ops.scoring.calibration.seed`). ``alarm_budget_learns``:
     whose runs the budget counts (``all``; ``warnings``: not those of an incident that was or became
@@ -187,6 +187,7 @@ class ScoringConfig:
     regime_shift_sd: float = _field(3.0, lambda v: 0 < v < math.inf, "a number > 0 (training standard deviations)")
     alarm_budget_per_day: float = _field(0.5, lambda v: 0 <= v <= 1e6, "alarms a day in [0, 1000000] (0: off)")
     alarm_budget_days: float = _field(14.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
+    alarm_budget_min_days: float = _field(1.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
     alarm_budget_history: bool = _field(False, None, "true or false")
     alarm_budget_learns: str = _field("warnings", lambda v: v in ("all", "warnings", "normal"),
                                       "one of all, warnings, normal")

@@ -18,13 +18,19 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
   ``budget_per_day`` alarms a day, and never under the model's own threshold. Less than
   ``min_days`` of history: the model's threshold. A change is an event ``threshold-calibrated``.
 * **What teaches it** (``learns``): with ``normal``, a run that starts inside an incident
-  (:mod:`opt_ds_ops.scoring.incidents`) is not counted, so an incident, a burst of them or the same
+  (:mod:`opt_ds_ops.scoring.incidents`), its first row included, is not counted, so an incident, a burst of them or the same
   failure again never raises the threshold that must page it (with one flagged row opening an
   incident, the budget then learns only the runs under the threshold in force); with ``warnings``,
   only the runs of incidents that were or became critical are left out, so the budget still
   learns the model's noise, the warnings it pages for nothing, while loud bursts and real
   failures (twice the threshold or more) never raise it and a repeat within ``days`` is paged as
-  the first was; ``all`` counts every run (before round 9).
+  the first was; ``all`` counts every run (before round 9). A run over the threshold in force
+  waits until its day closes (``pending``): an incident that opens, or becomes critical, later
+  that day takes back the runs from its first row to that row (:func:`forget_from`), so a warning that
+  escalates, or an incident that opens after its window fills, teaches nothing either.
+* **Enough history first**: the threshold stays the model's until ``min_days`` days are kept (a
+  partial day counts as a day on the rows' clock); the budget allows ``floor(budget_per_day x
+  days)`` alarms, so with 0.5 a day and one day kept it allows none.
 * **Bounded**: one day moves the threshold by at most :data:`MAX_DAY_FACTOR` either way (never
   under the model's own); a move of that factor or more is said at warning level by the daemon.
 * **Invariant**: the threshold moves only at day boundaries of the rows, so a file scored in one
@@ -50,6 +56,7 @@ PER_OCTAVE = 16
 EDGES = 2.0 ** (np.arange(-4 * PER_OCTAVE, 10 * PER_OCTAVE + 1) / PER_OCTAVE)  # score / the model's threshold
 SECONDS_PER_DAY = 86400.0
 MAX_DAY_FACTOR = 2.0  # one day's calibration moves the threshold by at most this factor, up or down
+MAX_PENDING = 100_000  # runs over the threshold held until their day closes (a day of one-second rows)
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,8 @@ class CalibrationPolicy:
     @classmethod
     def from_config(cls, scoring) -> CalibrationPolicy:
         return cls(budget_per_day=scoring.alarm_budget_per_day, days=scoring.alarm_budget_days,
-                   from_history=scoring.alarm_budget_history, learns=scoring.alarm_budget_learns)
+                   min_days=scoring.alarm_budget_min_days, from_history=scoring.alarm_budget_history,
+                   learns=scoring.alarm_budget_learns)
 
     @property
     def on(self) -> bool:
@@ -75,7 +83,7 @@ class CalibrationPolicy:
 def fresh(base: float) -> dict:
     """The calibration state of a series that starts now, against the model's threshold ``base``."""
     return {"base": float(base), "threshold": float(base), "day": None, "prev": None, "rows": 0, "runs": {},
-            "days": [], "clock": None}
+            "days": [], "clock": None, "pending": []}
 
 
 def usable(base: float) -> bool:
@@ -92,6 +100,12 @@ def _runs_ok(runs) -> bool:
                                           for b, v in runs.items())
 
 
+def _pending_ok(pending) -> bool:
+    return isinstance(pending, list) and len(pending) <= MAX_PENDING and all(
+        isinstance(p, list) and len(p) == 3 and all(_count(v) for v in p) and 0 <= p[1] <= EDGES.size
+        and 0 <= p[2] <= EDGES.size for p in pending)
+
+
 def valid(cal, base: float) -> bool:
     """Whether cal is a calibration state of this shape, made against the threshold ``base``: its
     threshold finite and not under ``base``, its days and bins in range, its counts integers."""
@@ -106,7 +120,8 @@ def valid(cal, base: float) -> bool:
               and _count(cal["rows"]) and cal["rows"] >= 0 and _runs_ok(cal["runs"]) and isinstance(cal["days"], list)
               and cal.get("clock") in (None, "time", "rows")
               and all(isinstance(d, list) and len(d) == 3 and _count(d[0]) and _count(d[1]) and d[1] >= 0
-                      and _runs_ok(d[2]) for d in cal["days"]))
+                      and _runs_ok(d[2]) for d in cal["days"])
+              and _pending_ok(cal.get("pending", [])))
     except (KeyError, TypeError):
         return False
     return ok and len(cal["days"]) <= 10000
@@ -135,9 +150,11 @@ def _bins(x: np.ndarray) -> np.ndarray:
     return np.searchsorted(EDGES, x, side="left")
 
 
-def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None) -> None:
+def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None, row0: int | None = None) -> None:
     """Count the run starts of scores (n,) (the current day's, the next rows of the series) into cal;
-    ``in_incident`` (n,) bool: rows inside an incident, whose run starts are not counted."""
+    ``in_incident`` (n,) bool: rows inside an incident, whose run starts are not counted. With
+    ``row0`` (the series row of scores[0]) a run starting over the threshold in force is held in
+    ``pending`` until the day closes (:func:`forget_from` may take it back)."""
     s = np.asarray(scores, dtype=np.float64) / cal["base"]
     if not s.size:
         return
@@ -145,6 +162,13 @@ def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None) ->
     up = lo < s
     if in_incident is not None:
         up &= ~np.asarray(in_incident, dtype=bool)
+    if row0 is not None:
+        held = up & (s > cal["threshold"] / cal["base"])
+        pending = cal.setdefault("pending", [])
+        for i in np.flatnonzero(held).tolist():
+            pending.append([int(row0) + i, int(_bins(lo[i : i + 1])[0]), int(_bins(s[i : i + 1])[0])])
+        del pending[:-MAX_PENDING]  # a day of one-second rows at most; older ones dropped, not counted
+        up &= ~held
     runs = cal["runs"]
     for b, k in zip(*np.unique(_bins(lo[up]), return_counts=True)):
         runs[str(int(b))] = runs.get(str(int(b)), 0) + int(k)
@@ -155,8 +179,26 @@ def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None) ->
     cal["rows"] += int(s.size)
 
 
+def forget_from(cal: dict, row: int, until: int) -> None:
+    """An incident whose first row is series row ``row`` opened (or became critical) at row
+    ``until``: the runs held from the one to the other are not counted."""
+    cal["pending"] = [p for p in cal.get("pending", []) if not row <= p[0] <= until]
+
+
+def _fold_pending(cal: dict) -> None:
+    """Count the held runs into the current day's (its day closes, or the series starts again)."""
+    runs = cal["runs"]
+    for _, lo, hi in cal.get("pending", []):
+        runs[str(lo)] = runs.get(str(lo), 0) + 1
+        runs[str(hi)] = runs.get(str(hi), 0) - 1
+    cal["runs"] = {b: v for b, v in runs.items() if v}
+    cal["pending"] = []
+
+
 def gap(cal: dict) -> None:
-    """The series starts again after a gap: the next row starts a run of its own."""
+    """The series starts again after a gap: the next row starts a run of its own (the held runs
+    are counted: no incident spans the gap)."""
+    _fold_pending(cal)
     cal["prev"] = None
 
 
@@ -194,10 +236,11 @@ def roll(cal: dict, day: int, policy: CalibrationPolicy, period_s: float, clock:
     starts its history again). Return ``{"previous", "threshold", "days", "alarms"}`` if the
     threshold changed, else None."""
     if cal.get("clock") not in (None, clock):
-        cal["days"], cal["day"], cal["rows"], cal["runs"] = [], None, 0, {}
+        cal["days"], cal["day"], cal["rows"], cal["runs"], cal["pending"] = [], None, 0, {}, []
     cal["clock"] = clock
     if cal["day"] == day:
         return None
+    _fold_pending(cal)
     if cal["day"] is not None and cal["rows"]:
         same = next((d for d in cal["days"] if d[0] == cal["day"]), None)
         if same is None:

@@ -483,7 +483,12 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     st.version_rows += n
     st.rows_flagged += int(flags.sum())
     if calibration is not None:  # the budget learns from the rows its policy lets it (calibration.learns)
-        calib.add(st.calibration, scores, in_incident=_not_learned(done, calibration.learns))
+        learns = calibration.learns
+        calib.add(st.calibration, scores, in_incident=_not_learned(done, learns),
+                  row0=None if learns == "all" else row0)
+        for kind, i, inc in done.changes:  # an incident it must not learn: its runs held since its first row too
+            if kind == "escalated" or kind == "opened" and (learns == "normal" or inc["severity"] == "critical"):
+                calib.forget_from(st.calibration, int(inc["start_row"]), row0 + i)
     part = ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, live=done.live, first_row=row0,
                        events=events, notes=[], state=st, active=done.tracker.open is not None, cells=cells)
     part.stopped = done.stopped
@@ -493,7 +498,9 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
 def _not_learned(done, learns: str) -> np.ndarray | None:
     """The rows of a tracked chunk whose runs the alarm budget does not count, as known at each row
     (so one chunk or many count the same): an incident open there (``normal``), a critical one open
-    there (``warnings``: critical when it opened or since it escalated), or None (``all``)."""
+    there (``warnings``: critical when it opened or since it escalated), or None (``all``). The runs
+    of an incident's rows before it opened or became critical are taken back when it does, on the
+    same day (:func:`opt_ds_ops.scoring.calibration.forget_from`)."""
     if learns == "all":
         return None
     return done.live > 0 if learns == "normal" else done.live == 2

@@ -113,12 +113,12 @@ def test_a_day_of_loud_bursts_does_not_hide_a_shift_the_next_day(series, smd_row
     times in a day, until a 5-hour shift of three metrics the next day paged nothing. Now no day
     moves the threshold by more than 2 times, and a move that large is journalled at warning level.
     With the score and budget shipped before round 10 (levels, EMA 30, learns all) two days of
-    bursts raise it 3.7 times and the shift is missed. Round 9's ``diff-10`` (each metric's change
-    read, EMA 10, learns ``warnings``, 1 alarm a day) paged it; round 10's choice, shipped (the
-    same with half the budget, 0.5 a day) raises the threshold 1.9 times at the day start after the
-    bursts began (7.1 to 13.6 before the shift; 27.2 a day later): the budget learned from the burst
-    days though it learns ``warnings`` (not yet explained), and the shift is missed again: a known
-    gap, reported as xfailed, and only after the move it rests on is checked."""
+    bursts raise it 3.7 times and the shift is missed. With the shipped budget (learns
+    ``warnings``) each burst opens as a warning (its first rows' smoothed score under twice the threshold) and
+    escalates to critical rows later; until
+    round 11's correction its first rows' runs, counted before the escalation, were learned, the
+    threshold rose 1.9 times and the shift was missed: now those runs are held until the day ends
+    and taken back when the incident escalates, and the shift is paged."""
     quiet = smd_rows[15000:15000 + 4 * DAY].copy()
     for b in range(12):
         i = 2 * DAY + b * 120 + 30
@@ -134,15 +134,7 @@ def test_a_day_of_loud_bursts_does_not_hide_a_shift_the_next_day(series, smd_row
     shift = summaries[s0 // CHUNK]
     paged = series.opened_in(shift, s0 % CHUNK, s0 % CHUNK + 300)
     if series.keys != BEFORE_ROUND_10:
-        if not paged:  # reported as xfailed; once the shift pages, the test passes and this goes
-            first_burst = 2 * DAY + 30
-            after = [e for e in moves if first_burst < e["row"] <= s0]  # the day starts after the bursts began
-            assert after and after[-1]["threshold"] >= 1.5 * after[0]["previous"], moves  # what the gap rests on
-            series.close()
-            known_gap(f"the shift is not paged at the threshold {after[-1]['threshold']:.2f}, "
-                      f"{after[-1]['threshold'] / after[0]['previous']:.1f} times the one before the bursts: "
-                      "the budget learned from the burst days")
-        assert paged, (shift["threshold"], shift["events"])
+        assert paged, (shift["threshold"], shift["events"], moves)
     else:  # the budget before round 10 learns the bursts: bounded, and the bound's move said at warning level
         assert moves and any(e["far"] for e in moves), moves
         assert "held to 2 times" in series.d.log()

@@ -343,8 +343,10 @@ def test_a_state_out_of_range_is_not_valid_and_starts_again(broken):
 @pytest.mark.parametrize("learns", ["normal", "warnings"])
 def test_runs_inside_incidents_teach_the_budget_nothing_as_learns_says(model, period, learns):
     """learns normal: no run that starts where an incident is open is counted; warnings: none where
-    a critical one is open (critical when it opened, or since it escalated). Each day's threshold is then what the other runs allow,
-    within the day's bound, checked against the scores and incidents alone."""
+    a critical one is open (critical when it opened, or since it escalated); and none over the
+    threshold from such an incident's first row to the row it opened or escalated, that day. Each
+    day's threshold is then what the other runs allow, within the day's bound, checked against the
+    scores and incidents alone."""
     policy = CalibrationPolicy(budget_per_day=1.0, days=3.0, min_days=1.0, learns=learns)
     base = float(model.threshold)
     scores, flags, events, state = scored(model, period, 1, policy=policy)
@@ -354,6 +356,15 @@ def test_runs_inside_incidents_teach_the_budget_nothing_as_learns_says(model, pe
             threshold[e["row"]:] = e["threshold"]
     left_out = scored.live > 0 if learns == "normal" else scored.live == 2  # known at the row, never relabelled
     assert left_out.any()  # machine-1-2's unseen days have incidents, and critical ones
+    taken_back = np.zeros_like(left_out)
+    for e in events:  # the flagged rows before it opened (or escalated), the same day, are taken back
+        if e["event"] == "incident-escalated" or (e["event"] == "incident-opened"
+                                                   and (learns == "normal" or e["severity"] == "critical")):
+            rows = np.arange(max(e["started_row"], e["row"] // DAY * DAY), e["row"] + 1)
+            taken_back[rows] |= flags[rows] & ~left_out[rows]
+    if learns == "warnings":
+        assert taken_back.any()  # a warning that escalated: its runs before are not learned either
+    left_out |= taken_back
     for day in range(1, 8):
         days = slice(max(0, day - 3) * DAY, day * DAY)
         runs = alarms_outside(scores[days], left_out[days], EDGES * base)
@@ -364,6 +375,40 @@ def test_runs_inside_incidents_teach_the_budget_nothing_as_learns_says(model, pe
         assert threshold[day * DAY] == pytest.approx(want, rel=1e-12), day
     print(f"{learns}: {int(left_out.sum())} rows left out; thresholds by day "
           f"{[round(float(threshold[d * DAY]) / base, 2) for d in range(8)]} x the model's")
+
+
+def test_a_run_held_until_its_day_closes_is_counted_unless_an_incident_takes_it_back():
+    """A run over the threshold in force waits for its day's end: an incident that opens or becomes
+    critical later that day, from its first row, takes it back; one that does not is counted as
+    add() without rows counts it; a gap counts what is held (no incident spans it)."""
+    policy = CalibrationPolicy(budget_per_day=1.0, days=14.0, min_days=1.0)
+    loud = np.r_[np.zeros(5), np.full(3, 3.0), np.zeros(5), np.full(3, 3.0), np.zeros(1424)]  # two runs at 3 x
+    plain, held, taken = calib.fresh(1.0), calib.fresh(1.0), calib.fresh(1.0)
+    for cal in (plain, held, taken):
+        calib.roll(cal, 0, policy, 60.0, "rows")
+    calib.add(plain, loud)
+    calib.add(held, loud, row0=0)
+    calib.add(taken, loud[:10], row0=0)
+    calib.forget_from(taken, 8, 9)  # an incident from row 8, opened at 9: not the first run (rows 5-7)
+    calib.add(taken, loud[10:], row0=10)
+    calib.forget_from(taken, 13, 14)  # one from row 13: the second run
+    assert [p[0] for p in held["pending"]] == [5, 13] and [p[0] for p in taken["pending"]] == [5]
+    for cal in (plain, held, taken):
+        calib.roll(cal, 1, policy, 60.0, "rows")
+    assert held["days"] == plain["days"] and held["pending"] == []
+    assert calib.budget_threshold(held["days"], policy, 1.0, 60.0)[0] >= 3.0  # two runs, one allowed: over them
+    assert calib.budget_threshold(taken["days"], policy, 1.0, 60.0) == (1.0, {"days": 1.0, "alarms": 1})
+    gapped = calib.fresh(1.0)
+    calib.add(gapped, loud[:10], row0=0)
+    calib.gap(gapped)
+    assert gapped["pending"] == [] and gapped["runs"] == plain_runs_of(loud[:10])
+    assert not calib.valid(dict(calib.fresh(1.0), pending=[[0, 9999, 1]]), 1.0)
+
+
+def plain_runs_of(scores: np.ndarray) -> dict:
+    cal = calib.fresh(1.0)
+    calib.add(cal, scores)
+    return cal["runs"]
 
 
 def test_one_day_moves_the_threshold_by_at_most_the_bound_and_says_it_held_back():
