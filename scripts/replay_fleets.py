@@ -65,7 +65,8 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
          ("shipped", "max-10", "max-5")),
 }
 # Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
-# each configuration's items go on top of these, so their records reproduce. Rounds 6 to 8 run on
+# each configuration's items go on top of these, so their records reproduce (those whose budget
+# learns warnings or normal only on the code before the budget held a day's runs, 8e4b380). Rounds 6 to 8 run on
 # today's shipped conffile and so measure their candidates beside today's score, not their records.
 BEFORE_ROUND_10 = ["train.input_differences=false", "train.score_window=30", "scoring.alarm_budget_learns=all",
                    "scoring.regime_after_s=0", "scoring.alarm_budget_per_day=1"]

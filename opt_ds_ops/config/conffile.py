@@ -494,6 +494,9 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = "", also: tupl
         raise ConfigError(f"{where}: key '{prefix}input_differences' reads each row beside the one before it and needs "
                           f"'{prefix}input_window' 1, got {values['input_window']}; set it false for windowed inputs",
                           (*parts, "input_differences"))
+    if values.get("alarm_budget_min_days", 1.0) > values.get("alarm_budget_days", 14.0):
+        raise ConfigError(f"{where}: key '{prefix}alarm_budget_min_days' must be at most "
+                          f"'{prefix}alarm_budget_days' (a threshold rests on those days)", (*parts, "alarm_budget_min_days"))
     return cls(**values)
 
 

@@ -24,12 +24,12 @@ class StoredModel:
     stored the smoothing and the clip lack the last two and load with their score then: a trailing
     mean, no clipping.
     ``input_window``: rows per model input (the model's n_features is D * input_window and
-    ``error_scale`` is (D * input_window,)); ``window_error``: ``last`` or ``window``, which of
-    the window's rows make the score (:func:`opt_ds_ops.model.network.fold_window`). Models saved
+    ``error_scale`` is (D * input_window,)); ``window_error``: ``last``, ``window`` or ``max``, which
+    of the window's rows make the score (:func:`opt_ds_ops.model.network.fold_window`). Models saved
     before windowed inputs load as 1 and ``last``: one row per input, as they were trained.
     ``diff``: for a model that reads each metric's change beside its level
     (:func:`opt_ds_ops.model.network.with_differences`; then ``input_window`` is 2 and
-    ``window_error`` ``window``), the (D,) float32 ``(diff_mean, diff_std)`` of its training rows'
+    ``window_error`` ``window``, the mean of a metric's change and level terms, or ``max``, the larger), the (D,) float32 ``(diff_mean, diff_std)`` of its training rows'
     standardised first differences; None for a model of levels alone (every model saved before).
     """
 

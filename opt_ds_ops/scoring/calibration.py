@@ -27,15 +27,18 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
   the first was; ``all`` counts every run (before round 9). A run over the threshold in force
   waits until its day closes (``pending``): an incident that opens, or becomes critical, later
   that day takes back the runs from its first row to that row (:func:`forget_from`), so a warning that
-  escalates, or an incident that opens after its window fills, teaches nothing either.
-* **Enough history first**: the threshold stays the model's until ``min_days`` days are kept (a
-  partial day counts as a day on the rows' clock); the budget allows ``floor(budget_per_day x
-  days)`` alarms, so with 0.5 a day and one day kept it allows none.
+  escalates, or an incident that opens after its window fills, teaches nothing either (runs on
+  an earlier day, or starting under the threshold, stay counted).
+* **Enough history first**: the threshold stays the model's until ``min_days`` days are kept (by
+  the rows' times a partial day counts as a day; without times, rows at the sample period); the
+  budget allows ``floor(budget_per_day x days)`` alarms, so with 0.5 a day and one day kept it
+  allows none.
 * **Bounded**: one day moves the threshold by at most :data:`MAX_DAY_FACTOR` either way (never
   under the model's own); a move of that factor or more is said at warning level by the daemon.
 * **Invariant**: the threshold moves only at day boundaries of the rows, so a file scored in one
   chunk or in many gives the same flags; the state is a few hundred numbers a day, ``days`` days
-  at most, carried in the series state.
+  at most, and the current day's held runs (:data:`MAX_PENDING` at most: three numbers each),
+  carried in the series state.
 
 A new version starts again from its own threshold (its scores are not the old one's); with
 ``from_history`` it starts from the series' scored history scored again by it (:func:`seed`): the
@@ -56,7 +59,7 @@ PER_OCTAVE = 16
 EDGES = 2.0 ** (np.arange(-4 * PER_OCTAVE, 10 * PER_OCTAVE + 1) / PER_OCTAVE)  # score / the model's threshold
 SECONDS_PER_DAY = 86400.0
 MAX_DAY_FACTOR = 2.0  # one day's calibration moves the threshold by at most this factor, up or down
-MAX_PENDING = 100_000  # runs over the threshold held until their day closes (a day of one-second rows)
+MAX_PENDING = 10_000  # runs over the threshold held until their day closes; more in a day are counted
 
 
 @dataclass(frozen=True)
@@ -150,11 +153,14 @@ def _bins(x: np.ndarray) -> np.ndarray:
     return np.searchsorted(EDGES, x, side="left")
 
 
-def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None, row0: int | None = None) -> None:
+def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None, row0: int | None = None,
+        forget: list[tuple[int, int]] = ()) -> None:
     """Count the run starts of scores (n,) (the current day's, the next rows of the series) into cal;
     ``in_incident`` (n,) bool: rows inside an incident, whose run starts are not counted. With
     ``row0`` (the series row of scores[0]) a run starting over the threshold in force is held in
-    ``pending`` until the day closes (:func:`forget_from` may take it back)."""
+    ``pending`` until the day closes; ``forget``: ``(first row, row)`` of each incident these rows
+    opened or made critical, whose held runs from the one to the other are taken back
+    (:func:`forget_from`), in row order with the holding, so that any chunking holds the same."""
     s = np.asarray(scores, dtype=np.float64) / cal["base"]
     if not s.size:
         return
@@ -164,10 +170,15 @@ def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None, ro
         up &= ~np.asarray(in_incident, dtype=bool)
     if row0 is not None:
         held = up & (s > cal["threshold"] / cal["base"])
-        pending = cal.setdefault("pending", [])
+        todo = sorted(forget, key=lambda f: f[1])
         for i in np.flatnonzero(held).tolist():
-            pending.append([int(row0) + i, int(_bins(lo[i : i + 1])[0]), int(_bins(s[i : i + 1])[0])])
-        del pending[:-MAX_PENDING]  # a day of one-second rows at most; older ones dropped, not counted
+            while todo and todo[0][1] < row0 + i:
+                forget_from(cal, *todo.pop(0))
+            if len(cal.setdefault("pending", [])) >= MAX_PENDING:
+                _fold_pending(cal)  # too many held in a day: those are counted (the same in any chunking)
+            cal["pending"].append([int(row0) + i, int(_bins(lo[i : i + 1])[0]), int(_bins(s[i : i + 1])[0])])
+        for f in todo:
+            forget_from(cal, *f)
         up &= ~held
     runs = cal["runs"]
     for b, k in zip(*np.unique(_bins(lo[up]), return_counts=True)):
@@ -186,7 +197,12 @@ def forget_from(cal: dict, row: int, until: int) -> None:
 
 
 def _fold_pending(cal: dict) -> None:
-    """Count the held runs into the current day's (its day closes, or the series starts again)."""
+    """Count the held runs into the current day's (its day closes, or the series starts again); a
+    state whose held runs or counts are not of their shape drops what it holds (:func:`valid`
+    then starts it again)."""
+    if not (_pending_ok(cal.get("pending", [])) and _runs_ok(cal.get("runs"))):
+        cal["pending"] = []
+        return
     runs = cal["runs"]
     for _, lo, hi in cal.get("pending", []):
         runs[str(lo)] = runs.get(str(lo), 0) + 1

@@ -484,11 +484,10 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     st.rows_flagged += int(flags.sum())
     if calibration is not None:  # the budget learns from the rows its policy lets it (calibration.learns)
         learns = calibration.learns
+        forget = [(int(inc["start_row"]), row0 + i) for kind, i, inc in done.changes  # not learned: since its first row
+                  if kind == "escalated" or kind == "opened" and (learns == "normal" or inc["severity"] == "critical")]
         calib.add(st.calibration, scores, in_incident=_not_learned(done, learns),
-                  row0=None if learns == "all" else row0)
-        for kind, i, inc in done.changes:  # an incident it must not learn: its runs held since its first row too
-            if kind == "escalated" or kind == "opened" and (learns == "normal" or inc["severity"] == "critical"):
-                calib.forget_from(st.calibration, int(inc["start_row"]), row0 + i)
+                  row0=None if learns == "all" else row0, forget=forget)
     part = ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, live=done.live, first_row=row0,
                        events=events, notes=[], state=st, active=done.tracker.open is not None, cells=cells)
     part.stopped = done.stopped

@@ -308,6 +308,8 @@ def load_model(path: str) -> StoredModel:
         raise StoreError(f"{model_file}: unknown window_error {window_error!r} or input_window {window} "
                          f"(this ds-ops knows {', '.join(WINDOW_ERRORS)}; the model's input width must be a multiple)")
     diff = None
+    if window_error == "max" and "diff_mean" not in payload:
+        raise StoreError(f"{model_file}: window_error max is for a model reading differences (no diff_mean, diff_std)")
     if "diff_mean" in payload or "diff_std" in payload:  # a model reading differences beside levels
         d = payload["model_args"]["n_features"] // 2
         diff = (payload.get("diff_mean"), payload.get("diff_std"))

@@ -249,3 +249,15 @@ def test_a_conffile_with_a_window_from_before_the_differences_default_still_load
     train = load_config(str(conf)).train
     assert train.input_window == 4 and train.input_differences is False
     assert load_config(str(tmp_path / "none.yaml"), missing_ok=True).train.input_differences is True
+
+
+def test_an_alarm_budget_that_waits_longer_than_it_keeps_is_refused(tmp_path):
+    """scoring.alarm_budget_min_days over alarm_budget_days would keep the model's threshold for
+    good (a threshold rests on the last alarm_budget_days days): refused, naming the key."""
+    conf = tmp_path / "trainer.yaml"
+    conf.write_text("scoring:\n  alarm_budget_days: 3\n  alarm_budget_min_days: 4\n")
+    with pytest.raises(ConfigError, match=r"line 3, column 3: key 'scoring.alarm_budget_min_days' must be at most "
+                                          r"'scoring.alarm_budget_days'"):
+        load_config(str(conf))
+    conf.write_text("scoring:\n  alarm_budget_days: 3\n  alarm_budget_min_days: 3\n")
+    assert load_config(str(conf)).scoring.alarm_budget_min_days == 3

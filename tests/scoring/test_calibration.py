@@ -405,6 +405,40 @@ def test_a_run_held_until_its_day_closes_is_counted_unless_an_incident_takes_it_
     assert not calib.valid(dict(calib.fresh(1.0), pending=[[0, 9999, 1]]), 1.0)
 
 
+def test_held_runs_over_the_cap_are_counted_the_same_in_one_chunk_or_many(monkeypatch):
+    """More held runs in a day than MAX_PENDING: the held ones are counted when the next would
+    pass it, at the same row in any chunking (take-backs between chunks apply in row order)."""
+    monkeypatch.setattr(calib, "MAX_PENDING", 5)
+    scores = np.tile([0.0, 3.0], 40)  # 40 runs over the threshold, one every two rows
+    forget = [(10, 11), (31, 33), (50, 51)]  # incidents that open at rows 11, 33, 51 from rows 10, 31, 50
+
+    def counted(cuts):
+        cal = calib.fresh(1.0)
+        calib.roll(cal, 0, CalibrationPolicy(budget_per_day=1.0), 60.0, "rows")
+        for a, b in zip([0, *cuts], [*cuts, scores.size]):
+            calib.add(cal, scores[a:b], row0=a, forget=[f for f in forget if a <= f[1] < b])
+        return cal
+
+    one = counted([])
+    assert one["pending"] and sum(v for v in one["runs"].values() if v > 0) > 0  # some counted at the cap
+    for cuts in ([11], [12, 33], [5, 31, 32, 50, 52], list(range(1, 80))):
+        assert counted(cuts) == one, cuts
+
+
+@pytest.mark.parametrize("broken", [{"pending": [[1, 2]]}, {"pending": 7}, {"runs": None}])
+def test_a_malformed_state_after_a_gap_starts_the_calibration_again_not_a_crash(model, period, broken):
+    """A state.json whose calibration is not of its shape, then a chunk after a gap (a reset
+    before the state is judged): scored, the calibration started again."""
+    times = 1_790_000_000.0 + 60.0 * np.arange(2 * DAY)
+    first = score_chunk(model, period[:DAY], None, times[:DAY], fresh_state("m", model), names=NAMES,
+                        max_gap_periods=10, policy=IncidentPolicy(), calibration=BUDGET)
+    state = SeriesState.from_dict(first.state.to_dict())
+    state.calibration = dict(state.calibration, **broken)
+    after = score_chunk(model, period[DAY:2 * DAY], None, times[DAY:] + 3600.0, state, names=NAMES,
+                        max_gap_periods=10, policy=IncidentPolicy(), calibration=BUDGET)
+    assert after.notes and calib.valid(after.state.calibration, float(model.threshold))
+
+
 def plain_runs_of(scores: np.ndarray) -> dict:
     cal = calib.fresh(1.0)
     calib.add(cal, scores)

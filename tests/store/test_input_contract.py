@@ -84,3 +84,15 @@ def test_a_model_whose_term_is_the_larger_of_change_and_level_keeps_it_in_its_co
     torch.save(dict(payload, window_error="last"), os.path.join(path, "model.pt"))
     with pytest.raises(StoreError, match="window or max"):
         load_model(path)
+
+
+def test_window_error_max_is_refused_for_a_model_of_levels(tmp_path, smd_rows):
+    """max folds a metric's change and level terms: a model without differences saying it is refused."""
+    torch.manual_seed(0)
+    result = train(smd_rows[:500], TrainConfig(max_steps=5, input_differences=False, input_window=2,
+                                               window_error="window"), plan_device("cpu", "off"))
+    path, _ = save_model(str(tmp_path), "m", model_payload(result), {"dataset": {"file": "m.csv"}})
+    payload = torch.load(os.path.join(path, "model.pt"), weights_only=True)
+    torch.save(dict(payload, window_error="max"), os.path.join(path, "model.pt"))
+    with pytest.raises(StoreError, match="window_error max is for a model reading differences"):
+        load_model(path)
