@@ -9,7 +9,7 @@ the journal, and whether the retraining kept its promises.
   the spool and the model store. As root the daemon runs without CAP_DAC_OVERRIDE,
   CAP_DAC_READ_SEARCH and CAP_FOWNER, as scripts/soak.py starts it.
 * The first ``--train-days`` (7) of a machine's train period are dropped in incoming/ as
-  ``MACHINE.csv`` with an ISO time column from 2026-11-01T00:00:00Z: any corpus in SMD's layout
+  ``MACHINE.csv`` with an ISO time column from 2025-11-01T00:00:00Z: any corpus in SMD's layout
   (``--corpus``: train/, test/, test_label/), SMD by default (one row a minute, 38 metrics), ASD
   with ``--period-s 300`` (one row every 5 minutes, 19 metrics).
 * The rest of the train period and the whole test period follow as chunks of ``--chunk-hours``
@@ -71,7 +71,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-START = datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp()
+# A year before the rounds: every row's time lies before the replay's wall clock. The daemon takes a
+# version's data end no later than its training's end (a clock glitch's far-future rows must not
+# stop retrain.every), so rows dated after the replay ran made its retraining schedule, and so its
+# figures, depend on the day it ran (2026-11-01 put ASD's last weeks in the future).
+START = datetime(2025, 11, 1, tzinfo=timezone.utc).timestamp()
 PERIOD_S = 60  # SMD: one row a minute (--period-s: ASD has 300)
 READY_TIMEOUT_S = 120.0
 JOB_TIMEOUT_S = 300.0
