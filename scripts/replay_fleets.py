@@ -74,9 +74,13 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
 # learns warnings or normal only on the code before the budget held a day's runs, 8e4b380). Rounds 6 to 8 run on
 # today's shipped conffile and so measure their candidates beside today's score, not their records.
 BEFORE_ROUND_10 = ["train.input_differences=false", "train.score_window=30", "scoring.alarm_budget_learns=all",
-                   "scoring.regime_after_s=0", "scoring.alarm_budget_per_day=1"]
+                   "scoring.regime_after_s=0", "scoring.alarm_budget_per_day=1", "train.difference_term=mean"]
 for _r in (9, 10):
     ROUNDS[_r] = ({name: BEFORE_ROUND_10 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
+# Rounds 11 and 12 likewise on round 10's score (round 12's choice, max-5, became the shipped one).
+BEFORE_ROUND_12 = ["train.difference_term=mean", "train.score_window=10"]
+for _r in (11, 12):
+    ROUNDS[_r] = ({name: BEFORE_ROUND_12 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01

@@ -128,7 +128,9 @@ def run(args) -> int:
         length = (f"until the validation loss plateaus, at most {max_steps:,} steps or {cfg.train.epochs} epochs"
                   if max_steps
                   else f"{cfg.train.epochs} epochs")
-        reads = "; reads each metric's change beside its level" if cfg.train.input_differences and args.nproc == 1 else ""
+        reads = (f"; reads each metric's change beside its level (its term the "
+                 f"{'larger' if cfg.train.difference_term == 'max' else 'mean'} of the two)"
+                 if cfg.train.input_differences and args.nproc == 1 else "")
         print(f"training on {args.dataset} ({gate.plan.device} amp={gate.plan.amp_name}, {length}{procs}"
               f"{health}){reads}{f'; options from {sidecar}' if sidecar else ''}", flush=True)
     if options.incidents:  # only a daemon job passes the promotion gate

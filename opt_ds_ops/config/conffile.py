@@ -78,7 +78,7 @@ class TrainConfig:
     val_fraction: float = _field(0.1, lambda v: 0 <= v < 0.9, "a number in [0, 0.9)")
     threshold_quantile: float = _field(0.99, lambda v: 0 < v < 1, "a number in (0, 1)")
     # Score and threshold: smoothing, input clip, windowed inputs (docs/detection.md, how the default score was chosen).
-    score_window: int = _field(10, _positive, "an integer >= 1 (rows; 1 = no smoothing)")
+    score_window: int = _field(5, _positive, "an integer >= 1 (rows; 1 = no smoothing)")
     score_smoothing: str = _field("ema", lambda v: v in ("ema", "mean"), "one of ema, mean")
     input_clip: float = _field(20.0, _non_negative, "a number >= 0 (standard deviations; 0 = no clipping)")
     error_floor: float = _field(0.01, _positive, "a number > 0")
@@ -88,7 +88,7 @@ class TrainConfig:
     # (opt_ds_ops.model.network.with_differences; needs input_window 1): the model's input is 2 x D wide.
     input_differences: bool = _field(True, None, "true or false")
     # With input_differences: a metric's term is the mean, or the larger (max), of its change's and its level's
-    difference_term: str = _field("mean", lambda v: v in ("mean", "max"), "one of mean, max")
+    difference_term: str = _field("max", lambda v: v in ("mean", "max"), "one of mean, max")
     threshold_method: str = _field("quantile", lambda v: v in ("quantile", "alarm_rate", "spot"),
                                    "one of quantile, alarm_rate, spot")
     alarms_per_day: float = _field(1.0, _non_negative, "a number >= 0 (alarms per day)")
@@ -495,8 +495,8 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = "", also: tupl
                           f"'{prefix}input_window' 1, got {values['input_window']}; set it false for windowed inputs",
                           (*parts, "input_differences"))
     if values.get("alarm_budget_min_days", 1.0) > values.get("alarm_budget_days", 14.0):
-        raise ConfigError(f"{where}: key '{prefix}alarm_budget_min_days' must be at most "
-                          f"'{prefix}alarm_budget_days' (a threshold rests on those days)", (*parts, "alarm_budget_min_days"))
+        raise ConfigError(f"{where}: key '{prefix}alarm_budget_min_days' ({values['alarm_budget_min_days']:g}) must be at most "
+                          f"'{prefix}alarm_budget_days' ({values.get('alarm_budget_days', 14.0):g})", (*parts, "alarm_budget_min_days"))
     return cls(**values)
 
 

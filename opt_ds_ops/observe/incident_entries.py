@@ -102,12 +102,13 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
         else:
             why = (f"the model's {num(ev.get('model_threshold'))}): the lowest at which its last "
                    f"{num(ev.get('days'))} days scored give at most {num(ev.get('budget_per_day'))} alarms a day"
-                   + (f" ({alarms} alarms)" if isinstance(alarms, int) else ""))
+                   + (f" ({alarms} alarms)" if isinstance(alarms, int) and "wanted" not in ev else ""))
         if isinstance(ev.get("seeded_rows"), int):  # a new version's start, from the rows scored before it
             why += f", counting the {ev['seeded_rows']} rows scored before this version as it scores them"
         if isinstance(ev.get("wanted"), (int, float)):
-            why += (f"; the budget asked for {num(ev.get('wanted'))}, held to {num(ev.get('bound'))} times the threshold "
-                    "in force for one day")
+            there = f" ({alarms} alarms there)" if isinstance(alarms, int) else ""
+            why += (f"; the budget asked for {num(ev.get('wanted'))}{there}, held to {num(ev.get('bound'))} times the "
+                    "threshold in force for one day")
         far_move = ev.get("far") is True
         return (kind, f"{model}: threshold {num(ev.get('threshold'))} from {when} on (was {num(ev.get('previous'))}; "
                       + why + ("" if not ev.get("capped") else ")")

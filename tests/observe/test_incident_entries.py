@@ -28,7 +28,8 @@ def test_a_threshold_that_moves_twice_as_high_or_half_as_high_in_a_day_is_a_warn
         assert priority == LOG_WARNING, (prev, new)
     _, message, priority, fields = incident_entry(_said(dict(EVENT, previous=1.25, threshold=2.5, wanted=40.0)),
                                                   model="host1", version="v2", file="host1.csv")
-    assert priority == LOG_WARNING and "the budget asked for 40, held to 2 times" in message
+    assert priority == LOG_WARNING and "the budget asked for 40 (2 alarms there), held to 2 times" in message
+    assert "a day (2 alarms)" not in message  # the count is the asked-for threshold's, not the one in force
     assert fields["wanted"] == 40.0
     _, _, priority, _ = incident_entry(_said(EVENT), model="host1", version="v2", file="host1.csv")
     assert priority == LOG_INFO  # 1.5 -> 2.5: under the bound

@@ -216,8 +216,14 @@ def test_a_seed_by_the_rows_times_counts_their_utc_days_up_to_the_first_rows(mod
     history = score_rows(other, period[:k])
     live = k if start == "the history's last day" else (20003 * 86400 - int(t0)) // 60  # the next UTC day's first row
     r = seeded_chunk(other, state, period[live: live + 60], (history, times[:k]), times=times[live: live + 60])
-    days_before = np.floor(times[:k] / 86400) < np.floor(times[live] / 86400)
-    want = expected_threshold(history[days_before], base, len(np.unique(np.floor(times[:k][days_before] / 86400))))
+    day = np.floor(times[:k] / 86400)
+    starts = (np.flatnonzero(np.diff(day)) + 1).tolist()  # the history's UTC days after its first, then
+    if day[-1] < np.floor(times[live] / 86400):  # the live row's, if it is another
+        starts.append(k)
+    want = base  # each day's threshold from the days before it, held within the bound of the day before's
+    for j in starts:
+        wanted = expected_threshold(history[:j], base, len(np.unique(day[:j])))
+        want = min(max(wanted, base, want / calib.MAX_DAY_FACTOR), want * calib.MAX_DAY_FACTOR)
     ev = [e for e in r.events if e["event"] == "threshold-calibrated"]
     assert r.state.threshold == want
     assert ([e["threshold"] for e in ev] == [want]) if want > base else not ev
