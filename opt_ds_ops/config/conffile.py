@@ -494,9 +494,10 @@ def _build(cls, raw: Mapping[str, Any], where: str, prefix: str = "", also: tupl
         raise ConfigError(f"{where}: key '{prefix}input_differences' reads each row beside the one before it and needs "
                           f"'{prefix}input_window' 1, got {values['input_window']}; set it false for windowed inputs",
                           (*parts, "input_differences"))
-    if values.get("alarm_budget_min_days", 1.0) > values.get("alarm_budget_days", 14.0):
-        raise ConfigError(f"{where}: key '{prefix}alarm_budget_min_days' ({values['alarm_budget_min_days']:g}) must be at most "
-                          f"'{prefix}alarm_budget_days' ({values.get('alarm_budget_days', 14.0):g})", (*parts, "alarm_budget_min_days"))
+    low, days = (values.get(k, getattr(cls, k, 0.0)) for k in ("alarm_budget_min_days", "alarm_budget_days"))
+    if cls is ScoringConfig and low > days:  # each key's default where the file does not set it
+        raise ConfigError(f"{where}: key '{prefix}alarm_budget_min_days' ({low:g}) must be at most "
+                          f"'{prefix}alarm_budget_days' ({days:g})", (*parts, "alarm_budget_min_days"))
     return cls(**values)
 
 

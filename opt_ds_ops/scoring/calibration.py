@@ -170,24 +170,30 @@ def add(cal: dict, scores: np.ndarray, in_incident: np.ndarray | None = None, ro
         up &= ~np.asarray(in_incident, dtype=bool)
     if row0 is not None:
         held = up & (s > cal["threshold"] / cal["base"])
+        idx = np.flatnonzero(held)
         todo = sorted(forget, key=lambda f: f[1])
-        for i in np.flatnonzero(held).tolist():
+        for i, lo_bin, hi_bin in zip(idx.tolist(), _bins(lo[idx]).tolist(), _bins(s[idx]).tolist()):
             while todo and todo[0][1] < row0 + i:
                 forget_from(cal, *todo.pop(0))
             if len(cal.setdefault("pending", [])) >= MAX_PENDING:
                 _fold_pending(cal)  # too many held in a day: those are counted (the same in any chunking)
-            cal["pending"].append([int(row0) + i, int(_bins(lo[i : i + 1])[0]), int(_bins(s[i : i + 1])[0])])
+            cal["pending"].append([int(row0) + i, lo_bin, hi_bin])
         for f in todo:
             forget_from(cal, *f)
         up &= ~held
-    runs = cal["runs"]
-    for b, k in zip(*np.unique(_bins(lo[up]), return_counts=True)):
-        runs[str(int(b))] = runs.get(str(int(b)), 0) + int(k)
-    for b, k in zip(*np.unique(_bins(s[up]), return_counts=True)):
-        runs[str(int(b))] = runs.get(str(int(b)), 0) - int(k)
-    cal["runs"] = {b: v for b, v in runs.items() if v}
+    _tally(cal, _bins(lo[up]), _bins(s[up]))
     cal["prev"] = float(s[-1])
     cal["rows"] += int(s.size)
+
+
+def _tally(cal: dict, lo_bins, hi_bins) -> None:
+    """Count runs into the current day's histogram: each starts at the bin of the score before it
+    (``+1``) and covers thresholds up to the bin of its own (``-1``)."""
+    runs = cal["runs"]
+    for bins, sign in ((lo_bins, 1), (hi_bins, -1)):
+        for b, k in zip(*np.unique(np.asarray(bins, dtype=np.int64), return_counts=True)):
+            runs[str(int(b))] = runs.get(str(int(b)), 0) + sign * int(k)
+    cal["runs"] = {b: v for b, v in runs.items() if v}
 
 
 def forget_from(cal: dict, row: int, until: int) -> None:
@@ -200,15 +206,9 @@ def _fold_pending(cal: dict) -> None:
     """Count the held runs into the current day's (its day closes, or the series starts again); a
     state whose held runs or counts are not of their shape drops what it holds (:func:`valid`
     then starts it again)."""
-    if not (_pending_ok(cal.get("pending", [])) and _runs_ok(cal.get("runs"))):
-        cal["pending"] = []
-        return
-    runs = cal["runs"]
-    for _, lo, hi in cal.get("pending", []):
-        runs[str(lo)] = runs.get(str(lo), 0) + 1
-        runs[str(hi)] = runs.get(str(hi), 0) - 1
-    cal["runs"] = {b: v for b, v in runs.items() if v}
-    cal["pending"] = []
+    pending, cal["pending"] = cal.get("pending", []), []
+    if _pending_ok(pending) and _runs_ok(cal.get("runs")):
+        _tally(cal, [p[1] for p in pending], [p[2] for p in pending])
 
 
 def gap(cal: dict) -> None:

@@ -484,10 +484,8 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     st.rows_flagged += int(flags.sum())
     if calibration is not None:  # the budget learns from the rows its policy lets it (calibration.learns)
         learns = calibration.learns
-        forget = [(int(inc["start_row"]), row0 + i) for kind, i, inc in done.changes  # not learned: since its first row
-                  if kind == "escalated" or kind == "opened" and (learns == "normal" or inc["severity"] == "critical")]
         calib.add(st.calibration, scores, in_incident=_not_learned(done, learns),
-                  row0=None if learns == "all" else row0, forget=forget)
+                  row0=None if learns == "all" else row0, forget=_taken_back(done, learns, row0))
     part = ChunkResult(scores=scores, flags=flags, top=top_rows, incident=done.incident, live=done.live, first_row=row0,
                        events=events, notes=[], state=st, active=done.tracker.open is not None, cells=cells)
     part.stopped = done.stopped
@@ -503,6 +501,16 @@ def _not_learned(done, learns: str) -> np.ndarray | None:
     if learns == "all":
         return None
     return done.live > 0 if learns == "normal" else done.live == 2
+
+
+def _taken_back(done, learns: str, row0: int) -> list[tuple[int, int]]:
+    """(first row, row) of each incident of a tracked chunk that became one the alarm budget does not
+    learn at that row (opened, for ``normal``; opened critical or escalated, for ``warnings``): its
+    runs held from the one to the other are not counted."""
+    if learns == "all":
+        return []
+    return [(int(inc["start_row"]), row0 + i) for kind, i, inc in done.changes
+            if kind == "escalated" or kind == "opened" and (learns == "normal" or inc["severity"] == "critical")]
 
 
 def _warm_smoothing(stored: StoredModel, tail, moved: np.ndarray, st: SeriesState) -> None:
