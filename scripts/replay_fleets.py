@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 12 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 13 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -8,7 +8,9 @@ the score (each metric's change beside its level, shorter smoothing) and what th
 learns from; round 10, round 9's best on SMD with half the alarm budget, and the levels score with
 the budget's ``warnings`` rule; round 11, a metric's term the larger of its change's and its
 level's error, with EMA 10 or 5; round 12, after the budget's take-back of an incident's first
-runs, a budget that waits two days, and round 11's max-5 again. Prints each
+runs, a budget that waits two days, and round 11's max-5 again; round 13, a change of regime
+judged by the model (the incident's last rows moved back by the shift), alone and with a budget
+that waits two days. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -68,6 +70,10 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "min-days-2": ["scoring.alarm_budget_min_days=2"],
           "max-5": ["train.difference_term=max", "train.score_window=5"]},
          ("shipped", "min-days-2", "max-5")),
+    13: ({"shipped": [],
+          "regime-model": ["scoring.regime_explains=model"],
+          "regime-model-days-2": ["scoring.regime_explains=model", "scoring.alarm_budget_min_days=2"]},
+         ("shipped", "regime-model", "regime-model-days-2")),
 }
 # Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
 # each configuration's items go on top of these, so their records reproduce (those whose budget

@@ -160,9 +160,10 @@ class ScoringConfig:
     when at least open_share of the rows of the last open_window_s seconds are flagged, closes after
     quiet_s seconds of unflagged rows, and is critical once its peak score reaches critical_ratio
     times the threshold (chosen in docs/detection-protocol.md, round 4). ``regime_after_s``,
-    ``regime_shift_sd``: an incident open this long whose alarm is explained by metrics that moved
-    at least this many training SDs and stayed is a change of regime (:mod:`opt_ds_ops.scoring.regime`):
-    said once, then the series is re-baselined (0 seconds: off). ``alarm_budget_per_day``,
+    ``regime_shift_sd``, ``regime_explains``: an incident open this long whose alarm is explained
+    (``share``: the moved metrics carry half its error; ``model``: moved back, its last rows would
+    not stay flagged) by metrics that moved at least this many training SDs and stayed is a change
+    of regime (:mod:`opt_ds_ops.scoring.regime`): said once, then re-baselined (0 s: off). ``alarm_budget_per_day``,
     ``alarm_budget_days``: each series raises its threshold, at each day of the data, to the lowest
     that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
     0.5 as shipped, round 10), once alarm_budget_min_days days are kept. ``alarm_budget_history``: a new version's budget starts from the
@@ -185,6 +186,7 @@ class ScoringConfig:
     regime_after_s: float = _field(21600.0, lambda v: _non_negative(v) and math.isfinite(v),
                                    "seconds >= 0 (0: a change of regime is never recognised)")
     regime_shift_sd: float = _field(3.0, lambda v: 0 < v < math.inf, "a number > 0 (training standard deviations)")
+    regime_explains: str = _field("share", lambda v: v in ("share", "model"), "share or model")
     alarm_budget_per_day: float = _field(0.5, lambda v: 0 <= v <= 1e6, "alarms a day in [0, 1000000] (0: off)")
     alarm_budget_days: float = _field(14.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
     alarm_budget_min_days: float = _field(1.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
@@ -193,12 +195,9 @@ class ScoringConfig:
                                       "one of all, warnings, normal")
 
 
-def _max_jobs_ok(v: str) -> bool:
-    return v == "auto" or (v.isdigit() and int(v) >= 1)
-
-
-def _nproc_ok(v: str) -> bool:
-    return v == "auto" or (v.isdigit() and int(v) >= 2)
+def _auto_or_at_least(low: int):
+    """A text key's check: ``auto`` or an integer >= ``low``."""
+    return lambda v: v == "auto" or (v.isdigit() and int(v) >= low)
 
 
 @dataclass(frozen=True)
@@ -232,9 +231,9 @@ class DaemonConfig:
     slot; it is claimed only when the oldest waiting file is small enough to join it.
     """
 
-    max_jobs: str = _field("auto", _max_jobs_ok, "auto or an integer >= 1")
+    max_jobs: str = _field("auto", _auto_or_at_least(1), "auto or an integer >= 1")
     distributed_min_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: never)")
-    distributed_nproc: str = _field("auto", _nproc_ok, "auto or an integer >= 2")
+    distributed_nproc: str = _field("auto", _auto_or_at_least(2), "auto or an integer >= 2")
     stack_max: int = _field(16, _non_negative, "an integer >= 0 (0 or 1: never)")
     stack_min: int = _field(4, lambda v: v >= 2, "an integer >= 2")
     stack_max_bytes: int = _field(8 * 1024**2, _positive, "bytes > 0")

@@ -152,6 +152,8 @@ def _checked_open(inc) -> dict:
         out["ltail"] = [[float(_number(x)) for x in _list({"r": r}, "r")] for r in _list(out, "ltail")]
         if any(len(r) != len(out["lmean"]) for r in out["ltail"]):
             raise ValueError("open.ltail is of the wrong shape")
+    if "regime_checked" in out and (not isinstance(out["regime_checked"], int) or isinstance(out["regime_checked"], bool)):
+        raise ValueError("open.regime_checked is not an integer")
     return out
 
 
@@ -180,11 +182,12 @@ def severity(peak: float, threshold: float, critical_ratio: float, was: str = "w
 def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Tracker, policy: IncidentPolicy,
           period_s: float, *, row0: int = 0, times: np.ndarray | None = None,
           cells: np.ndarray | None = None, levels: np.ndarray | None = None,
-          regime: RegimePolicy | None = None) -> Tracked:
+          regime: RegimePolicy | None = None, explained=None) -> Tracked:
     """Run the incident rule over one chunk: flags (n,) bool, scores (n,), its first series row
     ``row0``, epoch seconds ``times`` (n,) or None, unsmoothed terms ``cells`` (n, D) or None (then
     ``sums`` stay empty), standardised levels ``levels`` (n, D) or None and the change-of-regime
-    rule ``regime`` (None: off; :mod:`opt_ds_ops.scoring.regime`). ``tracker`` is not changed. See
+    rule ``regime`` (None: off; :mod:`opt_ds_ops.scoring.regime`; ``explained``: its model check,
+    :func:`opt_ds_ops.scoring.regime.shifted`). ``tracker`` is not changed. See
     the module docstring."""
     window, need, quiet = policy.rows(period_s)
     regime_rows = regime.rows(period_s) if regime is not None and levels is not None else 0
@@ -237,7 +240,7 @@ def track(flags: np.ndarray, scores: np.ndarray, threshold: float, tracker: Trac
                 _extend(inc, row0 + i, score(i), terms(i), at(i))
                 if regime_rows:
                     add_levels(inc, levels[i], alpha, tail)
-                    shift = shifted(inc, regime, regime_rows, row0 + i)
+                    shift = shifted(inc, regime, regime_rows, row0 + i, explained)
                     if shift is not None:  # said once; the caller re-baselines the rows after i
                         changes.append(("regime", i, dict(inc, shift=shift)))
                         inc, stopped = None, i

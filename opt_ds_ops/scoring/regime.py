@@ -40,6 +40,7 @@ import numpy as np
 EXPLAINS = 0.5  # the shifted metrics must carry at least this share of the incident's error
 STEADY = 0.5  # a shifted metric's spread over the incident is at most this share of its shift
 SUSTAINED = 0.5  # the incident's rows must be flagged at least this share of the time
+EXPLAINERS = ("share", "model")  # scoring.regime_explains: how a shift is judged to explain the alarm
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,11 @@ class RegimePolicy:
 
     after_s: float = 21600.0  # 0: never (every alarm stays an incident)
     shift_sd: float = 3.0
+    explains: str = "share"  # one of EXPLAINERS
 
     @classmethod
     def from_config(cls, scoring) -> RegimePolicy:
-        return cls(after_s=scoring.regime_after_s, shift_sd=scoring.regime_shift_sd)
+        return cls(after_s=scoring.regime_after_s, shift_sd=scoring.regime_shift_sd, explains=scoring.regime_explains)
 
     def rows(self, period_s: float) -> int:
         """The rows an incident must span before it is checked (0: off), rows ``period_s`` apart."""
@@ -61,11 +63,15 @@ class RegimePolicy:
         return max(2, math.ceil(self.after_s / period - 1e-9))
 
 
-def shifted(inc: dict, policy: RegimePolicy, min_rows: int, row: int) -> list[tuple[int, float]] | None:
+def shifted(inc: dict, policy: RegimePolicy, min_rows: int, row: int,
+            explained=None) -> list[tuple[int, float]] | None:
     """Given an open incident at series row ``row`` (its ``lmean``/``lvar``/``lrows``: each metric's
     exponentially weighted mean and variance of its flagged rows' standardised levels and how many
     rows, and ``sums``: their errors), return the shifted metrics ``[(column, mean level)]`` by
-    size of shift if it is a change of regime (see the module docstring), else None."""
+    size of shift if it is a change of regime (see the module docstring), else None. Under
+    ``explains: model``, ``explained(shift, tail)`` answers whether the incident's last rows moved
+    back by the shift would no longer be sustained (None: never a change of regime); it is asked
+    when ``inc["regime_checked"]`` (updated here) is at least :func:`tail_rows` rows back."""
     span = row - inc["start_row"] + 1
     n = int(inc.get("lrows") or 0)
     if not min_rows or span < min_rows or n < min_rows // 2 or inc["rows_flagged"] < SUSTAINED * span:
@@ -75,12 +81,18 @@ def shifted(inc: dict, policy: RegimePolicy, min_rows: int, row: int) -> list[tu
     moved = (np.abs(m) >= policy.shift_sd) & (sd <= STEADY * np.abs(m))
     if not moved.any():
         return None
+    cols = np.flatnonzero(moved)
+    cols = cols[np.argsort(-np.abs(m[cols]), kind="stable")]
+    shift = [(int(j), float(m[j])) for j in cols]
+    if policy.explains == "model":
+        if explained is None or row < int(inc.get("regime_checked", -min_rows)) + tail_rows(min_rows):
+            return None
+        inc["regime_checked"] = int(row)
+        return shift if explained(shift, inc.get("ltail") or []) else None
     err = np.asarray(inc.get("sums") or [], dtype=np.float64)
     if err.shape == m.shape and err.sum() > 0 and err[moved].sum() < EXPLAINS * err.sum():
         return None
-    cols = np.flatnonzero(moved)
-    cols = cols[np.argsort(-np.abs(m[cols]), kind="stable")]
-    return [(int(j), float(m[j])) for j in cols]
+    return shift
 
 
 def weight(min_rows: int) -> float:

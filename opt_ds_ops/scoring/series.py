@@ -31,7 +31,7 @@ from ..store.versions import StoredModel
 from . import calibration as calib
 from .calibration import CalibrationPolicy
 from .incidents import IncidentPolicy, Tracker, track
-from .regime import RegimePolicy, described, refined
+from .regime import SUSTAINED, RegimePolicy, described, refined
 
 STATE_FORMAT = 2  # 1: before incidents (an open anomaly segment, ``segment``/``segments``); read and carried over
 TOP_METRICS = 3  # metrics named per incident and per flagged row
@@ -445,8 +445,9 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     scores = _smoothed(stored, raw, st).astype(np.float32)
     flags = scores > threshold
     row0 = st.next_row
+    explained = _explained(stored, threshold) if regime is not None and regime.explains == "model" else None
     done = track(flags, scores, threshold, Tracker.from_dict(st.incident), policy,
-                 period, row0=row0, times=t, cells=cells, levels=levels, regime=regime)
+                 period, row0=row0, times=t, cells=cells, levels=levels, regime=regime, explained=explained)
     if done.stopped is not None and done.stopped < n - 1:
         part = ChunkResult(scores=scores, flags=flags, top=[], incident=done.incident, live=done.live, first_row=row0,
                            events=events,
@@ -513,6 +514,31 @@ def _taken_back(done, learns: str, row0: int) -> list[tuple[int, int]]:
             if kind == "escalated" or kind == "opened" and (learns == "normal" or inc["severity"] == "critical")]
 
 
+def _moved_raw(stored: StoredModel, rows: np.ndarray, moved: np.ndarray) -> np.ndarray:
+    """Unsmoothed scores (k,) of standardised rows (k, D) with ``moved`` (D,) taken off."""
+    x = torch.from_numpy((rows - moved).astype(np.float32))
+    if stored.input_clip > 0:
+        x = x.clamp(-stored.input_clip, stored.input_clip)
+    w = stored.input_window
+    cells = feature_errors(stored.model, model_inputs(x, w, diff=stored.diff, clip=stored.input_clip)) / stored.error_scale
+    return fold_window(cells, w, stored.window_error).numpy().mean(axis=1)
+
+
+def _explained(stored: StoredModel, threshold: float):
+    """``scoring.regime_explains: model``'s question (:func:`opt_ds_ops.scoring.regime.shifted`): would
+    the incident's last rows ``tail`` (k, D), moved back by the shift fit to the model, be flagged at
+    most ``1 - SUSTAINED`` of the time at ``threshold``? At least 8 rows of the model's width."""
+    def explained(shift: list[tuple[int, float]], tail) -> bool:
+        rows = np.asarray(tail or [], dtype=np.float64)
+        if rows.ndim != 2 or rows.shape[0] < 8 or rows.shape[1] != stored.n_features:
+            return False
+        moved = np.zeros(stored.n_features)
+        for j, m in refined(stored, shift, tail):
+            moved[j] = m
+        return float((_moved_raw(stored, rows, moved) > threshold).mean()) <= 1.0 - SUSTAINED
+    return explained
+
+
 def _warm_smoothing(stored: StoredModel, tail, moved: np.ndarray, st: SeriesState) -> None:
     """After a re-baseline: the smoothing's memory as if the incident's last rows (``tail``: their
     standardised levels before the re-baseline, (k, D); :func:`opt_ds_ops.scoring.regime.tail_rows`)
@@ -523,13 +549,7 @@ def _warm_smoothing(stored: StoredModel, tail, moved: np.ndarray, st: SeriesStat
     rows = np.asarray(tail or [], dtype=np.float64)
     if stored.score_window <= 1 or rows.ndim != 2 or not rows.shape[0] or rows.shape[1] != stored.n_features:
         return
-    x = torch.from_numpy((rows - moved).astype(np.float32))
-    if stored.input_clip > 0:
-        x = x.clamp(-stored.input_clip, stored.input_clip)
-    w = stored.input_window
-    cells = feature_errors(stored.model, model_inputs(x, w, diff=stored.diff, clip=stored.input_clip)) / stored.error_scale
-    raw = fold_window(cells, w, stored.window_error).numpy().mean(axis=1)
-    _smoothed(stored, raw.astype(np.float32), st)
+    _smoothed(stored, _moved_raw(stored, rows, moved).astype(np.float32), st)
 
 
 def _regime_changed(stored: StoredModel, part: ChunkResult, names: list[str], top: int) -> list[dict]:

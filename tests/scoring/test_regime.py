@@ -14,7 +14,7 @@ import torch
 from opt_ds_ops.config.conffile import TrainConfig
 from opt_ds_ops.health.device import plan_device
 from opt_ds_ops.model.detection import in_memory_model
-from opt_ds_ops.scoring.incidents import IncidentPolicy
+from opt_ds_ops.scoring.incidents import IncidentPolicy, Tracker
 from opt_ds_ops.scoring.regime import RegimePolicy, add_levels, shifted, weight
 from opt_ds_ops.scoring.series import SeriesState, fresh_state, score_chunk
 from opt_ds_ops.training.fit import train
@@ -143,6 +143,72 @@ def test_a_storm_is_not_a_change_of_regime():
     assert shifted(dict(inc, sums=[1.0, 3.0]), REGIME, 360, 399) is None  # explains a quarter of the error
     assert shifted(dict(inc, rows_flagged=100), REGIME, 360, 399) is None  # not sustained
     assert shifted(inc, RegimePolicy(after_s=0), 0, 399) is None  # off
+
+
+def test_under_the_model_rule_the_model_is_asked_not_the_share_and_at_most_once_every_tail():
+    """``regime_explains: model``: the share of the error does not decide; the model's answer on
+    the incident's last rows does, asked at most once every tail_rows(360) = 90 rows (the row asked
+    carried in the incident), and without a model to ask it is never a change of regime."""
+    policy = RegimePolicy(after_s=6 * 3600, shift_sd=3.0, explains="model")
+    asked = []
+
+    def no(shift, tail):
+        asked.append((shift, len(tail)))
+        return False
+
+    inc = {"start_row": 0, "rows_flagged": 400, "lrows": 400, "lmean": [4.0, 0.0], "lvar": [1.0, 1.0],
+           "sums": [1.0, 3.0], "ltail": [[4.0, 0.0]] * 90}
+    assert shifted(dict(inc), policy, 360, 399) is None  # no model to ask
+    assert shifted(dict(inc), policy, 360, 399, lambda shift, tail: True) == [(0, 4.0)]  # a quarter of the error
+    for row in range(399, 600):
+        assert shifted(inc, policy, 360, row, no) is None
+    assert [n for _, n in asked] == [90, 90, 90] and inc["regime_checked"] == 579  # rows 399, 489, 579
+    assert asked[0][0] == [(0, 4.0)]
+    assert shifted(dict(inc, lvar=[9.0, 1.0]), policy, 360, 700, lambda shift, tail: True) is None  # a storm
+    with pytest.raises(ValueError, match="regime_checked"):
+        Tracker.from_dict({"open": dict(inc, id=1, opened_row=0, last_row=599, quiet=0, peak_row=0, peak_score=1.0,
+                                         severity="warning", regime_checked="579")})
+
+
+MODEL_RULE = RegimePolicy(after_s=6 * 3600, shift_sd=3.0, explains="model")
+
+
+def _stormy_start(smd_rows, std, storm_rows: int, metrics=slice(None)):
+    """machine-1-2's unseen rows with m0 moved for good by 12 training SDs at SHIFT_AT and, from
+    there, ``storm_rows`` rows of noise of 6 SDs on ``metrics``: the incident the shift opens
+    carries the storm's errors."""
+    rows = smd_rows[10000:13500].copy()
+    rows[SHIFT_AT:, 0] += 12 * std[0]
+    noise = np.random.default_rng(0).standard_normal((storm_rows, 38)) * 6 * std
+    keep = np.zeros(38, dtype=bool)
+    keep[metrics] = True
+    rows[SHIFT_AT:SHIFT_AT + storm_rows, keep] += noise[:, keep].astype(np.float32)
+    return rows
+
+
+@pytest.mark.parametrize("k", [1, 17])
+def test_a_shift_that_began_in_a_storm_is_a_change_of_regime_by_the_model_not_by_the_share(model, smd_rows, k):
+    """The share of the error since the incident opened still counts the storm's: under ``share``
+    the series stays in alarm to the end; under ``model`` the last rows moved back are quiet, so it
+    is said once the storm has left them, and the rows after are no more in alarm than unshifted."""
+    rows = _stormy_start(smd_rows, model.std.double().numpy(), 300)
+    _, events, _, incident = scored(model, rows, k)
+    assert not [e for e in events if e["event"] == "regime-changed"]
+    assert (incident[SHIFT_AT + 400:] > 0).mean() > 0.95
+    _, events, state, incident = scored(model, rows, k, regime=MODEL_RULE)
+    changes = [e for e in events if e["event"] == "regime-changed"]
+    assert len(changes) == 1 and changes[0]["metrics"][0]["metric"] == "m0"
+    assert SHIFT_AT + 300 + 2 * 90 > changes[0]["row"] >= SHIFT_AT + 359  # asked every 90 rows: soon after the storm ends
+    assert (incident[changes[0]["row"] + 1:] > 0).mean() < 0.1 and state.rebase[0] > 9
+    whole = scored(model, rows, 1, regime=MODEL_RULE)
+    assert json.dumps(whole[1], sort_keys=True) == json.dumps(events, sort_keys=True)
+
+
+def test_a_shift_under_a_storm_that_goes_on_stays_an_incident_by_the_model(model, smd_rows):
+    rows = _stormy_start(smd_rows, model.std.double().numpy(), 3000, slice(10, 16))
+    _, events, state, incident = scored(model, rows, 5, regime=MODEL_RULE)
+    assert not [e for e in events if e["event"] == "regime-changed"]
+    assert (incident[SHIFT_AT + 400:] > 0).mean() > 0.95 and state.open_incident["regime_checked"] > SHIFT_AT + 2900
 
 
 def test_the_level_statistics_forget_the_rows_before_the_shift():
