@@ -10,7 +10,8 @@ the budget's ``warnings`` rule; round 11, a metric's term the larger of its chan
 level's error, with EMA 10 or 5; round 12, after the budget's take-back of an incident's first
 runs, a budget that waits two days, and round 11's max-5 again; round 13, a change of regime
 judged by the model (the incident's last rows moved back by the shift), alone and with a budget
-that waits two days. Prints each
+that waits two days; round 14, fewer false pages: half the alarm budget, with the model's change
+of regime, and with incidents merged over an hour. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -74,6 +75,12 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "regime-model": ["scoring.regime_explains=model"],
           "regime-model-days-2": ["scoring.regime_explains=model", "scoring.alarm_budget_min_days=2"]},
          ("shipped", "regime-model", "regime-model-days-2")),
+    14: ({"shipped": [],
+          "budget-0.25": ["scoring.alarm_budget_per_day=0.25"],
+          "model-budget-0.25": ["scoring.alarm_budget_per_day=0.25", "scoring.regime_explains=model"],
+          "model-budget-0.25-quiet-1h": ["scoring.alarm_budget_per_day=0.25", "scoring.regime_explains=model",
+                                         "scoring.incident_quiet_s=3600"]},
+         ("shipped", "budget-0.25", "model-budget-0.25", "model-budget-0.25-quiet-1h")),
 }
 # Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
 # each configuration's items go on top of these, so their records reproduce (those whose budget
