@@ -63,7 +63,9 @@ class Tracker:
     one, at most ``window - 1`` of them; ``open`` the open incident or None (``id``, ``start_row``,
     ``start_time``, ``opened_row``, ``opened_time``, ``last_row``, ``last_time`` (its last flagged
     row), ``quiet`` (unflagged rows since), ``rows_flagged``, ``peak_score``, ``peak_row``,
-    ``peak_time``, ``severity``, ``sums``: each metric's sum of its flagged rows' unsmoothed terms);
+    ``peak_time``, ``severity``, ``sums``: each metric's sum of its flagged rows' unsmoothed terms;
+    with a change-of-regime rule ``lmean``, ``lvar``, ``lrows``, ``ltail`` and, under
+    ``regime_explains: model``, ``regime_checked``: :mod:`opt_ds_ops.scoring.regime`);
     ``opened``: incidents opened so far (the next one's id is ``opened + 1``)."""
 
     recent: list = field(default_factory=list)
@@ -152,8 +154,9 @@ def _checked_open(inc) -> dict:
         out["ltail"] = [[float(_number(x)) for x in _list({"r": r}, "r")] for r in _list(out, "ltail")]
         if any(len(r) != len(out["lmean"]) for r in out["ltail"]):
             raise ValueError("open.ltail is of the wrong shape")
-    if "regime_checked" in out and (not isinstance(out["regime_checked"], int) or isinstance(out["regime_checked"], bool)):
-        raise ValueError("open.regime_checked is not an integer")
+    rc = out.get("regime_checked", 0)
+    if not isinstance(rc, int) or isinstance(rc, bool) or rc > out["last_row"]:
+        raise ValueError("open.regime_checked is not an integer at most open.last_row")
     return out
 
 

@@ -11,8 +11,15 @@ says it once, then learns it:
   weighted over about a quarter of ``after_s``, so the rows before the shift have all but left them). A metric has **shifted**
   when ``|m| >= shift_sd`` (training standard deviations from the level the series is scored
   against) and ``s <= |m| / 2`` (it moved and stayed: a level, not a storm). It is a change of
-  regime when some metrics shifted and they carry at least half of the incident's reconstruction
-  error (the incident's ``sums``): the shift explains the alarm.
+  regime when some metrics shifted and the shift explains the alarm, as ``scoring.regime_explains``
+  says: ``share`` (as shipped), the shifted metrics carry at least half of the incident's
+  reconstruction error (its ``sums``, summed since it opened); ``model``, the incident's last
+  flagged rows (``ltail``, :func:`tail_rows`), moved back by the shift fit to the model
+  (:func:`refined`), would be flagged at most half of the time at the threshold in force, their
+  unsmoothed scores as round 13 measured (a moved metric also raises the errors of the metrics the
+  model reconstructs from it, which the share counts against the shift). The model is asked at
+  most once every :func:`tail_rows` rows of an incident, once it holds 8 of them (the row asked is
+  carried, ``regime_checked``, so chunks change nothing).
 * **Said once**: the incident closes (``reason: regime``) and an event ``regime-changed`` names
   the metrics with their old and new levels in the data's units.
 * **Re-baselined at once**: from the next row on, the series is scored with those metrics moved
@@ -85,7 +92,8 @@ def shifted(inc: dict, policy: RegimePolicy, min_rows: int, row: int,
     cols = cols[np.argsort(-np.abs(m[cols]), kind="stable")]
     shift = [(int(j), float(m[j])) for j in cols]
     if policy.explains == "model":
-        if explained is None or row < int(inc.get("regime_checked", -min_rows)) + tail_rows(min_rows):
+        if (explained is None or len(inc.get("ltail") or []) < 8
+                or row < int(inc.get("regime_checked", -min_rows)) + tail_rows(min_rows)):
             return None
         inc["regime_checked"] = int(row)
         return shift if explained(shift, inc.get("ltail") or []) else None

@@ -261,3 +261,15 @@ def test_an_alarm_budget_that_waits_longer_than_it_keeps_is_refused(tmp_path):
         load_config(str(conf))
     conf.write_text("scoring:\n  alarm_budget_days: 3\n  alarm_budget_min_days: 3\n")
     assert load_config(str(conf)).scoring.alarm_budget_min_days == 3
+
+
+def test_the_change_of_regime_rule_is_read_from_the_conffile_and_a_bad_one_refused(tmp_path):
+    from opt_ds_ops.scoring.regime import RegimePolicy
+
+    conf = tmp_path / "c.yaml"
+    conf.write_text("scoring:\n  regime_explains: model\n  regime_after_s: 3600\n")
+    assert RegimePolicy.from_config(load_config(str(conf)).scoring) == RegimePolicy(3600.0, 3.0, "model")
+    assert RegimePolicy.from_config(Config().scoring).explains == "share"
+    conf.write_text("scoring:\n  regime_explains: both\n")
+    with pytest.raises(ConfigError, match=r"line 2, column 3: key 'scoring.regime_explains'.*share or model"):
+        load_config(str(conf))

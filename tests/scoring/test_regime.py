@@ -165,9 +165,13 @@ def test_under_the_model_rule_the_model_is_asked_not_the_share_and_at_most_once_
     assert [n for _, n in asked] == [90, 90, 90] and inc["regime_checked"] == 579  # rows 399, 489, 579
     assert asked[0][0] == [(0, 4.0)]
     assert shifted(dict(inc, lvar=[9.0, 1.0]), policy, 360, 700, lambda shift, tail: True) is None  # a storm
-    with pytest.raises(ValueError, match="regime_checked"):
-        Tracker.from_dict({"open": dict(inc, id=1, opened_row=0, last_row=599, quiet=0, peak_row=0, peak_score=1.0,
-                                         severity="warning", regime_checked="579")})
+    saved = dict(inc, id=1, opened_row=0, last_row=599, quiet=0, peak_row=0, peak_score=1.0, severity="warning")
+    assert Tracker.from_dict({"open": saved}).open["regime_checked"] == 579
+    for bad in ("579", True, 579.0, 10**30):  # a state file's value past the incident's last row would stop the questions
+        with pytest.raises(ValueError, match="regime_checked"):
+            Tracker.from_dict({"open": dict(saved, regime_checked=bad)})
+    few = dict(inc, ltail=[[4.0, 0.0]] * 7, regime_checked=-1000)
+    assert shifted(few, policy, 360, 700, lambda shift, tail: True) is None and few["regime_checked"] == -1000
 
 
 MODEL_RULE = RegimePolicy(after_s=6 * 3600, shift_sd=3.0, explains="model")
@@ -202,6 +206,31 @@ def test_a_shift_that_began_in_a_storm_is_a_change_of_regime_by_the_model_not_by
     assert (incident[changes[0]["row"] + 1:] > 0).mean() < 0.1 and state.rebase[0] > 9
     whole = scored(model, rows, 1, regime=MODEL_RULE)
     assert json.dumps(whole[1], sort_keys=True) == json.dumps(events, sort_keys=True)
+
+
+def test_the_model_is_asked_at_the_same_rows_in_one_chunk_or_many_and_across_the_state_file(model, smd_rows, monkeypatch):
+    """The row last asked is carried with the open incident (``regime_checked``, through the state
+    file's JSON): chunks cut anywhere, even between two questions, ask at the same rows."""
+    import opt_ds_ops.scoring.series as series_mod
+
+    real, asked = series_mod._explained, []
+
+    def spy(stored, threshold):
+        inner = real(stored, threshold)
+        return lambda shift, tail: asked.append(len(tail)) or inner(shift, tail)
+
+    monkeypatch.setattr(series_mod, "_explained", spy)
+    rows = _stormy_start(smd_rows, model.std.double().numpy(), 3000, slice(10, 16))[:2000]
+    whole = scored(model, rows, 1, regime=MODEL_RULE)
+    n_whole, asked[:] = len(asked), []
+    state, events = fresh_state("m", model), []
+    for part in np.array_split(np.arange(rows.shape[0]), 37):  # cuts every 54 rows: between the questions
+        r = score_chunk(model, rows[part], None, None, state, names=NAMES, max_gap_periods=10,
+                        policy=IncidentPolicy(), regime=MODEL_RULE)
+        state, events = SeriesState.from_dict(json.loads(json.dumps(r.state.to_dict()))), events + r.events
+    assert n_whole == len(asked) >= 10  # about one question every 90 rows of the incident
+    assert json.dumps(events, sort_keys=True) == json.dumps(whole[1], sort_keys=True)
+    assert state.open_incident["regime_checked"] == whole[2].open_incident["regime_checked"]
 
 
 def test_a_shift_under_a_storm_that_goes_on_stays_an_incident_by_the_model(model, smd_rows):
