@@ -12,8 +12,8 @@ says it once, then learns it:
   when ``|m| >= shift_sd`` (training standard deviations from the level the series is scored
   against) and ``s <= |m| / 2`` (it moved and stayed: a level, not a storm). It is a change of
   regime when some metrics shifted and the shift explains the alarm, as ``scoring.regime_explains``
-  says: ``share`` (as shipped), the shifted metrics carry at least half of the incident's
-  reconstruction error (its ``sums``, summed since it opened); ``model``, the incident's last
+  says: ``share`` (the rule until round 14), the shifted metrics carry at least half of the incident's
+  reconstruction error (its ``sums``, summed since it opened); ``model`` (as shipped), the incident's last
   flagged rows (``ltail``, :func:`tail_rows`), moved back by the shift fit to the model
   (:func:`refined`), would be flagged at most half of the time at the threshold in force, their
   unsmoothed scores as round 13 measured (a moved metric also raises the errors of the metrics the

@@ -269,7 +269,7 @@ def test_the_change_of_regime_rule_is_read_from_the_conffile_and_a_bad_one_refus
     conf = tmp_path / "c.yaml"
     conf.write_text("scoring:\n  regime_explains: model\n  regime_after_s: 3600\n")
     assert RegimePolicy.from_config(load_config(str(conf)).scoring) == RegimePolicy(3600.0, 3.0, "model")
-    assert RegimePolicy.from_config(Config().scoring).explains == "share"
+    assert RegimePolicy.from_config(Config().scoring).explains == "model"  # as shipped since round 14
     conf.write_text("scoring:\n  regime_explains: both\n")
     with pytest.raises(ConfigError, match=r"line 2, column 3: key 'scoring.regime_explains'.*share or model"):
         load_config(str(conf))
