@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 13 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 14 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -94,6 +94,11 @@ for _r in (9, 10):
 BEFORE_ROUND_12 = ["train.difference_term=mean", "train.score_window=10"]
 for _r in (11, 12):
     ROUNDS[_r] = ({name: BEFORE_ROUND_12 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
+# Rounds 9 to 14 on the budget and change-of-regime rule of their time (round 14's choice,
+# 0.25 a day and the model's rule, became the shipped one): first, so each round's own items win.
+BEFORE_ROUND_14 = ["scoring.alarm_budget_per_day=0.5", "scoring.regime_explains=share"]
+for _r in range(9, 15):
+    ROUNDS[_r] = ({name: BEFORE_ROUND_14 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01

@@ -31,8 +31,8 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
   an earlier day, or starting under the threshold, stay counted).
 * **Enough history first**: the threshold stays the model's until ``min_days`` days are kept (by
   the rows' times a partial day counts as a day; without times, rows at the sample period); the
-  budget allows ``floor(budget_per_day x days)`` alarms, so with 0.25 a day (as shipped) and one day kept it
-  allows none.
+  budget allows ``floor(budget_per_day x days)`` alarms, so with 0.25 a day (as shipped) it
+  allows none until 4 days are kept.
 * **Bounded**: one day moves the threshold by at most :data:`MAX_DAY_FACTOR` either way (never
   under the model's own); a move of that factor or more is said at warning level by the daemon.
 * **Invariant**: the threshold moves only at day boundaries of the rows, so a file scored in one
