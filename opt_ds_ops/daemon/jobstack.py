@@ -69,11 +69,9 @@ class StackProcess:
                 self.last_heard = time.monotonic()
                 if kind == "reading":  # the process reads this job's dataset now (None: none)
                     self.reading = fields.get("of")
-                    continue
-                member = self.members.get(fields.pop("job", None))
-                if member is not None:
+                elif (member := self.members.get(fields.pop("job", None))) is not None:
                     member.take(kind, fields, self.last_heard)
-                if not self._conn.poll(0):
+                if not self._conn.poll(0):  # never wait here for a message that has not come
                     break
         except (EOFError, OSError):
             self.eof = True
