@@ -47,7 +47,7 @@ import numpy as np
 EXPLAINS = 0.5  # the shifted metrics must carry at least this share of the incident's error
 STEADY = 0.5  # a shifted metric's spread over the incident is at most this share of its shift
 SUSTAINED = 0.5  # the incident's rows must be flagged at least this share of the time
-EXPLAINERS = ("share", "model")  # scoring.regime_explains: how a shift is judged to explain the alarm
+MIN_TAIL = 8  # the fewest of an incident's last rows the model's fit and question are made on
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class RegimePolicy:
 
     after_s: float = 21600.0  # 0: never (every alarm stays an incident)
     shift_sd: float = 3.0
-    explains: str = "share"  # one of EXPLAINERS
+    explains: str = "share"  # scoring.regime_explains: "share" or "model" (how a shift explains the alarm)
 
     @classmethod
     def from_config(cls, scoring) -> RegimePolicy:
@@ -92,11 +92,12 @@ def shifted(inc: dict, policy: RegimePolicy, min_rows: int, row: int,
     cols = cols[np.argsort(-np.abs(m[cols]), kind="stable")]
     shift = [(int(j), float(m[j])) for j in cols]
     if policy.explains == "model":
-        if (explained is None or len(inc.get("ltail") or []) < 8
-                or row < int(inc.get("regime_checked", -min_rows)) + tail_rows(min_rows)):
+        tail = inc.get("ltail") or []
+        asked = int(inc.get("regime_checked", -min_rows))
+        if explained is None or len(tail) < MIN_TAIL or row < asked + tail_rows(min_rows):
             return None
         inc["regime_checked"] = int(row)
-        return shift if explained(shift, inc.get("ltail") or []) else None
+        return shift if explained(shift, tail) else None
     err = np.asarray(inc.get("sums") or [], dtype=np.float64)
     if err.shape == m.shape and err.sum() > 0 and err[moved].sum() < EXPLAINS * err.sum():
         return None
@@ -131,7 +132,7 @@ def add_levels(inc: dict, levels, alpha: float, tail: int = 0) -> None:
 
 def tail_rows(min_rows: int) -> int:
     """Rows of an open incident kept for :func:`refined`: a quarter of ``min_rows``, 8 to 120."""
-    return max(8, min(120, min_rows // 4)) if min_rows else 0
+    return max(MIN_TAIL, min(120, min_rows // 4)) if min_rows else 0
 
 
 REFINE_STEPS = 10
@@ -143,13 +144,13 @@ def refined(stored, shift: list[tuple[int, float]], tail) -> list[tuple[int, flo
     the incident's last rows ``tail`` (k, D), ``REFINE_STEPS`` times. A metric the model reconstructs
     from the others (its level follows them) is then re-baselined where the model expects it, not
     at a mean that may sit a fraction of an SD off, which a metric with a small error scale would
-    still flag. Fewer than 8 rows, or a windowed model: the mean levels as they are."""
+    still flag. Fewer than ``MIN_TAIL`` rows, or a windowed model: the mean levels as they are."""
     import torch
 
     from ..model.network import model_inputs
 
     rows = np.asarray(tail or [], dtype=np.float64)
-    if rows.ndim != 2 or rows.shape[0] < 8 or rows.shape[1] != stored.n_features or not shift:
+    if rows.ndim != 2 or rows.shape[0] < MIN_TAIL or rows.shape[1] != stored.n_features or not shift:
         return shift
     d, w = stored.n_features, stored.input_window
     delta = np.zeros(d)

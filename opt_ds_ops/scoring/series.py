@@ -31,7 +31,7 @@ from ..store.versions import StoredModel
 from . import calibration as calib
 from .calibration import CalibrationPolicy
 from .incidents import IncidentPolicy, Tracker, track
-from .regime import SUSTAINED, RegimePolicy, described, refined
+from .regime import MIN_TAIL, SUSTAINED, RegimePolicy, described, refined
 
 STATE_FORMAT = 2  # 1: before incidents (an open anomaly segment, ``segment``/``segments``); read and carried over
 TOP_METRICS = 3  # metrics named per incident and per flagged row
@@ -527,10 +527,10 @@ def _moved_raw(stored: StoredModel, rows: np.ndarray, moved: np.ndarray) -> np.n
 def _explained(stored: StoredModel, threshold: float):
     """``scoring.regime_explains: model``'s question (:func:`opt_ds_ops.scoring.regime.shifted`): would
     the incident's last rows ``tail`` (k, D), moved back by the shift fit to the model, be flagged at
-    most ``1 - SUSTAINED`` of the time at ``threshold``? At least 8 rows of the model's width."""
+    most ``1 - SUSTAINED`` of the time at ``threshold``? At least ``MIN_TAIL`` rows of the model's width."""
     def explained(shift: list[tuple[int, float]], tail) -> bool:
         rows = np.asarray(tail or [], dtype=np.float64)
-        if rows.ndim != 2 or rows.shape[0] < 8 or rows.shape[1] != stored.n_features:
+        if rows.ndim != 2 or rows.shape[0] < MIN_TAIL or rows.shape[1] != stored.n_features:
             return False
         moved = np.zeros(stored.n_features)
         for j, m in refined(stored, shift, tail):
