@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 14 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 15 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -11,7 +11,9 @@ level's error, with EMA 10 or 5; round 12, after the budget's take-back of an in
 runs, a budget that waits two days, and round 11's max-5 again; round 13, a change of regime
 judged by the model (the incident's last rows moved back by the shift), alone and with a budget
 that waits two days; round 14, fewer false pages: half the alarm budget, with the model's change
-of regime, and with incidents merged over an hour. Prints each
+of regime, and with incidents merged over an hour; round 15, on round 14's choice, an incident
+that opens only when half of its last 5 minutes are flagged, and a new version's budget seeded
+from the scored history, alone and together. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -81,6 +83,11 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "model-budget-0.25-quiet-1h": ["scoring.alarm_budget_per_day=0.25", "scoring.regime_explains=model",
                                          "scoring.incident_quiet_s=3600"]},
          ("shipped", "budget-0.25", "model-budget-0.25", "model-budget-0.25-quiet-1h")),
+    15: ({"shipped": [],
+          "open-5m": ["scoring.incident_open_window_s=300"],
+          "history-seed": ["scoring.alarm_budget_history=true"],
+          "history-seed-open-5m": ["scoring.alarm_budget_history=true", "scoring.incident_open_window_s=300"]},
+         ("shipped", "open-5m", "history-seed", "history-seed-open-5m")),
 }
 # Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
 # each configuration's items go on top of these, so their records reproduce (those whose budget
