@@ -7,6 +7,8 @@ metrics the same way (:func:`top_text`)."""
 
 from __future__ import annotations
 
+import math
+
 from .journal import LOG_CRIT, LOG_INFO, LOG_WARNING, safe_text
 
 
@@ -102,7 +104,8 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
         else:
             why = (f"the model's {num(ev.get('model_threshold'))}): the lowest at which its last "
                    f"{num(ev.get('days'))} days scored give at most {num(ev.get('budget_per_day'))} alarms a day"
-                   + (f" ({alarms} alarms)" if isinstance(alarms, int) and "wanted" not in ev else ""))
+                   + (f" ({alarms} alarms in them at this threshold{_allowed(ev)})"
+                      if isinstance(alarms, int) and "wanted" not in ev else ""))
         if isinstance(ev.get("seeded_rows"), int):  # a new version's start, from the rows scored before it
             why += f", counting the {ev['seeded_rows']} rows scored before this version as it scores them"
         if isinstance(ev.get("wanted"), (int, float)):
@@ -117,6 +120,16 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                 dict(common, version=ev.get("version") or version, threshold=ev.get("threshold"),
                      previous=ev.get("previous"), seeded_rows=ev.get("seeded_rows"), wanted=ev.get("wanted")))
     return None
+
+
+def _allowed(ev: dict) -> str:
+    """", N allowed": the alarms the budget allows over the days a threshold-calibrated event rests on
+    (``floor(budget_per_day x days)``, :func:`opt_ds_ops.scoring.calibration.budget_threshold`), or ""."""
+    per_day, days = ev.get("budget_per_day"), ev.get("days")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in (per_day, days)):
+        return ""
+    return f", {math.floor(per_day * days + 1e-9)} allowed"
 
 
 def removed_message(view: dict) -> str:

@@ -13,7 +13,7 @@ def test_a_calibrated_threshold_says_the_days_and_alarms_it_rests_on():
     kind, message, priority, fields = incident_entry(EVENT, model="host1", version="v2", file="host1.csv")
     assert kind == "threshold-calibrated" and priority == LOG_INFO
     assert "threshold 2.5 from" in message and "(was 1.5;" in message and "last 3 days scored" in message
-    assert "(2 alarms)" in message and "rows scored before" not in message
+    assert "(2 alarms in them at this threshold, 3 allowed)" in message and "rows scored before" not in message
     assert fields["threshold"] == 2.5 and fields["previous"] == 1.5
 
 
@@ -29,7 +29,7 @@ def test_a_threshold_that_moves_twice_as_high_or_half_as_high_in_a_day_is_a_warn
     _, message, priority, fields = incident_entry(_said(dict(EVENT, previous=1.25, threshold=2.5, wanted=40.0)),
                                                   model="host1", version="v2", file="host1.csv")
     assert priority == LOG_WARNING and "the budget asked for 40 (2 alarms there), held to 2 times" in message
-    assert "a day (2 alarms)" not in message  # the count is the asked-for threshold's, not the one in force
+    assert "(2 alarms in them" not in message  # the count is the asked-for threshold's, not the one in force
     assert fields["wanted"] == 40.0
     _, _, priority, _ = incident_entry(_said(EVENT), model="host1", version="v2", file="host1.csv")
     assert priority == LOG_INFO  # 1.5 -> 2.5: under the bound
@@ -46,3 +46,12 @@ def test_a_capped_threshold_is_a_warning():
     _, message, priority, _ = incident_entry(dict(EVENT, capped=True, threshold=1228.8), model="host1", version="v2",
                                              file="host1.csv")
     assert priority == LOG_WARNING and "capped at 1024 times" in message
+
+
+def test_the_allowance_is_the_budgets_over_the_days_kept():
+    """At 0.25 a day (as shipped) 3 days allow no alarm: the line says so, beside the count."""
+    _, message, _, _ = incident_entry(dict(EVENT, budget_per_day=0.25, alarms=0), model="host1", version="v2",
+                                      file="host1.csv")
+    assert "(0 alarms in them at this threshold, 0 allowed)" in message
+    _, message, _, _ = incident_entry(dict(EVENT, budget_per_day=None), model="host1", version="v2", file="host1.csv")
+    assert "(2 alarms in them at this threshold)" in message
