@@ -170,7 +170,7 @@ class ScoringConfig:
     series' scored history (its last alarm_budget_days days), scored again by the new version,
     instead of from nothing (:func:`opt_ds_ops.scoring.calibration.seed`). ``alarm_budget_learns``:
     whose runs the budget counts (``all``; ``warnings``: not those of an incident that was or became
-    critical; ``normal``: none inside an incident).
+    critical; ``normal``: none inside an incident). ``alarm_budget_floor``: the lowest it sets, times the model's.
     """
 
     results_dir: str = _field("/var/lib/ds-ops/scores", os.path.isabs, "an absolute path")
@@ -193,6 +193,7 @@ class ScoringConfig:
     alarm_budget_history: bool = _field(False, None, "true or false")
     alarm_budget_learns: str = _field("warnings", lambda v: v in ("all", "warnings", "normal"),
                                       "one of all, warnings, normal")
+    alarm_budget_floor: float = _field(1.0, lambda v: 0.0625 <= v <= 1, "a number in [0.0625, 1] (times the model's threshold)")
 
 
 def _auto_or_at_least(low: int):

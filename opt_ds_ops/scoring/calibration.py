@@ -15,7 +15,9 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
 * **When**: at the first row of each day of the data's clock (UTC days of the rows' times, or days
   of rows at the model's sample period without times), from the last ``days`` days scored by the
   same version: the lowest bin edge at which that history and every higher edge give at most
-  ``budget_per_day`` alarms a day, and never under the model's own threshold. Less than
+  ``budget_per_day`` alarms a day, and never under ``floor`` times the model's own threshold (1
+  as shipped: never under it; a lower floor lets the budget undo a model threshold that one event
+  in its validation split set high). Less than
   ``min_days`` of history: the model's threshold. A change is an event ``threshold-calibrated``.
 * **What teaches it** (``learns``): with ``normal``, a run that starts inside an incident
   (:mod:`opt_ds_ops.scoring.incidents`), its first row included, is not counted, so an incident, a burst of them or the same
@@ -34,7 +36,7 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
   budget allows ``floor(budget_per_day x days)`` alarms, so with 0.25 a day (as shipped) it
   allows none until 4 days are kept.
 * **Bounded**: one day moves the threshold by at most :data:`MAX_DAY_FACTOR` either way (never
-  under the model's own); a move of that factor or more is said at warning level by the daemon.
+  under the floor); a move of that factor or more is said at warning level by the daemon.
 * **Invariant**: the threshold moves only at day boundaries of the rows, so a file scored in one
   chunk or in many gives the same flags; the state is a few hundred numbers a day, ``days`` days
   at most, and the current day's held runs (:data:`MAX_PENDING` at most: three numbers each),
@@ -71,16 +73,27 @@ class CalibrationPolicy:
     min_days: float = 1.0
     from_history: bool = False  # a new version's days start from the scored history, scored again by it
     learns: str = "all"  # whose runs count: "all", "warnings" (not a critical incident's), "normal" (no incident's)
+    floor: float = 1.0  # the lowest threshold the budget sets, times the model's (EDGES[0] .. 1; 1: never under it)
 
     @classmethod
     def from_config(cls, scoring) -> CalibrationPolicy:
         return cls(budget_per_day=scoring.alarm_budget_per_day, days=scoring.alarm_budget_days,
                    min_days=scoring.alarm_budget_min_days, from_history=scoring.alarm_budget_history,
-                   learns=scoring.alarm_budget_learns)
+                   learns=scoring.alarm_budget_learns, floor=scoring.alarm_budget_floor)
+
+    @property
+    def floor_bin(self) -> int:
+        """The lowest the budget's threshold goes: the first of EDGES at or over ``floor``."""
+        return floor_bin(self.floor)
 
     @property
     def on(self) -> bool:
         return self.budget_per_day > 0
+
+
+def floor_bin(floor: float) -> int:
+    """The index of the first of EDGES at or over ``floor`` (1: the model's threshold, EDGES[64])."""
+    return int(np.searchsorted(EDGES, floor * (1 - 1e-12)))
 
 
 def fresh(base: float) -> dict:
@@ -111,12 +124,13 @@ def _pending_ok(pending) -> bool:
 
 def valid(cal, base: float) -> bool:
     """Whether cal is a calibration state of this shape, made against the threshold ``base``: its
-    threshold finite and not under ``base``, its days and bins in range, its counts integers."""
+    threshold finite and within the edges' range of ``base`` (a floor under 1 lets it go under
+    ``base``: :func:`floored` applies the floor in force), its days and bins in range, its counts integers."""
     if not isinstance(cal, dict) or cal.get("base") != float(base):
         return False
     try:
         ok = (isinstance(cal["threshold"], (int, float)) and math.isfinite(cal["threshold"])
-              and float(base) <= cal["threshold"] <= EDGES[-1] * float(base)
+              and EDGES[0] * float(base) <= cal["threshold"] <= EDGES[-1] * float(base)
               and (cal["day"] is None or _count(cal["day"]))
               and (cal["prev"] is None or isinstance(cal["prev"], (int, float)) and not isinstance(cal["prev"], bool)
                    and math.isfinite(cal["prev"]))
@@ -237,7 +251,7 @@ def budget_threshold(days: list, policy: CalibrationPolicy, base: float, period_
     allowed = math.floor(policy.budget_per_day * covered + 1e-9)
     over = np.flatnonzero(runs > allowed)
     k = min(int(over[-1]) + 1, EDGES.size - 1) if over.size else 0
-    k = max(k, int(np.searchsorted(EDGES, 1.0)))  # never under the model's own threshold
+    k = max(k, policy.floor_bin)  # never under the floor (1: the model's own threshold)
     basis = {"days": round(covered, 3), "alarms": int(runs[k])}
     if runs[k] > allowed:  # even the top edge: the budget cannot be kept, and the event says so
         basis["capped"] = True
@@ -271,7 +285,7 @@ def roll(cal: dict, day: int, policy: CalibrationPolicy, period_s: float, clock:
     cal["day"], cal["rows"], cal["runs"] = day, 0, {}
     threshold, basis = budget_threshold(_days_before(cal, day, policy), policy, cal["base"], period_s, clock)
     previous = cal["threshold"]
-    threshold, basis = bounded(threshold, basis, previous, cal["base"])
+    threshold, basis = bounded(threshold, basis, previous, cal["base"], policy.floor)
     cal["threshold"] = threshold
     if threshold == previous:
         return None
@@ -284,10 +298,17 @@ def _said(event: dict) -> dict:
     return dict(event, bound=MAX_DAY_FACTOR, far=far(event))
 
 
-def bounded(threshold: float, basis: dict, previous: float, base: float) -> tuple[float, dict]:
-    """The budget's threshold kept within :data:`MAX_DAY_FACTOR` of the one in force (and never under the
-    model's own ``base``); ``basis`` gains ``wanted`` (the budget's) where it was held back."""
-    lo, hi = max(base, previous / MAX_DAY_FACTOR), previous * MAX_DAY_FACTOR
+def floored(cal: dict, policy: CalibrationPolicy) -> None:
+    """Raise a valid state's threshold in force to the policy's floor at once (a floor raised since
+    the state was kept, by a conffile reload), keeping its history."""
+    cal["threshold"] = max(float(cal["threshold"]), float(EDGES[policy.floor_bin] * cal["base"]))
+
+
+def bounded(threshold: float, basis: dict, previous: float, base: float, floor: float = 1.0) -> tuple[float, dict]:
+    """The budget's threshold kept within :data:`MAX_DAY_FACTOR` of the one in force (and never under
+    ``floor`` times the model's own ``base``); ``basis`` gains ``wanted`` (the budget's) where it was held back."""
+    lo = max(float(EDGES[floor_bin(floor)]) * base, previous / MAX_DAY_FACTOR)
+    hi = previous * MAX_DAY_FACTOR
     if lo <= threshold <= hi:
         return threshold, basis
     return min(max(threshold, lo), hi), dict(basis, wanted=threshold)

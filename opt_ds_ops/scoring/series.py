@@ -390,6 +390,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
                                    version=st.version, model_threshold=float(stored.threshold),
                                    budget_per_day=calibration.budget_per_day))
     else:
+        calib.floored(st.calibration, calibration)
         st.threshold = float(st.calibration["threshold"])
     if st.rebase and len(st.rebase) != want:
         notes.append(f"the carried re-baseline has {len(st.rebase)} metrics, the model {want}: dropped")

@@ -273,3 +273,16 @@ def test_the_change_of_regime_rule_is_read_from_the_conffile_and_a_bad_one_refus
     conf.write_text("scoring:\n  regime_explains: both\n")
     with pytest.raises(ConfigError, match=r"line 2, column 3: key 'scoring.regime_explains'.*share or model"):
         load_config(str(conf))
+
+
+def test_the_budgets_floor_is_read_from_the_conffile_and_one_out_of_range_refused(tmp_path):
+    from opt_ds_ops.scoring.calibration import CalibrationPolicy
+
+    conf = tmp_path / "c.yaml"
+    conf.write_text("scoring:\n  alarm_budget_floor: 0.25\n")
+    assert CalibrationPolicy.from_config(load_config(str(conf)).scoring).floor == 0.25
+    assert CalibrationPolicy.from_config(Config().scoring).floor == 1.0  # as shipped: never under the model's
+    for bad in ("0.05", "1.5", "0"):
+        conf.write_text(f"scoring:\n  alarm_budget_floor: {bad}\n")
+        with pytest.raises(ConfigError, match=r"line 2, column 3: key 'scoring.alarm_budget_floor'.*0.0625, 1"):
+            load_config(str(conf))

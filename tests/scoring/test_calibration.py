@@ -337,7 +337,7 @@ def test_a_budget_even_the_top_edge_cannot_keep_is_said_capped():
 
 
 @pytest.mark.parametrize("broken", [
-    {"runs": {"999": 3}}, {"runs": {"-1": 3}}, {"runs": {"5": True}}, {"threshold": 0.5}, {"threshold": 0.0},
+    {"runs": {"999": 3}}, {"runs": {"-1": 3}}, {"runs": {"5": True}}, {"threshold": 0.06}, {"threshold": 0.0},
     {"prev": float("nan")}, {"rows": True}, {"days": [[1, 10, {"9999": 1}]]}, {"clock": "weeks"},
 ])
 def test_a_state_out_of_range_is_not_valid_and_starts_again(broken):
@@ -468,3 +468,51 @@ def test_one_day_moves_the_threshold_by_at_most_the_bound_and_says_it_held_back(
     entry = incident_entry(dict(moved, event="threshold-calibrated", row=1440, time=None, version="v1",
                                 model_threshold=1.0, budget_per_day=1.0), model="m", version="v1", file="f.csv")
     assert entry is not None and entry[2] == LOG_WARNING and "held to 2 times" in entry[1], entry
+
+
+def test_a_floor_under_one_lets_the_budget_lower_a_threshold_one_event_set_high():
+    """A model threshold 10 times what the series needs (one event in its validation split): with
+    the floor at 1 the budget never goes under it; with 0.25 it goes down, by at most the day's
+    bound, to the floor, not under, and the move is said; the floor raised later (a conffile
+    reload) lifts a kept threshold at once and keeps its days."""
+    rng = np.random.default_rng(1)
+    quiet = lambda: rng.uniform(0.01, 0.05, DAY)  # noqa: E731  scores a tenth of the model's threshold and under
+    got = {}
+    for floor in (1.0, 0.25):
+        policy = CalibrationPolicy(budget_per_day=1.0, days=14.0, min_days=1.0, floor=floor)
+        cal, moves = calib.fresh(1.0), []
+        for d in range(6):
+            moved = calib.roll(cal, d, policy, 60.0, "rows")
+            moves.append(moved)
+            calib.add(cal, quiet())
+        got[floor] = (cal["threshold"], [m for m in moves if m])
+    assert got[1.0] == (1.0, [])  # never under the model's
+    threshold, moves = got[0.25]
+    assert threshold == 0.25  # the floor: the days allow less, the floor holds
+    assert [m["threshold"] for m in moves] == [0.5, 0.25]  # halved a day at most (MAX_DAY_FACTOR), then the floor
+    assert all(m["previous"] / m["threshold"] <= calib.MAX_DAY_FACTOR + 1e-12 for m in moves)
+    assert calib.valid(cal, 1.0)
+    kept = len(cal["days"])
+    calib.floored(cal, CalibrationPolicy(budget_per_day=1.0, floor=0.5))
+    assert cal["threshold"] == 0.5 and len(cal["days"]) == kept
+    calib.floored(cal, CalibrationPolicy(budget_per_day=1.0, floor=1.0))
+    assert cal["threshold"] == 1.0
+
+
+def test_the_floor_rounds_up_to_an_edge_and_one_is_the_models_threshold():
+    assert EDGES[calib.floor_bin(1.0)] == 1.0 and EDGES[calib.floor_bin(0.5)] == 0.5
+    assert 0.3 <= EDGES[calib.floor_bin(0.3)] < 0.3 * 2 ** (1 / calib.PER_OCTAVE)
+    assert calib.floor_bin(0.0625) == 0
+
+
+def test_a_series_kept_under_a_floor_since_raised_runs_at_the_new_floor_at_once(model, period):
+    """A series' state kept at a quarter of the model's threshold (floor 0.25), scored after the
+    floor went back to 1: its first row is judged at the model's threshold, its kept days stay."""
+    low = CalibrationPolicy(budget_per_day=1.0, days=3.0, min_days=1.0, floor=0.25)
+    _, _, _, state = scored(model, period[:2 * DAY - 100], 1, policy=low)  # the next rows are of the same day
+    cal = dict(state.calibration, threshold=0.25 * float(model.threshold))
+    kept = SeriesState.from_dict(dict(state.to_dict(), calibration=cal, threshold=cal["threshold"]))
+    r = score_chunk(model, period[2 * DAY - 100:2 * DAY - 90], None, None, kept, names=NAMES, max_gap_periods=10,
+                    policy=IncidentPolicy(), calibration=BUDGET)
+    assert r.state.threshold == float(model.threshold) and r.state.calibration["days"] == cal["days"]
+    assert np.array_equal(r.flags, r.scores > np.float32(model.threshold))
