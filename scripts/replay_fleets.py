@@ -106,6 +106,11 @@ for _r in (11, 12):
 BEFORE_ROUND_14 = ["scoring.alarm_budget_per_day=0.5", "scoring.regime_explains=share"]
 for _r in range(9, 15):
     ROUNDS[_r] = ({name: BEFORE_ROUND_14 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
+# Rounds 6 to 15 on the incident rule of their time (round 15's choice, a 5-minute window, became
+# the shipped one): first, so each round's own items win.
+BEFORE_ROUND_15 = ["scoring.incident_open_window_s=0"]
+for _r in range(6, 16):
+    ROUNDS[_r] = ({name: BEFORE_ROUND_15 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01

@@ -177,7 +177,7 @@ class ScoringConfig:
     max_gap_periods: float = _field(10.0, _non_negative, "a number >= 0 (sample periods; 0: never)")
     results_max_age_days: float = _field(30.0, _non_negative, "days >= 0 (0: keep forever)")
     results_max_bytes: int = _field(0, _non_negative, "bytes >= 0 (0: no limit)")
-    incident_open_window_s: float = _field(0.0, lambda v: _non_negative(v) and math.isfinite(v),
+    incident_open_window_s: float = _field(300.0, lambda v: _non_negative(v) and math.isfinite(v),
                                            "seconds >= 0 (0: one flagged row opens)")
     incident_open_share: float = _field(0.5, lambda v: 0 < v <= 1, "a number in (0, 1]")
     incident_quiet_s: float = _field(1800.0, lambda v: _non_negative(v) and math.isfinite(v),

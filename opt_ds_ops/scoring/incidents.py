@@ -36,7 +36,7 @@ SEVERITIES = ("warning", "critical")
 class IncidentPolicy:
     """When flagged rows make an incident (the conffile's ``scoring.incident_*`` keys)."""
 
-    open_window_s: float = 0.0  # the defaults: round 4's choice (docs/detection-protocol.md)
+    open_window_s: float = 0.0  # round 4's choice; the conffile's default is 300 since round 15 (docs/detection-protocol.md)
     open_share: float = 0.5
     quiet_s: float = 1800.0
     critical_ratio: float = 2.0
