@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 15 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 16 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -13,7 +13,8 @@ judged by the model (the incident's last rows moved back by the shift), alone an
 that waits two days; round 14, fewer false pages: half the alarm budget, with the model's change
 of regime, and with incidents merged over an hour; round 15, on round 14's choice, an incident
 that opens only when half of its last 5 minutes are flagged, and a new version's budget seeded
-from the scored history, alone and together. Prints each
+from the scored history, alone and together; round 16, a floor under the model's threshold for
+the alarm budget (a half, a quarter). Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -88,6 +89,10 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "history-seed": ["scoring.alarm_budget_history=true"],
           "history-seed-open-5m": ["scoring.alarm_budget_history=true", "scoring.incident_open_window_s=300"]},
          ("shipped", "open-5m", "history-seed", "history-seed-open-5m")),
+    16: ({"shipped": [],
+          "floor-0.5": ["scoring.alarm_budget_floor=0.5"],
+          "floor-0.25": ["scoring.alarm_budget_floor=0.25"]},
+         ("shipped", "floor-0.5", "floor-0.25")),
 }
 # Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
 # each configuration's items go on top of these, so their records reproduce (those whose budget
