@@ -12,7 +12,7 @@ renamed; as root, each given to another member of the group), real SIGKILLs.
 * The alarm budget and retraining are off in the soak's conffile (``scoring.alarm_budget_per_day:
   0``, ``retrain.every: ""``, ``retrain.drift_rate: 0``): at five incidents a day the shipped budget
   would raise the threshold after a few chunks, and a retraining would change the model mid-soak.
-* The incident rule is the shipped one, pinned in the soak's conffile: ``incident_open_window_s:
+* The incident rule is round 4's (shipped until round 15), pinned in the soak's conffile: ``incident_open_window_s:
   0`` (one flagged row opens an incident) and ``incident_quiet_s: 1800``, that is 30 rows of the
   model's sample period (``train.sample_period_s: 60``, pinned too: the chunks have no time
   column). The layout of a chunk follows from it: the scores of the shifted rows stay over the

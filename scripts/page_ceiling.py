@@ -13,6 +13,8 @@ fleet: the most segments paged by the best threshold for that series chosen know
 and within that and 2 % of normal rows in alarm, for the autoencoder and the baseline.
 
 ``--quiet-s``: another quiet spell for the rule (0: every run of flagged rows is an incident).
+``--open-window-s``: another opening window (0: one flagged row opens, the rule of rounds 4 to 14,
+whose ceilings docs/detection-protocol.md records).
 ``--set train.KEY=VALUE``: the autoencoder trained and scored with another setting on top of the
 shipped defaults (``train.input_differences=true``, ``train.score_window=10``: round 9's score).
 
@@ -67,6 +69,8 @@ def main() -> int:
     ap.add_argument("--asd", default=os.path.join(SHARED, "asd"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet-s", type=float, help="the incident rule's quiet spell (default: the shipped one)")
+    ap.add_argument("--open-window-s", type=float,
+                    help="the incident rule's opening window (default: the shipped one; 0 before round 15)")
     ap.add_argument("--set", action="append", default=[], metavar="train.KEY=VALUE")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -75,6 +79,8 @@ def main() -> int:
     policy = IncidentPolicy.from_config(Config().scoring)  # the shipped incident rule
     if args.quiet_s is not None:
         policy = dataclasses.replace(policy, quiet_s=args.quiet_s)
+    if args.open_window_s is not None:
+        policy = dataclasses.replace(policy, open_window_s=args.open_window_s)
     print(f"incident rule: {policy}")
     roots = {"smd": args.smd, "asd": args.asd}
     out = {}

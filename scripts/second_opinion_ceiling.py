@@ -17,7 +17,9 @@ smoothed by the shipped EMA 5:
 * combinations: ``max``/``mean`` of the autoencoder's and a PCA's raw scores, each over its
   validation split's 0.99 quantile (``q99``) or median (``med``).
 
-Usage: scripts/second_opinion_ceiling.py [--seed N] [--json PATH]   (about 13 minutes on 2 cores)
+The protocol's figures were taken with the incident rule shipped then, ``--open-window-s 0``.
+
+Usage: scripts/second_opinion_ceiling.py [--seed N] [--open-window-s S] [--json PATH]   (about 13 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -206,12 +208,17 @@ def print_means(fleet: str, seed: int, seconds: float, res: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0, help="the training seed (default 0)")
+    ap.add_argument("--open-window-s", type=float,
+                    help="the incident rule's opening window (default: the shipped one; 0 before round 15)")
     ap.add_argument("--json", metavar="PATH", help="where to write the rows (default build/second_opinion_s{SEED}.json)")
     args = ap.parse_args()
     path = args.json or os.path.join("build", f"second_opinion_s{args.seed}.json")
     torch.set_num_threads(1)
     plan = plan_device("cpu", "off")
     policy = IncidentPolicy.from_config(Config().scoring)  # the shipped incident rule
+    if args.open_window_s is not None:
+        policy = dataclasses.replace(policy, open_window_s=args.open_window_s)
+    print(f"incident rule: {policy}", flush=True)
     out = {}
     for fleet, period in FLEETS.items():
         cfg = Config(device="cpu")

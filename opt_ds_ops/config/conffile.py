@@ -164,7 +164,7 @@ class ScoringConfig:
     (``share``: the moved metrics carry half its error; ``model``: moved back, its last rows would
     not stay flagged) by metrics that moved at least this many training SDs and stayed is a change
     of regime (:mod:`opt_ds_ops.scoring.regime`): said once, then re-baselined (0 s: off). ``alarm_budget_per_day``,
-    ``alarm_budget_days``: each series raises its threshold, at each day of the data, to the lowest
+    ``alarm_budget_days``: each series sets its threshold, at each day of the data, to the lowest
     that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
     0.25 as shipped, round 14), once alarm_budget_min_days days are kept. ``alarm_budget_history``: a new version's budget starts from the
     series' scored history (its last alarm_budget_days days), scored again by the new version,

@@ -97,7 +97,10 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                      started_time=ev.get("started_time"), metrics=moved))
     if kind == "threshold-calibrated":
         alarms = ev.get("alarms")
-        if ev.get("capped"):
+        if isinstance(ev.get("floor"), (int, float)):  # a floor raised since: the threshold lifted to it at once
+            why = (f"the model's {num(ev.get('model_threshold'))}): lifted to scoring.alarm_budget_floor, "
+                   f"{num(ev.get('floor'))} times the model's, the floor in force")
+        elif ev.get("capped"):
             why = (f"capped at 1024 times the model's {num(ev.get('model_threshold'))}: its last {num(ev.get('days'))} "
                    f"days scored give {alarms} alarms even there, over {num(ev.get('budget_per_day'))} a day; the model "
                    "alarms on almost everything")
@@ -124,7 +127,10 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
 
 def _allowed(ev: dict) -> str:
     """", N allowed": the alarms the budget allows over the days a threshold-calibrated event rests on
-    (``floor(budget_per_day x days)``, :func:`opt_ds_ops.scoring.calibration.budget_threshold`), or ""."""
+    (its ``allowed``, :func:`opt_ds_ops.scoring.calibration.budget_threshold`; for events written
+    before it, ``floor(budget_per_day x days)``), or ""."""
+    if isinstance(ev.get("allowed"), int) and not isinstance(ev.get("allowed"), bool) and ev["allowed"] >= 0:
+        return f", {ev['allowed']} allowed"
     per_day, days = ev.get("budget_per_day"), ev.get("days")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
                for v in (per_day, days)):

@@ -252,7 +252,7 @@ def budget_threshold(days: list, policy: CalibrationPolicy, base: float, period_
     over = np.flatnonzero(runs > allowed)
     k = min(int(over[-1]) + 1, EDGES.size - 1) if over.size else 0
     k = max(k, policy.floor_bin)  # never under the floor (1: the model's own threshold)
-    basis = {"days": round(covered, 3), "alarms": int(runs[k])}
+    basis = {"days": round(covered, 3), "alarms": int(runs[k]), "allowed": int(allowed)}
     if runs[k] > allowed:  # even the top edge: the budget cannot be kept, and the event says so
         basis["capped"] = True
     return float(EDGES[k] * base), basis
@@ -298,10 +298,15 @@ def _said(event: dict) -> dict:
     return dict(event, bound=MAX_DAY_FACTOR, far=far(event))
 
 
-def floored(cal: dict, policy: CalibrationPolicy) -> None:
+def floored(cal: dict, policy: CalibrationPolicy) -> dict | None:
     """Raise a valid state's threshold in force to the policy's floor at once (a floor raised since
-    the state was kept, by a conffile reload), keeping its history."""
-    cal["threshold"] = max(float(cal["threshold"]), float(EDGES[policy.floor_bin] * cal["base"]))
+    the state was kept, by a conffile reload), keeping its history. Return ``{"previous",
+    "threshold", "floor"}`` when it moved, else None."""
+    previous = float(cal["threshold"])
+    cal["threshold"] = max(previous, float(EDGES[policy.floor_bin] * cal["base"]))
+    if cal["threshold"] == previous:
+        return None
+    return _said({"previous": previous, "threshold": cal["threshold"], "floor": policy.floor})
 
 
 def bounded(threshold: float, basis: dict, previous: float, base: float, floor: float = 1.0) -> tuple[float, dict]:

@@ -390,8 +390,13 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
                                    version=st.version, model_threshold=float(stored.threshold),
                                    budget_per_day=calibration.budget_per_day))
     else:
-        calib.floored(st.calibration, calibration)
+        lifted = calib.floored(st.calibration, calibration)
         st.threshold = float(st.calibration["threshold"])
+        if lifted is not None:
+            t0 = None if t is None or not t.size else float(t[0])
+            events.append(dict(lifted, event="threshold-calibrated", row=st.next_row, time=_time(t0),
+                               version=st.version, model_threshold=float(stored.threshold),
+                               budget_per_day=calibration.budget_per_day))
     if st.rebase and len(st.rebase) != want:
         notes.append(f"the carried re-baseline has {len(st.rebase)} metrics, the model {want}: dropped")
         st.rebase, st.regime = [], None

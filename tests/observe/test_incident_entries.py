@@ -55,3 +55,7 @@ def test_the_allowance_is_the_budgets_over_the_days_kept():
     assert "(0 alarms in them at this threshold, 0 allowed)" in message
     _, message, _, _ = incident_entry(dict(EVENT, budget_per_day=None), model="host1", version="v2", file="host1.csv")
     assert "(2 alarms in them at this threshold)" in message
+    # the budget's own count where the event carries it (days are rounded: 4.0 days of 10-second rows may be 3.9999)
+    _, message, _, _ = incident_entry(dict(EVENT, budget_per_day=0.25, days=4.0, alarms=0, allowed=0), model="host1",
+                                      version="v2", file="host1.csv")
+    assert "(0 alarms in them at this threshold, 0 allowed)" in message

@@ -403,7 +403,7 @@ def test_a_run_held_until_its_day_closes_is_counted_unless_an_incident_takes_it_
         calib.roll(cal, 1, policy, 60.0, "rows")
     assert held["days"] == plain["days"] and held["pending"] == []
     assert calib.budget_threshold(held["days"], policy, 1.0, 60.0)[0] >= 3.0  # two runs, one allowed: over them
-    assert calib.budget_threshold(taken["days"], policy, 1.0, 60.0) == (1.0, {"days": 1.0, "alarms": 1})
+    assert calib.budget_threshold(taken["days"], policy, 1.0, 60.0) == (1.0, {"days": 1.0, "alarms": 1, "allowed": 1})
     gapped = calib.fresh(1.0)
     calib.add(gapped, loud[:10], row0=0)
     calib.gap(gapped)
@@ -516,3 +516,18 @@ def test_a_series_kept_under_a_floor_since_raised_runs_at_the_new_floor_at_once(
                     policy=IncidentPolicy(), calibration=BUDGET)
     assert r.state.threshold == float(model.threshold) and r.state.calibration["days"] == cal["days"]
     assert np.array_equal(r.flags, r.scores > np.float32(model.threshold))
+    lifted = [e for e in r.events if e["event"] == "threshold-calibrated"]  # said, as every change is
+    assert len(lifted) == 1 and lifted[0]["floor"] == 1.0 and lifted[0]["previous"] == cal["threshold"]
+    assert lifted[0]["threshold"] == float(model.threshold) and lifted[0]["row"] == 2 * DAY - 100 and lifted[0]["far"]
+    from opt_ds_ops.observe.incident_entries import incident_entry
+
+    _, message, _, _ = incident_entry(lifted[0], model="m", version="v1", file="f.csv")
+    assert "lifted to scoring.alarm_budget_floor, 1 times the model's" in message, message
+
+
+def test_the_budgets_basis_carries_the_alarms_it_allowed():
+    """The allowance is counted from the rows kept, not from the days rounded for the event: 34,559
+    ten-second rows are 3.9999 days (allowed 0 at 0.25 a day) though the event says 4.0."""
+    policy = CalibrationPolicy(budget_per_day=0.25, days=14.0, min_days=1.0)
+    _, basis = calib.budget_threshold([[0, 34559, {}]], policy, 1.0, 10.0)
+    assert basis["days"] == 4.0 and basis["allowed"] == 0

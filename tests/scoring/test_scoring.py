@@ -20,6 +20,7 @@ from opt_ds_ops.model.detection import score_rows
 from opt_ds_ops.model.threshold import alarms_at
 from opt_ds_ops.scoring import calibration as calib
 from opt_ds_ops.scoring.calibration import EDGES, CalibrationPolicy
+from opt_ds_ops.scoring.incidents import IncidentPolicy, incidents_of
 from opt_ds_ops.scoring.job import ScoringError, history_seed, score_job
 from opt_ds_ops.store.versions import load_model
 
@@ -98,8 +99,14 @@ def test_chunks_dropped_one_after_another_score_as_the_whole_period(store, cfg, 
     opened = [e for e in events if e["event"] == "incident-opened"]
     assert opened and all(m["metric"] in NAMES for e in opened for m in e["top_metrics"])
     assert all(r["top_metrics"].split(";")[0] in NAMES for r in rows if r["anomaly"] == "1")
-    # rows.csv names each row's incident: every flagged row is in one, and the incidents are the series'
-    assert all(r["incident"] for r in rows if r["anomaly"] == "1")
+    # rows.csv names each row's incident: every flagged row from an incident's opening row to its last
+    # is in one, a flagged row outside them all (a blip the shipped 5-minute window does not open on)
+    # in none, and the incidents are the series'
+    found = incidents_of(whole, stored.threshold, IncidentPolicy.from_config(cfg.scoring), 60.0)
+    opened_to_end = {r for i in found for r in range(i["opened"], i["end"] + 1)}
+    assert opened_to_end & set(flagged)
+    assert all(rows[r]["incident"] for r in flagged if r in opened_to_end)
+    assert not any(rows[r]["incident"] for r in flagged if not any(i["start"] <= r <= i["end"] for i in found))
     assert {int(r["incident"]) for r in rows if r["incident"]} == {e["incident"] for e in opened}
     state = json.loads((tmp_path / "scores" / "m1" / "state.json").read_text())
     assert state["rows_scored"] == test.shape[0] and state["last_job"] == job_id(k - 1)
