@@ -22,7 +22,11 @@ STDIN = "standard input"
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("score", help="score a dataset with a trained model (per-row reconstruction error)")
+    s = sub.add_parser("score", help="score a dataset with a trained model (per-row reconstruction error)",
+                       description="Score a dataset with a trained model: the rows over its stored threshold, the "
+                                   "flagged segments and their top metrics. The incident rule and the alarm budget "
+                                   "(the conffile's scoring.* keys) are not applied: they are the daemon's, for "
+                                   "files dropped into the score spool (man ds-ops, SPOOL).")
     s.add_argument("model_dir", metavar="MODEL_DIR", help="a model version directory, its 'current' link, the model name's directory or a model name under models_dir")
     s.add_argument("dataset", metavar="DATASET", help="the file to score; - reads standard input (at most "
                    "spool.max_dataset_bytes; its format from --format, else from its first bytes)")

@@ -106,8 +106,8 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                    "alarms on almost everything")
         else:
             why = (f"the model's {num(ev.get('model_threshold'))}): the lowest at which its last "
-                   f"{num(ev.get('days'))} days scored give at most {num(ev.get('budget_per_day'))} alarms a day"
-                   + (f" ({alarms} alarms in them at this threshold{_allowed(ev)})"
+                   f"{_count(ev.get('days'), 'day')} scored give at most {num(ev.get('budget_per_day'))} alarms a day"
+                   + (f" ({_count(alarms, 'alarm')} in them at this threshold{_allowed(ev)})"
                       if isinstance(alarms, int) and "wanted" not in ev else ""))
         if isinstance(ev.get("seeded_rows"), int):  # a new version's start, from the rows scored before it
             why += f", counting the {ev['seeded_rows']} rows scored before this version as it scores them"
@@ -123,6 +123,11 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                 dict(common, version=ev.get("version") or version, threshold=ev.get("threshold"),
                      previous=ev.get("previous"), seeded_rows=ev.get("seeded_rows"), wanted=ev.get("wanted")))
     return None
+
+
+def _count(n, noun: str) -> str:
+    """``n`` and the noun, plural unless ``n`` is 1 ("1 day", "3.5 days", "0 alarms")."""
+    return f"{num(n)} {noun}" + ("" if n == 1 else "s")
 
 
 def _allowed(ev: dict) -> str:

@@ -59,3 +59,10 @@ def test_the_allowance_is_the_budgets_over_the_days_kept():
     _, message, _, _ = incident_entry(dict(EVENT, budget_per_day=0.25, days=4.0, alarms=0, allowed=0), model="host1",
                                       version="v2", file="host1.csv")
     assert "(0 alarms in them at this threshold, 0 allowed)" in message
+
+
+def test_one_day_and_one_alarm_are_said_in_the_singular():
+    _, message, _, _ = incident_entry(dict(EVENT, days=1.0, alarms=1, allowed=1), model="host1", version="v2",
+                                      file="host1.csv")
+    assert "its last 1 day scored give" in message and "(1 alarm in them at this threshold, 1 allowed)" in message
+    assert "last 3 days scored" in incident_entry(EVENT, model="h", version="v2", file="f")[1]
