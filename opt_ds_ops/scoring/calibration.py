@@ -82,11 +82,6 @@ class CalibrationPolicy:
                    learns=scoring.alarm_budget_learns, floor=scoring.alarm_budget_floor)
 
     @property
-    def floor_bin(self) -> int:
-        """The lowest the budget's threshold goes: the first of EDGES at or over ``floor``."""
-        return floor_bin(self.floor)
-
-    @property
     def on(self) -> bool:
         return self.budget_per_day > 0
 
@@ -251,7 +246,7 @@ def budget_threshold(days: list, policy: CalibrationPolicy, base: float, period_
     allowed = math.floor(policy.budget_per_day * covered + 1e-9)
     over = np.flatnonzero(runs > allowed)
     k = min(int(over[-1]) + 1, EDGES.size - 1) if over.size else 0
-    k = max(k, policy.floor_bin)  # never under the floor (1: the model's own threshold)
+    k = max(k, floor_bin(policy.floor))  # never under the floor (1: the model's own threshold)
     basis = {"days": round(covered, 3), "alarms": int(runs[k]), "allowed": int(allowed)}
     if runs[k] > allowed:  # even the top edge: the budget cannot be kept, and the event says so
         basis["capped"] = True
@@ -303,7 +298,7 @@ def floored(cal: dict, policy: CalibrationPolicy) -> dict | None:
     the state was kept, by a conffile reload), keeping its history. Return ``{"previous",
     "threshold", "floor"}`` when it moved, else None."""
     previous = float(cal["threshold"])
-    cal["threshold"] = max(previous, float(EDGES[policy.floor_bin] * cal["base"]))
+    cal["threshold"] = max(previous, float(EDGES[floor_bin(policy.floor)] * cal["base"]))
     if cal["threshold"] == previous:
         return None
     return _said({"previous": previous, "threshold": cal["threshold"], "floor": policy.floor})

@@ -196,6 +196,14 @@ def _time(t: float | None) -> str | None:
     return iso_utc(t) if t is not None else None
 
 
+def _calibrated(move: dict, st: SeriesState, stored: StoredModel, calibration: CalibrationPolicy,
+                t0: float | None) -> dict:
+    """The ``threshold-calibrated`` event of a move of the threshold in force (:mod:`opt_ds_ops.scoring.calibration`:
+    a day's roll, a new version's seed, a floor raised) at the series' next row, whose time is ``t0``."""
+    return dict(move, event="threshold-calibrated", row=st.next_row, time=_time(t0), version=st.version,
+                model_threshold=float(stored.threshold), budget_per_day=calibration.budget_per_day)
+
+
 def _ranked(sums: np.ndarray, names: list[str], top: int) -> list[dict]:
     """The ``top`` metrics by share of sums (D,): ``[{"metric", "share"}]``, as rank_metrics does."""
     order = np.argsort(-sums, kind="stable")[:top]
@@ -375,28 +383,23 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     st.version, st.threshold = model_version(stored), float(stored.threshold)
     on = calibration is not None and calibration.on and calib.usable(st.threshold)  # a threshold of 0: nothing to scale
     t = np.asarray(times, dtype=np.float64) if times is not None else None
+    t0 = float(t[0]) if t is not None and t.size else None  # the chunk's first row's time
     period = sample_period_s(stored) or 60.0
     if not on:
         st.calibration = None
     elif not calib.valid(st.calibration, st.threshold):
         st.calibration = calib.fresh(st.threshold)
         if calibration_seed is not None and data.shape[0]:
-            t0 = None if t is None else float(t[0])
             seeded = calib.seed(st.calibration, calibration_seed[0], calibration_seed[1], period, calibration,
                                 calib.day_of(t0, st.next_row, period), "rows" if t is None else "time")
             if seeded is not None:
                 st.threshold = float(st.calibration["threshold"])
-                events.append(dict(seeded, event="threshold-calibrated", row=st.next_row, time=_time(t0),
-                                   version=st.version, model_threshold=float(stored.threshold),
-                                   budget_per_day=calibration.budget_per_day))
+                events.append(_calibrated(seeded, st, stored, calibration, t0))
     else:
         lifted = calib.floored(st.calibration, calibration)
         st.threshold = float(st.calibration["threshold"])
         if lifted is not None:
-            t0 = None if t is None or not t.size else float(t[0])
-            events.append(dict(lifted, event="threshold-calibrated", row=st.next_row, time=_time(t0),
-                               version=st.version, model_threshold=float(stored.threshold),
-                               budget_per_day=calibration.budget_per_day))
+            events.append(_calibrated(lifted, st, stored, calibration, t0))
     if st.rebase and len(st.rebase) != want:
         notes.append(f"the carried re-baseline has {len(st.rebase)} metrics, the model {want}: dropped")
         st.rebase, st.regime = [], None
@@ -436,13 +439,12 @@ def _piece(stored: StoredModel, data: np.ndarray, offset, t: np.ndarray | None, 
     period = sample_period_s(stored) or 60.0
     events = []
     if calibration is not None and n:
-        day = calib.day_of(None if t is None else float(t[0]), st.next_row, period)
+        t0 = None if t is None else float(t[0])
+        day = calib.day_of(t0, st.next_row, period)
         moved = calib.roll(st.calibration, day, calibration, period, "rows" if t is None else "time")
         st.threshold = float(st.calibration["threshold"])
         if moved is not None:
-            events.append(dict(moved, event="threshold-calibrated", row=st.next_row,
-                               time=_time(None if t is None else float(t[0])), version=st.version,
-                               model_threshold=float(stored.threshold), budget_per_day=calibration.budget_per_day))
+            events.append(_calibrated(moved, st, stored, calibration, t0))
     threshold = float(st.threshold)
     context = torch.tensor(st.context, dtype=torch.float32).reshape(-1, want) if st.context else torch.empty(0, want)
     rebase = np.asarray(st.rebase, dtype=np.float64) if st.rebase else None
