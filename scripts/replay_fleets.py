@@ -94,28 +94,33 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "floor-0.25": ["scoring.alarm_budget_floor=0.25"]},
          ("shipped", "floor-0.5", "floor-0.25")),
 }
+
+
+def _pin(rounds, before: list[str]) -> None:
+    """Put ``before`` (the shipped conffile of those rounds' time) under every configuration's items
+    of ``rounds``: each round's own items come after, so they win (replay_month.py's --set: the last wins)."""
+    for r in rounds:
+        ROUNDS[r] = ({name: before + items for name, items in ROUNDS[r][0].items()}, ROUNDS[r][1])
+
+
 # Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
 # each configuration's items go on top of these, so their records reproduce (those whose budget
 # learns warnings or normal only on the code before the budget held a day's runs, 8e4b380). Rounds 6 to 8 run on
 # today's shipped conffile and so measure their candidates beside today's score, not their records.
 BEFORE_ROUND_10 = ["train.input_differences=false", "train.score_window=30", "scoring.alarm_budget_learns=all",
                    "scoring.regime_after_s=0", "scoring.alarm_budget_per_day=1", "train.difference_term=mean"]
-for _r in (9, 10):
-    ROUNDS[_r] = ({name: BEFORE_ROUND_10 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
+_pin((9, 10), BEFORE_ROUND_10)
 # Rounds 11 and 12 likewise on round 10's score (round 12's choice, max-5, became the shipped one).
 BEFORE_ROUND_12 = ["train.difference_term=mean", "train.score_window=10"]
-for _r in (11, 12):
-    ROUNDS[_r] = ({name: BEFORE_ROUND_12 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
+_pin((11, 12), BEFORE_ROUND_12)
 # Rounds 9 to 14 on the budget and change-of-regime rule of their time (round 14's choice,
 # 0.25 a day and the model's rule, became the shipped one): first, so each round's own items win.
 BEFORE_ROUND_14 = ["scoring.alarm_budget_per_day=0.5", "scoring.regime_explains=share"]
-for _r in range(9, 15):
-    ROUNDS[_r] = ({name: BEFORE_ROUND_14 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
+_pin(range(9, 15), BEFORE_ROUND_14)
 # Rounds 6 to 15 on the incident rule of their time (round 15's choice, a 5-minute window, became
 # the shipped one): first, so each round's own items win.
 BEFORE_ROUND_15 = ["scoring.incident_open_window_s=0"]
-for _r in range(6, 16):
-    ROUNDS[_r] = ({name: BEFORE_ROUND_15 + items for name, items in ROUNDS[_r][0].items()}, ROUNDS[_r][1])
+_pin(range(6, 16), BEFORE_ROUND_15)
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01
