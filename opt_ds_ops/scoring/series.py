@@ -198,8 +198,7 @@ def _time(t: float | None) -> str | None:
 
 def _calibrated(move: dict, st: SeriesState, stored: StoredModel, calibration: CalibrationPolicy,
                 t0: float | None) -> dict:
-    """The ``threshold-calibrated`` event of a move of the threshold in force (:mod:`opt_ds_ops.scoring.calibration`:
-    a day's roll, a new version's seed, a floor raised) at the series' next row, whose time is ``t0``."""
+    """The ``threshold-calibrated`` event of a move of the threshold in force (a roll, a seed, a floor) at time t0."""
     return dict(move, event="threshold-calibrated", row=st.next_row, time=_time(t0), version=st.version,
                 model_threshold=float(stored.threshold), budget_per_day=calibration.budget_per_day)
 
