@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 16 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 17 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -14,7 +14,9 @@ that waits two days; round 14, fewer false pages: half the alarm budget, with th
 of regime, and with incidents merged over an hour; round 15, on round 14's choice, an incident
 that opens only when half of its last 5 minutes are flagged, and a new version's budget seeded
 from the scored history, alone and together; round 16, a floor under the model's threshold for
-the alarm budget (a half, a quarter). Prints each
+the alarm budget (a half, a quarter); round 17, a new version's budget seeded from the history's
+normal rows only (not what the versions before flagged, nor their retraining margin), alone, with
+one flagged row opening an incident, and with 0.5 alarms a day. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -93,6 +95,11 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "floor-0.5": ["scoring.alarm_budget_floor=0.5"],
           "floor-0.25": ["scoring.alarm_budget_floor=0.25"]},
          ("shipped", "floor-0.5", "floor-0.25")),
+    17: ({"shipped": [],
+          "history-normal": ["scoring.alarm_budget_history=true"],
+          "history-normal-open-0": ["scoring.alarm_budget_history=true", "scoring.incident_open_window_s=0"],
+          "history-normal-budget-0.5": ["scoring.alarm_budget_history=true", "scoring.alarm_budget_per_day=0.5"]},
+         ("shipped", "history-normal", "history-normal-open-0", "history-normal-budget-0.5")),
 }
 
 

@@ -46,7 +46,9 @@ A new version starts again from its own threshold (its scores are not the old on
 ``from_history`` it starts from the series' scored history scored again by it (:func:`seed`): the
 rows of the last ``days`` days the versions before it scored (most of them its own training rows,
 whose scores are lower than unseen rows' would be: the threshold they give errs towards the model's
-own, never under it). The
+own, never under it); unless ``learns`` is ``all``, a run that starts in what those versions flagged,
+or within ``retrain.exclude_margin`` rows of it, is not counted (the rows a retraining leaves out:
+the new version never saw them, and its scores of them would teach it the incidents). The
 functions here are pure on the plain dict kept in :class:`opt_ds_ops.scoring.series.SeriesState`.
 """
 
@@ -344,8 +346,8 @@ def seed_rows(times: np.ndarray | None, n: int, policy: CalibrationPolicy, perio
     return min(n, int(math.ceil(policy.days * SECONDS_PER_DAY / (period_s or 60.0))))
 
 
-def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, period_s: float, policy: CalibrationPolicy,
-         first_day: int, clock: str) -> dict | None:
+def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, normal: np.ndarray | None, period_s: float,
+         policy: CalibrationPolicy, first_day: int, clock: str) -> dict | None:
     """Count a new version's scores of the rows scored before it (the series' history, the newest
     last) into its fresh state ``cal``, day by day as if it had scored them, then :func:`roll` to
     ``first_day``, the day of its first row, on ``clock`` (that row's: "time", ``times`` (n,) epoch
@@ -354,7 +356,11 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, period_s: floa
     row; the next row starts a run of its own (the series starts again). Return
     ``{"previous", "threshold", "days", "alarms", "seeded_rows"}`` when that threshold is not the
     model's, else None; None, and ``cal`` untouched, when the history's clock is not the row's (no
-    times where the row has them) or a score is not finite."""
+    times where the row has them) or a score is not finite. ``normal`` (n,) bool or None (every row):
+    the rows whose runs are counted; a run starting on any other row is not (unless ``policy.learns``
+    is "all"): the job gives the rows outside what the versions before flagged and their retraining
+    margin, so the incidents the new version was not trained on never raise the threshold that must
+    page them again, as they do not when it scores them live."""
     s = np.asarray(scores, dtype=np.float64)
     n = int(s.size)
     if not n or not np.isfinite(s).all() or (clock == "time" and (times is None or not np.isfinite(times).all())):
@@ -364,7 +370,7 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, period_s: floa
     cuts = [0] + day_cuts(t, -n, n, period_s) + [n]  # the history's rows are the series rows -n .. -1
     for a, b in zip(cuts[:-1], cuts[1:]):
         roll(cal, day_of(None if t is None else float(t[a]), a - n, period_s), policy, period_s, clock)
-        add(cal, s[a:b])
+        add(cal, s[a:b], None if normal is None or policy.learns == "all" else ~np.asarray(normal[a:b], dtype=bool))
     roll(cal, int(first_day), policy, period_s, clock)
     gap(cal)
     if cal["threshold"] == previous:

@@ -39,6 +39,7 @@ from ..dataset.core import iso_utc
 from ..fsutil import fsync_dir, read_small, write_atomic
 from ..lifecycle.history import HISTORY_FILE, chunk_drift, read_history, record_chunk, sent_again
 from ..lifecycle.promotion import design_rate
+from ..lifecycle.retrain_data import exclusion_mask
 from ..model.detection import ScoreError, score_rows
 from ..store.model_dir import model_lineage
 from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
@@ -282,11 +283,13 @@ def _write_result(model_dir: str, job_id: str, summary: dict, rows: bytes) -> No
 
 
 def history_seed(model_dir: str, stored, policy: CalibrationPolicy, job_id: str, chunk_rows: int,
-                 timed: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """Return (scores, times or None) of the series' history (``model_dir``'s ``history.npz``: the
+                 timed: bool, margin: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray] | None:
+    """Return (scores, times or None, normal) of the series' history (``model_dir``'s ``history.npz``: the
     rows the versions before scored), its last ``policy.days`` days scored by ``stored``, for a new
     version's alarm budget (:func:`opt_ds_ops.scoring.calibration.seed`): by the rows' times where
-    the chunk has them (``timed``), else by rows. The ``chunk_rows`` rows job ``job_id`` appended
+    the chunk has them (``timed``), else by rows. ``normal``: the rows outside what the versions
+    before flagged and ``margin`` rows on each side of it
+    (:func:`opt_ds_ops.lifecycle.retrain_data.exclusion_mask`). The ``chunk_rows`` rows job ``job_id`` appended
     before a kill are not the history's (the job is scored again). None, and the budget starts from
     the model's threshold, where there is no history, it cannot be read or scored by this version
     (other columns), its times are not all known while the chunk's are, or the version learned a
@@ -303,9 +306,10 @@ def history_seed(model_dir: str, stored, policy: CalibrationPolicy, job_id: str,
             return None
         k = calib.seed_rows(times if timed else None, n, policy, sample_period_s(stored) or 60.0)
         scores = score_rows(stored, h.values[n - k:n], offset=h.offset)
+        normal = exclusion_mask(h.flags[:n], margin)[0][n - k:]
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, ScoreError):
         return None
-    return scores, (times[n - k:] if timed else None)
+    return scores, (times[n - k:] if timed else None), normal
 
 
 def score_job(job_dir: str, cfg: Config) -> dict:
@@ -387,7 +391,7 @@ def score_job(job_dir: str, cfg: Config) -> dict:
                          "already (the same times and values are in the series' history: a chunk sent again); "
                          "scored from the next row on, not twice")
             data, times = data[k:], times[k:]
-    seed = (history_seed(model_dir, stored, calibration, job_id, ds.rows, times is not None)
+    seed = (history_seed(model_dir, stored, calibration, job_id, ds.rows, times is not None, cfg.retrain.exclude_margin)
             if calibration.on and calibration.from_history and state is not None
             and state.version != model_version(stored) else None)
     if data.shape[0] != ds.rows:

@@ -313,7 +313,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
                 state: SeriesState, *, names: list[str], max_gap_periods: float, top: int = TOP_METRICS,
                 policy: IncidentPolicy | None = None, regime: RegimePolicy | None = None,
                 calibration: CalibrationPolicy | None = None,
-                calibration_seed: tuple[np.ndarray, np.ndarray | None] | None = None) -> ChunkResult:
+                calibration_seed: tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None = None) -> ChunkResult:
     """Given the next chunk of a model's series, data (n, D) float32 (the file's values are data +
     offset, see :class:`opt_ds_ops.dataset.Dataset`) with epoch seconds ``times`` (n,) or None,
     score it as the continuation of ``state`` and return a :class:`ChunkResult`.
@@ -341,7 +341,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     budget of 0: the model's threshold) the threshold is set again at the first row of each day,
     ``{"event": "threshold-calibrated", "row", "time", "version", "threshold", "previous",
     "model_threshold", "days", "alarms", "budget_per_day"}`` when it changes. ``calibration_seed``
-    (scores, times or None): the rows scored before this version, scored again by it (the newest
+    (scores, times or None, normal or None): the rows scored before this version, scored again by it (the newest
     last, :func:`opt_ds_ops.scoring.calibration.seed`), counted into its calibration where it starts
     afresh here (a new version, or none carried), so that the threshold at the first row is the one
     those days give; the event that says it has ``seeded_rows``. Rows are series rows, times ISO 8601 UTC (None without times);
@@ -389,7 +389,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     elif not calib.valid(st.calibration, st.threshold):
         st.calibration = calib.fresh(st.threshold)
         if calibration_seed is not None and data.shape[0]:
-            seeded = calib.seed(st.calibration, calibration_seed[0], calibration_seed[1], period, calibration,
+            seeded = calib.seed(st.calibration, *calibration_seed, period, calibration,
                                 calib.day_of(t0, st.next_row, period), "rows" if t is None else "time")
             if seeded is not None:
                 st.threshold = float(st.calibration["threshold"])

@@ -4,6 +4,7 @@ budget's alarms a day, never under the model's own; the same in one chunk or man
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -178,7 +179,7 @@ def test_a_new_version_seeded_from_the_history_starts_from_the_threshold_those_d
     other = _retrained(model)
     base = float(other.threshold)
     history = score_rows(other, period[:history_rows])  # what the job gives: those rows, scored by the new version
-    r = seeded_chunk(other, state, period[history_rows: history_rows + 100], (history, None))
+    r = seeded_chunk(other, state, period[history_rows: history_rows + 100], (history, None, None))
     # by rows: the history's rows are the rows before the new version's row 0, its days counted back from
     # there, each day's move held within MAX_DAY_FACTOR as if the new version had scored them. The shipped
     # score (each metric's change beside its level, smoothed over 10 rows) gives these unseen days more
@@ -196,7 +197,7 @@ def test_a_new_version_seeded_from_the_history_starts_from_the_threshold_those_d
     assert np.array_equal(r.flags, r.scores > np.float32(want))
     assert calib.valid(r.state.calibration, base)
     # the next chunk goes on from there: no second start, the seeded days kept
-    again = seeded_chunk(other, r.state, period[history_rows + 100: history_rows + 200], (history, None))
+    again = seeded_chunk(other, r.state, period[history_rows + 100: history_rows + 200], (history, None, None))
     assert not [e for e in again.events if e["event"] == "threshold-calibrated"]
     assert again.state.threshold == want
     # without the seed: from the new version's own threshold, as before
@@ -215,7 +216,7 @@ def test_a_seed_by_the_rows_times_counts_their_utc_days_up_to_the_first_rows(mod
     k = 2 * DAY + DAY // 2
     history = score_rows(other, period[:k])
     live = k if start == "the history's last day" else (20003 * 86400 - int(t0)) // 60  # the next UTC day's first row
-    r = seeded_chunk(other, state, period[live: live + 60], (history, times[:k]), times=times[live: live + 60])
+    r = seeded_chunk(other, state, period[live: live + 60], (history, times[:k], None), times=times[live: live + 60])
     day = np.floor(times[:k] / 86400)
     starts = (np.flatnonzero(np.diff(day)) + 1).tolist()  # the history's UTC days after its first, then
     if day[-1] < np.floor(times[live] / 86400):  # the live row's, if it is another
@@ -233,14 +234,35 @@ def test_a_seed_by_the_rows_times_counts_their_utc_days_up_to_the_first_rows(mod
 def test_a_seed_of_another_clock_or_not_finite_is_not_counted():
     cal = calib.fresh(1.0)
     scores = np.random.default_rng(4).uniform(0.5, 3.0, 3 * DAY)
-    assert calib.seed(cal, scores, None, 60.0, BUDGET, 20003, "time") is None  # the rows have times, the history not
+    assert calib.seed(cal, scores, None, None, 60.0, BUDGET, 20003, "time") is None  # the rows have times, the history not
     assert cal == calib.fresh(1.0)
     times = 20000 * 86400.0 + 60.0 * np.arange(3 * DAY)
-    assert calib.seed(cal, np.r_[scores[:-1], np.inf], times, 60.0, BUDGET, 20003, "time") is None
+    assert calib.seed(cal, np.r_[scores[:-1], np.inf], times, None, 60.0, BUDGET, 20003, "time") is None
     assert cal == calib.fresh(1.0)
-    moved = calib.seed(cal, scores, times, 60.0, BUDGET, 20003, "time")
+    moved = calib.seed(cal, scores, times, None, 60.0, BUDGET, 20003, "time")
     assert moved["seeded_rows"] == 3 * DAY and [d[0] for d in cal["days"]] == [20000, 20001, 20002]
     assert cal["prev"] is None  # the series starts again: its next row starts a run of its own
+
+
+def test_a_seed_does_not_learn_the_rows_the_versions_before_flagged():
+    """A history whose second and third days hold six loud incidents (flagged by the version
+    before, each with its retraining margin outside ``normal``): seeded from its normal rows, the
+    new version keeps its own threshold, so the same incidents again are paged; counting every run
+    (``learns: all``, before round 17) the seed learned them, 4 times the model's in two days."""
+    scores = np.random.default_rng(5).uniform(0.2, 0.9, 3 * DAY)
+    normal = np.ones(3 * DAY, dtype=bool)
+    for k in range(6):
+        i = DAY + k * 400 + 100
+        scores[i:i + 10] = 5.0
+        normal[i - 30:i + 40] = False
+    seeded = CalibrationPolicy(budget_per_day=1.0, days=3.0, min_days=1.0, from_history=True, learns="warnings")
+    cal = calib.fresh(1.0)
+    assert calib.seed(cal, scores, None, normal, 60.0, seeded, 0, "rows") is None and cal["threshold"] == 1.0
+    assert [d[0] for d in cal["days"]] == [-3, -2, -1]  # the days before row 0 are kept: the next roll rests on them
+    for policy, mask in ((seeded, None), (dataclasses.replace(seeded, learns="all"), normal)):
+        every = calib.fresh(1.0)
+        moved = calib.seed(every, scores, None, mask, 60.0, policy, 0, "rows")
+        assert moved["threshold"] == every["threshold"] == 4.0 and moved["previous"] == 1.0  # two days of 2 times
 
 
 def test_the_rows_a_seed_scores_are_the_last_days_by_time_or_by_rows():

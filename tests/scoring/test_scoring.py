@@ -15,9 +15,9 @@ import pytest
 from conftest import SMD_TEST
 from opt_ds_ops.config.conffile import Config, with_overrides
 from opt_ds_ops.dataset import DatasetError
+from opt_ds_ops.lifecycle.history import read_history
 from opt_ds_ops.training.job import JobError, run_job
 from opt_ds_ops.model.detection import score_rows
-from opt_ds_ops.model.threshold import alarms_at
 from opt_ds_ops.scoring import calibration as calib
 from opt_ds_ops.scoring.calibration import EDGES, CalibrationPolicy
 from opt_ds_ops.scoring.incidents import IncidentPolicy, incidents_of
@@ -370,18 +370,24 @@ def test_a_new_versions_alarm_budget_starts_from_the_scored_history_when_asked(t
     new = load_model(second.model_dir)
     base = float(new.threshold)
     history = score_rows(new, test[:3000]).astype(np.float64)  # the three chunks before, no more
+    flags = read_history(str(tmp_path / "scores" / "m1" / "history.npz")).flags[:3000]
+    assert flags.any()  # what the first version flagged (and 30 rows each side) teaches the seed nothing
+    near = np.convolve(flags, np.ones(61), mode="same") > 0
 
     def budget(rows: np.ndarray, allowed: int) -> float:
-        runs = alarms_at(rows, EDGES * base)
+        thresholds = EDGES * base
+        over = rows[:, None] > thresholds
+        starts = over & ~np.vstack([np.zeros((1, thresholds.size), dtype=bool), over[:-1]])
+        runs = (starts & ~near[:rows.size, None]).sum(axis=0)
         over = np.flatnonzero(runs > allowed)
         return float(EDGES[max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))] * base)
 
     # by rows, the history is series rows -3000..-1 at 60 s: days -3 (120 rows), -2 and -1 (1,440 each).
-    # Day -1 starts from days -3 and -2 (1.08 days: 1 alarm allowed), day 0 from all (2.08: 2 allowed);
-    # each day's move is held to MAX_DAY_FACTOR of the threshold before it
-    bound = calib.MAX_DAY_FACTOR
-    first = min(max(budget(history[:1560], 1), base / bound), base * bound)
-    want = min(max(budget(history, 2), first / bound, base), first * bound)
+    # Day -1 starts from days -3 and -2 (1.08 days), day 0 from all (2.08 days): at the shipped 0.25 alarms
+    # a day, no alarm allowed on either; each day's move is held to MAX_DAY_FACTOR of the threshold before it
+    bound, per_day = calib.MAX_DAY_FACTOR, cfg.scoring.alarm_budget_per_day
+    first = min(max(budget(history[:1560], int(per_day * 1560 / 1440)), base / bound), base * bound)
+    want = min(max(budget(history, int(per_day * 3000 / 1440)), first / bound, base), first * bound)
     assert want > base
     assert len(seeded) == 1 and seeded[0]["seeded_rows"] == 3000 and seeded[0]["previous"] == base
     assert seeded[0]["threshold"] == pytest.approx(want) and summary["threshold"] == pytest.approx(want)
@@ -409,12 +415,12 @@ def test_a_versions_own_series_and_a_learned_change_of_regime_start_no_seed(tmp_
     assert not [e for e in summary["events"] if e["event"] == "threshold-calibrated" and "seeded_rows" in e]
     stored = load_model(first.model_dir)
     policy = CalibrationPolicy(budget_per_day=1.0, days=14.0, from_history=True)
-    got = history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False)
+    got = history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False, 30)
     assert got is not None and got[0].shape == (3000,) and got[1] is None
     stored.metadata = dict(stored.metadata, retrain={"trigger": "regime", "regime": {"rows": 500, "shift": [[3, 1.0]]}})
-    assert history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False) is None
+    assert history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False, 30) is None
     (tmp_path / "scores" / "m1" / "history.npz").write_bytes(b"PK\x03\x04 truncated")
-    assert history_seed(str(tmp_path / "scores" / "m1"), load_model(first.model_dir), policy, "x", 0, False) is None
+    assert history_seed(str(tmp_path / "scores" / "m1"), load_model(first.model_dir), policy, "x", 0, False, 30) is None
 
 
 def _timed(rows: np.ndarray, first: int) -> str:
