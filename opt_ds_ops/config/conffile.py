@@ -167,7 +167,7 @@ class ScoringConfig:
     ``alarm_budget_days``: each series sets its threshold, at each day of the data, to the lowest
     that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
     0.25 as shipped, round 14), once alarm_budget_min_days days are kept. ``alarm_budget_history``: a new version's budget starts from the
-    series' scored history (its last alarm_budget_days days, less what the versions before flagged), scored again by the new version,
+    series' scored history (its last alarm_budget_days days, less what the versions before flagged, unless learns all), scored again by the new version,
     instead of from nothing (:func:`opt_ds_ops.scoring.calibration.seed`). ``alarm_budget_learns``:
     whose runs the budget counts (``all``; ``warnings``: not those of an incident that was or became
     critical; ``normal``: none inside an incident). ``alarm_budget_floor``: the lowest it sets, times the model's.

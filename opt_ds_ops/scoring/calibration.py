@@ -47,8 +47,9 @@ A new version starts again from its own threshold (its scores are not the old on
 rows of the last ``days`` days the versions before it scored (most of them its own training rows,
 whose scores are lower than unseen rows' would be: the threshold they give errs towards the model's
 own, never under it); unless ``learns`` is ``all``, a run that starts in what those versions flagged,
-or within ``retrain.exclude_margin`` rows of it, is not counted (the rows a retraining leaves out:
-the new version never saw them, and its scores of them would teach it the incidents). The
+or within ``retrain.exclude_margin`` rows of it, is not counted (the rows a retraining leaves out,
+long segments too: the new version never saw most of them, and its scores of them would teach it
+the incidents; stricter than ``warnings`` live, which learns a warning's runs). The
 functions here are pure on the plain dict kept in :class:`opt_ds_ops.scoring.series.SeriesState`.
 """
 
@@ -360,9 +361,11 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, normal: np.nda
     the rows whose runs are counted; a run starting on any other row is not (unless ``policy.learns``
     is "all"): the job gives the rows outside what the versions before flagged and their retraining
     margin, so the incidents the new version was not trained on never raise the threshold that must
-    page them again, as they do not when it scores them live."""
+    page them again. Raises ValueError if ``normal`` is not (n,)."""
     s = np.asarray(scores, dtype=np.float64)
     n = int(s.size)
+    if normal is not None and np.shape(normal) != (n,):
+        raise ValueError(f"normal has shape {np.shape(normal)}, the history {n} rows")
     if not n or not np.isfinite(s).all() or (clock == "time" and (times is None or not np.isfinite(times).all())):
         return None
     t = np.asarray(times, dtype=np.float64) if clock == "time" else None

@@ -5,6 +5,7 @@ the same job scores nothing twice. Real files, a real trained model, real SMD ro
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import stat
@@ -15,7 +16,7 @@ import pytest
 from conftest import SMD_TEST
 from opt_ds_ops.config.conffile import Config, with_overrides
 from opt_ds_ops.dataset import DatasetError
-from opt_ds_ops.lifecycle.history import read_history
+from opt_ds_ops.lifecycle.history import read_history, write_history
 from opt_ds_ops.training.job import JobError, run_job
 from opt_ds_ops.model.detection import score_rows
 from opt_ds_ops.scoring import calibration as calib
@@ -417,6 +418,20 @@ def test_a_versions_own_series_and_a_learned_change_of_regime_start_no_seed(tmp_
     policy = CalibrationPolicy(budget_per_day=1.0, days=14.0, from_history=True)
     got = history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False, 30)
     assert got is not None and got[0].shape == (3000,) and got[1] is None
+    # the rows the seed learns from: not a flagged row nor 30 rows each side, the margin of a segment
+    # just before the day scored included; the last job's own rows (a kill) are not the history's
+    path = str(tmp_path / "scores" / "m1" / "history.npz")
+    h = read_history(path)
+    h.flags = np.zeros(3000, dtype=bool)
+    h.flags[[1545, 1546, 2500, 2990]] = True  # the day scored (1,440 rows by rows) starts at row 1560
+    write_history(path, dataclasses.replace(h, last_job="the-killed-job"))
+    day = CalibrationPolicy(budget_per_day=1.0, days=1.0, from_history=True)
+    want = np.ones(3000, dtype=bool)
+    want[1515:1577] = want[2470:2531] = want[2960:] = False
+    got = history_seed(str(tmp_path / "scores" / "m1"), stored, day, "another-job", 0, False, 30)
+    assert np.array_equal(got[2], want[1560:])
+    got = history_seed(str(tmp_path / "scores" / "m1"), stored, day, "the-killed-job", 1000, False, 30)
+    assert np.array_equal(got[2], want[560:2000]) and got[0].shape == (1440,)
     stored.metadata = dict(stored.metadata, retrain={"trigger": "regime", "regime": {"rows": 500, "shift": [[3, 1.0]]}})
     assert history_seed(str(tmp_path / "scores" / "m1"), stored, policy, "another-job", 0, False, 30) is None
     (tmp_path / "scores" / "m1" / "history.npz").write_bytes(b"PK\x03\x04 truncated")
