@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 17 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 18 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -16,7 +16,9 @@ that opens only when half of its last 5 minutes are flagged, and a new version's
 from the scored history, alone and together; round 16, a floor under the model's threshold for
 the alarm budget (a half, a quarter); round 17, a new version's budget seeded from the history's
 normal rows only (not what the versions before flagged, nor their retraining margin), alone, with
-one flagged row opening an incident, and with 0.5 alarms a day. Prints each
+one flagged row opening an incident, and with 0.5 alarms a day; round 18, on round 17's choice, a
+budget that learns no incident's runs, and one whose incidents are critical (never learned) from
+1.5 times the threshold. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -100,6 +102,10 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "history-normal-open-0": ["scoring.alarm_budget_history=true", "scoring.incident_open_window_s=0"],
           "history-normal-budget-0.5": ["scoring.alarm_budget_history=true", "scoring.alarm_budget_per_day=0.5"]},
          ("shipped", "history-normal", "history-normal-open-0", "history-normal-budget-0.5")),
+    18: ({"shipped": [],
+          "learns-normal": ["scoring.alarm_budget_learns=normal"],
+          "critical-1.5": ["scoring.incident_critical_ratio=1.5"]},
+         ("shipped", "learns-normal", "critical-1.5")),
 }
 
 
@@ -128,6 +134,11 @@ _pin(range(9, 15), BEFORE_ROUND_14)
 # the shipped one): first, so each round's own items win.
 BEFORE_ROUND_15 = ["scoring.incident_open_window_s=0"]
 _pin(range(6, 16), BEFORE_ROUND_15)
+# Rounds 6 to 17 on the budget of their time (round 17's choice, a new version seeded from the
+# history's normal rows at 0.5 alarms a day, became the shipped one): first, so each round's own
+# items win (rounds 9 to 14's 0.5 a day above, and rounds 7 and 8's own).
+BEFORE_ROUND_17 = ["scoring.alarm_budget_history=false", "scoring.alarm_budget_per_day=0.25"]
+_pin(range(6, 18), BEFORE_ROUND_17)
 # Round 15's history-seed configurations replay today with round 17's seed (the runs in what the
 # versions before flagged are not counted): their records were made with the seed that counted
 # every run, which only scoring.alarm_budget_learns=all restores (with what live scoring learns).

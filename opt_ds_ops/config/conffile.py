@@ -166,7 +166,7 @@ class ScoringConfig:
     of regime (:mod:`opt_ds_ops.scoring.regime`): said once, then re-baselined (0 s: off). ``alarm_budget_per_day``,
     ``alarm_budget_days``: each series sets its threshold, at each day of the data, to the lowest
     that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
-    0.25 as shipped, round 14), once alarm_budget_min_days days are kept. ``alarm_budget_history``: a new version's budget starts from the
+    0.5 as shipped, round 17), once alarm_budget_min_days days are kept. ``alarm_budget_history``: a new version's budget starts from the
     series' scored history (its last alarm_budget_days days, less what the versions before flagged, unless learns all), scored again by the new version,
     instead of from nothing (:func:`opt_ds_ops.scoring.calibration.seed`). ``alarm_budget_learns``:
     whose runs the budget counts (``all``; ``warnings``: not those of an incident that was or became
@@ -187,10 +187,10 @@ class ScoringConfig:
                                    "seconds >= 0 (0: a change of regime is never recognised)")
     regime_shift_sd: float = _field(3.0, lambda v: 0 < v < math.inf, "a number > 0 (training standard deviations)")
     regime_explains: str = _field("model", lambda v: v in ("share", "model"), "share or model")
-    alarm_budget_per_day: float = _field(0.25, lambda v: 0 <= v <= 1e6, "alarms a day in [0, 1000000] (0: off)")
+    alarm_budget_per_day: float = _field(0.5, lambda v: 0 <= v <= 1e6, "alarms a day in [0, 1000000] (0: off)")
     alarm_budget_days: float = _field(14.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
     alarm_budget_min_days: float = _field(1.0, lambda v: 1 <= v <= 365, "days in [1, 365]")
-    alarm_budget_history: bool = _field(False, None, "true or false")
+    alarm_budget_history: bool = _field(True, None, "true or false")
     alarm_budget_learns: str = _field("warnings", lambda v: v in ("all", "warnings", "normal"),
                                       "one of all, warnings, normal")
     alarm_budget_floor: float = _field(1.0, lambda v: 0.0625 <= v <= 1, "a number in [0.0625, 1] (times the model's threshold)")
