@@ -33,8 +33,8 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
   an earlier day, or starting under the threshold, stay counted).
 * **Enough history first**: the threshold stays the model's until ``min_days`` days are kept (by
   the rows' times a partial day counts as a day; without times, rows at the sample period); the
-  budget allows ``floor(budget_per_day x days)`` alarms, so with 0.25 a day (as shipped) it
-  allows none until 4 days are kept.
+  budget allows ``floor(budget_per_day x days)`` alarms, so with 0.5 a day (as shipped) it
+  allows none until 2 days are kept (with 0.25, rounds 14-16, none until 4).
 * **Bounded**: one day moves the threshold by at most :data:`MAX_DAY_FACTOR` either way (never
   under the floor); a move of that factor or more is said at warning level by the daemon.
 * **Invariant**: the threshold moves only at day boundaries of the rows, so a file scored in one

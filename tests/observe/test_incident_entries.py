@@ -49,7 +49,7 @@ def test_a_capped_threshold_is_a_warning():
 
 
 def test_the_allowance_is_the_budgets_over_the_days_kept():
-    """At 0.25 a day (as shipped) 3 days allow no alarm: the line says so, beside the count."""
+    """At 0.25 a day (shipped in rounds 14-16) 3 days allow no alarm: the line says so, beside the count."""
     _, message, _, _ = incident_entry(dict(EVENT, budget_per_day=0.25, alarms=0), model="host1", version="v2",
                                       file="host1.csv")
     assert "(0 alarms in them at this threshold, 0 allowed)" in message

@@ -384,8 +384,8 @@ def test_a_new_versions_alarm_budget_starts_from_the_scored_history_when_asked(t
         return float(EDGES[max(int(over[-1]) + 1 if over.size else 0, int(np.searchsorted(EDGES, 1.0)))] * base)
 
     # by rows, the history is series rows -3000..-1 at 60 s: days -3 (120 rows), -2 and -1 (1,440 each).
-    # Day -1 starts from days -3 and -2 (1.08 days), day 0 from all (2.08 days): at the shipped 0.25 alarms
-    # a day, no alarm allowed on either; each day's move is held to MAX_DAY_FACTOR of the threshold before it
+    # Day -1 starts from days -3 and -2 (1.08 days), day 0 from all (2.08 days): at the shipped 0.5 alarms
+    # a day, none and 1 allowed; each day's move is held to MAX_DAY_FACTOR of the threshold before it
     bound, per_day = calib.MAX_DAY_FACTOR, cfg.scoring.alarm_budget_per_day
     first = min(max(budget(history[:1560], int(per_day * 1560 / 1440)), base / bound), base * bound)
     want = min(max(budget(history, int(per_day * 3000 / 1440)), first / bound, base), first * bound)
