@@ -119,7 +119,7 @@ def _pin(rounds, before: list[str]) -> None:
 # Rounds 9 and 10 on the shipped conffile of their time (round 10's choice became the shipped one):
 # each configuration's items go on top of these, so their records reproduce (those whose budget
 # learns warnings or normal only on the code before the budget held a day's runs, 8e4b380). Rounds 6 to 8 run on
-# today's shipped conffile and so measure their candidates beside today's score, not their records.
+# today's score, with the incident rule and budget of rounds 15 and 17 below: beside today's score, not their records.
 BEFORE_ROUND_10 = ["train.input_differences=false", "train.score_window=30", "scoring.alarm_budget_learns=all",
                    "scoring.regime_after_s=0", "scoring.alarm_budget_per_day=1", "train.difference_term=mean"]
 _pin((9, 10), BEFORE_ROUND_10)
@@ -136,7 +136,7 @@ BEFORE_ROUND_15 = ["scoring.incident_open_window_s=0"]
 _pin(range(6, 16), BEFORE_ROUND_15)
 # Rounds 6 to 17 on the budget of their time (round 17's choice, a new version seeded from the
 # history's normal rows at 0.5 alarms a day, became the shipped one): first, so each round's own
-# items win (rounds 9 to 14's 0.5 a day above, and rounds 7 and 8's own).
+# items win (rounds 9 to 14's 0.5 a day above, and round 7's own; round 8's history-seed its own).
 BEFORE_ROUND_17 = ["scoring.alarm_budget_history=false", "scoring.alarm_budget_per_day=0.25"]
 _pin(range(6, 18), BEFORE_ROUND_17)
 # Round 15's history-seed configurations replay today with round 17's seed (the runs in what the

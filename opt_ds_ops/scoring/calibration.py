@@ -36,7 +36,8 @@ for nothing. With a budget, each series re-derives its threshold from what it ha
   budget allows ``floor(budget_per_day x days)`` alarms, so with 0.5 a day (as shipped) it
   allows none until 2 days are kept (with 0.25, rounds 14-16, none until 4).
 * **Bounded**: one day moves the threshold by at most :data:`MAX_DAY_FACTOR` either way (never
-  under the floor); a move of that factor or more is said at warning level by the daemon.
+  under the floor); a move of that factor or more is said at warning level by the daemon. A seed
+  (below) rolls its days at once: its one move can reach that factor per day of history.
 * **Invariant**: the threshold moves only at day boundaries of the rows, so a file scored in one
   chunk or in many gives the same flags; the state is a few hundred numbers a day, ``days`` days
   at most, and the current day's held runs (:data:`MAX_PENDING` at most: three numbers each),
