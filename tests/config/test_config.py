@@ -286,3 +286,16 @@ def test_the_budgets_floor_is_read_from_the_conffile_and_one_out_of_range_refuse
         conf.write_text(f"scoring:\n  alarm_budget_floor: {bad}\n")
         with pytest.raises(ConfigError, match=r"line 2, column 3: key 'scoring.alarm_budget_floor'.*0.0625, 1"):
             load_config(str(conf))
+
+
+def test_round_17s_budget_is_the_shipped_one_and_a_kept_conffile_keeps_its_own(tmp_path):
+    """Round 17 of docs/detection-protocol.md: 0.5 alarms a day, a new version seeded from the
+    history (0.25 and no seed in rounds 14-16); a conffile that says the old values keeps them."""
+    from opt_ds_ops.scoring.calibration import CalibrationPolicy
+
+    shipped = CalibrationPolicy.from_config(Config().scoring)
+    assert (shipped.budget_per_day, shipped.from_history, shipped.learns) == (0.5, True, "warnings")
+    conf = tmp_path / "c.yaml"
+    conf.write_text("scoring:\n  alarm_budget_per_day: 0.25\n  alarm_budget_history: false\n")
+    kept = CalibrationPolicy.from_config(load_config(str(conf)).scoring)
+    assert (kept.budget_per_day, kept.from_history) == (0.25, False)

@@ -1,7 +1,8 @@
 """A threshold that holds, through the real daemon with the shipped conffile (only paths and the
 spool's pace are the test's): a day of loud bursts does not raise the threshold that must page a
-shift the day after; the same incident twice, three days apart, is paged twice; a sustained level
-shift leaves alarm within a bound and a real incident after it is paged; chunks across a short
+shift the day after; the same incident twice, three days apart, is paged twice (two known gaps of
+the shipped conffile, reported as xfailed: test (b)'s docstring); a sustained level shift leaves
+alarm within a bound and a real incident after it is paged; chunks across a short
 gap score as the whole file does. Marked slow (make test-slow, run once in CI): each trains with the
 shipped stopping rule and scores days of chunks."""
 
@@ -95,9 +96,10 @@ def series(tmp_path, smd_rows, request):
 
 
 # The shipped score and budget before round 10 chose today's (levels alone, EMA 30, the budget learns
-# every run, 1 alarm a day, no change of regime): what a conffile kept from then runs.
+# every run, 1 alarm a day, no change of regime, no seed, one flagged row opens): what a conffile kept from then runs.
 BEFORE_ROUND_10 = ("train.input_differences: false", "train.score_window: 30", "scoring.alarm_budget_learns: all",
-                   "scoring.alarm_budget_per_day: 1", "scoring.regime_after_s: 0")
+                   "scoring.alarm_budget_per_day: 1", "scoring.regime_after_s: 0", "scoring.alarm_budget_history: false",
+                   "scoring.incident_open_window_s: 0")
 # A detection round's candidate on top of the shipped conffile (docs/detection-protocol.md): e.g.
 # DS_OPS_THRESHOLD_KEYS='train.difference_term: max; train.score_window: 5' adds a configuration
 # "candidate" to the bursts and repeat tests, judged as the shipped one is.
@@ -178,9 +180,15 @@ def test_the_same_incident_three_days_apart_is_paged_both_times(series, smd_rows
         known_gap(f"the score (round 12): the failure at row {DAY + 300} is not paged at the threshold "
                   f"{first['threshold']:.2f}")
     assert paged[0], (first["threshold"], first["events"])
-    learned = [e for e in again["events"] + first["events"] if e["event"] == "threshold-calibrated"]
-    if not paged[1] and not old and sd == 24 and "scoring.alarm_budget_learns: normal" not in series.keys \
-            and paged[0][0]["severity"] == "warning":
+    # the known gap of the shipped budget, and only it: the first failure stayed a warning (an escalation
+    # takes its runs back: a repeat missed then is a regression), and a day's calibration after it
+    # raised the threshold over the one that paged it
+    between = [e for s in summaries[(DAY + 300) // CHUNK:(4 * DAY + 300) // CHUNK + 1] for e in s["events"]]
+    learned = [e for e in between if e["event"] == "threshold-calibrated" and e["row"] > DAY + 300
+               and e["threshold"] > paged[0][0]["threshold"]]
+    escalated = [e for e in between if e["event"] == "incident-escalated" and e["incident"] == paged[0][0]["incident"]]
+    learns = dict(k.replace(" ", "").split(":", 1) for k in series.keys).get("scoring.alarm_budget_learns", "warnings")
+    if not paged[1] and not old and sd == 24 and learns == "warnings" and not escalated and learned:
         series.close()
         known_gap(f"the budget (round 18): the repeat meets a threshold of {again['threshold']:.2f}, raised by the "
                   f"first failure, a warning (alarm_budget_learns: warnings learns its runs): {learned}")
