@@ -371,10 +371,11 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, normal: np.nda
         return None
     t = np.asarray(times, dtype=np.float64) if clock == "time" else None
     previous = cal["threshold"]
+    skip = None if normal is None or policy.learns == "all" else ~np.asarray(normal, dtype=bool)  # not counted
     cuts = [0] + day_cuts(t, -n, n, period_s) + [n]  # the history's rows are the series rows -n .. -1
     for a, b in zip(cuts[:-1], cuts[1:]):
         roll(cal, day_of(None if t is None else float(t[a]), a - n, period_s), policy, period_s, clock)
-        add(cal, s[a:b], None if normal is None or policy.learns == "all" else ~np.asarray(normal[a:b], dtype=bool))
+        add(cal, s[a:b], None if skip is None else skip[a:b])
     roll(cal, int(first_day), policy, period_s, clock)
     gap(cal)
     if cal["threshold"] == previous:
