@@ -106,6 +106,11 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "learns-normal": ["scoring.alarm_budget_learns=normal"],
           "critical-1.5": ["scoring.incident_critical_ratio=1.5"]},
          ("shipped", "learns-normal", "critical-1.5")),
+    19: ({"shipped": [],
+          "floor-0.1": ["train.error_floor=0.1"],
+          "floor-1": ["train.error_floor=1"],
+          "floor-0.1-clip-5": ["train.error_floor=0.1", "train.input_clip=5"]},
+         ("shipped", "floor-0.1", "floor-1", "floor-0.1-clip-5")),
 }
 
 
