@@ -111,6 +111,9 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                       if isinstance(alarms, int) and "wanted" not in ev else ""))
         if isinstance(ev.get("seeded_rows"), int):  # a new version's start, from the rows scored before it
             why += f", counting the {ev['seeded_rows']} rows scored before this version as it scores them"
+            if isinstance(ev.get("seeded_left_out"), int) and ev["seeded_left_out"]:
+                why += (f" ({ev['seeded_left_out']} of them in or near what the versions before flagged, "
+                        "their runs not counted)")
         if isinstance(ev.get("wanted"), (int, float)):
             there = f" ({alarms} alarms there)" if isinstance(alarms, int) else ""
             why += (f"; the budget asked for {num(ev.get('wanted'))}{there}, held to {num(ev.get('bound'))} times the "
@@ -121,7 +124,8 @@ def incident_entry(ev: dict, *, model: str, version, file: str) -> tuple[str, st
                       + f" (version {ev.get('version') or version}); in {file}",
                 LOG_WARNING if ev.get("capped") or far_move else LOG_INFO,
                 dict(common, version=ev.get("version") or version, threshold=ev.get("threshold"),
-                     previous=ev.get("previous"), seeded_rows=ev.get("seeded_rows"), wanted=ev.get("wanted")))
+                     previous=ev.get("previous"), seeded_rows=ev.get("seeded_rows"),
+                     seeded_left_out=ev.get("seeded_left_out"), wanted=ev.get("wanted")))
     return None
 
 

@@ -356,7 +356,8 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, normal: np.nda
     seconds of the history's rows; "rows", the history's rows at ``period_s`` seconds a row, the
     last one just before the series' row 0). ``cal``'s threshold is then the one in force at that
     row; the next row starts a run of its own (the series starts again). Return
-    ``{"previous", "threshold", "days", "alarms", "seeded_rows"}`` when that threshold is not the
+    ``{"previous", "threshold", "days", "alarms", "seeded_rows", "seeded_left_out"}`` (the rows whose runs were
+    not counted) when that threshold is not the
     model's, else None; None, and ``cal`` untouched, when the history's clock is not the row's (no
     times where the row has them) or a score is not finite. ``normal`` (n,) bool or None (every row):
     the rows whose runs are counted; a run starting on any other row is not (unless ``policy.learns``
@@ -381,4 +382,5 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, normal: np.nda
     if cal["threshold"] == previous:
         return None
     _, basis = budget_threshold(_days_before(cal, cal["day"], policy), policy, cal["base"], period_s, clock)
-    return _said(dict(basis, previous=previous, threshold=cal["threshold"], seeded_rows=n))
+    left_out = 0 if skip is None else int(skip.sum())
+    return _said(dict(basis, previous=previous, threshold=cal["threshold"], seeded_rows=n, seeded_left_out=left_out))

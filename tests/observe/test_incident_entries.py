@@ -40,6 +40,11 @@ def test_a_new_versions_start_from_the_history_says_so():
                                              file="host1.csv")
     assert priority == LOG_INFO
     assert "counting the 4320 rows scored before this version as it scores them" in message
+    assert "not counted" not in message  # none left out: nothing said
+    _, message, _, fields = incident_entry(dict(EVENT, seeded_rows=4320, seeded_left_out=934), model="host1",
+                                           version="v2", file="host1.csv")
+    assert ("as it scores them (934 of them in or near what the versions before flagged, their runs not counted)"
+            in message) and fields["seeded_left_out"] == 934
 
 
 def test_a_capped_threshold_is_a_warning():

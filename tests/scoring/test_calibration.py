@@ -263,6 +263,14 @@ def test_a_seed_does_not_learn_the_rows_the_versions_before_flagged():
         every = calib.fresh(1.0)
         moved = calib.seed(every, scores, None, mask, 60.0, policy, 0, "rows")
         assert moved["threshold"] == every["threshold"] == 4.0 and moved["previous"] == 1.0  # two days of 2 times
+        assert moved["seeded_left_out"] == 0  # every run counted
+    # loud runs outside what was flagged move it, and the event says how many rows' runs were not counted
+    louder = scores.copy()
+    for k in range(6):
+        louder[2 * DAY + k * 200 + 50: 2 * DAY + k * 200 + 60] = 3.0
+    cal = calib.fresh(1.0)
+    moved = calib.seed(cal, louder, None, normal, 60.0, seeded, 0, "rows")
+    assert moved["threshold"] > 1.0 and moved["seeded_left_out"] == int((~normal).sum()) == 6 * 70
 
 
 def test_the_rows_a_seed_scores_are_the_last_days_by_time_or_by_rows():

@@ -391,6 +391,7 @@ def test_a_new_versions_alarm_budget_starts_from_the_scored_history_when_asked(t
     want = min(max(budget(history, int(per_day * 3000 / 1440)), first / bound, base), first * bound)
     assert want > base
     assert len(seeded) == 1 and seeded[0]["seeded_rows"] == 3000 and seeded[0]["previous"] == base
+    assert seeded[0]["seeded_left_out"] == int(near.sum())  # the rows whose runs it did not count, said
     assert seeded[0]["threshold"] == pytest.approx(want) and summary["threshold"] == pytest.approx(want)
     # killed after history.npz took the job's rows, before state.json was replaced: scored again, the same start
     state_path.write_bytes(before)
