@@ -21,7 +21,8 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from .sizes import JOB_BASE_BYTES, mem_total_bytes, parse_size, size_ok
-from .yamlpos import UniqueKeyLoader, key_position, yaml_problem
+from .yamlload import ConfigLoader, UniqueKeyLoader
+from .yamlpos import key_position, yaml_problem
 
 DEFAULT_CONFIG_PATH = "/etc/ds-ops/trainer.yaml"
 
@@ -49,9 +50,7 @@ def _non_negative(v) -> bool:
 
 
 def _device_ok(v: str) -> bool:
-    if v in ("auto", "cpu", "cuda", "mps"):
-        return True
-    return v.startswith("cuda:") and v[5:].isdigit()
+    return v in ("auto", "cpu", "cuda", "mps") or (v.startswith("cuda:") and v[5:].isdigit())
 
 
 @dataclass(frozen=True)
@@ -507,13 +506,13 @@ def _sorted_keys(keys) -> list:
 
 
 def _parse_yaml(text: str, where: str, unique_keys: bool = False) -> Any:
-    """Return the YAML document in text; raise ConfigError for invalid YAML, naming where.
-
-    Nesting deeper than the parser's recursion (20,000 ``[``) is invalid too, and so is a tagged
-    scalar that PyYAML's constructors fail on with an error of their own (``!!float t``: ValueError,
-    ``!!float ''``: IndexError). With ``unique_keys``, a key given twice in one mapping is invalid."""
+    """Return the YAML document in text (read as :mod:`.yamlload` says: ``1e-3`` is a number); raise
+    ConfigError for invalid YAML, naming where. Nesting deeper than the parser's recursion (20,000
+    ``[``) is invalid too, and so is a tagged scalar that PyYAML's constructors fail on with an error
+    of their own (``!!float t``: ValueError, ``!!float ''``: IndexError). With ``unique_keys``, a key
+    given twice in one mapping is invalid."""
     try:
-        return yaml.load(text, Loader=UniqueKeyLoader) if unique_keys else yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader if unique_keys else ConfigLoader)  # noqa: S506 - SafeLoader's
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: invalid YAML: {yaml_problem(e)}") from None
     except RecursionError:

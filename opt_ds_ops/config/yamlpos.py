@@ -39,25 +39,3 @@ def key_position(text: str, key: tuple) -> str:
     """Return ``line L, column C: `` (1-based) for the key of :func:`key_mark`, or "" if not found."""
     mark = key_mark(text, key)
     return f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the
-    last silently; a merge key ``<<`` is YAML's own way to repeat keys and stays allowed)."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    duplicate = key in seen
-                except TypeError:
-                    continue  # an unhashable key: SafeLoader's own error names it
-                if duplicate:
-                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
-                                                            f"found the key {key!r} twice", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)

@@ -76,6 +76,18 @@ def test_int_is_accepted_for_a_float_key(tmp_path):
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
 
 
+@pytest.mark.parametrize("text, value", [("1e-3", 0.001), ("5E-3", 0.005), ("1.5e-2", 0.015), ("1.0e-3", 0.001)])
+def test_a_number_in_exponent_notation_is_a_number(tmp_path, text, value):
+    """YAML 1.1 (PyYAML) reads 1e-3 as text; YAML 1.2 and the user read a number, and so does ds-ops."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"train:\n  lr: {text}\n  weight_decay: 0\nscoring:\n  alarm_budget_history: off\n")
+    cfg = load_config(str(p))
+    assert cfg.train.lr == value and cfg.train.weight_decay == 0.0 and cfg.scoring.alarm_budget_history is False
+    p.write_text("train:\n  lr: 1e-3x\n")  # not a number in any YAML: refused as before, naming the key
+    with pytest.raises(ConfigError, match=r"line 2, column 3: key 'train.lr' must be a number > 0 \(float\), got '1e-3x'"):
+        load_config(str(p))
+
+
 def test_overrides_replace_validate_and_ignore_none():
     cfg = with_overrides(Config(), {"train.epochs": 2, "models_dir": "/tmp/m", "device": None})
     assert cfg.train.epochs == 2 and cfg.models_dir == "/tmp/m" and cfg.device == "auto"
