@@ -40,6 +40,7 @@ sys.path.insert(0, HERE)
 
 from eval_incidents import FLEETS, SHARED, series_scores  # noqa: E402
 from opt_ds_ops.config.conffile import Config, TrainConfig, with_overrides  # noqa: E402
+from opt_ds_ops.config.yamlload import ConfigLoader  # noqa: E402
 from opt_ds_ops.health.device import plan_device  # noqa: E402
 from opt_ds_ops.scoring.evaluate import smd_machines  # noqa: E402
 from opt_ds_ops.scoring.incidents import IncidentPolicy, incidents_of, operator_figures  # noqa: E402
@@ -88,7 +89,7 @@ def main() -> int:
         t0 = time.perf_counter()
         cfg = Config(device="cpu")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(TrainConfig(), seed=args.seed, sample_period_s=period))
-        cfg = with_overrides(cfg, {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)})
+        cfg = with_overrides(cfg, {k: yaml.load(v, Loader=ConfigLoader) for k, _, v in (s.partition("=") for s in args.set)})
         with tempfile.TemporaryDirectory(prefix="page-ceiling-") as tmp:
             series = [series_scores(f, cfg, plan, tmp) for f in smd_machines(roots[fleet])]
         print(f"\n{fleet.upper()}: {len(series)} series trained and scored in {time.perf_counter() - t0:.0f} s; the best "

@@ -451,7 +451,7 @@ def _coerce(value: Any, typ: type, where: str, key: str, allowed: str) -> Any:
         # pairs ([first, last]) become tuples; a longer inner list stays a list for the check to refuse
         # (YAML aliases can make 10,000 references to one list of 10,000: never copy those)
         return tuple(tuple(x) if isinstance(x, list) and len(x) <= 2 else x for x in value)
-    if typ in (int, float) and isinstance(value, bool):
+    if typ in (int, float) and (isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value))):
         raise ConfigError(f"{where}: key '{key}' must be {allowed}, got {_shown(value)}", tuple(key.split(".")))
     if not isinstance(value, typ):
         raise ConfigError(

@@ -15,6 +15,7 @@ import re
 
 import yaml
 
+
 class ConfigLoader(yaml.SafeLoader):
     """SafeLoader that reads ``1e-3``, ``5E+2`` and ``1.5e3`` as floats (YAML 1.2), not as text."""
 

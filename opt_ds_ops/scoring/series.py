@@ -344,7 +344,7 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     (scores, times or None, normal or None): the rows scored before this version, scored again by it (the newest
     last, :func:`opt_ds_ops.scoring.calibration.seed`), counted into its calibration where it starts
     afresh here (a new version, or none carried), so that the threshold at the first row is the one
-    those days give; the event that says it has ``seeded_rows``. Rows are series rows, times ISO 8601 UTC (None without times);
+    those days give; the event that says it has ``seeded_rows`` and ``seeded_left_out``. Rows are series rows, times ISO 8601 UTC (None without times);
     ``top_metrics`` ``[{"metric", "share"}]`` rank the incident's flagged rows' unsmoothed terms as
     :func:`opt_ds_ops.model.detection.flagged_segments` ranks a segment's. ``names``: the D metric
     names. ``state`` is not changed. Raises ScoreError if D differs from the model's or ``times``

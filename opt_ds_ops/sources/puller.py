@@ -190,6 +190,13 @@ def _csv(source: Source, rows: np.ndarray) -> bytes:
 NAME_TRIES = 8  # names tried before a drop gives up (each taken one: another writer's file, left alone)
 
 
+def sidecar_text(key: str, name: str) -> str:
+    """The sidecar of a file the puller drops: the model's name under ``key`` (``name`` for a
+    training file, ``model`` for a chunk to score), quoted as a JSON string (valid YAML), so a host
+    named ``1e3``, ``0777``, ``null`` or ``yes`` stays that text, and the rows' time column."""
+    return f"{key}: {json.dumps(name)}\ntime_column: time\n"
+
+
 def drop(spool_root: str, which: str, stem: str, sidecar: str, data: bytes) -> str:
     """Drop ``STEM.TOKEN.csv`` with its sidecar ``STEM.TOKEN.yaml`` into spool directory ``which``
     the safe way; return the CSV's path. ``TOKEN`` is 16 random hex digits, so no member of the
@@ -497,8 +504,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
             report.left_out[host] = left_out
             report.missing[host] = missing
         try:
-            path = drop(spool_root, INCOMING, f"{name}.train-{_stamp(end)}", f"name: {name}\ntime_column: time\n",
-                        _csv(source, rows))
+            path = drop(spool_root, INCOMING, f"{name}.train-{_stamp(end)}", sidecar_text("name", name), _csv(source, rows))
         except OSError as e:
             report.refused[host] = f"cannot write its training file: {e.strerror} ({e.filename})"
             continue
@@ -526,7 +532,7 @@ def pull(source: Source, prom: Prometheus, spool_root: str, state: dict, now: fl
         if len(rows):
             try:
                 path = drop(spool_root, SCORE, f"{entry['model']}.{_stamp(rows[0, 0])}",
-                            f"model: {entry['model']}\ntime_column: time\n", _csv(source, rows))
+                            sidecar_text("model", entry["model"]), _csv(source, rows))
             except OSError as e:
                 report.refused[host] = f"cannot write its chunk: {e.strerror} ({e.filename})"
                 continue

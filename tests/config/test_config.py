@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
 from conftest import REPO
-from opt_ds_ops.config.conffile import Config, ConfigError, config_to_dict, load_config, with_overrides
+from opt_ds_ops.config.conffile import Config, ConfigError, DatasetConfig, config_to_dict, load_config, with_overrides
+from opt_ds_ops.config.sidecar import parse_sidecar
 
 CONFFILE = REPO / "etc" / "ds-ops" / "trainer.yaml"
 
@@ -76,15 +78,31 @@ def test_int_is_accepted_for_a_float_key(tmp_path):
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
 
 
-@pytest.mark.parametrize("text, value", [("1e-3", 0.001), ("5E-3", 0.005), ("1.5e-2", 0.015), ("1.0e-3", 0.001)])
+@pytest.mark.parametrize("text, value", [("1e-3", 0.001), ("5E-3", 0.005), ("1e3", 1000.0), (".5e3", 500.0),
+                                         ("1.5e3", 1500.0), ("+2e-2", 0.02), ("1.0e-3", 0.001)])
 def test_a_number_in_exponent_notation_is_a_number(tmp_path, text, value):
     """YAML 1.1 (PyYAML) reads 1e-3 as text; YAML 1.2 and the user read a number, and so does ds-ops."""
+    if text != "1.0e-3":
+        assert isinstance(yaml.safe_load(f"x: {text}")["x"], str)  # PyYAML alone, unchanged: text
     p = tmp_path / "c.yaml"
     p.write_text(f"train:\n  lr: {text}\n  weight_decay: 0\nscoring:\n  alarm_budget_history: off\n")
     cfg = load_config(str(p))
     assert cfg.train.lr == value and cfg.train.weight_decay == 0.0 and cfg.scoring.alarm_budget_history is False
     p.write_text("train:\n  lr: 1e-3x\n")  # not a number in any YAML: refused as before, naming the key
     with pytest.raises(ConfigError, match=r"line 2, column 3: key 'train.lr' must be a number > 0 \(float\), got '1e-3x'"):
+        load_config(str(p))
+    # a sidecar reads it so too; a name that YAML reads as a number must be quoted to stay a name
+    with pytest.raises(ConfigError, match=r"key 'name' must be a model name \(text\), got 1000.0"):
+        parse_sidecar(b"name: 1e3\n", "s.yaml", DatasetConfig())
+    assert parse_sidecar(b"name: '1e3'\n", "s.yaml", DatasetConfig())[1] == "1e3"
+
+
+@pytest.mark.parametrize("text", ["1e999", "-1e999", ".inf", ".nan"])
+def test_a_number_beyond_any_float_is_refused(tmp_path, text):
+    """1e999 reads as inf: refused with the key and its rule, as a wrong type is, not trained with."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"train:\n  lr: {text}\n")
+    with pytest.raises(ConfigError, match=r"line 2, column 3: key 'train.lr' must be a number > 0, got"):
         load_config(str(p))
 
 

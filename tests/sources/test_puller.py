@@ -20,7 +20,9 @@ import pytest
 from conftest import REPO, SMD_TRAIN
 from opt_ds_ops.dataset import load_dataset
 from opt_ds_ops.sources.prometheus import MAX_POINTS, Prometheus, PrometheusError
-from opt_ds_ops.sources.puller import NAME_TRIES, drop, load_state, pull, save_state, shard_of
+from opt_ds_ops.config.conffile import DatasetConfig
+from opt_ds_ops.config.sidecar import parse_sidecar
+from opt_ds_ops.sources.puller import NAME_TRIES, drop, load_state, pull, save_state, shard_of, sidecar_text
 from opt_ds_ops.sources.sourcefile import parse_source
 from prometheus_kit import PrometheusServer, openmetrics
 
@@ -97,6 +99,15 @@ def spool_at(root):
 def read_csv(path):
     with open(path, newline="") as f:
         return list(csv.reader(f))
+
+
+@pytest.mark.parametrize("name", ["1e3", "12e4", "0777", "10_30", "null", "yes", "machine-1-2"])
+def test_the_pullers_sidecars_keep_a_hosts_name_as_text(name):
+    """A host's name is text in the sidecars the puller drops, however YAML would read it bare
+    (1e3 a number, 0777 octal, 10_30 1030, null nothing, yes true): the model is the host's."""
+    for key in ("name", "model"):
+        options, model = parse_sidecar(sidecar_text(key, name).encode(), "h.yaml", DatasetConfig())
+        assert model == name and options.time_column == "time"
 
 
 def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_path, prom):
