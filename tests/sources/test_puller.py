@@ -120,7 +120,7 @@ def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_p
     assert (name, rows) == ("h3_9100", int(1.2 * 1440))  # the first step has no rate() yet: one sample
     assert first.missing["h3:9100"] == {"req_rate": 1} and first.left_out["h3:9100"] == 1
     assert re.fullmatch(r"h3_9100\.train-20260922T044800Z\.[0-9a-f]{16}\.csv", os.path.basename(path)), path
-    assert Path(path[:-4] + ".yaml").read_text() == "name: h3_9100\ntime_column: time\n"
+    assert Path(path[:-4] + ".yaml").read_text() == "name: \"h3_9100\"\ntime_column: time\n"
     table = read_csv(path)
     assert table[0] == ["time", "smd_a", "smd_b", "req_rate"]
     for line in table[1:]:  # Prometheus's values, as written, at their own times: no value invented
@@ -134,7 +134,7 @@ def test_a_host_is_trained_once_then_scored_by_interval_with_named_columns(tmp_p
     name, rows, path = second.scored["h3:9100"]
     assert rows == 5 and [float(r[0]) for r in read_csv(path)[1:]] == [T0 + 1.2 * DAY + 60 * i for i in range(1, 6)]
     assert (tmp_path / "spool" / "score" / (path.rsplit("/", 1)[1][:-4] + ".yaml")).read_text() == \
-        "model: h3_9100\ntime_column: time\n"
+        "model: \"h3_9100\"\ntime_column: time\n"
     assert not list((tmp_path / "spool").rglob("*.part")) and not list((tmp_path / "spool").rglob(".*"))
     assert pull(src, client, spool, state, T0 + 1.2 * DAY + 359).scored == {}  # no whole new step yet
 
