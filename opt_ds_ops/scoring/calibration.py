@@ -357,8 +357,9 @@ def seed(cal: dict, scores: np.ndarray, times: np.ndarray | None, normal: np.nda
     last one just before the series' row 0). ``cal``'s threshold is then the one in force at that
     row; the next row starts a run of its own (the series starts again). Return ``{"previous",
     "threshold", "days", "alarms", "seeded_rows", "seeded_left_out"}`` (the last: the rows whose runs
-    were not counted) when that threshold is not the model's, else None; None, and ``cal`` untouched, when the history's clock is not the row's (no
-    times where the row has them) or a score is not finite. ``normal`` (n,) bool or None (every row):
+    were not counted) when that threshold is not the model's, else None; None, and ``cal``
+    untouched, when the history's clock is not the row's (no times where the row has them) or a
+    score is not finite. ``normal`` (n,) bool or None (every row):
     the rows whose runs are counted; a run starting on any other row is not (unless ``policy.learns``
     is "all"): the job gives the rows outside what the versions before flagged and their retraining
     margin, so the incidents the new version was not trained on never raise the threshold that must
