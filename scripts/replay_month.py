@@ -502,7 +502,8 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
                              challenger=(gate.get("challenger") or {}).get("flagged_share"),
                              champion=(gate.get("champion") or {}).get("flagged_share"),
                              of_normal=(gate.get("challenger") or {}).get("flagged_share_of_normal"),
-                             design=gate.get("design_rate"), rows_gate=gate.get("rows")))
+                             design=gate.get("design_rate"), rows_gate=gate.get("rows"),
+                             seeded_factor=((gate.get("challenger") or {}).get("seeded") or {}).get("factor")))
     # the test period's flags, and the daemon's incidents, against its labels
     test_from = train.shape[0]
     times = START + period * np.arange(test_from, end)
@@ -546,6 +547,8 @@ def print_report(status: str, models: str, log: str, figures: dict) -> None:
                  f"those the champion did not flag (design {x['design']:.2%})" if isinstance(x.get("challenger"), float)
                  and isinstance(x.get("champion"), float) else str(x.get("reason")))
         trained = x.get("rows_in", 0) - x.get("left_out", 0)
+        if isinstance(x.get("seeded_factor"), float):
+            share += f"; its budget seeded at {x['seeded_factor']:.3g} times its threshold"
         print(f"  {x['version']} ({x['trigger']}): {verdict}: {share}; trained on {trained}"
               f" of the {x.get('rows_in')} older history rows ({x.get('left_out')} left out, {x.get('segments')} flagged "
               f"segments, {x.get('kept_as_regime')} kept as a change of regime)")

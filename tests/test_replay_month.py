@@ -30,6 +30,8 @@ def test_a_replay_retrains_by_retrain_every_judges_each_challenger_and_keeps_the
     for x in retrains:
         assert x["trigger"] == "every" and isinstance(x["challenger"], float) and isinstance(x["champion"], float), x
         assert x["left_out"] > 0 and x["trained_flagged"] == 0, x  # the flagged segments stayed out
+        # the gate seeded the challenger's alarm budget from the job's copy of the history (the worker passed it)
+        assert isinstance(x["seeded_factor"], float) and x["seeded_factor"] >= 1, x
     assert "ds-ops status" in r.stdout and "next retrain once the data reaches 20" in r.stdout and "gate: " in r.stdout
     assert "      retrained (every): " in r.stdout and " history rows, " in r.stdout  # ds-ops models list says so
 

@@ -124,7 +124,7 @@ class StoreConfig:
     """The model store's retention: ``keep_versions`` newest versions of each model are kept after
     each job, besides ``current`` and pinned versions (``ds-ops models pin``); 0 keeps all.
     ``promote``: whether a daemon job's new version becomes current (always, if-not-worse: the
-    gate of :mod:`opt_ds_ops.lifecycle.promotion` with its two tolerances, manual)."""
+    gate of :mod:`opt_ds_ops.lifecycle.promotion` with its tolerances and seeded factor, manual)."""
 
     keep_versions: int = _field(10, _non_negative, "an integer >= 0 (0: keep every version)")
     # The promotion gate of a daemon job's new version (opt_ds_ops.lifecycle.promotion)
@@ -132,6 +132,7 @@ class StoreConfig:
                           "one of always, if-not-worse, manual")
     promote_flag_tolerance: float = _field(0.01, lambda v: 0 <= v <= 1, "a share in [0, 1]")
     promote_pr_auc_tolerance: float = _field(0.05, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    promote_max_seeded_factor: float = _field(0.0, _non_negative, "a factor >= 0 (0: not judged)")
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,10 @@ class ScoringConfig:
     not stay flagged) by metrics that moved at least this many training SDs and stayed is a change
     of regime (:mod:`opt_ds_ops.scoring.regime`): said once, then re-baselined (0 s: off). ``alarm_budget_per_day``,
     ``alarm_budget_days``: each series sets its threshold, at each day of the data, to the lowest
-    that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.scoring.calibration`; 0: off;
+    that gave at most this many alarms a day over the last days scored (:mod:`opt_ds_ops.model.calibration`; 0: off;
     0.5 as shipped, round 17), once alarm_budget_min_days days are kept. ``alarm_budget_history``: a new version's budget starts from the
     series' scored history (its last alarm_budget_days days, less what the versions before flagged, unless learns all), scored again by the new version,
-    instead of from nothing (:func:`opt_ds_ops.scoring.calibration.seed`). ``alarm_budget_learns``:
+    instead of from nothing (:func:`opt_ds_ops.model.calibration.seed`). ``alarm_budget_learns``:
     whose runs the budget counts (``all``; ``warnings``: not those of an incident that was or became
     critical; ``normal``: none inside an incident). ``alarm_budget_floor``: the lowest it sets, times the model's.
     """

@@ -439,10 +439,11 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                 send("beat")
             return stop_event.is_set()
 
-        extra = held = None
+        extra = held = history = None
         if record.get("kind") == "retrain":  # the history copy cut to its normal rows
-            from .retrainer import job_dataset
+            from .retrainer import DATA_FILE, job_dataset
 
+            history = spool.job_path(job_id, DATA_FILE)  # the gate seeds the challenger's alarm budget from it
             try:
                 path, extra, name, held = job_dataset(spool, job_id, record, cfg)
             except ValueError as e:
@@ -456,7 +457,7 @@ def job_main(conn, stop_event, spool_root: str, job_id: str, record: dict, cfg, 
                           scratch_dir=spool.job_dir(job_id), nproc=nproc, distributed_optional=True,
                           uploader_uid=record.get("uploader_uid"),
                           on_resume_dropped=lambda why: send("resumed", epoch=1, why=why), extra_metadata=extra,
-                          held_back_path=held)
+                          held_back_path=held, history_path=history)
         except TrainingInterrupted as ti:
             ckpt = ti.checkpoint
             if ckpt is None:  # a distributed run keeps none: it trains again from epoch 1

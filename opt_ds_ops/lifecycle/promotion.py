@@ -29,7 +29,16 @@ Given ``store.promote``:
      them, ``flagged-most``): it counts in test 2 for both,
      and test 3 asks only whether the challenger flags the champion's normal rows at about the
      rate it was designed for;
-  4. ``pr-auc`` (only where labels for those rows exist: the sidecar's ``incidents``, row ranges
+  4. ``seeded-threshold`` (only with ``store.promote_max_seeded_factor`` over 0 and a new
+     version's alarm budget seeded from the series' history, ``scoring.alarm_budget_history``):
+     the threshold that seed would put in force at its first row (:func:`seeded_threshold`: the
+     series' last ``scoring.alarm_budget_days`` days scored by the challenger, the runs in or near
+     what the versions before flagged not counted, as live scoring seeds it) is at most that factor
+     times the challenger's own threshold. A version that scores its series' normal rows that far
+     above the threshold its training set misdescribes the series: the budget would lift its
+     threshold over the incidents it must page (one metric whose error scale fell to
+     ``train.error_floor`` in the retraining can do it);
+  5. ``pr-auc`` (only where labels for those rows exist: the sidecar's ``incidents``, row ranges
      of the file, or ``NAME.labels`` beside the data file the job reads (the spool takes none from
      incoming/), one 0/1 per row of the file, SMD's test_label format): its PR-AUC is not lower
      than the champion's by more than ``store.promote_pr_auc_tolerance``.
@@ -42,14 +51,20 @@ its lock when it publishes (:func:`opt_ds_ops.store.versions.publish_job`), so r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
 import numpy as np
 
 from ..dataset import dataset_stem
+from ..model import calibration as calib
+from ..model.calibration import CalibrationPolicy
 from ..model.detection import ScoreError, average_precision, in_memory_model, load_labels, score_rows
+from ..model.trained import sample_period_s
 from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
+from .history import history_path as series_history_path
+from .history import read_history
 
 MODES = ("always", "if-not-worse", "manual")
 LABELS_SUFFIX = ".labels"
@@ -85,7 +100,8 @@ def _share(scores: np.ndarray, threshold: float) -> float:
 def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np.ndarray,
          offset: np.ndarray | None, labels: np.ndarray | None, *, flag_tolerance: float,
          pr_auc_tolerance: float, rows_from: str, held_range: dict | None = None, labels_from: str | None = None,
-         champion_shift=None, champion_flags: np.ndarray | None = None) -> dict:
+         champion_shift=None, champion_flags: np.ndarray | None = None, seeded: dict | None = None,
+         max_seeded_factor: float = 0.0) -> dict:
     """Given the challenger (a TrainResult and its metadata), the held-back ``rows`` (n, D; the
     data's ``offset``), their ``labels`` (n,) bool or None, return the ``promotion`` record:
     ``{mode, promote, failed, reason, rows, rows_from, design_rate, challenger: {...}, champion:
@@ -104,7 +120,9 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     training threshold, which can flag all of them where live scoring flagged none. The challenger's
     scores then start cold at the first held-back row while the series' were warm: both are judged
     on the rows after the first :data:`WARM_WINDOWS` smoothing windows (a quarter of the rows at
-    most), once the challenger's smoothing has forgotten its start (``warm_up_rows``)."""
+    most), once the challenger's smoothing has forgotten its start (``warm_up_rows``). ``seeded``: what
+    the challenger's alarm budget would be seeded with (:func:`seeded_threshold`), judged against
+    ``max_seeded_factor`` (0: not judged) and kept as the challenger's ``seeded``."""
     rows = rows[-MAX_GATE_ROWS:]
     if champion_flags is not None:
         champion_flags = np.asarray(champion_flags, dtype=bool)[-rows.shape[0]:]
@@ -121,7 +139,8 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
     labels = labels[warm:] if labels is not None else None
     c_flags = c_scores > challenger.threshold
     chal = {"flagged_share": _share(c_scores, challenger.threshold), "threshold": challenger.threshold,
-            "final_train_loss": metadata.get("final_train_loss"), "final_val_loss": metadata.get("final_val_loss")}
+            "final_train_loss": metadata.get("final_train_loss"), "final_val_loss": metadata.get("final_val_loss"),
+            "seeded": seeded}
     champ, champ_note = None, None
     try:
         stored = load_model(os.path.join(models_dir, safe_model_name(name), CURRENT))
@@ -145,14 +164,15 @@ def gate(mode: str, result, metadata: dict, models_dir: str, name: str, rows: np
         chal["pr_auc"] = average_precision(c_scores, labels)
         if champ is not None and s is not None:
             champ["pr_auc"] = average_precision(s, labels)
-    elif labels is not None:  # labelled incidents elsewhere in the file: say that test 4 did not run
+    elif labels is not None:  # labelled incidents elsewhere in the file: say that the PR-AUC test did not run
         champ_note = "; ".join(filter(None, [champ_note, f"no labelled row among the {rows.shape[0]} held-back rows "
                                                          "(the newest): the PR-AUC test did not run"]))
     doc = {"mode": mode, "rows": int(c_scores.shape[0]), "warm_up_rows": warm, "rows_from": rows_from, "held_back": held_range,
            "design_rate": design,
            "labels": bool(labels is not None), "labels_from": labels_from, "challenger": chal, "champion": champ,
-           "tolerances": {"flag": flag_tolerance, "pr_auc": pr_auc_tolerance}, "note": champ_note}
-    failed, reason = _verdict(chal, champ, design, flag_tolerance, pr_auc_tolerance)
+           "tolerances": {"flag": flag_tolerance, "pr_auc": pr_auc_tolerance, "seeded_factor": max_seeded_factor},
+           "note": champ_note}
+    failed, reason = _verdict(chal, champ, design, flag_tolerance, pr_auc_tolerance, max_seeded_factor)
     if mode == "always":
         promote, reason = True, (f"store.promote is always (the gate would have said: {reason})" if failed else reason)
     elif mode == "manual":
@@ -173,7 +193,55 @@ def _moved_back(rows: np.ndarray, shift) -> np.ndarray:
     return out
 
 
-def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol: float) -> tuple[str | None, str]:
+def seed_scores(h, n: int, stored, policy, timed: bool, margin: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Return (scores, times or None, normal) of the newest rows a new version's alarm budget is
+    seeded from (:func:`opt_ds_ops.model.calibration.seed`): of the first ``n`` rows of the scoring
+    History ``h``, those of its last ``policy.days`` days (by their times with ``timed``, else by
+    rows at the version's sample period), scored by ``stored``; ``normal``: the rows outside what
+    the versions before flagged and ``margin`` rows on each side of it
+    (:func:`opt_ds_ops.lifecycle.retrain_data.exclusion_mask`). Raises ScoreError for rows ``stored``
+    cannot score (other columns)."""
+    from .retrain_data import exclusion_mask
+
+    times = h.times[:n].astype(np.float64)
+    k = calib.seed_rows(times if timed else None, n, policy, sample_period_s(stored) or 60.0)
+    scores = score_rows(stored, h.values[n - k:n], offset=h.offset)
+    normal = exclusion_mask(h.flags[:n], margin)[0][n - k:]
+    return scores, (times[n - k:] if timed else None), normal
+
+
+def seeded_threshold(history_path: str, challenger, policy, margin: int) -> dict | None:
+    """Return what a new version's alarm budget would be seeded with at its first row, as live
+    scoring seeds it (:func:`opt_ds_ops.scoring.job.history_seed`): ``{"threshold", "factor" (times
+    the challenger's own), "rows" (the history's rows seeded from), "left_out" (their runs not
+    counted: in or within ``margin`` rows of what the versions before flagged)}``.
+    ``history_path``: the series' scoring history (a retraining's copy of it); ``challenger``: the
+    StoredModel, its metadata.json's (its sample period; a change of regime it learned); ``policy``:
+    the CalibrationPolicy. None where no seed would run: the budget off or not seeded from history,
+    no history (or one that cannot be read or scored by the challenger), a version that learned a
+    change of regime (the history is at the old levels), a threshold that cannot be scaled."""
+    if not (policy.on and policy.from_history) or ((challenger.metadata or {}).get("retrain") or {}).get("regime") \
+            or not calib.usable(challenger.threshold):
+        return None
+    try:
+        h = read_history(history_path)
+        n = h.values.shape[0] if h is not None else 0
+        if not n:
+            return None
+        timed = bool(np.isfinite(h.times).all())
+        scores, times, normal = seed_scores(h, n, challenger, policy, timed, margin)
+    except (OSError, ValueError, ScoreError):
+        return None
+    period = sample_period_s(challenger) or 60.0
+    cal = calib.fresh(challenger.threshold)
+    first_day = calib.day_of(float(times[-1]) + period if timed else None, 0, period)
+    calib.seed(cal, scores, times, normal, period, policy, first_day, "time" if timed else "rows")
+    return {"threshold": float(cal["threshold"]), "factor": float(cal["threshold"]) / float(challenger.threshold),
+            "rows": int(scores.shape[0]), "left_out": int((~normal).sum())}
+
+
+def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol: float,
+             seed_factor: float = 0.0) -> tuple[str | None, str]:
     """Return (the first test failed or None, the figures in words)."""
     losses = [chal.get("final_train_loss"), chal.get("final_val_loss")]
     if not all(v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in losses):
@@ -190,6 +258,13 @@ def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol:
     if cn > design + tol:
         return "flagged-vs-design", (f"it flags {cn:.2%} of the {chal.get('normal_rows')} held-back rows the champion "
                                      f"did not flag, design rate {design:.2%} (tolerance {tol:.2%})")
+    sd = chal.get("seeded") or {}
+    if seed_factor > 0 and sd.get("factor", 0) > seed_factor:
+        return "seeded-threshold", (f"its alarm budget, seeded from the series' last {sd['rows']} rows scored ("
+                                    f"{sd['left_out']} of them in or near what was flagged, not counted), would put "
+                                    f"its threshold at {sd['threshold']:.4g}, {sd['factor']:.1f} times its own "
+                                    f"{chal['threshold']:.4g} (store.promote_max_seeded_factor {seed_factor:g}): it "
+                                    "scores the series' normal rows far above the threshold its training set")
     ca, pa = chal.get("pr_auc"), (champ or {}).get("pr_auc")
     if isinstance(ca, float) and isinstance(pa, float) and ca < pa - auc_tol:
         return "pr-auc", f"its PR-AUC on the labelled held-back rows is {ca:.3f}, the champion's {pa:.3f} (tolerance {auc_tol:.3f})"
@@ -259,14 +334,16 @@ def held_back_flags(held_back_path: str, rows: int) -> np.ndarray | None:
 
 
 def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str, held_rows=None,
-                     held_back_path: str | None = None, incidents=()) -> dict:
+                     held_back_path: str | None = None, incidents=(), history_path: str | None = None) -> dict:
     """Return the ``promotion`` record of a daemon job's new version (:func:`gate` on the held-back
     rows of dataset ``ds`` loaded from ``data_path``, whose labels are the sidecar's ``incidents``
     or ``NAME.labels`` beside it (:func:`file_labels`);
     ``held_rows``: the file's newest rows :func:`opt_ds_ops.lifecycle.retrain_data.exclude_flagged` held back
     before it cut the flagged ones (judged on instead; their range is metadata's ``excluded.held_back``);
     ``held_back_path``: a retraining job's held-back history rows, judged on instead, their range
-    from metadata's ``excluded.held_back``). A gate that cannot run (labels that do not fit, rows it
+    from metadata's ``excluded.held_back``; ``history_path``: its copy of the series' scoring history,
+    which the challenger's seeded alarm budget is computed from (:func:`seeded_threshold`; without
+    it, the series' own ``history.npz`` under ``scoring.results_dir``). A gate that cannot run (labels that do not fit, rows it
     cannot score) keeps the version without promoting it, unless ``store.promote`` is always; the
     reason says why. Raises nothing."""
     mode = cfg.store.promote
@@ -286,11 +363,14 @@ def promotion_record(cfg, result, metadata: dict, name: str, ds, data_path: str,
             labels, labels_from = file_labels(data_path, ds.data.shape[0], incidents)
             rows, labels, where = held_back(ds.data, int(getattr(result, "rows_val", 0) or 0), labels)
         regime = (metadata.get("retrain") or {}).get("regime") or {}
+        seeded = seeded_threshold(history_path or series_history_path(cfg.scoring.results_dir, name),
+                                  dataclasses.replace(in_memory_model(result), metadata=metadata),
+                                  CalibrationPolicy.from_config(cfg.scoring), cfg.retrain.exclude_margin)
         return gate(mode, result, metadata, cfg.models_dir, name, rows, offset, labels,
                     flag_tolerance=cfg.store.promote_flag_tolerance,
                     pr_auc_tolerance=cfg.store.promote_pr_auc_tolerance, rows_from=where, held_range=held_range,
                     labels_from=labels_from, champion_shift=regime.get("shift") if held_back_path else None,
-                    champion_flags=live)
+                    champion_flags=live, seeded=seeded, max_seeded_factor=cfg.store.promote_max_seeded_factor)
     except (ScoreError, ValueError, MemoryError, OSError) as e:
         return {"mode": mode, "promote": mode == "always", "failed": "gate-error",
                 "reason": f"the gate could not run: {str(e).splitlines()[0][:300]}"}

@@ -51,3 +51,15 @@ class StoredModel:
     def n_features(self) -> int:
         """D: the columns of one data row (the model's input width over ``input_window``)."""
         return self.model.n_features // self.input_window
+
+
+def sample_period_s(stored: StoredModel) -> float | None:
+    """Return the model's seconds between rows: the median step of its training file's time
+    column (metadata.json ``dataset.time.median_step_s``), else the training configuration's
+    ``train.sample_period_s``; None if neither is known."""
+    md = stored.metadata
+    step = ((md.get("dataset") or {}).get("time") or {}).get("median_step_s")
+    if isinstance(step, (int, float)) and step > 0:
+        return float(step)
+    period = ((md.get("config") or {}).get("train") or {}).get("sample_period_s")
+    return float(period) if isinstance(period, (int, float)) and period > 0 else None

@@ -136,7 +136,7 @@ def _count(n, noun: str) -> str:
 
 def _allowed(ev: dict) -> str:
     """", N allowed": the alarms the budget allows over the days a threshold-calibrated event rests on
-    (its ``allowed``, :func:`opt_ds_ops.scoring.calibration.budget_threshold`; for events written
+    (its ``allowed``, :func:`opt_ds_ops.model.calibration.budget_threshold`; for events written
     before it, ``floor(budget_per_day x days)``), or ""."""
     if isinstance(ev.get("allowed"), int) and not isinstance(ev.get("allowed"), bool) and ev["allowed"] >= 0:
         return f", {ev['allowed']} allowed"

@@ -38,13 +38,11 @@ from ..dataset import DatasetError, DatasetLimits, dataset_stem, load_dataset
 from ..dataset.core import iso_utc
 from ..fsutil import fsync_dir, read_small, write_atomic
 from ..lifecycle.history import HISTORY_FILE, chunk_drift, read_history, record_chunk, sent_again
-from ..lifecycle.promotion import design_rate
-from ..lifecycle.retrain_data import exclusion_mask
-from ..model.detection import ScoreError, score_rows
+from ..lifecycle.promotion import design_rate, seed_scores
+from ..model.calibration import CalibrationPolicy
+from ..model.detection import ScoreError
 from ..store.model_dir import model_lineage
 from ..store.versions import CURRENT, StoreError, load_model, safe_model_name
-from . import calibration as calib
-from .calibration import CalibrationPolicy
 from .incidents import IncidentPolicy
 from .regime import RegimePolicy
 from .results import remove_series
@@ -286,7 +284,7 @@ def history_seed(model_dir: str, stored, policy: CalibrationPolicy, job_id: str,
                  timed: bool, margin: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray] | None:
     """Return (scores, times or None, normal) of the series' history (``model_dir``'s ``history.npz``: the
     rows the versions before scored), its last ``policy.days`` days scored by ``stored``, for a new
-    version's alarm budget (:func:`opt_ds_ops.scoring.calibration.seed`): by the rows' times where
+    version's alarm budget (:func:`opt_ds_ops.model.calibration.seed`): by the rows' times where
     the chunk has them (``timed``), else by rows. ``normal``: the rows outside what the versions
     before flagged and ``margin`` rows on each side of it
     (:func:`opt_ds_ops.lifecycle.retrain_data.exclusion_mask`). The ``chunk_rows`` rows job ``job_id`` appended
@@ -304,12 +302,9 @@ def history_seed(model_dir: str, stored, policy: CalibrationPolicy, job_id: str,
         times = h.times[:max(n, 0)].astype(np.float64)
         if n <= 0 or (timed and not np.isfinite(times).all()):
             return None
-        k = calib.seed_rows(times if timed else None, n, policy, sample_period_s(stored) or 60.0)
-        scores = score_rows(stored, h.values[n - k:n], offset=h.offset)
-        normal = exclusion_mask(h.flags[:n], margin)[0][n - k:]
+        return seed_scores(h, n, stored, policy, timed, margin)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, ScoreError):
         return None
-    return scores, (times[n - k:] if timed else None), normal
 
 
 def score_job(job_dir: str, cfg: Config) -> dict:

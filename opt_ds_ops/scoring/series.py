@@ -26,10 +26,11 @@ import torch
 
 from ..dataset.core import iso_utc
 from ..model.detection import ScoreError, standardise_rows
+from ..model import calibration as calib
+from ..model.calibration import CalibrationPolicy
 from ..model.network import feature_errors, fold_window, model_inputs
+from ..model.trained import sample_period_s
 from ..store.versions import StoredModel
-from . import calibration as calib
-from .calibration import CalibrationPolicy
 from .incidents import IncidentPolicy, Tracker, track
 from .regime import MIN_TAIL, SUSTAINED, RegimePolicy, described, refined
 
@@ -80,7 +81,7 @@ class SeriesState:
     rebase: list = field(default_factory=list)  # a change of regime's shift per metric (standardised units), or []
     regime: dict | None = None  # the last change of regime of this version (opt_ds_ops.scoring.regime), not yet learned
     regime_changes: int = 0
-    calibration: dict | None = None  # the alarm budget's (opt_ds_ops.scoring.calibration), or None: off
+    calibration: dict | None = None  # the alarm budget's (opt_ds_ops.model.calibration), or None: off
 
     def to_dict(self) -> dict:
         """Return the state as plain JSON types, with ``format``."""
@@ -156,18 +157,6 @@ def model_version(stored: StoredModel) -> str:
     import os
 
     return str(stored.metadata.get("version") or os.path.basename(stored.path.rstrip("/")) or "")
-
-
-def sample_period_s(stored: StoredModel) -> float | None:
-    """Return the model's seconds between rows: the median step of its training file's time
-    column (metadata.json ``dataset.time.median_step_s``), else the training configuration's
-    ``train.sample_period_s``; None if neither is known."""
-    md = stored.metadata
-    step = ((md.get("dataset") or {}).get("time") or {}).get("median_step_s")
-    if isinstance(step, (int, float)) and step > 0:
-        return float(step)
-    period = ((md.get("config") or {}).get("train") or {}).get("sample_period_s")
-    return float(period) if isinstance(period, (int, float)) and period > 0 else None
 
 
 def model_metric_names(stored: StoredModel, fallback: list[str] | None = None) -> list[str]:
@@ -337,12 +326,12 @@ def score_chunk(stored: StoredModel, data: np.ndarray, offset: np.ndarray | None
     "started_row", "started_time", "incident", "version", "metrics": [{"metric", "before", "after",
     "shift_sd"}] (the 10 largest shifts), "metrics_shifted"}``; the rows after it are scored
     re-baselined (the state's ``rebase``), and the state's ``regime`` keeps it until a new version.
-    With ``calibration`` (:class:`opt_ds_ops.scoring.calibration.CalibrationPolicy`; None or a
+    With ``calibration`` (:class:`opt_ds_ops.model.calibration.CalibrationPolicy`; None or a
     budget of 0: the model's threshold) the threshold is set again at the first row of each day,
     ``{"event": "threshold-calibrated", "row", "time", "version", "threshold", "previous",
     "model_threshold", "days", "alarms", "budget_per_day"}`` when it changes. ``calibration_seed``
     (scores, times or None, normal or None): the rows scored before this version, scored again by it (the newest
-    last, :func:`opt_ds_ops.scoring.calibration.seed`), counted into its calibration where it starts
+    last, :func:`opt_ds_ops.model.calibration.seed`), counted into its calibration where it starts
     afresh here (a new version, or none carried), so that the threshold at the first row is the one
     those days give; the event that says it has ``seeded_rows`` and ``seeded_left_out``. Rows are series rows, times ISO 8601 UTC (None without times);
     ``top_metrics`` ``[{"metric", "share"}]`` rank the incident's flagged rows' unsmoothed terms as
@@ -505,7 +494,7 @@ def _not_learned(done, learns: str) -> np.ndarray | None:
     (so one chunk or many count the same): an incident open there (``normal``), a critical one open
     there (``warnings``: critical when it opened or since it escalated), or None (``all``). The runs
     of an incident's rows before it opened or became critical are taken back when it does, on the
-    same day (:func:`opt_ds_ops.scoring.calibration.forget_from`)."""
+    same day (:func:`opt_ds_ops.model.calibration.forget_from`)."""
     if learns == "all":
         return None
     return done.live > 0 if learns == "normal" else done.live == 2

@@ -316,6 +316,7 @@ def run_job(
     on_resume_dropped: Callable[[str], None] | None = None,
     extra_metadata: dict | None = None,
     held_back_path: str | None = None,
+    history_path: str | None = None,
 ) -> JobResult:
     """Train on the dataset at path and save the model under ``cfg.models_dir``; return a JobResult.
 
@@ -350,7 +351,9 @@ def run_job(
     ``excluded``; its ``reads_as`` replaces the keys of ``dataset`` that say how data is read); a sidecar's ``exclude_flagged`` cuts the dataset to the rows the model's current
     version does not flag (:func:`opt_ds_ops.lifecycle.retrain_data.exclude_flagged`, ``excluded``).
     ``held_back_path``: a ``.npy`` of rows the promotion gate judges on instead of the dataset's
-    validation split (a retraining job's newest history rows, :func:`opt_ds_ops.daemon.retrainer.job_dataset`).
+    validation split (a retraining job's newest history rows, :func:`opt_ds_ops.daemon.retrainer.job_dataset`);
+    ``history_path``: a retraining job's copy of the series' scoring history, from which the gate
+    computes the challenger's seeded alarm budget (:func:`opt_ds_ops.lifecycle.promotion.seeded_threshold`).
     When ``health`` names the GPU the gate chose,
     each epoch carries its NVML reading (:mod:`opt_ds_ops.health.gpustats`; a failing NVML never fails the
     job). Raises JobError naming the failed stage;
@@ -404,7 +407,8 @@ def run_job(
                 sampler.close()
         return store_job(prep, result, cfg, health=health, job_id=job_id, source_name=source_name,
                          explicit_name=explicit_name, uploader_uid=uploader_uid, extra_metadata=extra_metadata,
-                         held_back_path=held_back_path, distributed=nproc > 1, on_stage=stage)
+                         held_back_path=held_back_path, history_path=history_path, distributed=nproc > 1,
+                         on_stage=stage)
 
 
 # Training reads a matrix of differences beside the levels: measured on 500,000 x 38 rows, one epoch,
@@ -495,7 +499,8 @@ def prepare_job(path: str, cfg: Config, *, name: str | None = None, plan: Device
 def store_job(prep: PreparedJob, result: TrainResult, cfg: Config, *, health: dict | None = None,
               job_id: str | None = None, source_name: str | None = None, explicit_name: bool = False,
               uploader_uid: int | None = None, extra_metadata: dict | None = None, held_back_path: str | None = None,
-              distributed: bool = False, on_stage: Callable[[str], None] | None = None) -> JobResult:
+              history_path: str | None = None, distributed: bool = False,
+              on_stage: Callable[[str], None] | None = None) -> JobResult:
     """:func:`run_job`'s end: metadata.json (with the promotion gate's verdict for a daemon job),
     then the model saved under ``cfg.models_dir`` (stage store); return the JobResult.
     ``distributed``: ``result`` came from several processes (metadata.json's ``distributed``)."""
@@ -527,7 +532,7 @@ def store_job(prep: PreparedJob, result: TrainResult, cfg: Config, *, health: di
         metadata["validation_scores_error"] = f"{type(e).__name__}: {e}"
     if job_id is not None:  # a daemon job's version becomes current only past the gate
         metadata["promotion"] = promotion_record(cfg, result, metadata, model_name, ds, prep.path, prep.held_rows,
-                                                 held_back_path, prep.options.incidents)
+                                                 held_back_path, prep.options.incidents, history_path)
     (on_stage or (lambda _s: None))("store")
     # report.png is drawn into the version's hidden temporary directory, so it is
     # published with the version by the same rename (a kill leaves no partial picture behind); a

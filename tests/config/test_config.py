@@ -306,7 +306,7 @@ def test_the_change_of_regime_rule_is_read_from_the_conffile_and_a_bad_one_refus
 
 
 def test_the_budgets_floor_is_read_from_the_conffile_and_one_out_of_range_refused(tmp_path):
-    from opt_ds_ops.scoring.calibration import CalibrationPolicy
+    from opt_ds_ops.model.calibration import CalibrationPolicy
 
     conf = tmp_path / "c.yaml"
     conf.write_text("scoring:\n  alarm_budget_floor: 0.25\n")
@@ -321,7 +321,7 @@ def test_the_budgets_floor_is_read_from_the_conffile_and_one_out_of_range_refuse
 def test_round_17s_budget_is_the_shipped_one_and_a_kept_conffile_keeps_its_own(tmp_path):
     """Round 17 of docs/detection-protocol.md: 0.5 alarms a day, a new version seeded from the
     history (0.25 and no seed in rounds 14-16); a conffile that says the old values keeps them."""
-    from opt_ds_ops.scoring.calibration import CalibrationPolicy
+    from opt_ds_ops.model.calibration import CalibrationPolicy
 
     shipped = CalibrationPolicy.from_config(Config().scoring)
     assert (shipped.budget_per_day, shipped.from_history, shipped.learns) == (0.5, True, "warnings")

@@ -368,7 +368,8 @@ def retrain_from_history(tmp_path, cfg: Config, history_rows: np.ndarray, live_f
     record = {"model": "m", "dataset": "m.history.npz", "trigger": "every", "why": "a test", "window": "7d"}
     path, extra, name, held = job_dataset(spool, job_id, record, cfg)
     return run_job(path, cfg, name="m", explicit_name=True, plan=plan_device("cpu", "off"), job_id=job_id,
-                   source_name=name, extra_metadata=extra, held_back_path=held)
+                   source_name=name, extra_metadata=extra, held_back_path=held,
+                   history_path=spool.job_path(job_id, DATA_FILE))
 
 
 def test_a_retraining_on_normal_history_is_promoted_not_refused_by_rounding(tmp_path):
@@ -490,6 +491,78 @@ def test_the_gate_judges_the_champion_by_what_live_scoring_flagged_not_a_cold_re
     assert not gate["promote"] and gate["failed"] == "flagged-vs-champion", gate
     assert "the champion 0.00%" in gate["reason"]
     assert current_version(str(tmp_path / "models" / "m")) == champion
+
+
+def spiky(n: int, spikes) -> np.ndarray:
+    """steady rows whose metric 0 stays at 0 but for a spike of 1.0 at each row of ``spikes``: a
+    counter that is nearly always idle (machine-2-1's m32)."""
+    rows = steady(n)
+    rows[:, 0] = 0.0
+    rows[list(spikes), 0] = 1.0
+    return rows
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.0])
+def test_a_challenger_whose_seeded_budget_would_start_far_over_its_threshold_is_refused(tmp_path, factor):
+    """Machine-2-1 (round 19): a retraining whose newest training rows hold none of a metric's rare
+    spikes gives that metric the error floor (0.01); one spike then scores hundreds of times its
+    threshold, the alarm budget seeded from the series' history lifts the threshold over every
+    incident after it, and the series paged none of its 13 labelled segments. With
+    store.promote_max_seeded_factor the gate computes that seed (the series' history scored by the
+    challenger, as live scoring will) and refuses the version; with 0 it records the figures only."""
+    cfg = gate_cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, promote_max_seeded_factor=factor))
+    daemon_job(write_rows(tmp_path / "m.csv", spiky(3000, [700, 1900])), cfg)
+    champion = current_version(str(tmp_path / "models" / "m"))
+    history = spiky(10_000, [1000, 2500, 4000, 5500, 7000])  # none in the challenger's validation rows (8100-9000)
+    job = retrain_from_history(tmp_path, cfg, history, live_flags=np.zeros(10_000, dtype=bool))
+    gate, seeded = job.metadata["promotion"], job.metadata["promotion"]["challenger"]["seeded"]
+    print(f"\nseeded at {seeded['factor']:.1f} x: {gate['reason']}")
+    assert seeded["rows"] == 10_000 and seeded["left_out"] == 0  # 6.9 days at 60 s a row: all of them; none flagged
+    assert seeded["factor"] > 10 and seeded["threshold"] == pytest.approx(seeded["factor"] * gate["challenger"]["threshold"])
+    assert gate["tolerances"]["seeded_factor"] == factor
+    if factor:
+        assert not gate["promote"] and gate["failed"] == "seeded-threshold", gate
+        assert f"{seeded['factor']:.1f} times its own" in gate["reason"] and "promote_max_seeded_factor 10" in gate["reason"]
+        assert current_version(str(tmp_path / "models" / "m")) == champion
+    else:
+        assert gate["failed"] != "seeded-threshold", gate
+
+
+def test_the_gates_seed_is_the_one_live_scoring_puts_in_force(tmp_path):
+    """The gate's seeded threshold is what the version's first scored chunk gets from
+    :func:`opt_ds_ops.scoring.job.history_seed` and the series' seed, to the bit: the same history
+    rows, the same runs left out (those in or near what was flagged), the same clock."""
+    from opt_ds_ops.lifecycle.history import History
+    from opt_ds_ops.lifecycle.promotion import seeded_threshold
+    from opt_ds_ops.model import calibration as calib
+    from opt_ds_ops.model.calibration import CalibrationPolicy
+    from opt_ds_ops.scoring.job import history_seed
+    from opt_ds_ops.store.versions import CURRENT, load_model
+    from opt_ds_ops.lifecycle.history import write_history
+
+    cfg = gate_cfg(tmp_path)
+    daemon_job(write_rows(tmp_path / "m.csv", steady(3000)), cfg)
+    stored = load_model(os.path.join(cfg.models_dir, "m", CURRENT))
+    rows = steady(30_000, seed=2).astype(np.float64)
+    rows[[4000, 9000, 15000, 26000], 3] += 2.0  # loud single rows: the budget's runs
+    flags = np.zeros(rows.shape[0], dtype=bool)
+    flags[14990:15010] = True  # one of them was flagged: its runs are not counted
+    times = 1.7e9 + 60.0 * np.arange(rows.shape[0])
+    offset = rows.mean(axis=0)
+    series = tmp_path / "results" / "m"
+    series.mkdir(parents=True)
+    write_history(str(series / "history.npz"), History(values=(rows - offset).astype(np.float32), offset=offset,
+                                                       flags=flags, times=times))
+    policy, margin = CalibrationPolicy.from_config(cfg.scoring), cfg.retrain.exclude_margin
+    gate_seed = seeded_threshold(str(series / "history.npz"), stored, policy, margin)
+    scores, t, normal = history_seed(str(series), stored, policy, "no-job", 0, True, margin)
+    cal = calib.fresh(stored.threshold)
+    calib.seed(cal, scores, t, normal, 60.0, policy, calib.day_of(float(times[-1]) + 60.0, 0, 60.0), "time")
+    print(f"\nseeded: {gate_seed}")
+    assert gate_seed["rows"] == scores.shape[0] == 20_160  # the last 14 days by the rows' times
+    assert gate_seed["left_out"] == int((~normal).sum()) == 20 + 2 * margin
+    assert gate_seed["threshold"] == cal["threshold"] > stored.threshold
 
 
 def test_ds_ops_train_says_that_a_sidecars_incidents_pass_no_gate(tmp_path, smd_rows):

@@ -18,9 +18,9 @@ def test_a_calibrated_threshold_says_the_days_and_alarms_it_rests_on():
 
 
 def test_a_threshold_that_moves_twice_as_high_or_half_as_high_in_a_day_is_a_warning():
-    """A day's move of the bound (2 x either way: the event's ``far``, opt_ds_ops.scoring.calibration)
+    """A day's move of the bound (2 x either way: the event's ``far``, opt_ds_ops.model.calibration)
     says so at warning level, with what the budget wanted where the bound held it back."""
-    from opt_ds_ops.scoring.calibration import _said
+    from opt_ds_ops.model.calibration import _said
 
     for prev, new in ((1.25, 2.5), (5.0, 2.5)):
         _, message, priority, _ = incident_entry(_said(dict(EVENT, previous=prev, threshold=new)), model="host1",

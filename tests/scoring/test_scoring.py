@@ -19,8 +19,8 @@ from opt_ds_ops.dataset import DatasetError
 from opt_ds_ops.lifecycle.history import read_history, write_history
 from opt_ds_ops.training.job import JobError, run_job
 from opt_ds_ops.model.detection import score_rows
-from opt_ds_ops.scoring import calibration as calib
-from opt_ds_ops.scoring.calibration import EDGES, CalibrationPolicy
+from opt_ds_ops.model import calibration as calib
+from opt_ds_ops.model.calibration import EDGES, CalibrationPolicy
 from opt_ds_ops.scoring.incidents import IncidentPolicy, incidents_of
 from opt_ds_ops.scoring.job import ScoringError, history_seed, score_job
 from opt_ds_ops.store.versions import load_model

@@ -1,4 +1,4 @@
-"""The threshold kept to an alarm budget (opt_ds_ops.scoring.calibration): at the first row of each
+"""The threshold kept to an alarm budget (opt_ds_ops.model.calibration): at the first row of each
 day each series sets its threshold to the lowest at which its last days scored give at most the
 budget's alarms a day, never under the model's own; the same in one chunk or many; bounded state."""
 
@@ -16,8 +16,8 @@ from opt_ds_ops.config.conffile import TrainConfig
 from opt_ds_ops.health.device import plan_device
 from opt_ds_ops.model.detection import in_memory_model, score_rows
 from opt_ds_ops.model.threshold import alarms_at
-from opt_ds_ops.scoring import calibration as calib
-from opt_ds_ops.scoring.calibration import EDGES, CalibrationPolicy
+from opt_ds_ops.model import calibration as calib
+from opt_ds_ops.model.calibration import EDGES, CalibrationPolicy
 from opt_ds_ops.scoring.incidents import IncidentPolicy
 from opt_ds_ops.scoring.series import SeriesState, fresh_state, score_chunk
 from opt_ds_ops.training.fit import train
