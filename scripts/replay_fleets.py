@@ -111,6 +111,10 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "floor-1": ["train.error_floor=1"],
           "floor-0.1-clip-5": ["train.error_floor=0.1", "train.input_clip=5"]},
          ("shipped", "floor-0.1", "floor-1", "floor-0.1-clip-5")),
+    20: ({"shipped": [],
+          "seeded-32": ["store.promote_max_seeded_factor=32"],
+          "seeded-8": ["store.promote_max_seeded_factor=8"]},
+         ("shipped", "seeded-32", "seeded-8")),
 }
 
 
