@@ -35,7 +35,7 @@ Given ``store.promote``:
      series' last ``scoring.alarm_budget_days`` days scored by the challenger, the runs in or near
      what the versions before flagged not counted, as live scoring seeds it) is at most that factor
      times the challenger's own threshold. A version that scores its series' normal rows that far
-     above the threshold its training set misdescribes the series: the budget would lift its
+     above the threshold its training chose misdescribes the series: the budget would lift its
      threshold over the incidents it must page (one metric whose error scale fell to
      ``train.error_floor`` in the retraining can do it);
   5. ``pr-auc`` (only where labels for those rows exist: the sidecar's ``incidents``, row ranges
@@ -212,14 +212,19 @@ def seed_scores(h, n: int, stored, policy, timed: bool, margin: int) -> tuple[np
 
 def seeded_threshold(history_path: str, challenger, policy, margin: int) -> dict | None:
     """Return what a new version's alarm budget would be seeded with at its first row, as live
-    scoring seeds it (:func:`opt_ds_ops.scoring.job.history_seed`): ``{"threshold", "factor" (times
-    the challenger's own), "rows" (the history's rows seeded from), "left_out" (their runs not
-    counted: in or within ``margin`` rows of what the versions before flagged)}``.
-    ``history_path``: the series' scoring history (a retraining's copy of it); ``challenger``: the
-    StoredModel, its metadata.json's (its sample period; a change of regime it learned); ``policy``:
-    the CalibrationPolicy. None where no seed would run: the budget off or not seeded from history,
-    no history (or one that cannot be read or scored by the challenger), a version that learned a
-    change of regime (the history is at the old levels), a threshold that cannot be scaled."""
+    scoring seeds it (:func:`opt_ds_ops.scoring.job.history_seed`) when the next chunk follows the
+    history at once, on the clock of the history's last row (by the rows' times where it has one,
+    else by rows): ``{"threshold", "factor" (times the challenger's own), "rows" (the history's
+    rows seeded from), "left_out" (those whose runs are not counted: in or within ``margin`` rows
+    of what the versions before flagged; 0 when ``policy.learns`` is all)}``.
+    ``history_path``: the series' scoring history (a retraining's copy of it, taken when it was
+    queued); ``challenger``: the StoredModel, its metadata.json's (its sample period; a change of
+    regime it learned); ``policy``: the CalibrationPolicy. None where no seed would run: the budget
+    off or not seeded from history, no history, one that cannot be read (a truncated or foreign
+    file included) or scored by the challenger (other columns, a score not finite), a timed
+    history with rows of unknown time, a version that learned a change of regime (the history is
+    at the old levels), a threshold that cannot be scaled. Raises nothing: a figure the gate
+    cannot compute is no reason to fail a trained job."""
     if not (policy.on and policy.from_history) or ((challenger.metadata or {}).get("retrain") or {}).get("regime") \
             or not calib.usable(challenger.threshold):
         return None
@@ -228,16 +233,21 @@ def seeded_threshold(history_path: str, challenger, policy, margin: int) -> dict
         n = h.values.shape[0] if h is not None else 0
         if not n:
             return None
-        timed = bool(np.isfinite(h.times).all())
+        known = np.isfinite(h.times)
+        timed = bool(known[-1])  # the clock of the last chunk scored, as the next one's is likely to be
+        if timed and not known.all():
+            return None  # live scoring does not seed a timed chunk from rows of unknown time
         scores, times, normal = seed_scores(h, n, challenger, policy, timed, margin)
-    except (OSError, ValueError, ScoreError):
+        if not np.isfinite(scores).all():
+            return None
+        period = sample_period_s(challenger) or 60.0
+        cal = calib.fresh(challenger.threshold)
+        first_day = calib.day_of(float(times[-1]) + period if timed else None, 0, period)
+        calib.seed(cal, scores, times, normal, period, policy, first_day, "time" if timed else "rows")
+    except Exception:  # noqa: BLE001 - any history (a member's, a truncated file) gives a figure or none
         return None
-    period = sample_period_s(challenger) or 60.0
-    cal = calib.fresh(challenger.threshold)
-    first_day = calib.day_of(float(times[-1]) + period if timed else None, 0, period)
-    calib.seed(cal, scores, times, normal, period, policy, first_day, "time" if timed else "rows")
     return {"threshold": float(cal["threshold"]), "factor": float(cal["threshold"]) / float(challenger.threshold),
-            "rows": int(scores.shape[0]), "left_out": int((~normal).sum())}
+            "rows": int(scores.shape[0]), "left_out": 0 if policy.learns == "all" else int((~normal).sum())}
 
 
 def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol: float,
@@ -264,7 +274,7 @@ def _verdict(chal: dict, champ: dict | None, design: float, tol: float, auc_tol:
                                     f"{sd['left_out']} of them in or near what was flagged, not counted), would put "
                                     f"its threshold at {sd['threshold']:.4g}, {sd['factor']:.1f} times its own "
                                     f"{chal['threshold']:.4g} (store.promote_max_seeded_factor {seed_factor:g}): it "
-                                    "scores the series' normal rows far above the threshold its training set")
+                                    "scores the series' normal rows far above the threshold its training chose")
     ca, pa = chal.get("pr_auc"), (champ or {}).get("pr_auc")
     if isinstance(ca, float) and isinstance(pa, float) and ca < pa - auc_tol:
         return "pr-auc", f"its PR-AUC on the labelled held-back rows is {ca:.3f}, the champion's {pa:.3f} (tolerance {auc_tol:.3f})"

@@ -12,7 +12,8 @@ so a chunk that is refused never advances the series.
 
 The carried state is reset (a note says why; an open incident is closed first, ``reason: reset``)
 when the model's version changes, when a chunk's first time is before the previous chunk's last,
-or when the gap between them exceeds ``max_gap_periods`` sample periods (:func:`sample_period_s`).
+or when the gap between them exceeds ``max_gap_periods`` sample periods
+(:func:`opt_ds_ops.model.trained.sample_period_s`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import numpy as np
 import torch
 
 from ..dataset.core import iso_utc
-from ..model.detection import ScoreError, standardise_rows
 from ..model import calibration as calib
 from ..model.calibration import CalibrationPolicy
+from ..model.detection import ScoreError, standardise_rows
 from ..model.network import feature_errors, fold_window, model_inputs
 from ..model.trained import sample_period_s
 from ..store.versions import StoredModel

@@ -346,7 +346,8 @@ def steady(n: int, seed: int = 1, d: int = 12, period: int = 288) -> np.ndarray:
             + 0.05 * rng.standard_normal((n, d))).astype(np.float32)
 
 
-def retrain_from_history(tmp_path, cfg: Config, history_rows: np.ndarray, live_flags: np.ndarray | None = None):
+def retrain_from_history(tmp_path, cfg: Config, history_rows: np.ndarray, live_flags: np.ndarray | None = None,
+                         times: np.ndarray | None = None):
     """Score history_rows with current m as the scoring spool does (its flags kept; ``live_flags``:
     these instead, as a series whose threshold in force differs flagged them), then run a retraining
     job as the worker does (:func:`opt_ds_ops.daemon.retrainer.job_dataset`, :func:`run_job`);
@@ -364,7 +365,8 @@ def retrain_from_history(tmp_path, cfg: Config, history_rows: np.ndarray, live_f
     os.makedirs(spool.job_dir(job_id))
     offset = rows.mean(axis=0)
     write_history(spool.job_path(job_id, DATA_FILE), History(values=(rows - offset).astype(np.float32), offset=offset,
-                                                             flags=flags, times=np.full(rows.shape[0], np.nan)))
+                                                             flags=flags,
+                                                             times=np.full(rows.shape[0], np.nan) if times is None else times))
     record = {"model": "m", "dataset": "m.history.npz", "trigger": "every", "why": "a test", "window": "7d"}
     path, extra, name, held = job_dataset(spool, job_id, record, cfg)
     return run_job(path, cfg, name="m", explicit_name=True, plan=plan_device("cpu", "off"), job_id=job_id,
@@ -529,40 +531,81 @@ def test_a_challenger_whose_seeded_budget_would_start_far_over_its_threshold_is_
         assert gate["failed"] != "seeded-threshold", gate
 
 
-def test_the_gates_seed_is_the_one_live_scoring_puts_in_force(tmp_path):
-    """The gate's seeded threshold is what the version's first scored chunk gets from
-    :func:`opt_ds_ops.scoring.job.history_seed` and the series' seed, to the bit: the same history
-    rows, the same runs left out (those in or near what was flagged), the same clock."""
-    from opt_ds_ops.lifecycle.history import History
-    from opt_ds_ops.lifecycle.promotion import seeded_threshold
-    from opt_ds_ops.model import calibration as calib
+def test_the_gates_seed_is_the_one_the_new_versions_first_chunk_gets(tmp_path):
+    """The gate's seeded threshold (a retraining's copy of the history, the challenger in memory)
+    is what the version, loaded from the store, puts in force at its first chunk through the
+    scoring job's seed (:func:`opt_ds_ops.scoring.job.history_seed`) and :func:`score_chunk`, to
+    the bit, when that chunk follows the history: the same rows, the same runs left out (one loud
+    row in a segment the series flagged), the same clock and days."""
+    import glob
+    import shutil
+
     from opt_ds_ops.model.calibration import CalibrationPolicy
     from opt_ds_ops.scoring.job import history_seed
+    from opt_ds_ops.scoring.series import fresh_state, score_chunk
+    from opt_ds_ops.store.versions import load_model
+
+    cfg = gate_cfg(tmp_path)
+    daemon_job(write_rows(tmp_path / "m.csv", steady(3000)), cfg)
+    rows = steady(23_000, seed=2)[3000:]
+    rows[[4000, 9000, 12000, 16000], 3] += 3.0  # loud single rows: runs the budget counts
+    flags = np.zeros(rows.shape[0], dtype=bool)
+    flags[11_990:12_010] = True  # the series flagged one of them: its runs are not counted
+    t0 = 1.7e9 + 37.0  # not at midnight: the days cut the history where the rows' times say
+    times = t0 + 60.0 * np.arange(rows.shape[0])
+    job = retrain_from_history(tmp_path, cfg, rows, live_flags=flags, times=times)
+    seeded = job.metadata["promotion"]["challenger"]["seeded"]
+    series = tmp_path / "scores" / "m"
+    series.mkdir(parents=True)
+    shutil.copy(glob.glob(str(tmp_path / "spool" / "processing" / "*" / "dataset.npz"))[0], series / "history.npz")
+    stored = load_model(job.model_dir)
+    policy = CalibrationPolicy.from_config(cfg.scoring)
+    seed = history_seed(str(series), stored, policy, "next-job", 0, True, cfg.retrain.exclude_margin)
+    after = t0 + 60.0 * (rows.shape[0] + np.arange(60))
+    chunk = score_chunk(stored, rows[:60].astype(np.float64), None, after, fresh_state("m", stored),
+                        names=list("abcdefghijkl"), max_gap_periods=60, calibration=policy, calibration_seed=seed)
+    live = [e for e in chunk.events if e["event"] == "threshold-calibrated" and "seeded_rows" in e]
+    print(f"\ngate: {seeded}; live: {live}")
+    assert len(live) == 1 and seeded["factor"] > 1
+    assert live[0]["threshold"] == seeded["threshold"] and live[0]["previous"] == stored.threshold
+    assert (live[0]["seeded_rows"], live[0]["seeded_left_out"]) == (seeded["rows"], seeded["left_out"]) == (
+        20_000, 20 + 2 * cfg.retrain.exclude_margin)  # under 14 days: every row; the flagged segment and its margins
+
+
+def test_the_gate_has_no_seed_where_live_scoring_makes_none_and_a_bad_history_is_no_failure(tmp_path):
+    """A timed history with rows of unknown time (live scoring seeds a timed chunk from none of it),
+    a truncated or foreign file, or none at all: no figure, and no exception out of the gate."""
+    from opt_ds_ops.lifecycle.history import History, write_history
+    from opt_ds_ops.lifecycle.promotion import seeded_threshold
+    from opt_ds_ops.model.calibration import CalibrationPolicy
     from opt_ds_ops.store.versions import CURRENT, load_model
-    from opt_ds_ops.lifecycle.history import write_history
 
     cfg = gate_cfg(tmp_path)
     daemon_job(write_rows(tmp_path / "m.csv", steady(3000)), cfg)
     stored = load_model(os.path.join(cfg.models_dir, "m", CURRENT))
-    rows = steady(30_000, seed=2).astype(np.float64)
-    rows[[4000, 9000, 15000, 26000], 3] += 2.0  # loud single rows: the budget's runs
-    flags = np.zeros(rows.shape[0], dtype=bool)
-    flags[14990:15010] = True  # one of them was flagged: its runs are not counted
-    times = 1.7e9 + 60.0 * np.arange(rows.shape[0])
-    offset = rows.mean(axis=0)
-    series = tmp_path / "results" / "m"
-    series.mkdir(parents=True)
-    write_history(str(series / "history.npz"), History(values=(rows - offset).astype(np.float32), offset=offset,
-                                                       flags=flags, times=times))
     policy, margin = CalibrationPolicy.from_config(cfg.scoring), cfg.retrain.exclude_margin
-    gate_seed = seeded_threshold(str(series / "history.npz"), stored, policy, margin)
-    scores, t, normal = history_seed(str(series), stored, policy, "no-job", 0, True, margin)
-    cal = calib.fresh(stored.threshold)
-    calib.seed(cal, scores, t, normal, 60.0, policy, calib.day_of(float(times[-1]) + 60.0, 0, 60.0), "time")
-    print(f"\nseeded: {gate_seed}")
-    assert gate_seed["rows"] == scores.shape[0] == 20_160  # the last 14 days by the rows' times
-    assert gate_seed["left_out"] == int((~normal).sum()) == 20 + 2 * margin
-    assert gate_seed["threshold"] == cal["threshold"] > stored.threshold
+    rows = steady(5000, seed=3).astype(np.float64)
+    rows[[1000, 3000], 2] += 3.0
+    times = 1.7e9 + 60.0 * np.arange(5000)
+    path = str(tmp_path / "history.npz")
+
+    def write(t):
+        write_history(path, History(values=rows.astype(np.float32), offset=np.zeros(12), flags=np.zeros(5000, bool),
+                                    times=t))
+
+    write(times)
+    assert seeded_threshold(path, stored, policy, margin)["rows"] == 5000
+    write(np.where(np.arange(5000) == 100, np.nan, times))  # one untimed chunk's row, then timed ones
+    assert seeded_threshold(path, stored, policy, margin) is None
+    write(np.full(5000, np.nan))  # untimed throughout: seeded by rows
+    assert seeded_threshold(path, stored, policy, margin)["rows"] == 5000
+    data = open(path, "rb").read()
+    for bad in (data[: len(data) // 2], b"", np.lib.format.magic(1, 0) + b"\x00" * 64):
+        with open(path, "wb") as f:
+            f.write(bad)
+        assert seeded_threshold(path, stored, policy, margin) is None
+    assert seeded_threshold(str(tmp_path / "none.npz"), stored, policy, margin) is None
+    assert seeded_threshold(path, stored, dataclasses.replace(policy, from_history=False), margin) is None
 
 
 def test_ds_ops_train_says_that_a_sidecars_incidents_pass_no_gate(tmp_path, smd_rows):
