@@ -151,6 +151,10 @@ _pin(range(6, 18), BEFORE_ROUND_17)
 # Round 15's history-seed configurations replay today with round 17's seed (the runs in what the
 # versions before flagged are not counted): their records were made with the seed that counted
 # every run, which only scoring.alarm_budget_learns=all restores (with what live scoring learns).
+# Rounds 6 to 20 without the gate's seeded-threshold (round 20's choice, 32, became the shipped one):
+# first, so round 20's own items win.
+BEFORE_ROUND_20 = ["store.promote_max_seeded_factor=0"]
+_pin(range(6, 21), BEFORE_ROUND_20)
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01

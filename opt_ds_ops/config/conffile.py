@@ -132,7 +132,7 @@ class StoreConfig:
                           "one of always, if-not-worse, manual")
     promote_flag_tolerance: float = _field(0.01, lambda v: 0 <= v <= 1, "a share in [0, 1]")
     promote_pr_auc_tolerance: float = _field(0.05, lambda v: 0 <= v <= 1, "a number in [0, 1]")
-    promote_max_seeded_factor: float = _field(0.0, lambda v: v == 0 or v >= 1, "0 (not judged) or a factor >= 1")
+    promote_max_seeded_factor: float = _field(32.0, lambda v: v == 0 or v >= 1, "0 (not judged) or a factor >= 1")
 
 
 @dataclass(frozen=True)
