@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 18 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 20 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -148,9 +148,10 @@ _pin(range(6, 16), BEFORE_ROUND_15)
 # items win (rounds 9 to 14's 0.5 a day above, and round 7's own; round 8's history-seed its own).
 BEFORE_ROUND_17 = ["scoring.alarm_budget_history=false", "scoring.alarm_budget_per_day=0.25"]
 _pin(range(6, 18), BEFORE_ROUND_17)
-# Round 15's history-seed configurations replay today with round 17's seed (the runs in what the
-# versions before flagged are not counted): their records were made with the seed that counted
-# every run, which only scoring.alarm_budget_learns=all restores (with what live scoring learns).
+# (Round 15's history-seed configurations replay today with round 17's seed, the runs in what the
+# versions before flagged not counted: their records were made with the seed that counted every
+# run, which only scoring.alarm_budget_learns=all restores, with what live scoring learns.)
+
 # Rounds 6 to 20 without the gate's seeded-threshold (round 20's choice, 32, became the shipped one):
 # first, so round 20's own items win.
 BEFORE_ROUND_20 = ["store.promote_max_seeded_factor=0"]

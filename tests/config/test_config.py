@@ -318,6 +318,20 @@ def test_the_budgets_floor_is_read_from_the_conffile_and_one_out_of_range_refuse
             load_config(str(conf))
 
 
+def test_round_20s_gate_factor_is_the_shipped_one_a_kept_0_stays_and_a_factor_under_1_is_refused(tmp_path):
+    """Round 20 of docs/detection-protocol.md: the gate refuses a version whose seeded budget starts
+    over 32 times its own threshold; 0 (before round 20) does not judge it; a factor in (0, 1) would
+    refuse every seeded version (the budget never starts under the model's threshold)."""
+    assert Config().store.promote_max_seeded_factor == 32.0
+    conf = tmp_path / "c.yaml"
+    conf.write_text("store:\n  promote_max_seeded_factor: 0\n")
+    assert load_config(str(conf)).store.promote_max_seeded_factor == 0.0
+    for bad in ("0.5", "-1"):
+        conf.write_text(f"store:\n  promote_max_seeded_factor: {bad}\n")
+        with pytest.raises(ConfigError, match=r"key 'store.promote_max_seeded_factor'.*0 \(not judged\) or a factor >= 1"):
+            load_config(str(conf))
+
+
 def test_round_17s_budget_is_the_shipped_one_and_a_kept_conffile_keeps_its_own(tmp_path):
     """Round 17 of docs/detection-protocol.md: 0.5 alarms a day, a new version seeded from the
     history (0.25 and no seed in rounds 14-16); a conffile that says the old values keeps them."""
