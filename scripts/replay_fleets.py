@@ -115,6 +115,10 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "seeded-32": ["store.promote_max_seeded_factor=32"],
           "seeded-8": ["store.promote_max_seeded_factor=8"]},
          ("shipped", "seeded-32", "seeded-8")),
+    21: ({"shipped": [],
+          "quiet-15m": ["scoring.incident_quiet_s=900"],
+          "term-mean": ["train.difference_term=mean"]},
+         ("shipped", "quiet-15m", "term-mean")),
 }
 
 
