@@ -545,7 +545,9 @@ def print_report(status: str, models: str, log: str, figures: dict) -> None:
         share = (f"flags {x['challenger']:.2%} vs champion {x['champion']:.2%} of {x['rows_gate']} held-back rows "
                  f"({x.get('held_flagged')} flagged by the champion when scored), {x.get('of_normal') or 0:.2%} of "
                  f"those the champion did not flag (design {x['design']:.2%})" if isinstance(x.get("challenger"), float)
-                 and isinstance(x.get("champion"), float) else str(x.get("reason")))
+                 and isinstance(x.get("champion"), float) and x["failed"] in (None, "flagged-vs-champion",
+                                                                            "flagged-most", "flagged-vs-design")
+                 else str(x.get("reason")))
         trained = x.get("rows_in", 0) - x.get("left_out", 0)
         if isinstance(x.get("seeded_factor"), float):
             share += f"; its budget seeded at {x['seeded_factor']:.3g} times its threshold"
