@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 20 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 21 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -160,6 +160,10 @@ _pin(range(6, 18), BEFORE_ROUND_17)
 # first, so round 20's own items win.
 BEFORE_ROUND_20 = ["store.promote_max_seeded_factor=0"]
 _pin(range(6, 21), BEFORE_ROUND_20)
+# Rounds 13 to 21 on the term of their time (round 21's choice, mean, became the shipped one):
+# first, so round 21's own term-mean wins; rounds 9 to 12 have their own mean above.
+BEFORE_ROUND_21 = ["train.difference_term=max"]
+_pin(range(13, 22), BEFORE_ROUND_21)
 TIES = {8: 0.03}  # round 8: a candidate must beat the first (as shipped) by more than the replays' own spread
 CONFIGS, CANDIDATES = ROUNDS[6]
 BUDGET, TIE = 1.0, 0.01

@@ -87,7 +87,7 @@ class TrainConfig:
     # (opt_ds_ops.model.network.with_differences; needs input_window 1): the model's input is 2 x D wide.
     input_differences: bool = _field(True, None, "true or false")
     # With input_differences: a metric's term is the mean, or the larger (max), of its change's and its level's
-    difference_term: str = _field("max", lambda v: v in ("mean", "max"), "one of mean, max")
+    difference_term: str = _field("mean", lambda v: v in ("mean", "max"), "one of mean, max")
     threshold_method: str = _field("quantile", lambda v: v in ("quantile", "alarm_rate", "spot"),
                                    "one of quantile, alarm_rate, spot")
     alarms_per_day: float = _field(1.0, _non_negative, "a number >= 0 (alarms per day)")

@@ -69,7 +69,7 @@ def test_a_model_whose_term_is_the_larger_of_change_and_level_keeps_it_in_its_co
     from opt_ds_ops.model.network import feature_errors, model_inputs
 
     torch.manual_seed(0)
-    result = train(smd_rows[:3000], TrainConfig(max_steps=100), plan_device("cpu", "off"))  # max as shipped
+    result = train(smd_rows[:3000], TrainConfig(max_steps=100, difference_term="max"), plan_device("cpu", "off"))
     path, _ = save_model(str(tmp_path), "m", model_payload(result), {"dataset": {"file": "m.csv"}})
     stored = load_model(path)
     assert (stored.input_window, stored.window_error, stored.model.n_features) == (2, "max", 76)

@@ -55,7 +55,7 @@ def test_loaded_model_reconstructs_like_the_trained_one(tmp_path, result, smd_ro
     assert stored.path == path and stored.threshold == result.threshold
     # As shipped the model reads each metric's change beside its level (train.input_differences):
     # its reading contract comes back from the store, and both models are fed what scoring feeds them.
-    assert (stored.input_window, stored.window_error) == (result.input_window, result.window_error) == (2, "max")
+    assert (stored.input_window, stored.window_error) == (result.input_window, result.window_error) == (2, "window")
     assert stored.diff is not None and stored.input_clip == result.input_clip
     for loaded, trained in zip(stored.diff, result.diff, strict=True):
         np.testing.assert_array_equal(loaded.numpy(), trained)

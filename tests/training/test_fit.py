@@ -38,8 +38,8 @@ def test_loss_falls_and_the_result_carries_scaler_and_threshold(rows):
     assert r.mean.shape == r.std.shape == (38,)
     # as shipped it reads each metric's change beside its level: an error scale per input column
     # (change, level) and the differences' own scaler (train.input_differences); a metric's term is
-    # the larger of the two (train.difference_term max)
-    assert (r.input_window, r.window_error) == (2, "max") and r.error_scale.shape == (2 * 38,)
+    # the mean of the two (train.difference_term mean, since round 21; window_error "window")
+    assert (r.input_window, r.window_error) == (2, "window") and r.error_scale.shape == (2 * 38,)
     assert r.diff is not None and r.diff[0].shape == r.diff[1].shape == (38,) and np.all(r.diff[1] > 0)
     assert r.rows_train == 5400 and r.rows_val == 600
     assert r.threshold > 0 and (r.score_window, r.score_smoothing, r.input_clip) == (5, "ema", 20.0)

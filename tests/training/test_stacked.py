@@ -69,7 +69,7 @@ def test_models_of_differences_stack_and_equal_each_trained_alone(smd_rows):
     assert stack_key(data[0], cfg) == (4000, 38)
     for a, b in zip([train(d, cfg, CPU) for d in data], train_stacked(data, cfg, CPU)):
         _assert_same(a, b, smd_rows[20000:21000])
-        assert b.model.n_features == 76 and b.input_window == 2 and b.window_error == "max"
+        assert b.model.n_features == 76 and b.input_window == 2 and b.window_error == "window"
         for x, y in zip(a.diff, b.diff):
             np.testing.assert_array_equal(x, y)
 
