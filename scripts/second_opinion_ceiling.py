@@ -11,7 +11,7 @@ smoothed by the shipped EMA 5:
 * ``ae``: the shipped autoencoder's (checked against ``evaluate_machine``'s: ``check``);
 * ``pca``: a PCA (95 % of the variance) on the autoencoder's own inputs (standardised, clipped
   levels and differences), each cell's squared residual over its mean on the validation split,
-  a metric's term the larger of its change's and level's, as the autoencoder's;
+  a metric's term the larger of its change's and level's (the autoencoder's until round 21);
 * ``pcaLD``: a PCA on standardised levels and differences as they are (no clip, no scale, the
   row mean of the 2D cells: the issue's held-out study's);
 * combinations: ``max``/``mean`` of the autoencoder's and a PCA's raw scores, each over its
