@@ -7,6 +7,7 @@ import gzip
 import os
 import pickle
 import tracemalloc
+import zipfile
 
 import numpy as np
 import pytest
@@ -138,11 +139,19 @@ def test_pickle_in_pt_is_never_executed(tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    with open(tmp_path / "evil.pt", "wb") as f:
-        pickle.dump(Evil(), f, protocol=2)  # the protocol torch.save uses
+    evil = pickle.dumps(Evil(), protocol=2)  # the protocol torch.save uses
+    (tmp_path / "evil.pt").write_bytes(evil)  # torch.load reads a bare pickle as its legacy format
+    torch.save(torch.zeros(3, 2), tmp_path / "evil-zip.pt")
+    with zipfile.ZipFile(tmp_path / "evil-zip.pt") as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(tmp_path / "evil-zip.pt", "w") as z:  # the archive, its data.pkl the evil one
+        for name, data in members:
+            z.writestr(name, evil if name.endswith("/data.pkl") else data)
     torch.save({"rows": torch.zeros(3, 2)}, tmp_path / "dict.pt")
-    with pytest.raises(DatasetError, match="weights_only=True"):
+    with pytest.raises(DatasetError, match="not a torch.save zip archive"):
         load_dataset(str(tmp_path / "evil.pt"))
+    with pytest.raises(DatasetError, match=r"its pickle calls (posix|os)\.system;"):
+        load_dataset(str(tmp_path / "evil-zip.pt"))
     assert not marker.exists()
     with pytest.raises(DatasetError, match="holds a dict"):
         load_dataset(str(tmp_path / "dict.pt"))

@@ -8,6 +8,7 @@ import gzip
 import json
 import struct
 import tracemalloc
+import zipfile
 
 import numpy as np
 import pyarrow as pa
@@ -310,3 +311,65 @@ def test_an_arrow_file_with_a_repeated_column_name_is_a_dataset_error(tmp_path, 
     path.write_bytes(bytes(_arrow_bytes(table, stream)))
     with pytest.raises(DatasetError, match=r"column name 'load' appears 2 times; rename the columns"):
         load_dataset(str(path))  # was KeyError: Field "load" exists 2 times in schema
+
+
+# ------------------------------------------------------------------ .pt: what its pickle may call
+
+
+def _pt_with_pickle(path, pkl: bytes | None = None, compression: int = zipfile.ZIP_STORED) -> str:
+    """torch.save's archive of a (4, 3) tensor, its data.pkl replaced by ``pkl``, its members
+    written with ``compression``."""
+    torch.save(torch.arange(12, dtype=torch.float32).reshape(4, 3), path)
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", compression) as z:
+        for name, data in members:
+            z.writestr(name, pkl if pkl is not None and name.endswith("/data.pkl") else data)
+    return str(path)
+
+
+# bytearray(256 MiB): builtins.bytearray is on torch's weights_only list, so torch.load runs it
+BYTEARRAY = b"\x80\x02cbuiltins\nbytearray\nq\x00J\x00\x00\x00\x10\x85q\x01Rq\x02."
+# the same name taken from the stack (STACK_GLOBAL, protocol 4)
+STACK = b"\x80\x04\x8c\x08builtins\x8c\tbytearray\x93J\x00\x00\x00\x10\x85R."
+
+
+@pytest.mark.parametrize("pkl, called", [(BYTEARRAY, "builtins.bytearray"), (STACK, "(a name from the stack)")],
+                         ids=["bytearray", "stack-global"])
+def test_a_pt_whose_pickle_calls_anything_but_a_tensors_rebuild_is_refused_before_it_runs(tmp_path, pkl, called):
+    path = _pt_with_pickle(tmp_path / "bomb.pt", pkl)
+    tracemalloc.start()
+    try:
+        with pytest.raises(DatasetError) as e:
+            load_dataset(path, LIMITS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f"not a plain tensor file (its pickle calls {called};" in str(e.value)
+    assert peak < 16 * 1024**2, peak  # run, it takes 256 MiB
+
+
+def test_a_pt_whose_pickle_does_not_parse_is_a_dataset_error(tmp_path):
+    path = _pt_with_pickle(tmp_path / "cut.pt", b"\x80\x02cbuiltins\nbytearr")
+    with pytest.raises(DatasetError, match="its pickle does not parse"):
+        load_dataset(path, LIMITS)
+
+
+def test_a_legacy_pt_is_refused_with_its_reason(tmp_path):
+    path = tmp_path / "old.pt"
+    torch.save(torch.ones(4, 3), path, _use_new_zipfile_serialization=False)
+    with pytest.raises(DatasetError, match=r"not a torch.save zip archive \(torch >= 1.6 writes one"):
+        load_dataset(str(path), LIMITS)
+
+
+def test_a_deflated_pt_is_read_within_the_decompression_budget_and_refused_past_it(tmp_path):
+    stored = load_dataset(_pt_with_pickle(tmp_path / "stored.pt"), LIMITS).data
+    deflated = _pt_with_pickle(tmp_path / "deflated.pt", compression=zipfile.ZIP_DEFLATED)
+    assert np.array_equal(load_dataset(deflated, LIMITS).data, stored)
+    with pytest.raises(DatasetError, match="compressed members inflate to .* bytes; job.max_decompressed_bytes is 64"):
+        load_dataset(deflated, dataclasses.replace(LIMITS, max_decompressed_bytes=64))
+
+
+def test_a_saved_parameter_reads_as_its_tensor(tmp_path):
+    torch.save(torch.nn.Parameter(torch.arange(12.0).reshape(4, 3)), tmp_path / "p.pt")
+    assert np.array_equal(load_dataset(str(tmp_path / "p.pt"), LIMITS).data, np.arange(12.0).reshape(4, 3))
