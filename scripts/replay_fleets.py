@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rounds 6 to 21 of docs/detection-protocol.md: a month of every shared machine of both fleets
+"""Rounds 6 to 22 of docs/detection-protocol.md: a month of every shared machine of both fleets
 replayed through the real daemon (scripts/replay_month.py, the shipped defaults), for each
 configuration of the round, in the order used for ties: round 6, ``before`` (the defaults before
 it: no retraining, no change of regime; reported, not a candidate) and its candidates; round 7,
@@ -18,7 +18,9 @@ the alarm budget (a half, a quarter); round 17, a new version's budget seeded fr
 normal rows only (not what the versions before flagged, nor their retraining margin), alone, with
 one flagged row opening an incident, and with 0.5 alarms a day; round 18, on round 17's choice, a
 budget that learns no incident's runs, and one whose incidents are critical (never learned) from
-1.5 times the threshold. Prints each
+1.5 times the threshold; rounds 19 to 21, the error floor, the gate's seeded threshold, the
+incident's quiet spell and a metric's term; round 22, a measurement: a host upgraded across round
+21's change of term. Prints each
 machine's figures (false pages a day, labelled segments
 paged, normal rows in alarm, retrains promoted, changes of regime) and each fleet's means, then
 the folds and the choice by the rule fixed in the protocol.
@@ -119,6 +121,11 @@ ROUNDS = {  # round -> (configuration -> replay_month.py --set items on top of -
           "quiet-15m": ["scoring.incident_quiet_s=900"],
           "term-mean": ["train.difference_term=mean"]},
          ("shipped", "quiet-15m", "term-mean")),
+    # a measurement, no candidates: a host upgraded from the package before round 21 (its first
+    # version trained with the term max, every later one with mean) beside one installed fresh
+    22: ({"shipped": [],
+          "upgraded": ["before:train.difference_term=max"]},
+         ()),
 }
 
 
@@ -181,8 +188,8 @@ def run(config: str, fleet: str, machine: str, out: str) -> str:
         return path
     cmd = [sys.executable, os.path.join(REPO, "scripts", "replay_month.py"), "--corpus", os.path.join(SHARED, fleet),
            "--period-s", str(FLEETS[fleet]), "--machine", machine, "--shipped", "--day-s", "2", "--json", path + ".part"]
-    for item in CONFIGS[config]:
-        cmd += ["--set", item]
+    for item in CONFIGS[config]:  # "before:SECTION.KEY=VALUE": the package's before an upgrade (--before-set)
+        cmd += ["--before-set", item[len("before:"):]] if item.startswith("before:") else ["--set", item]
     with open(os.path.join(out, f"{config}-{machine}.log"), "w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     os.rename(path + ".part", path)
@@ -254,7 +261,7 @@ def main() -> int:
              f"{means[c, fl]['regimes']:2d}").rjust(40) for c in args.only))
         print(f"{'objective':<13}" + "".join(f"{objective(means[c, fl]):.4f}".rjust(40) for c in args.only))
     cands = [c for c in CANDIDATES if c in args.only]
-    if len(cands) == len(CANDIDATES):
+    if cands and len(cands) == len(CANDIDATES):
         print(f"\nfolds (leave one fleet out; objective: paged less normal rows in alarm within {BUDGET:g} false page a day):")
         for pick, held in (("smd", "asd"), ("asd", "smd")):
             best = max(objective(means[c, pick]) for c in cands)

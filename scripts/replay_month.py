@@ -123,9 +123,10 @@ def write_csv(path: Path, rows: np.ndarray, first_row: int, period_s: float = PE
     os.rename(part, path)
 
 
-def write_config(root: Path, args) -> Path:
+def write_config(root: Path, args, before: bool = False) -> Path:
     """The replay's conffile: its own paths and a quick spool; ``retrain.every`` and ``window`` from
-    the options unless ``--shipped`` (then the shipped defaults); ``--set SECTION.KEY=VALUE`` last."""
+    the options unless ``--shipped`` (then the shipped defaults); ``--set SECTION.KEY=VALUE`` last;
+    with ``before``, ``--before-set``'s items after them (``trainer-before.yaml``)."""
     sections: dict[str, dict[str, str]] = {
         "spool": {"dir": str(root / "spool"), "settle_s": "0.2", "scan_interval_s": "1", "quiet_s": "0.5"},
         "scoring": {"results_dir": str(root / "scores")}, "retrain": {}, "train": {}}
@@ -133,7 +134,7 @@ def write_config(root: Path, args) -> Path:
         sections["retrain"].update(every=f'"{args.every}"', window=args.window)
     if args.max_steps:
         sections["train"]["max_steps"] = str(args.max_steps)
-    for item in args.set or []:
+    for item in (args.set or []) + (args.before_set or [] if before else []):
         key, _, value = item.partition("=")
         section, _, leaf = key.partition(".")
         if not section or not leaf or not _:
@@ -143,7 +144,7 @@ def write_config(root: Path, args) -> Path:
     for section, keys in sections.items():
         if keys:
             lines += [f"{section}:"] + [f"  {k}: {v}" for k, v in keys.items()]
-    conf = root / "trainer.yaml"
+    conf = root / ("trainer-before.yaml" if before else "trainer.yaml")
     conf.write_text("\n".join(lines) + "\n")
     return conf
 
@@ -174,7 +175,7 @@ def cli(conf: Path, *argv: str) -> str:
 class Daemon:
     def __init__(self, conf: Path):
         self.log_path = conf.parent / "daemon.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "ab")  # a daemon started again (--before-set) goes on in the same log
         self.proc = subprocess.Popen([sys.executable, "-m", "opt_ds_ops.cli", "daemon", "--config", str(conf)],
                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
                                      env=env(), preexec_fn=drop_dac_capabilities if os.geteuid() == 0 else None,
@@ -422,14 +423,22 @@ def replay(args, root: Path) -> tuple[dict, list[str]]:
           f"{max(0, end - train.shape[0])} of test) in chunks of {per_chunk} rows; {args.day_s:g} s a day; "
           + ("retraining as shipped" if args.shipped else
              f"retrain.every {args.every} (the data's clock), window {args.window}")
-          + "".join(f", {x}" for x in args.set or []) + f"; root {root}", flush=True)
+          + "".join(f", {x}" for x in args.set or []) + f"; root {root}"
+          + (f"; the first model trained before an upgrade, with {', '.join(args.before_set)}" if args.before_set
+             else ""), flush=True)
     t_start = time.monotonic()
-    d = Daemon(conf)
+    d = Daemon(write_config(root, args, before=True) if args.before_set else conf)
     try:
         d.wait(lambda: "ds-trainer ready" in d.log(), "the daemon to be ready", READY_TIMEOUT_S)
         write_csv(spool / "incoming" / f"{name}.csv", rows[:n0], 0, period)
         d.wait(lambda: current_version(str(name_dir)), "the first model")
         print(f"first model {current_version(str(name_dir))} after {time.monotonic() - t_start:.0f} s", flush=True)
+        if args.before_set:  # the upgrade: the daemon stopped, started again on the new conffile
+            d.wait(lambda: not any((spool / "processing").iterdir()), "the first model's job to end")
+            if (rc := d.stop()) != 0:
+                failures.append(f"the daemon exited {rc} on SIGTERM before the upgrade: {d.log_path}")
+            d = Daemon(conf)
+            d.wait(lambda: d.log().count("ds-trainer ready") >= 2, "the upgraded daemon to be ready", READY_TIMEOUT_S)
         chunks, t0 = 0, time.monotonic()
         for a in range(n0, end, per_chunk):
             b = min(a + per_chunk, end)
@@ -585,6 +594,9 @@ def main(argv=None) -> int:
                    help="retraining as shipped (retrain.every, window, drift_rate, ...), not --every/--window")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="a conffile key for the replay, e.g. scoring.regime_after_s=0 (repeatable)")
+    p.add_argument("--before-set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="a conffile key of the package before an upgrade: the first model is trained with it, "
+                        "then the daemon is stopped and started again without it (repeatable)")
     p.add_argument("--root", help="work in this folder (kept) instead of a temporary one")
     p.add_argument("--keep", action="store_true", help="keep the temporary root")
     p.add_argument("--json", help="write the figures to this file")

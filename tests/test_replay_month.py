@@ -36,6 +36,24 @@ def test_a_replay_retrains_by_retrain_every_judges_each_challenger_and_keeps_the
     assert "      retrained (every): " in r.stdout and " history rows, " in r.stdout  # ds-ops models list says so
 
 
+@pytest.mark.slow  # a long run: see the marker in pyproject.toml
+def test_an_upgrade_replay_trains_the_first_version_on_the_old_conffile_and_the_rest_on_the_new(tmp_path):
+    root = tmp_path / "root"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "replay_month.py"), "--smd", str(REPO / "data" / "smd"),
+                        "--days", "1.5", "--every", "1d", "--max-steps", "300", "--set", "retrain.drift_rate=0",
+                        "--before-set", "train.difference_term=max", "--root", str(root),
+                        "--json", str(tmp_path / "figures.json")], cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert "the first model trained before an upgrade, with train.difference_term=max" in r.stdout
+    assert (root / "daemon.log").read_text().count("ds-trainer ready") == 2  # stopped, started on the new conffile
+    assert "difference_term: max" in (root / "trainer-before.yaml").read_text()
+    assert "difference_term" not in (root / "trainer.yaml").read_text()
+    versions = sorted(p for p in (root / "models" / "machine-1-2").iterdir() if p.name[0].isdigit())
+    terms = [json.loads((v / "metadata.json").read_text())["window_error"] for v in versions]
+    # the stored term: "max", or "window" (the mean over the level and its change: difference_term mean)
+    assert terms[0] == "max" and len(terms) >= 2 and set(terms[1:]) == {"window"}, terms
+
+
 def test_the_operator_figures_count_pages_by_where_an_incident_opens():
     """Paged: an incident opens inside the labelled segment or at most an hour before it; a segment
     that falls inside an incident which opened hours earlier pages nobody, but that incident is no
