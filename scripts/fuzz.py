@@ -5,7 +5,7 @@ Each target of ``tests/fuzz/targets.py`` runs for ``--seconds`` in a process of 
 from its committed seed corpus ``tests/fuzz/corpus/TARGET/`` plus what earlier runs found
 (``build/fuzz/corpus/TARGET/``, where new inputs go). ds-ops's own modules and PyYAML are
 instrumented for coverage (``atheris.instrument_imports``), and the Python parts of the libraries
-under a target (numpy's ``.npy`` header parser, zipfile, gzip, torch's weights-only unpickler);
+under a target (numpy's ``.npy`` header parser, zipfile, gzip, pickletools for a .pt's pickle);
 the rest of numpy, pyarrow and torch is C and C++, reached through them. A finding is an exception other than DatasetError/ConfigError, a
 broken promise of ``load_dataset`` (an AssertionError of the target), a crash of the process, an
 input that takes more than ``--timeout`` seconds (10) or more than ``--rss-limit-mb`` of memory.
@@ -128,7 +128,7 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
     import pyarrow.parquet  # noqa: F401
 
     # the Python parts of the libraries under a target are traced too: numpy's .npy header parser,
-    # zipfile and gzip, torch.load's weights-only unpickler
+    # zipfile and gzip, pickletools (a .pt's pickle)
     if target in ("npy", "npz"):
         import numpy.lib.format
 
@@ -137,12 +137,10 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
         _instrument_module(atheris, zipfile)
     if target == "csv_gz":
         _instrument_module(atheris, gzip)
-    if target == "pt":
-        import torch._weights_only_unpickler
-        import torch.serialization
+    if target == "pt":  # ds-ops runs the pickle itself (opt_ds_ops.dataset.torchfile): pickletools parses it
+        import pickletools
 
-        _instrument_module(atheris, torch._weights_only_unpickler)
-        _instrument_module(atheris, torch.serialization)
+        _instrument_module(atheris, pickletools)
 
     sys.path.insert(0, str(FUZZ))
     with atheris.instrument_imports(include=["opt_ds_ops", "yaml"]):
@@ -151,6 +149,7 @@ def child(target: str, seconds: int, timeout_s: int, rss_limit_mb: int, artifact
         import opt_ds_ops.dataset.columnar  # noqa: F401
         import opt_ds_ops.dataset.text  # noqa: F401
         import opt_ds_ops.dataset.timeindex  # noqa: F401
+        import opt_ds_ops.dataset.torchfile  # noqa: F401
         import opt_ds_ops.training.stream  # noqa: F401
         import targets
 

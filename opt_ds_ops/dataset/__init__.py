@@ -4,7 +4,7 @@
 |---|---|---|
 | ``.csv .txt .tsv`` (``.gz``) | Arrow's CSV reader, dialect from the first lines | :mod:`.text` |
 | ``.parquet .feather .arrow`` | pyarrow | :mod:`.columnar` |
-| ``.npy .npz .pt`` | numpy, ``torch.load(weights_only=True)`` | :mod:`.arrays` |
+| ``.npy .npz .pt`` | numpy; a ``torch.save`` archive's tensor without torch (:mod:`.torchfile`) | :mod:`.arrays` |
 
 Tables (text, Parquet, Arrow) may carry a time column, a row index and text columns; which
 columns are features is decided by :mod:`.columns` under the conffile's ``dataset:`` options

@@ -1,10 +1,5 @@
-"""Array datasets: ``.npy`` (float32 memory-mapped), ``.npz`` (exactly one array) and ``.pt`` (a
-plain tensor, loaded with ``torch.load(weights_only=True)``: no pickled code runs).
-
-A ``.pt`` file's pickle is read before ``torch.load`` runs it: it may name only what
-``torch.save`` writes for a tensor (:data:`PT_GLOBALS`). ``weights_only`` alone still calls
-what torch lists as safe, ``bytearray(n)`` among them: a 60-byte file took gigabytes (fuzz, CI of
-2026-12-07).
+"""Array datasets: ``.npy`` (float32 memory-mapped), ``.npz`` (exactly one array) and ``.pt`` (the
+one tensor ``torch.save`` writes, read by :mod:`.torchfile` without torch: no pickle runs).
 
 An ``.npy`` header, an ``.npz`` member's size and header and a ``.pt`` tensor's shape are checked
 against the limits before any data is read, inflated or converted. Arrays that are converted
@@ -15,8 +10,6 @@ where that is in memory (a ``.pt`` tensor; a Fortran-ordered ``.npz`` member, re
 from __future__ import annotations
 
 import os
-import pickletools
-import re
 import struct
 import tokenize
 import zipfile
@@ -29,6 +22,7 @@ from .core import (
     check_float32, check_shape, clip, offset_of, rows_where,
 )
 from .npyrows import NpyRows
+from .torchfile import read_pt
 
 
 # what numpy's .npy header parser raises for a malformed header (ast.literal_eval, and tokenize for
@@ -178,72 +172,14 @@ def _load_npz(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
         raise DatasetError(f"{path}: not a plain numeric .npz archive ({clip(str(e))})") from None
 
 
-# What torch.save's pickle of a tensor (or an nn.Parameter) names: the rebuild functions, its
-# backward hooks' OrderedDict and the storage types (torch.FloatStorage, ...). Pickle opcodes that
-# take a name from the stack (STACK_GLOBAL) or the copyreg registry (EXT*) are refused outright.
-PT_GLOBALS = ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter", "collections.OrderedDict")
-_PT_MAX_PICKLE = 1 << 16  # a tensor's data.pkl is about 150 bytes
-
-
-def _check_pt_pickle(path: str, limits: DatasetLimits) -> None:
-    """Raise DatasetError unless the file is a torch.save zip archive whose pickle names only
-    :data:`PT_GLOBALS` and storage types, and whose compressed members fit
-    ``job.max_decompressed_bytes`` (torch.save stores its members uncompressed)."""
-    import torch
-
-    with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":  # torch.load's own test: anything else is its legacy format
-            raise DatasetError(f"{path}: not a torch.save zip archive (torch >= 1.6 writes one; the legacy "
-                               "format is not read)")
-    try:
-        with zipfile.ZipFile(path) as z:
-            inflated = sum(i.file_size for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED)
-        if inflated > limits.max_decompressed_bytes:
-            raise DatasetError(f"{path}: compressed members inflate to {inflated} bytes; "
-                               f"job.max_decompressed_bytes is {limits.max_decompressed_bytes}")
-        reader = torch._C.PyTorchFileReader(path)  # the reader torch.load uses: the record it will run
-        if not reader.has_record("data.pkl"):
-            raise DatasetError(f"{path}: not a torch.save archive (no data.pkl record)")
-        pkl = reader.get_record("data.pkl")
-    except DatasetError:
-        raise
-    except _ZIP_ERRORS + (ValueError, OSError) as e:
-        raise DatasetError(f"{path}: not a torch.save zip archive ({type(e).__name__}: {clip(str(e))})") from None
-    if len(pkl) > _PT_MAX_PICKLE:
-        raise DatasetError(f"{path}: its pickle has {len(pkl)} bytes; a tensor's has a few hundred")
-    try:
-        names = [arg.replace(" ", ".") if op.name in ("GLOBAL", "INST") else "(a name from the stack)"
-                 for op, arg, _ in pickletools.genops(pkl) if op.name in ("GLOBAL", "INST", "STACK_GLOBAL", "EXT1",
-                                                                           "EXT2", "EXT4")]
-    except ValueError as e:  # pickletools: an unknown opcode, an argument cut short
-        raise DatasetError(f"{path}: not a plain tensor file (its pickle does not parse: {clip(str(e))})") from None
-    for name in names:
-        if not (name in PT_GLOBALS or re.fullmatch(r"torch\.[A-Za-z0-9]+Storage", name)):
-            raise DatasetError(f"{path}: not a plain tensor file (its pickle calls {clip(name)}; "
-                               "a tensor's names only torch's rebuild functions and storages)")
-
-
 def _load_pt(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray | None]:
-    import torch  # only here: reading text or .npy does not need torch
-
-    _check_pt_pickle(path, limits)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for non-tensor content
-        raise DatasetError(f"{path}: not a plain tensor file (loaded with weights_only=True: {type(e).__name__})") from None
-    if not isinstance(obj, torch.Tensor):
-        raise DatasetError(f"{path}: .pt holds a {type(obj).__name__}, need a plain 2-D tensor")
-    if obj.layout != torch.strided or obj.is_quantized:
-        raise DatasetError(f"{path}: tensor has layout {obj.layout}{' (quantized)' if obj.is_quantized else ''}; need a dense tensor")
-    if obj.is_complex() or obj.dtype == torch.bool:
-        raise DatasetError(f"{path}: tensor has dtype {obj.dtype}; need a real number dtype")
-    # before any copy: an expanded (stride 0) tensor of a few bytes on disk may claim any shape
-    check_shape(path, "tensor", tuple(obj.shape), limits)
-    if limits.refuse_constant and obj.shape[0] > 1 and obj.stride(0) == 0:
-        raise all_constant(path, int(obj.shape[1]))  # every row is the first (expanded): known without a copy
-    t = obj.detach()
-    if t.dtype == torch.float32 and t.is_contiguous():
-        arr = t.numpy()
-        check_finite(path, arr, rows_where)
-        return arr, None
-    return _centred(path, tuple(t.shape), lambda s, e: t[s:e].to(torch.float64).numpy())
+    view, code = read_pt(path, limits)  # checked: a 2-D real tensor within the limits, inside its storage
+    if limits.refuse_constant and view.shape[0] > 1 and view.strides[0] == 0:
+        raise all_constant(path, int(view.shape[1]))  # every row is the first (expanded): known without a copy
+    if view.dtype == np.float32 and view.flags.c_contiguous:  # native float32 (a big-endian one is converted)
+        check_finite(path, view, rows_where)
+        return view, None
+    if code == "bf16":  # bfloat16 is a float32's upper 16 bits
+        return _centred(path, view.shape, lambda s, e: (view[s:e].astype(np.uint32) << 16).view(np.float32)
+                        .astype(np.float64))
+    return _centred(path, view.shape, lambda s, e: view[s:e].astype(np.float64))

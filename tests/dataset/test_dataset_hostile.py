@@ -328,15 +328,30 @@ def _pt_with_pickle(path, pkl: bytes | None = None, compression: int = zipfile.Z
     return str(path)
 
 
-# bytearray(256 MiB): builtins.bytearray is on torch's weights_only list, so torch.load runs it
+# bytearray(256 MiB): builtins.bytearray is on torch's weights_only list, so torch.load ran it
 BYTEARRAY = b"\x80\x02cbuiltins\nbytearray\nq\x00J\x00\x00\x00\x10\x85q\x01Rq\x02."
 # the same name taken from the stack (STACK_GLOBAL, protocol 4)
 STACK = b"\x80\x04\x8c\x08builtins\x8c\tbytearray\x93J\x00\x00\x00\x10\x85R."
+# pieces of torch.save's pickle of a (4, 3) float32 tensor (the hostile review of 2026-12-07)
+REBUILD = b"ctorch._utils\n_rebuild_tensor_v2\n"
+STORAGE = b"((X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQ"
+ODICT = b"ccollections\nOrderedDict\n"
+# a (2**20, 2) view of one float, strides (0, 0): only names torch.save writes, but torch's
+# unpickler iterated it into 2**20 tensors as an OrderedDict's argument (2.1 GB)
+VIEW = REBUILD + STORAGE + b"K\x00(J\x00\x00\x10\x00K\x02t(K\x00K\x00t\x89" + ODICT + b")RtR"
+# the tensor with a 7th argument, metadata {'neg': True}: torch loaded it, then .numpy() raised RuntimeError
+NEG = REBUILD + STORAGE + b"K\x00(K\x04K\x03t(K\x03K\x01t\x89" + ODICT + b")R}X\x03\x00\x00\x00neg\x88stR"
 
 
-@pytest.mark.parametrize("pkl, called", [(BYTEARRAY, "builtins.bytearray"), (STACK, "(a name from the stack)")],
-                         ids=["bytearray", "stack-global"])
-def test_a_pt_whose_pickle_calls_anything_but_a_tensors_rebuild_is_refused_before_it_runs(tmp_path, pkl, called):
+@pytest.mark.parametrize("pkl, why", [
+    (BYTEARRAY, "its pickle calls builtins.bytearray"),
+    (STACK, "its pickle is protocol 4; torch.save writes 2"),
+    (b"\x80\x02" + ODICT + b"(" + VIEW + b"tR.",
+     "its pickle calls collections.OrderedDict with arguments torch.save does not write for a tensor"),
+    (b"\x80\x02" + ODICT + b")R" + VIEW + b"b.", "its pickle has BUILD at byte"),
+    (b"\x80\x02" + NEG + b".", "its pickle has EMPTY_DICT at byte"),
+], ids=["bytearray", "stack-global", "odict-of-a-view", "build", "metadata"])
+def test_a_pt_whose_pickle_is_not_one_tensor_is_refused_before_memory_is_spent(tmp_path, pkl, why):
     path = _pt_with_pickle(tmp_path / "bomb.pt", pkl)
     tracemalloc.start()
     try:
@@ -345,8 +360,28 @@ def test_a_pt_whose_pickle_calls_anything_but_a_tensors_rebuild_is_refused_befor
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert f"not a plain tensor file (its pickle calls {called};" in str(e.value)
-    assert peak < 16 * 1024**2, peak  # run, it takes 256 MiB
+    assert f"not a plain tensor file ({why}" in str(e.value)
+    assert peak < 16 * 1024**2, peak  # torch.load took 256 MiB to 2.1 GB
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int16, torch.uint8, torch.uint16, torch.uint32], ids=str)
+def test_a_pt_of_every_real_dtype_reads_as_torch_converts_it(tmp_path, dtype):
+    t = (torch.randn(40, 6) * 50).abs().to(dtype)
+    torch.save(t, tmp_path / "t.pt")
+    got = load_dataset(str(tmp_path / "t.pt"), LIMITS)
+    # a converted dtype is centred (data + offset): equal to float32's rounding
+    np.testing.assert_allclose(np.asarray(got.values()), t.to(torch.float64).numpy(), rtol=1e-6, atol=1e-5)
+
+
+def test_a_pt_view_of_a_larger_storage_is_refused_past_twice_the_matrix_budget(tmp_path):
+    small = dataclasses.replace(LIMITS, max_matrix_bytes=4096)
+    torch.save(torch.rand(1000, 64)[:2], tmp_path / "view.pt")  # torch.save writes the whole 256 KB storage
+    with pytest.raises(DatasetError, match=r"storage holds 256000 bytes; job.max_matrix_bytes is 4096 \(a view of a "
+                                           r"larger tensor: save the view's .clone\(\)\)"):
+        load_dataset(str(tmp_path / "view.pt"), small)
+    torch.save(torch.rand(1000, 64)[:2].clone(), tmp_path / "clone.pt")
+    assert load_dataset(str(tmp_path / "clone.pt"), small).rows == 2
 
 
 def test_a_pt_whose_pickle_does_not_parse_is_a_dataset_error(tmp_path):
@@ -366,8 +401,8 @@ def test_a_deflated_pt_is_read_within_the_decompression_budget_and_refused_past_
     stored = load_dataset(_pt_with_pickle(tmp_path / "stored.pt"), LIMITS).data
     deflated = _pt_with_pickle(tmp_path / "deflated.pt", compression=zipfile.ZIP_DEFLATED)
     assert np.array_equal(load_dataset(deflated, LIMITS).data, stored)
-    with pytest.raises(DatasetError, match="compressed members inflate to .* bytes; job.max_decompressed_bytes is 64"):
-        load_dataset(deflated, dataclasses.replace(LIMITS, max_decompressed_bytes=64))
+    with pytest.raises(DatasetError, match="its compressed storage inflates to 48 bytes; job.max_decompressed_bytes is 32"):
+        load_dataset(deflated, dataclasses.replace(LIMITS, max_decompressed_bytes=32))
 
 
 def test_a_saved_parameter_reads_as_its_tensor(tmp_path):
