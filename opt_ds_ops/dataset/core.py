@@ -291,10 +291,13 @@ def all_constant(path: str, columns: int) -> DatasetError:
 def check_shape(path: str, what: str, shape: tuple, limits: DatasetLimits) -> None:
     """Raise DatasetError unless shape is (rows, columns) within job.max_columns and job.max_matrix_bytes."""
     if len(shape) != 2:
-        raise DatasetError(f"{path}: {what} has rank {len(shape)} (shape {tuple(shape)}); need rows x metrics (rank 2)")
+        raise DatasetError(f"{path}: {what} has rank {len(shape)} (shape {clip(str(tuple(shape)))}); "
+                           "need rows x metrics (rank 2)")
     rows, cols = (int(s) for s in shape)
     if rows < 0 or cols < 0:
         raise DatasetError(f"{path}: {what} has a negative dimension (shape {tuple(shape)})")
+    if cols == 0:  # before any loop over its rows: (2**58, 0) passes every byte budget
+        raise DatasetError(f"{path}: {what} of shape ({rows}, 0) has no columns")
     if cols > limits.max_columns:
         raise DatasetError(f"{path}: {what} of shape ({rows}, {cols}) has {cols} columns; "
                            f"job.max_columns is {limits.max_columns}")

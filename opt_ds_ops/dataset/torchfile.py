@@ -12,21 +12,27 @@ tensor (or one ``nn.Parameter``)::
     _rebuild_parameter(<one of those>, requires_grad, OrderedDict())
 
 and refuses any other opcode, name or argument. The storage's record is then read with Python's
-zipfile (the only parser of the file, so no two readers can see two archives) into memory, within
-``job.max_matrix_bytes``, and viewed with the tensor's offset, shape and strides by numpy, which
-checks that they stay inside it. Nothing is imported from torch.
+zipfile (the only parser of the file, so no two readers can see two archives; only stored
+members, as torch.save writes them, so nothing is inflated) into memory, within twice
+``job.max_matrix_bytes``, after a check in Python's integers that the tensor's offset, shape and
+strides stay inside it (numpy's own check wraps at 2**64), and viewed by numpy. Nothing is
+imported from torch.
 """
 
 from __future__ import annotations
 
+import lzma
 import pickletools
+import warnings
 import zipfile
+import zlib
 
 import numpy as np
 
 from .core import DatasetError, DatasetLimits, check_shape, clip
 
 MAX_PICKLE = 1 << 16  # the data.pkl of one tensor has about 300 bytes
+MAX_TUPLE, MAX_INT = 8, 1 << 62  # torch.save's longest tuple has 7 items (v3's arguments); sizes, strides < 2**62
 _REBUILD = "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_parameter"
 # storage types and dtypes -> numpy's type code ("bf16": bfloat16, read as its 16 bits); None: not a real number type
 _STORAGES = {"Float": "f4", "Double": "f8", "Half": "f2", "BFloat16": "bf16", "Long": "i8", "Int": "i4", "Short": "i2",
@@ -100,7 +106,12 @@ def _interpret(path: str, pkl: bytes) -> _Tensor:
         raise _refuse(path, "its pickle's TUPLE has no MARK")
 
     try:
-        for op, arg, pos in pickletools.genops(pkl):
+        with warnings.catch_warnings():  # genops decodes a GLOBAL's escapes: a DeprecationWarning for a bad one
+            warnings.simplefilter("ignore")
+            ops = list(pickletools.genops(pkl))  # at most MAX_PICKLE bytes: a few thousand opcodes
+        if ops and ops[0][0].name != "PROTO":
+            raise _refuse(path, "its pickle is protocol 0 or 1; torch.save writes 2")
+        for op, arg, pos in ops:
             name = op.name
             if name == "PROTO":
                 if arg > 3:
@@ -113,6 +124,8 @@ def _interpret(path: str, pkl: bytes) -> _Tensor:
             elif name == "MARK":
                 stack.append(_Mark)
             elif name in ("BINUNICODE", "SHORT_BINUNICODE", "BININT", "BININT1", "BININT2", "LONG1"):
+                if isinstance(arg, int) and not -MAX_INT <= arg <= MAX_INT:
+                    raise _refuse(path, f"its pickle's integer at byte {pos} is over 2**62")
                 stack.append(arg)
             elif name in ("NEWTRUE", "NEWFALSE"):
                 stack.append(name == "NEWTRUE")
@@ -126,7 +139,10 @@ def _interpret(path: str, pkl: bytes) -> _Tensor:
                 del stack[-n:]
                 stack.append(items)
             elif name == "TUPLE":
-                stack.append(pop_mark())
+                items = pop_mark()
+                if len(items) > MAX_TUPLE:
+                    raise _refuse(path, f"its pickle's TUPLE at byte {pos} has {len(items)} items")
+                stack.append(items)
             elif name in ("BINPUT", "LONG_BINPUT"):
                 memo[arg] = stack[-1]
             elif name == "MEMOIZE":
@@ -149,7 +165,9 @@ def _interpret(path: str, pkl: bytes) -> _Tensor:
                     raise _refuse(path, "its pickle does not give one tensor")
                 return stack[0]
             else:
-                raise _refuse(path, f"its pickle has {name} at byte {pos}")
+                what = {"EMPTY_DICT": "a dict", "DICT": "a dict", "EMPTY_LIST": "a list", "LIST": "a list"}.get(name)
+                raise _refuse(path, f"its pickle has {name} at byte {pos}" + (
+                    f", building {what}: save the one tensor, torch.save(obj[KEY], FILE)" if what else ""))
     except DatasetError:
         raise
     except (IndexError, KeyError):  # a pop from an empty stack, a BINGET of nothing put
@@ -169,6 +187,13 @@ def read_pt(path: str, limits: DatasetLimits) -> tuple[np.ndarray, str]:
                                "format is not read)")
     try:
         with zipfile.ZipFile(path) as z:
+            for i in z.infolist():  # torch.save stores its members: nothing to inflate, no decompressor to bound
+                if i.compress_type != zipfile.ZIP_STORED:
+                    raise DatasetError(f"{path}: its member {clip(i.filename)!r} is compressed; torch.save stores "
+                                       "its members (save the tensor again with torch.save)")
+                if i.compress_size != i.file_size:
+                    raise _refuse(path, f"its stored member {clip(i.filename)!r} claims {i.file_size} bytes and "
+                                        f"holds {i.compress_size}")
             tops = {n.split("/", 1)[0] for n in z.namelist()}
             prefix = next(iter(tops)) if len(tops) == 1 else None
             info = _member(z, f"{prefix}/data.pkl") if prefix else None
@@ -179,36 +204,50 @@ def read_pt(path: str, limits: DatasetLimits) -> tuple[np.ndarray, str]:
             t = _interpret(path, z.read(info))
             if t.code is None:
                 raise DatasetError(f"{path}: tensor has dtype {t.dtype}; need a real number dtype")
-            check_shape(path, "tensor", t.size, limits)  # before any data is read
+            try:
+                check_shape(path, "tensor", t.size, limits)  # before any data is read
+            except DatasetError as e:
+                if "job.max_matrix_bytes" not in str(e):
+                    raise
+                raise DatasetError(f"{e} (a .pt is read whole: save it as a C-ordered .npy, "
+                                   "np.save(path, t.numpy()), which a training job streams)") from None
             item = 2 if t.code == "bf16" else int(t.code[1:])
             nbytes = t.storage.numel * (1 if t.storage.type == "torch.storage.UntypedStorage" else item)
             record = _member(z, f"{prefix}/data/{t.storage.key}")
             if record is None or record.file_size != nbytes:
                 raise _refuse(path, f"its storage {clip(t.storage.key)!r} is not a record of {nbytes} bytes")
             if nbytes > 2 * limits.max_matrix_bytes + 64:  # a float64 storage of the matrix, whole
-                raise DatasetError(f"{path}: its tensor's storage holds {nbytes} bytes; job.max_matrix_bytes is "
-                                   f"{limits.max_matrix_bytes} (a view of a larger tensor: save the view's .clone())")
-            if record.compress_type != zipfile.ZIP_STORED and nbytes > limits.max_decompressed_bytes:
-                raise DatasetError(f"{path}: its compressed storage inflates to {nbytes} bytes; "
-                                   f"job.max_decompressed_bytes is {limits.max_decompressed_bytes}")
+                raise DatasetError(f"{path}: its tensor's storage holds {nbytes} bytes, over twice job.max_matrix_bytes "
+                                   f"({limits.max_matrix_bytes}) (a view of a larger tensor: save the view's .clone())")
+            _check_bounds(path, t, nbytes // item)
             order = _byteorder(path, z, prefix)
             buf = np.empty(nbytes, dtype=np.uint8)
             with z.open(record) as f:
                 got = f.readinto(memoryview(buf))
                 while got < nbytes and (n := f.readinto(memoryview(buf)[got:])):
                     got += n
+            if got != nbytes:  # the rest of buf would be the heap's old bytes
+                raise _refuse(path, f"its storage record ends after {got} of its {nbytes} bytes")
     except DatasetError:
         raise
-    except (zipfile.BadZipFile, EOFError, NotImplementedError, OSError, RuntimeError, ValueError) as e:
+    except (zipfile.BadZipFile, EOFError, NotImplementedError, OSError, RuntimeError, ValueError, zlib.error,
+            lzma.LZMAError) as e:
         raise DatasetError(f"{path}: not a torch.save zip archive ({type(e).__name__}: {clip(str(e))})") from None
     dtype = np.dtype("u2" if t.code == "bf16" else t.code).newbyteorder(order)
-    try:
-        view = np.ndarray(t.size, dtype=dtype, buffer=buf, offset=t.offset * item,
-                          strides=tuple(s * item for s in t.stride))
-    except (ValueError, TypeError, OverflowError):
-        raise _refuse(path, f"its offset {t.offset}, size {t.size} and stride {t.stride} reach past its storage "
-                            f"of {nbytes} bytes") from None
+    # a dimension of one row or none never steps: its stride (any value torch kept) is not used
+    view = np.ndarray(t.size, dtype=dtype, buffer=buf, offset=t.offset * item,
+                      strides=tuple(s * item if d > 1 and all(t.size) else 0 for d, s in zip(t.size, t.stride)))
     return view, t.code
+
+
+def _check_bounds(path: str, t: _Tensor, numel: int) -> None:
+    """Raise DatasetError unless every element of the view lies in its storage of ``numel`` elements,
+    in Python's integers (numpy's own check wraps at 2**64: a stride of (2**64 + 8) // 12 passed it)."""
+    last = t.offset + sum((d - 1) * s for d, s in zip(t.size, t.stride))
+    empty = not all(t.size)  # a view of no element reads nothing
+    if t.offset > numel or not empty and (any(s > numel for d, s in zip(t.size, t.stride) if d > 1) or last >= numel):
+        raise _refuse(path, f"its offset {t.offset}, size {t.size} and stride {t.stride} reach past its storage "
+                            f"of {numel} elements")
 
 
 def _member(z: zipfile.ZipFile, name: str) -> zipfile.ZipInfo | None:
@@ -222,7 +261,9 @@ def _byteorder(path: str, z: zipfile.ZipFile, prefix: str) -> str:
     info = _member(z, f"{prefix}/byteorder")
     if info is None:
         return "<"
-    value = z.read(info) if info.file_size <= 16 else b""
+    if info.file_size > 16:
+        raise _refuse(path, f"its byteorder record has {info.file_size} bytes")
+    value = z.read(info)
     if value not in (b"little", b"big"):
         raise _refuse(path, f"its byteorder record says {clip(value.decode('latin-1'))!r}")
     return "<" if value == b"little" else ">"
