@@ -19,7 +19,7 @@ import numpy as np
 
 from .core import (
     LIMIT_KEYS, OFFSET_ROWS, DatasetError, DatasetLimits, Float32Builder, all_constant, block_rows, check_finite,
-    check_float32, check_shape, clip, offset_of, rows_where,
+    check_float32, check_shape, clip, offset_of, open_zip, rows_where,
 )
 from .npyrows import NpyRows
 from .torchfile import read_pt
@@ -134,7 +134,7 @@ def _read_exact(f, out: np.ndarray, path: str) -> None:
 
 def _load_npz(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray | None]:
     try:
-        with zipfile.ZipFile(path) as z:
+        with open_zip(path) as z:
             infos = [i for i in z.infolist() if not i.is_dir()]
             names = [i.filename.removesuffix(".npy") for i in infos]
             if len(infos) != 1:

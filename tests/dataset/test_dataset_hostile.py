@@ -443,3 +443,28 @@ def test_a_pt_over_the_matrix_budget_is_refused_with_the_format_that_streams(tmp
                                            r"whole: save it as a C-ordered .npy, np.save\(path, t.numpy\(\)\), which a "
                                            r"training job streams\)"):
         load_dataset(str(tmp_path / "big.pt"), dataclasses.replace(LIMITS, max_matrix_bytes=2048))
+
+
+def _flooded_zip(path, entries: int) -> str:
+    """A zip of one local header and ``entries`` central directory entries of a one-byte name."""
+    local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0, 0, 0, 0, 1, 0) + b"a"
+    entry = struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0) + b"a"
+    cd = entry * entries
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, entries & 0xFFFF, entries & 0xFFFF, len(cd), len(local), 0)
+    path.write_bytes(local + cd + end)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["flood.pt", "flood.npz"])
+def test_a_zip_whose_directory_floods_memory_is_refused_before_zipfile_reads_it(tmp_path, name):
+    # zipfile builds an object per directory entry first: 1M entries (47 MB) took 480 MB (the review)
+    path = _flooded_zip(tmp_path / name, 30_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(DatasetError, match=r"its zip directory reads 1410000 bytes at once; a dataset's lists a few "
+                                               r"members \(at most 1048576 bytes\)"):
+            load_dataset(path, LIMITS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 1024**2, peak
