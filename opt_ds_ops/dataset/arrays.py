@@ -19,7 +19,7 @@ import numpy as np
 
 from .core import (
     LIMIT_KEYS, OFFSET_ROWS, DatasetError, DatasetLimits, Float32Builder, all_constant, block_rows, check_finite,
-    check_float32, check_shape, clip, offset_of, open_zip, rows_where,
+    check_float32, check_shape, clip, offset_of, open_zip, read_exact, rows_where,
 )
 from .npyrows import NpyRows
 from .torchfile import read_pt
@@ -121,17 +121,6 @@ def _streamed_npy(path: str, shape: tuple, dtype: np.dtype) -> tuple:
     return NpyRows(path, shape, dtype, offset, centre=centre), centre
 
 
-def _read_exact(f, out: np.ndarray, path: str) -> None:
-    """Fill out's bytes from stream f; raise DatasetError if f ends first."""
-    view = memoryview(out.reshape(-1).view(np.uint8))
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise DatasetError(f"{path}: array data ends after {got} of {len(view)} bytes")
-        got += n
-
-
 def _load_npz(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray | None]:
     try:
         with open_zip(path) as z:
@@ -152,17 +141,17 @@ def _load_npz(path: str, limits: DatasetLimits) -> tuple[np.ndarray, np.ndarray 
                     raise DatasetError(f"{path}: {what} is truncated ({info.file_size} bytes for shape {shape}, {dtype})")
                 if dtype == np.float32 and not fortran:
                     out = np.empty(shape, dtype=np.float32)
-                    _read_exact(m, out, path)
+                    read_exact(m, out, path)
                     check_finite(path, out, rows_where)
                     return out, None
                 if fortran:  # columns are contiguous: read the whole source (itemsize/4 x the matrix) first
                     src = np.empty(shape[::-1], dtype=dtype)
-                    _read_exact(m, src, path)
+                    read_exact(m, src, path)
                     return _centred(path, shape, lambda s, e: src.T[s:e].astype(np.float64))
 
                 def block_of(start: int, stop: int) -> np.ndarray:
                     buf = np.empty((stop - start, cols), dtype=dtype)
-                    _read_exact(m, buf, path)  # rows arrive in order: read each block once, as it streams
+                    read_exact(m, buf, path)  # rows arrive in order: read each block once, as it streams
                     return buf.astype(np.float64)
 
                 return _centred(path, shape, block_of)

@@ -29,7 +29,7 @@ import zlib
 
 import numpy as np
 
-from .core import DatasetError, DatasetLimits, check_shape, clip, open_zip
+from .core import DatasetError, DatasetLimits, check_shape, clip, open_zip, read_exact
 
 MAX_PICKLE = 1 << 16  # the data.pkl of one tensor has about 300 bytes
 MAX_TUPLE, MAX_INT = 8, 1 << 62  # torch.save's longest tuple has 7 items (v3's arguments); sizes, strides < 2**62
@@ -222,13 +222,8 @@ def read_pt(path: str, limits: DatasetLimits) -> tuple[np.ndarray, str]:
             _check_bounds(path, t, nbytes // item)
             order = _byteorder(path, z, prefix)
             buf = np.empty(nbytes, dtype=np.uint8)
-            got = 0
-            with z.open(record) as f:  # in pieces: ZipExtFile's readinto reads the whole into bytes first
-                while got < nbytes and (piece := f.read(min(1 << 20, nbytes - got))):
-                    buf[got:got + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
-                    got += len(piece)
-            if got != nbytes:  # the rest of buf would be the heap's old bytes
-                raise _refuse(path, f"its storage record ends after {got} of its {nbytes} bytes")
+            with z.open(record) as f:
+                read_exact(f, buf, path)  # a record cut short raises: no heap bytes left in buf
     except DatasetError:
         raise
     except (zipfile.BadZipFile, EOFError, NotImplementedError, OSError, RuntimeError, ValueError, zlib.error,
