@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -205,6 +206,20 @@ def put(spool, which: str, name: str, data: bytes = b"1,2\n3,4\n") -> str:
 
 # The conffile of CLI runs that give none (tests/cli-quick.yaml: the seed's 5 epochs, not a plateau).
 CLI_QUICK_CONFIG = Path(__file__).resolve().parent / "cli-quick.yaml"
+
+
+def pt_with_pickle(path, pkl: bytes | None = None, compression: int = zipfile.ZIP_STORED) -> str:
+    """torch.save's archive of a (4, 3) tensor, its data.pkl replaced by ``pkl``, its members
+    written with ``compression``."""
+    import torch
+
+    torch.save(torch.arange(12, dtype=torch.float32).reshape(4, 3), path)
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", compression) as z:
+        for name, data in members:
+            z.writestr(name, pkl if pkl is not None and name.endswith("/data.pkl") else data)
+    return str(path)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300,

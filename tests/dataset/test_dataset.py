@@ -7,11 +7,11 @@ import gzip
 import os
 import pickle
 import tracemalloc
-import zipfile
 
 import numpy as np
 import pytest
 import torch
+from conftest import pt_with_pickle
 
 from opt_ds_ops.config.conffile import JobConfig, TrainConfig
 from opt_ds_ops.dataset import DatasetError, DatasetLimits, dataset_stem, load_dataset
@@ -141,12 +141,7 @@ def test_pickle_in_pt_is_never_executed(tmp_path):
 
     evil = pickle.dumps(Evil(), protocol=2)  # the protocol torch.save uses
     (tmp_path / "evil.pt").write_bytes(evil)  # torch.load reads a bare pickle as its legacy format
-    torch.save(torch.zeros(3, 2), tmp_path / "evil-zip.pt")
-    with zipfile.ZipFile(tmp_path / "evil-zip.pt") as z:
-        members = [(i.filename, z.read(i)) for i in z.infolist()]
-    with zipfile.ZipFile(tmp_path / "evil-zip.pt", "w") as z:  # the archive, its data.pkl the evil one
-        for name, data in members:
-            z.writestr(name, evil if name.endswith("/data.pkl") else data)
+    pt_with_pickle(tmp_path / "evil-zip.pt", evil)  # a torch.save archive, its data.pkl the evil one
     torch.save({"rows": torch.zeros(3, 2)}, tmp_path / "dict.pt")
     with pytest.raises(DatasetError, match="not a torch.save zip archive"):
         load_dataset(str(tmp_path / "evil.pt"))

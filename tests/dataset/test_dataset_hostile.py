@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 import torch
-from conftest import run_cli
+from conftest import pt_with_pickle, run_cli
 
 from opt_ds_ops.config.conffile import DatasetConfig, JobConfig
 from opt_ds_ops.dataset import DatasetError, DatasetLimits, load_dataset
@@ -317,18 +317,6 @@ def test_an_arrow_file_with_a_repeated_column_name_is_a_dataset_error(tmp_path, 
 # ------------------------------------------------------------------ .pt: what its pickle may call
 
 
-def _pt_with_pickle(path, pkl: bytes | None = None, compression: int = zipfile.ZIP_STORED) -> str:
-    """torch.save's archive of a (4, 3) tensor, its data.pkl replaced by ``pkl``, its members
-    written with ``compression``."""
-    torch.save(torch.arange(12, dtype=torch.float32).reshape(4, 3), path)
-    with zipfile.ZipFile(path) as z:
-        members = [(i.filename, z.read(i)) for i in z.infolist()]
-    with zipfile.ZipFile(path, "w", compression) as z:
-        for name, data in members:
-            z.writestr(name, pkl if pkl is not None and name.endswith("/data.pkl") else data)
-    return str(path)
-
-
 # bytearray(256 MiB): builtins.bytearray is on torch's weights_only list, so torch.load ran it
 BYTEARRAY = b"\x80\x02cbuiltins\nbytearray\nq\x00J\x00\x00\x00\x10\x85q\x01Rq\x02."
 # the same name taken from the stack (STACK_GLOBAL, protocol 4)
@@ -353,7 +341,7 @@ NEG = REBUILD + STORAGE + b"K\x00(K\x04K\x03t(K\x03K\x01t\x89" + ODICT + b")R}X\
     (b"\x80\x02" + NEG + b".", "its pickle has EMPTY_DICT at byte"),
 ], ids=["bytearray", "stack-global", "odict-of-a-view", "build", "metadata"])
 def test_a_pt_whose_pickle_is_not_one_tensor_is_refused_before_memory_is_spent(tmp_path, pkl, why):
-    path = _pt_with_pickle(tmp_path / "bomb.pt", pkl)
+    path = pt_with_pickle(tmp_path / "bomb.pt", pkl)
     tracemalloc.start()
     try:
         with pytest.raises(DatasetError) as e:
@@ -386,7 +374,7 @@ def test_a_pt_view_of_a_larger_storage_is_refused_past_twice_the_matrix_budget(t
 
 
 def test_a_pt_whose_pickle_does_not_parse_is_a_dataset_error(tmp_path):
-    path = _pt_with_pickle(tmp_path / "cut.pt", b"\x80\x02cbuiltins\nbytearr")
+    path = pt_with_pickle(tmp_path / "cut.pt", b"\x80\x02cbuiltins\nbytearr")
     with pytest.raises(DatasetError, match="its pickle does not parse"):
         load_dataset(path, LIMITS)
 
@@ -403,7 +391,7 @@ def test_a_legacy_pt_is_refused_with_its_reason(tmp_path):
 def test_a_pt_with_a_compressed_member_is_refused_before_anything_is_inflated(tmp_path, compression):
     # torch.save stores its members; zipfile inflates bzip2 and LZMA whole before it cuts them to size
     # (a 1.4 KB file inflated 1 GiB: the hostile review of the reader)
-    path = _pt_with_pickle(tmp_path / "packed.pt", compression=compression)
+    path = pt_with_pickle(tmp_path / "packed.pt", compression=compression)
     with pytest.raises(DatasetError, match=r"its member 'packed/data.pkl' is compressed; torch.save stores its members"):
         load_dataset(path, LIMITS)
 
@@ -426,7 +414,7 @@ def _tensor(size: tuple, stride: tuple) -> bytes:
     ((4, 3, 1, 1, 1, 1, 1, 1, 1), (3,) * 9, "its pickle's TUPLE at byte"),
 ], ids=["stride-wraps", "no-columns", "integer-past-2**62", "tuple-of-9"])
 def test_a_pt_whose_view_is_not_inside_its_storage_is_refused_before_a_value_is_read(tmp_path, size, stride, why):
-    path = _pt_with_pickle(tmp_path / "view.pt", _tensor(size, stride))
+    path = pt_with_pickle(tmp_path / "view.pt", _tensor(size, stride))
     with pytest.raises(DatasetError) as e:
         load_dataset(path, LIMITS)
     assert why in str(e.value) and len(str(e.value)) < 1000, str(e.value)[:2000]
